@@ -1,0 +1,206 @@
+//! Element types of stored keys and values, and conversion between them.
+
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+use std::fmt;
+use std::str::FromStr;
+
+use crate::error::KvError;
+
+/// The element type of a cache's storage (and of the tensors written into it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// IEEE 754 binary32.
+    F32,
+    /// IEEE 754 binary16.
+    F16,
+    /// bfloat16 (the upper half of a binary32).
+    BF16,
+}
+
+impl DType {
+    /// Every storage dtype, in the order documented to users.
+    pub const ALL: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+    /// Size of one element in bytes.
+    pub const fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+        }
+    }
+
+    /// The canonical name (`"float32"`, `"float16"`, `"bfloat16"`), as NumPy spells it.
+    pub const fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "float32",
+            DType::F16 => "float16",
+            DType::BF16 => "bfloat16",
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for DType {
+    type Err = KvError;
+
+    /// Parses `float32`/`fp32`/`float`, `float16`/`fp16`/`half` and `bfloat16`/`bf16`.
+    fn from_str(s: &str) -> Result<Self, KvError> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "float32" | "fp32" | "f32" | "float" => Ok(DType::F32),
+            "float16" | "fp16" | "f16" | "half" => Ok(DType::F16),
+            "bfloat16" | "bf16" => Ok(DType::BF16),
+            _ => Err(KvError::UnknownDType(s.to_string())),
+        }
+    }
+}
+
+/// Converts `n` contiguous elements from `src` (of `src_dtype`) into `dst` (of `dst_dtype`).
+///
+/// Narrowing conversions round to nearest, ties to even (the `half` crate, with
+/// F16C/NEON instructions where the CPU has them).
+///
+/// # Safety
+/// `src` must be valid for reading `n` elements of `src_dtype` and `dst` valid for
+/// writing `n` elements of `dst_dtype`; the two ranges must not overlap. Neither
+/// pointer needs to be aligned.
+pub unsafe fn convert_contiguous(
+    dst: *mut u8,
+    dst_dtype: DType,
+    src: *const u8,
+    src_dtype: DType,
+    n: usize,
+) {
+    if n == 0 {
+        return;
+    }
+    if dst_dtype == src_dtype {
+        std::ptr::copy_nonoverlapping(src, dst, n * dst_dtype.size());
+        return;
+    }
+    // Aligned fast paths use half's vectorised slice converters; unaligned inputs
+    // (rare: a NumPy view at an odd byte offset) take the scalar path.
+    let aligned = (src as usize) % src_dtype.size() == 0 && (dst as usize) % dst_dtype.size() == 0;
+    if aligned {
+        use DType::*;
+        match (dst_dtype, src_dtype) {
+            (F16, F32) => slice_mut::<f16>(dst, n).convert_from_f32_slice(slice::<f32>(src, n)),
+            (BF16, F32) => slice_mut::<bf16>(dst, n).convert_from_f32_slice(slice::<f32>(src, n)),
+            (F32, F16) => slice::<f16>(src, n).convert_to_f32_slice(slice_mut::<f32>(dst, n)),
+            (F32, BF16) => slice::<bf16>(src, n).convert_to_f32_slice(slice_mut::<f32>(dst, n)),
+            (F16, BF16) => {
+                for (d, s) in slice_mut::<f16>(dst, n).iter_mut().zip(slice::<bf16>(src, n)) {
+                    *d = f16::from_f32(s.to_f32());
+                }
+            }
+            (BF16, F16) => {
+                for (d, s) in slice_mut::<bf16>(dst, n).iter_mut().zip(slice::<f16>(src, n)) {
+                    *d = bf16::from_f32(s.to_f32());
+                }
+            }
+            (F32, F32) | (F16, F16) | (BF16, BF16) => unreachable!("equal dtypes copied above"),
+        }
+        return;
+    }
+    for i in 0..n {
+        let v = read_f32(src.add(i * src_dtype.size()), src_dtype);
+        write_f32(dst.add(i * dst_dtype.size()), dst_dtype, v);
+    }
+}
+
+/// Reads one element of `dtype` at `p` (any alignment) as f32.
+///
+/// # Safety
+/// `p` must be valid for reading one element of `dtype`.
+pub unsafe fn read_f32(p: *const u8, dtype: DType) -> f32 {
+    match dtype {
+        DType::F32 => (p as *const f32).read_unaligned(),
+        DType::F16 => (p as *const f16).read_unaligned().to_f32(),
+        DType::BF16 => (p as *const bf16).read_unaligned().to_f32(),
+    }
+}
+
+/// Writes `v` as one element of `dtype` at `p` (any alignment), rounding to nearest even.
+///
+/// # Safety
+/// `p` must be valid for writing one element of `dtype`.
+pub unsafe fn write_f32(p: *mut u8, dtype: DType, v: f32) {
+    match dtype {
+        DType::F32 => (p as *mut f32).write_unaligned(v),
+        DType::F16 => (p as *mut f16).write_unaligned(f16::from_f32(v)),
+        DType::BF16 => (p as *mut bf16).write_unaligned(bf16::from_f32(v)),
+    }
+}
+
+unsafe fn slice<'a, T>(p: *const u8, n: usize) -> &'a [T] {
+    std::slice::from_raw_parts(p as *const T, n)
+}
+
+unsafe fn slice_mut<'a, T>(p: *mut u8, n: usize) -> &'a mut [T] {
+    std::slice::from_raw_parts_mut(p as *mut T, n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn convert(values: &[f32], to: DType) -> Vec<f32> {
+        let mut buf = vec![0u8; values.len() * to.size()];
+        let mut back = vec![0f32; values.len()];
+        unsafe {
+            convert_contiguous(buf.as_mut_ptr(), to, values.as_ptr() as *const u8, DType::F32, values.len());
+            convert_contiguous(back.as_mut_ptr() as *mut u8, DType::F32, buf.as_ptr(), to, values.len());
+        }
+        back
+    }
+
+    #[test]
+    fn parses_names_and_aliases() {
+        assert_eq!("float16".parse::<DType>().unwrap(), DType::F16);
+        assert_eq!("BF16".parse::<DType>().unwrap(), DType::BF16);
+        assert_eq!("float".parse::<DType>().unwrap(), DType::F32);
+        assert!("int8".parse::<DType>().is_err());
+    }
+
+    #[test]
+    fn f32_to_f16_rounds_to_nearest_even() {
+        // 1 + 2^-11 lies halfway between 1 and the next f16 (1 + 2^-10): ties go to even (1).
+        let half_way = 1.0 + f32::powi(2.0, -11);
+        // 1 + 3 * 2^-11 lies halfway between 1 + 2^-10 and 1 + 2^-9: ties go to even (1 + 2^-9).
+        let half_way_up = 1.0 + 3.0 * f32::powi(2.0, -11);
+        let out = convert(&[half_way, half_way_up, 65504.0, 1e-8], DType::F16);
+        assert_eq!(out, vec![1.0, 1.0 + f32::powi(2.0, -9), 65504.0, 0.0]);
+    }
+
+    #[test]
+    fn f32_to_bf16_rounds_to_nearest_even() {
+        let half_way = 1.0 + f32::powi(2.0, -8);
+        assert_eq!(convert(&[half_way, -2.5], DType::BF16), vec![1.0, -2.5]);
+    }
+
+    #[test]
+    fn unaligned_and_cross_half_conversions_match_the_scalar_path() {
+        let values: Vec<f32> = (0..37).map(|i| (i as f32 - 18.0) * 0.377).collect();
+        for (from, to) in [(DType::F16, DType::BF16), (DType::BF16, DType::F16), (DType::F32, DType::F16)] {
+            let mut src = vec![0u8; values.len() * from.size() + 1];
+            let mut dst = vec![0u8; values.len() * to.size() + 1];
+            unsafe {
+                for (i, v) in values.iter().enumerate() {
+                    write_f32(src.as_mut_ptr().add(1 + i * from.size()), from, *v);
+                }
+                convert_contiguous(dst.as_mut_ptr().add(1), to, src.as_ptr().add(1), from, values.len());
+                for (i, v) in values.iter().enumerate() {
+                    let expect = read_f32(src.as_ptr().add(1 + i * from.size()), from);
+                    let mut one = [0u8; 4];
+                    write_f32(one.as_mut_ptr(), to, expect);
+                    assert_eq!(read_f32(dst.as_ptr().add(1 + i * to.size()), to), read_f32(one.as_ptr(), to), "{v}");
+                }
+            }
+        }
+    }
+}

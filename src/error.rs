@@ -1,0 +1,101 @@
+//! The one error type of the core. Every message names the argument, its value and the limit.
+
+use thiserror::Error;
+
+/// Everything that can go wrong in the core. Python maps each kind to the exception
+/// a Python user expects (see `src/python/errors.rs`).
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum KvError {
+    /// Writing would go past the cache's capacity (Python: `kvrs.CacheFullError`).
+    #[error("cache full: {what} needs {needed} positions but the capacity is {capacity}")]
+    CacheFull {
+        /// What was being written.
+        what: String,
+        /// Positions the write needs.
+        needed: usize,
+        /// Positions the cache holds.
+        capacity: usize,
+    },
+    /// An index (layer, head, position) outside its range (Python: `IndexError`).
+    #[error("{name}={value} is out of range: must be in [0, {limit})")]
+    OutOfRange {
+        /// The argument's name.
+        name: &'static str,
+        /// The value given.
+        value: i64,
+        /// The exclusive upper bound.
+        limit: usize,
+    },
+    /// A tensor of the wrong rank or shape (Python: `ValueError`).
+    #[error("{name} has shape {got:?}, expected {expected}")]
+    Shape {
+        /// The argument's name.
+        name: &'static str,
+        /// The shape given.
+        got: Vec<usize>,
+        /// The expected shape, in words.
+        expected: String,
+    },
+    /// A tensor whose element type kvrs does not store (Python: `TypeError`).
+    #[error("{name} has dtype {got}, expected one of float32, float16, bfloat16")]
+    UnsupportedDType {
+        /// The argument's name.
+        name: &'static str,
+        /// The dtype given.
+        got: String,
+    },
+    /// A dtype name kvrs does not know (Python: `ValueError`).
+    #[error("dtype={0:?} is not supported: use 'float32', 'float16' or 'bfloat16'")]
+    UnknownDType(String),
+    /// Any other invalid argument value (Python: `ValueError`).
+    #[error("{name}={value}: {reason}")]
+    InvalidArgument {
+        /// The argument's name.
+        name: &'static str,
+        /// The value given, as text.
+        value: String,
+        /// Why it is invalid, with the limit.
+        reason: String,
+    },
+    /// The operation is valid but not available (yet) in this configuration
+    /// (Python: `kvrs.NotSupportedError`).
+    #[error("not supported: {0}")]
+    NotSupported(String),
+    /// A device that is unknown or unavailable (Python: `kvrs.DeviceError`).
+    #[error("device error: {0}")]
+    Device(String),
+}
+
+/// Result alias of the core.
+pub type Result<T, E = KvError> = std::result::Result<T, E>;
+
+/// Checks `0 <= value < limit` and returns the value as an index.
+pub fn check_index(name: &'static str, value: i64, limit: usize) -> Result<usize> {
+    if value < 0 || value as u64 >= limit as u64 {
+        return Err(KvError::OutOfRange { name, value, limit });
+    }
+    Ok(value as usize)
+}
+
+/// Checks `value >= 0` and returns it as a count.
+pub fn check_count(name: &'static str, value: i64) -> Result<usize> {
+    usize::try_from(value).map_err(|_| KvError::InvalidArgument {
+        name,
+        value: value.to_string(),
+        reason: "must be >= 0".into(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_name_argument_value_and_limit() {
+        let e = check_index("layer", 7, 4).unwrap_err();
+        assert_eq!(e.to_string(), "layer=7 is out of range: must be in [0, 4)");
+        assert!(check_index("head", -1, 4).is_err());
+        assert_eq!(check_index("pos", 3, 4).unwrap(), 3);
+        assert_eq!(check_count("n", -2).unwrap_err().to_string(), "n=-2: must be >= 0");
+    }
+}

@@ -1,0 +1,289 @@
+//! The contiguous KV cache: one sequence, every layer preallocated head-major
+//! (`[num_kv_heads, max_seq_len, head_dim]` for K and for V), filled layer by layer and
+//! committed with [`KVCache::advance`].
+
+use crate::dtype::DType;
+use crate::error::{check_count, check_index, KvError, Result};
+use crate::storage::{allocate, Device, Region, Storage};
+use crate::tensor::TensorRef;
+
+/// Keys or values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kv {
+    /// The keys.
+    Key = 0,
+    /// The values.
+    Value = 1,
+}
+
+/// The sizes that fix a cache's layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheShape {
+    /// Transformer layers.
+    pub num_layers: usize,
+    /// Key/value heads per layer.
+    pub num_kv_heads: usize,
+    /// Elements per head vector.
+    pub head_dim: usize,
+    /// Positions each layer holds.
+    pub max_seq_len: usize,
+}
+
+impl CacheShape {
+    /// Checks that every size is positive and that the whole cache is addressable.
+    pub fn validate(&self, dtype: DType) -> Result<usize> {
+        for (name, v) in [
+            ("num_layers", self.num_layers),
+            ("num_kv_heads", self.num_kv_heads),
+            ("head_dim", self.head_dim),
+            ("max_seq_len", self.max_seq_len),
+        ] {
+            if v == 0 {
+                return Err(KvError::InvalidArgument { name, value: "0".into(), reason: "must be >= 1".into() });
+            }
+        }
+        [2, self.num_layers, self.num_kv_heads, self.max_seq_len, self.head_dim, dtype.size()]
+            .iter()
+            .try_fold(1usize, |acc, &x| acc.checked_mul(x))
+            .filter(|&b| b <= isize::MAX as usize)
+            .map(|b| b / dtype.size())
+            .ok_or_else(|| KvError::InvalidArgument {
+                name: "max_seq_len",
+                value: self.max_seq_len.to_string(),
+                reason: "the cache would exceed the address space".into(),
+            })
+    }
+}
+
+/// A contiguous KV cache for one sequence.
+///
+/// Storage order is `[layer][K|V][head][position][dim]`. Each layer keeps its own fill
+/// length (`layer_len`), so a model can append layer by layer; `seq_len` is the committed
+/// length, moved by [`KVCache::advance`], and never exceeds any layer's fill length.
+#[derive(Debug)]
+pub struct KVCache {
+    shape: CacheShape,
+    storage: Box<dyn Storage>,
+    seq_len: usize,
+    layer_len: Vec<usize>,
+}
+
+impl KVCache {
+    /// Allocates a zero-filled cache of `dtype` on `device`; nothing is allocated later.
+    pub fn new(shape: CacheShape, dtype: DType, device: Device) -> Result<Self> {
+        let numel = shape.validate(dtype)?;
+        let storage = allocate(device, dtype, numel)?;
+        Ok(KVCache { shape, storage, seq_len: 0, layer_len: vec![0; shape.num_layers] })
+    }
+
+    /// The sizes of this cache.
+    pub fn shape(&self) -> CacheShape {
+        self.shape
+    }
+
+    /// The storage dtype.
+    pub fn dtype(&self) -> DType {
+        self.storage.dtype()
+    }
+
+    /// The device holding the storage.
+    pub fn device(&self) -> Device {
+        self.storage.device()
+    }
+
+    /// The committed length.
+    pub fn seq_len(&self) -> usize {
+        self.seq_len
+    }
+
+    /// Positions written into `layer` (committed and appended), for a validated layer.
+    pub fn layer_len(&self, layer: usize) -> usize {
+        self.layer_len[layer]
+    }
+
+    /// Checks a layer index from a caller.
+    pub fn check_layer(&self, layer: i64) -> Result<usize> {
+        check_index("layer", layer, self.shape.num_layers)
+    }
+
+    /// Bytes of storage held (constant over the cache's life).
+    pub fn memory_bytes(&self) -> usize {
+        self.storage.nbytes()
+    }
+
+    /// `seq_len / max_seq_len`, in [0, 1].
+    pub fn utilization_ratio(&self) -> f64 {
+        self.seq_len as f64 / self.shape.max_seq_len as f64
+    }
+
+    /// Address of element 0 of the storage.
+    pub fn data_ptr(&self) -> *mut u8 {
+        self.storage.data_ptr()
+    }
+
+    /// Element offset of `[layer][kv][head][pos][0]`.
+    pub fn offset(&self, layer: usize, kv: Kv, head: usize, pos: usize) -> usize {
+        let s = &self.shape;
+        (((layer * 2 + kv as usize) * s.num_kv_heads + head) * s.max_seq_len + pos) * s.head_dim
+    }
+
+    /// The region `[heads, positions start..start+len, head_dim]` of one layer's K or V.
+    pub fn region(&self, layer: usize, kv: Kv, start: usize, len: usize) -> Region {
+        let s = &self.shape;
+        Region {
+            offset: self.offset(layer, kv, 0, start),
+            shape: [s.num_kv_heads, len, s.head_dim],
+            strides: [s.max_seq_len * s.head_dim, s.head_dim, 1],
+        }
+    }
+
+    /// Writes one `head_dim` vector at `(layer, head, pos)`. Fill lengths do not move:
+    /// this is the low-level write, paired with [`KVCache::set_seq_len`].
+    pub fn store(&mut self, kv: Kv, layer: i64, head: i64, pos: i64, vector: &TensorRef) -> Result<()> {
+        let s = self.shape;
+        let layer = self.check_layer(layer)?;
+        let head = check_index("head", head, s.num_kv_heads)?;
+        let pos = self.check_position("pos", pos)?;
+        vector.expect_shape(if kv == Kv::Key { "key" } else { "value" }, &[s.head_dim])?;
+        let region = Region { offset: self.offset(layer, kv, head, pos), shape: [1, 1, s.head_dim], strides: [0, 0, 1] };
+        self.storage.write(region, vector)
+    }
+
+    /// Appends `k` and `v` (`[n_tokens, num_kv_heads, head_dim]`) at `layer`'s next free
+    /// position and returns that position.
+    pub fn append(&mut self, layer: i64, k: &TensorRef, v: &TensorRef) -> Result<usize> {
+        let s = self.shape;
+        let layer = self.check_layer(layer)?;
+        let n = k.shape().first().copied().unwrap_or(0);
+        let expected = [n, s.num_kv_heads, s.head_dim];
+        if k.shape().len() != 3 {
+            return Err(KvError::Shape {
+                name: "k",
+                got: k.shape().to_vec(),
+                expected: format!("[n_tokens, {}, {}]", s.num_kv_heads, s.head_dim),
+            });
+        }
+        k.expect_shape("k", &expected)?;
+        v.expect_shape("v", &expected)?;
+        let start = self.layer_len[layer];
+        if start + n > s.max_seq_len {
+            return Err(KvError::CacheFull {
+                what: format!("appending {n} tokens to layer {layer} at position {start}"),
+                needed: start + n,
+                capacity: s.max_seq_len,
+            });
+        }
+        // `k` is [n, H, D]; the storage region is viewed in the same index order.
+        for (kv, src) in [(Kv::Key, k), (Kv::Value, v)] {
+            let r = self.region(layer, kv, start, n);
+            let transposed = Region { offset: r.offset, shape: expected, strides: [r.strides[1], r.strides[0], 1] };
+            self.storage.write(transposed, src)?;
+        }
+        self.layer_len[layer] = start + n;
+        Ok(start)
+    }
+
+    /// Commits `n` tokens (`seq_len += n`); every layer must already hold them.
+    pub fn advance(&mut self, n: i64) -> Result<()> {
+        let n = check_count("n", n)?;
+        let target = self.seq_len + n;
+        if let Some((layer, &held)) = self.layer_len.iter().enumerate().find(|(_, &l)| l < target) {
+            return Err(KvError::InvalidArgument {
+                name: "n",
+                value: n.to_string(),
+                reason: format!(
+                    "committing to seq_len {target} needs every layer to hold {target} positions, \
+                     but layer {layer} holds {held}; append to it first"
+                ),
+            });
+        }
+        self.seq_len = target;
+        Ok(())
+    }
+
+    /// Drops positions `>= n` from every layer; a no-op when `n >= seq_len`.
+    pub fn truncate(&mut self, n: i64) -> Result<()> {
+        let n = check_count("n", n)?;
+        if n < self.seq_len {
+            self.seq_len = n;
+            self.layer_len.iter_mut().for_each(|l| *l = (*l).min(n));
+        }
+        Ok(())
+    }
+
+    /// Empties the cache (lengths to 0; the memory stays allocated).
+    pub fn clear(&mut self) {
+        self.seq_len = 0;
+        self.layer_len.fill(0);
+    }
+
+    /// Sets the committed length and every layer's fill length to `min(n, max_seq_len)`.
+    pub fn set_seq_len(&mut self, n: i64) -> Result<()> {
+        let n = check_count("n", n)?.min(self.shape.max_seq_len);
+        self.seq_len = n;
+        self.layer_len.fill(n);
+        Ok(())
+    }
+
+    /// Copies `[num_kv_heads, block_size, head_dim]` keys and values starting at
+    /// `start_pos` into `keys`/`values` (host tensors of the storage dtype); positions at
+    /// or past `max_seq_len` come back as zeros.
+    pub fn extract_block(&self, layer: i64, start_pos: i64, block_size: i64, keys: &TensorRef, values: &TensorRef) -> Result<()> {
+        let (layer, start, bs, inside) = self.check_block(layer, start_pos, block_size)?;
+        let s = self.shape;
+        for (kv, out) in [(Kv::Key, keys), (Kv::Value, values)] {
+            out.expect_shape(if kv == Kv::Key { "keys" } else { "values" }, &[s.num_kv_heads, bs, s.head_dim])?;
+            let st = out.strides3();
+            let elem = out.dtype().size() as isize;
+            if inside > 0 {
+                let head = unsafe { TensorRef::new(out.as_ptr(), out.dtype(), &[s.num_kv_heads, inside, s.head_dim], &st)? };
+                self.storage.read(self.region(layer, kv, start, inside), &head)?;
+            }
+            // Zero the positions past max_seq_len.
+            for h in 0..s.num_kv_heads as isize {
+                for p in inside..bs {
+                    let at = (h * st[0] + p as isize * st[1]) * elem;
+                    for d in 0..s.head_dim as isize {
+                        // SAFETY: inside the caller's [H, bs, D] tensor.
+                        unsafe { crate::dtype::write_f32(out.as_mut_ptr().offset(at + d * st[2] * elem), out.dtype(), 0.0) };
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes `[num_kv_heads, block_size, head_dim]` keys and values at `start_pos`,
+    /// skipping positions past `max_seq_len`. Fill lengths do not move.
+    pub fn inject_block(&mut self, layer: i64, start_pos: i64, block_size: i64, keys: &TensorRef, values: &TensorRef) -> Result<()> {
+        let (layer, start, bs, inside) = self.check_block(layer, start_pos, block_size)?;
+        let s = self.shape;
+        keys.expect_shape("keys", &[s.num_kv_heads, bs, s.head_dim])?;
+        values.expect_shape("values", &[s.num_kv_heads, bs, s.head_dim])?;
+        for (kv, src) in [(Kv::Key, keys), (Kv::Value, values)] {
+            let head = unsafe { TensorRef::new(src.as_ptr(), src.dtype(), &[s.num_kv_heads, inside, s.head_dim], &src.strides3())? };
+            self.storage.write(self.region(layer, kv, start, inside), &head)?;
+        }
+        Ok(())
+    }
+
+    fn check_position(&self, name: &'static str, pos: i64) -> Result<usize> {
+        let max = self.shape.max_seq_len;
+        if pos >= 0 && pos as u64 >= max as u64 {
+            return Err(KvError::CacheFull { what: format!("writing at {name}={pos}"), needed: pos as usize + 1, capacity: max });
+        }
+        check_index(name, pos, max)
+    }
+
+    /// Validates a block request; returns (layer, start, block_size, positions inside the cache).
+    fn check_block(&self, layer: i64, start_pos: i64, block_size: i64) -> Result<(usize, usize, usize, usize)> {
+        let layer = self.check_layer(layer)?;
+        let start = check_index("start_pos", start_pos, self.shape.max_seq_len)?;
+        let bs = check_count("block_size", block_size)?;
+        if bs == 0 {
+            return Err(KvError::InvalidArgument { name: "block_size", value: "0".into(), reason: "must be >= 1".into() });
+        }
+        let inside = bs.min(self.shape.max_seq_len - start);
+        Ok((layer, start, bs, inside))
+    }
+}

@@ -1,0 +1,21 @@
+//! kvrs: KV-cache storage for LLM inference.
+//!
+//! The core (this crate without the `python` feature) knows nothing of Python:
+//! [`dtype`] (element types and conversion), [`tensor`] (borrowed strided tensors and
+//! the strided copy), [`storage`] (the device-independent storage interface and its host
+//! backend), [`kv_cache`] (the contiguous cache) and [`error`] (the one error type).
+
+pub mod dtype;
+pub mod error;
+pub mod kv_cache;
+pub mod storage;
+pub mod tensor;
+
+#[cfg(feature = "python")]
+mod python;
+
+pub use dtype::DType;
+pub use error::{KvError, Result};
+pub use kv_cache::{CacheShape, KVCache, Kv};
+pub use storage::{Device, Region, Storage};
+pub use tensor::TensorRef;
