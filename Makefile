@@ -1,0 +1,59 @@
+# kvrs: every workflow starts here. `make help` lists the targets.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# The extension is rebuilt when any of these change.
+SOURCES := Cargo.toml Cargo.lock pyproject.toml $(shell find src python -type f \( -name '*.rs' -o -name '*.py' -o -name '*.pyi' \) 2>/dev/null)
+
+.DEFAULT_GOAL := help
+.PHONY: help demo test test-rust test-python stubtest lint fmt bench bench-rust install clean
+
+help: ## list the targets
+	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "} {printf "  make %-12s %s\n", $$1, $$2}'
+
+$(VENV)/bin/activate:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+.stamp-install: $(VENV)/bin/activate $(SOURCES)
+	$(PIP) install --quiet maturin==1.16.0
+	$(PIP) install --quiet --no-build-isolation -e '.[test]'
+	@touch $@
+
+install: .stamp-install ## build the extension (release) into .venv with the test extra
+
+demo: .stamp-install ## run the main job: python -m kvrs demo
+	$(PY) -m kvrs demo
+
+test: test-rust test-python stubtest ## build and run every test (Rust, Python, stub check)
+
+test-rust: ## cargo test: the core without Python
+	cargo test --release --quiet
+
+test-python: .stamp-install ## pytest (hypothesis state machines, errors, interop)
+	$(PY) -m pytest
+
+stubtest: .stamp-install ## check python/kvrs/_kvrs.pyi against the compiled module
+	$(PY) -m mypy.stubtest kvrs._kvrs
+
+lint: .stamp-install ## cargo fmt --check, clippy -D warnings, ruff
+	cargo fmt --all -- --check
+	cargo clippy --all-targets --features python -- -D warnings
+	$(VENV)/bin/ruff check python tests benches
+	$(VENV)/bin/ruff format --check python tests benches
+
+fmt: .stamp-install ## format Rust and Python sources
+	cargo fmt --all
+	$(VENV)/bin/ruff format python tests benches
+
+bench: .stamp-install ## Python benchmarks against NumPy (ratios, one process)
+	$(PY) benches/bench_contiguous.py
+
+bench-rust: ## criterion benchmarks of the core
+	cargo bench --bench contiguous
+
+clean: ## remove build outputs and the virtual environment
+	cargo clean
+	rm -rf $(VENV) .stamp-install python/kvrs/*.so

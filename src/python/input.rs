@@ -1,0 +1,143 @@
+//! Reading tensors handed in from Python: NumPy arrays directly, anything with
+//! `__dlpack__` (torch, JAX, CuPy on the host) through DLPack, and anything else through
+//! `numpy.asarray` (the buffer protocol, `__array__`). Nothing is copied: the core reads
+//! the caller's memory in place and converts while it writes.
+
+use dlpark::ffi::{DLDataTypeCode, DLDeviceType, DLManagedTensor, DLManagedTensorVersioned, DLTensor};
+use dlpark::ManagedBox;
+use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
+use pyo3::exceptions::PyTypeError;
+use pyo3::intern;
+use pyo3::prelude::*;
+
+use super::views::is_bfloat16;
+use crate::dtype::DType;
+use crate::error::KvError;
+use crate::tensor::{TensorRef, MAX_RANK};
+
+/// A tensor borrowed from a Python object; the object (or the DLPack capsule's owner) is
+/// held for as long as this value lives, so the [`TensorRef`] inside stays valid.
+pub struct Input<'py> {
+    tensor: TensorRef,
+    _owner: Owner<'py>,
+}
+
+/// What keeps the borrowed memory alive; its fields are held, never read.
+#[allow(dead_code)]
+enum Owner<'py> {
+    Array(Bound<'py, PyAny>),
+    Versioned(ManagedBox<DLManagedTensorVersioned>),
+    Legacy(ManagedBox<DLManagedTensor>),
+}
+
+impl Input<'_> {
+    /// The borrowed tensor.
+    pub fn tensor(&self) -> &TensorRef {
+        &self.tensor
+    }
+}
+
+/// Reads `obj` (argument `name`) as a host tensor of a supported dtype and rank <= 3.
+pub fn read_tensor<'py>(obj: &Bound<'py, PyAny>, name: &'static str) -> PyResult<Input<'py>> {
+    let py = obj.py();
+    if let Ok(arr) = obj.cast::<PyUntypedArray>() {
+        return from_numpy(arr, name);
+    }
+    if obj.hasattr(intern!(py, "__dlpack__"))? {
+        return from_dlpack(obj, name);
+    }
+    let arr = py
+        .import(intern!(py, "numpy"))?
+        .call_method1(intern!(py, "asarray"), (obj,))
+        .map_err(|e| PyTypeError::new_err(format!("{name} must be an array (NumPy, DLPack or buffer protocol): {e}")))?;
+    let arr = arr.cast_into::<PyUntypedArray>().map_err(|e| PyErr::from(e))?;
+    from_numpy(&arr, name)
+}
+
+fn from_numpy<'py>(arr: &Bound<'py, PyUntypedArray>, name: &'static str) -> PyResult<Input<'py>> {
+    let py = arr.py();
+    let d = arr.dtype();
+    let dtype = match d.num() {
+        11 => DType::F32,
+        23 => DType::F16,
+        _ if is_bfloat16(py, &d) => DType::BF16,
+        _ => return Err(KvError::UnsupportedDType { name, got: d.str()?.to_string() }.into()),
+    };
+    let shape = arr.shape();
+    check_rank(name, shape)?;
+    let es = dtype.size() as isize;
+    let mut strides = [0isize; MAX_RANK];
+    for (i, &s) in arr.strides().iter().enumerate() {
+        if s % es != 0 {
+            return Err(KvError::InvalidArgument {
+                name,
+                value: format!("strides {:?}", arr.strides()),
+                reason: format!("byte strides must be multiples of the element size {es}"),
+            }
+            .into());
+        }
+        strides[i] = s / es;
+    }
+    // SAFETY: the array object is held in `_owner` while the TensorRef is used.
+    let data = unsafe { (*arr.as_array_ptr()).data as *const u8 };
+    let tensor = unsafe { TensorRef::new(data, dtype, shape, &strides[..shape.len()])? };
+    Ok(Input { tensor, _owner: Owner::Array(arr.clone().into_any()) })
+}
+
+fn from_dlpack<'py>(obj: &Bound<'py, PyAny>, name: &'static str) -> PyResult<Input<'py>> {
+    let owner = match obj.extract::<ManagedBox<DLManagedTensorVersioned>>() {
+        Ok(m) => Owner::Versioned(m),
+        // Producers that predate DLPack 1.0 reject `max_version`: take the legacy capsule.
+        Err(e) if e.is_instance_of::<PyTypeError>(obj.py()) => Owner::Legacy(obj.extract()?),
+        Err(e) => return Err(e),
+    };
+    let t: &DLTensor = match &owner {
+        Owner::Versioned(m) => m.tensor(),
+        Owner::Legacy(m) => m.tensor(),
+        Owner::Array(_) => unreachable!("built from DLPack above"),
+    };
+    if t.device.device_type != DLDeviceType::CPU && t.device.device_type != DLDeviceType(3) {
+        return Err(KvError::Device(format!(
+            "{name} lives on DLPack device type {} (id {}); this cache lives on the host, so pass a CPU tensor",
+            t.device.device_type.0, t.device.device_id
+        ))
+        .into());
+    }
+    let dt = t.dtype;
+    let dtype = match (dt.code, dt.bits, dt.lanes) {
+        (DLDataTypeCode::FLOAT, 32, 1) => DType::F32,
+        (DLDataTypeCode::FLOAT, 16, 1) => DType::F16,
+        (DLDataTypeCode::BFLOAT, 16, 1) => DType::BF16,
+        _ => {
+            let got = format!("DLPack code {} bits {} lanes {}", dt.code.0, dt.bits, dt.lanes);
+            return Err(KvError::UnsupportedDType { name, got }.into());
+        }
+    };
+    let ndim = t.ndim.max(0) as usize;
+    // SAFETY: the managed tensor (held in `_owner`) owns shape and strides.
+    let shape_i64: &[i64] = if ndim == 0 { &[] } else { unsafe { std::slice::from_raw_parts(t.shape, ndim) } };
+    let shape: Vec<usize> = shape_i64.iter().map(|&s| s.max(0) as usize).collect();
+    check_rank(name, &shape)?;
+    let mut strides = [0isize; MAX_RANK];
+    if t.strides.is_null() {
+        let mut acc = 1isize;
+        for i in (0..ndim).rev() {
+            strides[i] = acc;
+            acc *= shape[i] as isize;
+        }
+    } else {
+        for (i, s) in strides.iter_mut().enumerate().take(ndim) {
+            *s = unsafe { *t.strides.add(i) } as isize;
+        }
+    }
+    let data = unsafe { (t.data as *const u8).add(t.byte_offset as usize) };
+    let tensor = unsafe { TensorRef::new(data, dtype, &shape, &strides[..ndim])? };
+    Ok(Input { tensor, _owner: owner })
+}
+
+fn check_rank(name: &'static str, shape: &[usize]) -> PyResult<()> {
+    if shape.len() > MAX_RANK {
+        return Err(KvError::Shape { name, got: shape.to_vec(), expected: format!("at most {MAX_RANK} dimensions") }.into());
+    }
+    Ok(())
+}

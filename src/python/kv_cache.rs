@@ -1,0 +1,292 @@
+//! `kvrs.KVCache`: the Python face of the contiguous cache.
+
+use parking_lot::RwLock;
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+
+use super::args::{parse_device, parse_dtype};
+use super::input::read_tensor;
+use super::views::{borrowed_array, new_array};
+use crate::dtype::DType;
+use crate::error::{check_index, KvError};
+use crate::kv_cache::{CacheShape, KVCache, Kv};
+use crate::storage::Device;
+use crate::tensor::TensorRef;
+
+/// Copies of at least this many bytes run with the GIL released; smaller ones (a decode
+/// step's single token) finish faster than releasing and re-taking the GIL would.
+const DETACH_BYTES: usize = 64 * 1024;
+
+/// Runs `f` with the GIL released when it moves at least [`DETACH_BYTES`].
+fn copying<T: Send, F: FnOnce() -> T + Send>(py: Python<'_>, bytes: usize, f: F) -> T {
+    if bytes >= DETACH_BYTES {
+        py.detach(f)
+    } else {
+        f()
+    }
+}
+
+/// A contiguous KV cache for one sequence, preallocated for `max_seq_len` positions.
+#[pyclass(frozen, name = "KVCache", module = "kvrs")]
+pub struct PyKVCache {
+    inner: RwLock<KVCache>,
+    shape: CacheShape,
+    dtype: DType,
+    device: Device,
+    /// Address of the storage; stable for the cache's life.
+    data: usize,
+}
+
+impl PyKVCache {
+    /// A read-only view `[heads, len, head_dim]` (or one head's `[len, head_dim]`) of a
+    /// layer's K or V, owned by `slf`.
+    fn view<'py>(slf: &Bound<'py, Self>, layer: usize, kv: Kv, head: Option<usize>, len: usize) -> PyResult<Bound<'py, PyAny>> {
+        let me = slf.get();
+        let s = me.shape;
+        let es = me.dtype.size();
+        let offset = (((layer * 2 + kv as usize) * s.num_kv_heads + head.unwrap_or(0)) * s.max_seq_len) * s.head_dim;
+        let ptr = (me.data + offset * es) as *mut u8;
+        let row = (s.head_dim * es) as isize;
+        // SAFETY: the storage is never reallocated and lives as long as `slf`, the base.
+        unsafe {
+            match head {
+                None => {
+                    let strides = [row * s.max_seq_len as isize, row, es as isize];
+                    borrowed_array(slf.as_any(), ptr, me.dtype, &[s.num_kv_heads, len, s.head_dim], &strides, false)
+                }
+                Some(_) => borrowed_array(slf.as_any(), ptr, me.dtype, &[len, s.head_dim], &[row, es as isize], false),
+            }
+        }
+    }
+
+    fn head_view<'py>(slf: &Bound<'py, Self>, kv: Kv, layer: i64, head: i64, seq_len: Option<i64>) -> PyResult<Bound<'py, PyAny>> {
+        let me = slf.get();
+        let (layer, committed) = {
+            let c = me.inner.read();
+            (c.check_layer(layer)?, c.seq_len())
+        };
+        let head = check_index("head", head, me.shape.num_kv_heads)?;
+        let len = match seq_len {
+            None => committed,
+            Some(n) if n < 0 || n as usize > me.shape.max_seq_len => {
+                return Err(KvError::InvalidArgument {
+                    name: "seq_len",
+                    value: n.to_string(),
+                    reason: format!("must be in [0, max_seq_len={}]", me.shape.max_seq_len),
+                }
+                .into())
+            }
+            Some(n) => n as usize,
+        };
+        Self::view(slf, layer, kv, Some(head), len)
+    }
+
+    fn store(&self, py: Python<'_>, kv: Kv, layer: i64, head: i64, pos: i64, vector: &Bound<'_, PyAny>) -> PyResult<()> {
+        let input = read_tensor(vector, if kv == Kv::Key { "key" } else { "value" })?;
+        let t = *input.tensor();
+        copying(py, t.nbytes(), || self.inner.write().store(kv, layer, head, pos, &t))?;
+        Ok(())
+    }
+}
+
+#[pymethods]
+impl PyKVCache {
+    #[new]
+    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, max_seq_len, *, dtype = None, device = None))]
+    #[pyo3(text_signature = "(num_layers, num_kv_heads, head_dim, max_seq_len, *, dtype='float16', device='cpu')")]
+    fn new(
+        num_layers: i64,
+        num_kv_heads: i64,
+        head_dim: i64,
+        max_seq_len: i64,
+        dtype: Option<&Bound<'_, PyAny>>,
+        device: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let size = |name: &'static str, v: i64| -> PyResult<usize> {
+            if v < 1 {
+                return Err(KvError::InvalidArgument { name, value: v.to_string(), reason: "must be >= 1".into() }.into());
+            }
+            Ok(v as usize)
+        };
+        let shape = CacheShape {
+            num_layers: size("num_layers", num_layers)?,
+            num_kv_heads: size("num_kv_heads", num_kv_heads)?,
+            head_dim: size("head_dim", head_dim)?,
+            max_seq_len: size("max_seq_len", max_seq_len)?,
+        };
+        let dtype = dtype.map(parse_dtype).transpose()?.unwrap_or(DType::F16);
+        let device = device.map(parse_device).transpose()?.unwrap_or(Device::Cpu);
+        let cache = KVCache::new(shape, dtype, device)?;
+        let data = cache.data_ptr() as usize;
+        Ok(PyKVCache { inner: RwLock::new(cache), shape, dtype, device, data })
+    }
+
+    /// Committed length.
+    #[getter]
+    fn seq_len(&self) -> usize {
+        self.inner.read().seq_len()
+    }
+
+    /// Positions each layer can hold.
+    #[getter]
+    fn max_seq_len(&self) -> usize {
+        self.shape.max_seq_len
+    }
+
+    /// Number of layers.
+    #[getter]
+    fn num_layers(&self) -> usize {
+        self.shape.num_layers
+    }
+
+    /// Key/value heads per layer.
+    #[getter]
+    fn num_kv_heads(&self) -> usize {
+        self.shape.num_kv_heads
+    }
+
+    /// Elements per head vector.
+    #[getter]
+    fn head_dim(&self) -> usize {
+        self.shape.head_dim
+    }
+
+    /// Storage dtype name: 'float32', 'float16' or 'bfloat16'.
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.dtype.name()
+    }
+
+    /// Device name: 'cpu' (or 'cuda:N').
+    #[getter]
+    fn device(&self) -> String {
+        self.device.to_string()
+    }
+
+    /// Positions written into `layer` (committed and appended).
+    fn layer_len(&self, layer: i64) -> PyResult<usize> {
+        let c = self.inner.read();
+        Ok(c.layer_len(c.check_layer(layer)?))
+    }
+
+    /// Writes one key vector of `head_dim` at (layer, head, pos); lengths do not move.
+    fn store_key(&self, py: Python<'_>, layer: i64, head: i64, pos: i64, key: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.store(py, Kv::Key, layer, head, pos, key)
+    }
+
+    /// Writes one value vector of `head_dim` at (layer, head, pos); lengths do not move.
+    fn store_value(&self, py: Python<'_>, layer: i64, head: i64, pos: i64, value: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.store(py, Kv::Value, layer, head, pos, value)
+    }
+
+    /// Appends `k`, `v` of shape [n_tokens, num_kv_heads, head_dim] at the layer's next
+    /// free position; returns that position.
+    fn append(&self, py: Python<'_>, layer: i64, k: &Bound<'_, PyAny>, v: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let (k, v) = (read_tensor(k, "k")?, read_tensor(v, "v")?);
+        let (kt, vt) = (*k.tensor(), *v.tensor());
+        Ok(copying(py, kt.nbytes() + vt.nbytes(), || self.inner.write().append(layer, &kt, &vt))?)
+    }
+
+    /// Commits `n` tokens: `seq_len += n`. Every layer must hold them already.
+    #[pyo3(signature = (n = 1))]
+    fn advance(&self, n: i64) -> PyResult<()> {
+        Ok(self.inner.write().advance(n)?)
+    }
+
+    /// Zero-copy read-only views (K, V) of shape [num_kv_heads, length, head_dim], where
+    /// length is what the layer holds (committed and appended).
+    fn get<'py>(slf: &Bound<'py, Self>, layer: i64) -> PyResult<Bound<'py, PyTuple>> {
+        let (layer, len) = {
+            let c = slf.get().inner.read();
+            let l = c.check_layer(layer)?;
+            (l, c.layer_len(l))
+        };
+        let k = Self::view(slf, layer, Kv::Key, None, len)?;
+        let v = Self::view(slf, layer, Kv::Value, None, len)?;
+        PyTuple::new(slf.py(), [k, v])
+    }
+
+    /// Zero-copy read-only view [seq_len, head_dim] of one head's keys (default: the
+    /// committed length).
+    #[pyo3(signature = (layer, head, seq_len = None))]
+    fn keys_for<'py>(slf: &Bound<'py, Self>, layer: i64, head: i64, seq_len: Option<i64>) -> PyResult<Bound<'py, PyAny>> {
+        Self::head_view(slf, Kv::Key, layer, head, seq_len)
+    }
+
+    /// Zero-copy read-only view [seq_len, head_dim] of one head's values (default: the
+    /// committed length).
+    #[pyo3(signature = (layer, head, seq_len = None))]
+    fn values_for<'py>(slf: &Bound<'py, Self>, layer: i64, head: i64, seq_len: Option<i64>) -> PyResult<Bound<'py, PyAny>> {
+        Self::head_view(slf, Kv::Value, layer, head, seq_len)
+    }
+
+    /// Drops positions >= n from every layer; a no-op when n >= seq_len.
+    fn truncate(&self, n: i64) -> PyResult<()> {
+        Ok(self.inner.write().truncate(n)?)
+    }
+
+    /// Empties the cache; memory stays allocated.
+    fn clear(&self) {
+        self.inner.write().clear()
+    }
+
+    /// Sets seq_len and every layer's length to min(n, max_seq_len).
+    fn set_seq_len(&self, n: i64) -> PyResult<()> {
+        Ok(self.inner.write().set_seq_len(n)?)
+    }
+
+    /// Copies [num_kv_heads, block_size, head_dim] keys and values from start_pos;
+    /// positions past max_seq_len come back as zeros.
+    fn extract_block<'py>(&self, py: Python<'py>, layer: i64, start_pos: i64, block_size: i64) -> PyResult<Bound<'py, PyTuple>> {
+        if block_size < 1 {
+            return Err(KvError::InvalidArgument { name: "block_size", value: block_size.to_string(), reason: "must be >= 1".into() }.into());
+        }
+        let shape = [self.shape.num_kv_heads, block_size as usize, self.shape.head_dim];
+        let (k, kp) = new_array(py, self.dtype, &shape)?;
+        let (v, vp) = new_array(py, self.dtype, &shape)?;
+        // SAFETY: fresh C-contiguous arrays of exactly this shape and dtype, held above.
+        let kt = unsafe { TensorRef::contiguous(kp, self.dtype, &shape)? };
+        let vt = unsafe { TensorRef::contiguous(vp, self.dtype, &shape)? };
+        copying(py, 2 * kt.nbytes(), || self.inner.read().extract_block(layer, start_pos, block_size, &kt, &vt))?;
+        PyTuple::new(py, [k, v])
+    }
+
+    /// Writes [num_kv_heads, block_size, head_dim] keys and values at start_pos,
+    /// skipping positions past max_seq_len; lengths do not move.
+    fn inject_block(
+        &self,
+        py: Python<'_>,
+        layer: i64,
+        start_pos: i64,
+        block_size: i64,
+        keys: &Bound<'_, PyAny>,
+        values: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let (k, v) = (read_tensor(keys, "keys")?, read_tensor(values, "values")?);
+        let (kt, vt) = (*k.tensor(), *v.tensor());
+        copying(py, kt.nbytes() + vt.nbytes(), || self.inner.write().inject_block(layer, start_pos, block_size, &kt, &vt))?;
+        Ok(())
+    }
+
+    /// Bytes of storage held (K and V of every layer, allocated once).
+    fn memory_bytes(&self) -> usize {
+        self.inner.read().memory_bytes()
+    }
+
+    /// seq_len / max_seq_len, in [0, 1].
+    fn utilization_ratio(&self) -> f64 {
+        self.inner.read().utilization_ratio()
+    }
+
+    fn __len__(&self) -> usize {
+        self.seq_len()
+    }
+
+    fn __repr__(&self) -> String {
+        let s = self.shape;
+        format!(
+            "KVCache(num_layers={}, num_kv_heads={}, head_dim={}, max_seq_len={}, dtype='{}', device='{}', seq_len={})",
+            s.num_layers, s.num_kv_heads, s.head_dim, s.max_seq_len, self.dtype, self.device, self.seq_len()
+        )
+    }
+}

@@ -1,0 +1,120 @@
+//! NumPy arrays over kvrs memory (zero-copy, kept alive by their owner) and freshly
+//! allocated NumPy arrays of a storage dtype.
+
+use std::ffi::c_void;
+use std::ptr;
+
+use numpy::npyffi::{self, npy_intp, NPY_TYPES, PY_ARRAY_API};
+use numpy::{PyArrayDescr, PyArrayDescrMethods};
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+
+use crate::dtype::DType;
+
+const NPY_ARRAY_ALIGNED: i32 = 0x0100;
+const NPY_ARRAY_WRITEABLE: i32 = 0x0400;
+
+static BFLOAT16: PyOnceLock<Py<PyArrayDescr>> = PyOnceLock::new();
+
+/// The NumPy dtype of `dtype` (`ml_dtypes.bfloat16` for bfloat16).
+pub fn descr<'py>(py: Python<'py>, dtype: DType) -> PyResult<Bound<'py, PyArrayDescr>> {
+    match dtype {
+        DType::F32 => Ok(builtin(py, NPY_TYPES::NPY_FLOAT)),
+        DType::F16 => Ok(builtin(py, NPY_TYPES::NPY_HALF)),
+        DType::BF16 => bfloat16(py).map(|d| d.clone()),
+    }
+}
+
+fn builtin(py: Python<'_>, t: NPY_TYPES) -> Bound<'_, PyArrayDescr> {
+    // SAFETY: DescrFromType returns a new reference to a builtin descriptor.
+    unsafe {
+        let d = PY_ARRAY_API.PyArray_DescrFromType(py, t as _);
+        Bound::from_owned_ptr(py, d.cast()).cast_into_unchecked()
+    }
+}
+
+/// The cached `numpy.dtype(ml_dtypes.bfloat16)`.
+pub fn bfloat16(py: Python<'_>) -> PyResult<&Bound<'_, PyArrayDescr>> {
+    BFLOAT16
+        .get_or_try_init(py, || {
+            let ml = py.import("ml_dtypes").map_err(|e| {
+                pyo3::exceptions::PyImportError::new_err(format!(
+                    "bfloat16 arrays need the ml_dtypes package (pip install ml_dtypes): {e}"
+                ))
+            })?;
+            let d = PyArrayDescr::new(py, ml.getattr("bfloat16")?)?;
+            Ok::<_, PyErr>(d.unbind())
+        })
+        .map(|d| d.bind(py))
+}
+
+/// A NumPy array over `data` with `shape` and byte `strides`, whose base is `owner`, so
+/// the memory outlives the array. Read-only unless `writeable`.
+///
+/// # Safety
+/// `data` must stay valid for every element the layout addresses for as long as `owner`
+/// is alive.
+pub unsafe fn borrowed_array<'py>(
+    owner: &Bound<'py, PyAny>,
+    data: *mut u8,
+    dtype: DType,
+    shape: &[usize],
+    strides: &[isize],
+    writeable: bool,
+) -> PyResult<Bound<'py, PyAny>> {
+    let py = owner.py();
+    let mut dims: [npy_intp; 4] = [0; 4];
+    let mut st: [npy_intp; 4] = [0; 4];
+    for (i, (&d, &s)) in shape.iter().zip(strides).enumerate() {
+        dims[i] = d as npy_intp;
+        st[i] = s as npy_intp;
+    }
+    let flags = NPY_ARRAY_ALIGNED | if writeable { NPY_ARRAY_WRITEABLE } else { 0 };
+    let arr = PY_ARRAY_API.PyArray_NewFromDescr(
+        py,
+        npyffi::get_type_object(py, npyffi::NpyTypes::PyArray_Type),
+        descr(py, dtype)?.into_ptr() as *mut _,
+        shape.len() as i32,
+        dims.as_mut_ptr(),
+        st.as_mut_ptr(),
+        data as *mut c_void,
+        flags,
+        ptr::null_mut(),
+    );
+    let arr = Bound::from_owned_ptr_or_err(py, arr)?;
+    // SetBaseObject steals the reference it is given.
+    if PY_ARRAY_API.PyArray_SetBaseObject(py, arr.as_ptr() as *mut _, owner.clone().into_ptr()) != 0 {
+        return Err(PyErr::fetch(py));
+    }
+    Ok(arr)
+}
+
+/// A new, uninitialised C-contiguous NumPy array and its data pointer.
+pub fn new_array<'py>(py: Python<'py>, dtype: DType, shape: &[usize]) -> PyResult<(Bound<'py, PyAny>, *mut u8)> {
+    let mut dims: [npy_intp; 4] = [0; 4];
+    for (i, &d) in shape.iter().enumerate() {
+        dims[i] = d as npy_intp;
+    }
+    // SAFETY: NumPy allocates the data (null data pointer, null strides: C order).
+    unsafe {
+        let arr = PY_ARRAY_API.PyArray_NewFromDescr(
+            py,
+            npyffi::get_type_object(py, npyffi::NpyTypes::PyArray_Type),
+            descr(py, dtype)?.into_ptr() as *mut _,
+            shape.len() as i32,
+            dims.as_mut_ptr(),
+            ptr::null_mut(),
+            ptr::null_mut(),
+            0,
+            ptr::null_mut(),
+        );
+        let arr = Bound::from_owned_ptr_or_err(py, arr)?;
+        let data = (*(arr.as_ptr() as *mut npyffi::PyArrayObject)).data as *mut u8;
+        Ok((arr, data))
+    }
+}
+
+/// Whether `d` is the bfloat16 dtype (false when ml_dtypes is not importable).
+pub fn is_bfloat16(py: Python<'_>, d: &Bound<'_, PyArrayDescr>) -> bool {
+    bfloat16(py).map(|b| b.is(d) || b.is_equiv_to(d)).unwrap_or(false)
+}
