@@ -5,12 +5,14 @@ from typing import Any, final
 import numpy as np
 import numpy.typing as npt
 
+__all__ = ["CacheFullError", "DeviceError", "KVCache", "KvrsError", "NotSupportedError", "__version__"]
+
 __version__: str
 
-DTypeLike = str | np.dtype[Any] | type | Any
+_DTypeLike = str | np.dtype[Any] | type | Any
 """'float32' | 'float16' | 'bfloat16' (or 'fp32', 'fp16', 'half', 'bf16'), a NumPy dtype, or a torch dtype."""
 
-ArrayLike = npt.NDArray[Any] | Any
+_ArrayLike = npt.NDArray[Any] | Any
 """A NumPy array, anything with ``__dlpack__`` (a torch CPU tensor), or anything with the buffer protocol."""
 
 class KvrsError(Exception):
@@ -36,7 +38,7 @@ class KVCache:
         head_dim: int,
         max_seq_len: int,
         *,
-        dtype: DTypeLike = "float16",
+        dtype: _DTypeLike = "float16",
         device: str | Any = "cpu",
     ) -> KVCache: ...
     @property
@@ -62,11 +64,11 @@ class KVCache:
         """Device name: 'cpu' (or 'cuda:N')."""
     def layer_len(self, layer: int) -> int:
         """Positions written into `layer` (committed and appended)."""
-    def store_key(self, layer: int, head: int, pos: int, key: ArrayLike) -> None:
+    def store_key(self, layer: int, head: int, pos: int, key: _ArrayLike) -> None:
         """Writes one key vector of `head_dim` at (layer, head, pos); lengths do not move."""
-    def store_value(self, layer: int, head: int, pos: int, value: ArrayLike) -> None:
+    def store_value(self, layer: int, head: int, pos: int, value: _ArrayLike) -> None:
         """Writes one value vector of `head_dim` at (layer, head, pos); lengths do not move."""
-    def append(self, layer: int, k: ArrayLike, v: ArrayLike) -> int:
+    def append(self, layer: int, k: _ArrayLike, v: _ArrayLike) -> int:
         """Appends `k`, `v` of shape [n_tokens, num_kv_heads, head_dim]; returns the start position."""
     def advance(self, n: int = 1) -> None:
         """Commits `n` tokens: `seq_len += n`. Every layer must hold them already."""
@@ -87,7 +89,7 @@ class KVCache:
     ) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
         """Copies [num_kv_heads, block_size, head_dim] keys and values from start_pos."""
     def inject_block(
-        self, layer: int, start_pos: int, block_size: int, keys: ArrayLike, values: ArrayLike
+        self, layer: int, start_pos: int, block_size: int, keys: _ArrayLike, values: _ArrayLike
     ) -> None:
         """Writes [num_kv_heads, block_size, head_dim] keys and values at start_pos."""
     def memory_bytes(self) -> int:
