@@ -85,7 +85,8 @@ pub unsafe fn convert_contiguous(
     }
     // Aligned fast paths use half's vectorised slice converters; unaligned inputs
     // (rare: a NumPy view at an odd byte offset) take the scalar path.
-    let aligned = (src as usize) % src_dtype.size() == 0 && (dst as usize) % dst_dtype.size() == 0;
+    let aligned = (src as usize).is_multiple_of(src_dtype.size())
+        && (dst as usize).is_multiple_of(dst_dtype.size());
     if aligned {
         use DType::*;
         match (dst_dtype, src_dtype) {
@@ -94,12 +95,18 @@ pub unsafe fn convert_contiguous(
             (F32, F16) => slice::<f16>(src, n).convert_to_f32_slice(slice_mut::<f32>(dst, n)),
             (F32, BF16) => slice::<bf16>(src, n).convert_to_f32_slice(slice_mut::<f32>(dst, n)),
             (F16, BF16) => {
-                for (d, s) in slice_mut::<f16>(dst, n).iter_mut().zip(slice::<bf16>(src, n)) {
+                for (d, s) in slice_mut::<f16>(dst, n)
+                    .iter_mut()
+                    .zip(slice::<bf16>(src, n))
+                {
                     *d = f16::from_f32(s.to_f32());
                 }
             }
             (BF16, F16) => {
-                for (d, s) in slice_mut::<bf16>(dst, n).iter_mut().zip(slice::<f16>(src, n)) {
+                for (d, s) in slice_mut::<bf16>(dst, n)
+                    .iter_mut()
+                    .zip(slice::<f16>(src, n))
+                {
                     *d = bf16::from_f32(s.to_f32());
                 }
             }
@@ -153,8 +160,20 @@ mod tests {
         let mut buf = vec![0u8; values.len() * to.size()];
         let mut back = vec![0f32; values.len()];
         unsafe {
-            convert_contiguous(buf.as_mut_ptr(), to, values.as_ptr() as *const u8, DType::F32, values.len());
-            convert_contiguous(back.as_mut_ptr() as *mut u8, DType::F32, buf.as_ptr(), to, values.len());
+            convert_contiguous(
+                buf.as_mut_ptr(),
+                to,
+                values.as_ptr() as *const u8,
+                DType::F32,
+                values.len(),
+            );
+            convert_contiguous(
+                back.as_mut_ptr() as *mut u8,
+                DType::F32,
+                buf.as_ptr(),
+                to,
+                values.len(),
+            );
         }
         back
     }
@@ -186,19 +205,33 @@ mod tests {
     #[test]
     fn unaligned_and_cross_half_conversions_match_the_scalar_path() {
         let values: Vec<f32> = (0..37).map(|i| (i as f32 - 18.0) * 0.377).collect();
-        for (from, to) in [(DType::F16, DType::BF16), (DType::BF16, DType::F16), (DType::F32, DType::F16)] {
+        for (from, to) in [
+            (DType::F16, DType::BF16),
+            (DType::BF16, DType::F16),
+            (DType::F32, DType::F16),
+        ] {
             let mut src = vec![0u8; values.len() * from.size() + 1];
             let mut dst = vec![0u8; values.len() * to.size() + 1];
             unsafe {
                 for (i, v) in values.iter().enumerate() {
                     write_f32(src.as_mut_ptr().add(1 + i * from.size()), from, *v);
                 }
-                convert_contiguous(dst.as_mut_ptr().add(1), to, src.as_ptr().add(1), from, values.len());
+                convert_contiguous(
+                    dst.as_mut_ptr().add(1),
+                    to,
+                    src.as_ptr().add(1),
+                    from,
+                    values.len(),
+                );
                 for (i, v) in values.iter().enumerate() {
                     let expect = read_f32(src.as_ptr().add(1 + i * from.size()), from);
                     let mut one = [0u8; 4];
                     write_f32(one.as_mut_ptr(), to, expect);
-                    assert_eq!(read_f32(dst.as_ptr().add(1 + i * to.size()), to), read_f32(one.as_ptr(), to), "{v}");
+                    assert_eq!(
+                        read_f32(dst.as_ptr().add(1 + i * to.size()), to),
+                        read_f32(one.as_ptr(), to),
+                        "{v}"
+                    );
                 }
             }
         }

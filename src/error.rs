@@ -96,6 +96,9 @@ mod tests {
         assert_eq!(e.to_string(), "layer=7 is out of range: must be in [0, 4)");
         assert!(check_index("head", -1, 4).is_err());
         assert_eq!(check_index("pos", 3, 4).unwrap(), 3);
-        assert_eq!(check_count("n", -2).unwrap_err().to_string(), "n=-2: must be >= 0");
+        assert_eq!(
+            check_count("n", -2).unwrap_err().to_string(),
+            "n=-2: must be >= 0"
+        );
     }
 }

@@ -39,19 +39,30 @@ impl CacheShape {
             ("max_seq_len", self.max_seq_len),
         ] {
             if v == 0 {
-                return Err(KvError::InvalidArgument { name, value: "0".into(), reason: "must be >= 1".into() });
+                return Err(KvError::InvalidArgument {
+                    name,
+                    value: "0".into(),
+                    reason: "must be >= 1".into(),
+                });
             }
         }
-        [2, self.num_layers, self.num_kv_heads, self.max_seq_len, self.head_dim, dtype.size()]
-            .iter()
-            .try_fold(1usize, |acc, &x| acc.checked_mul(x))
-            .filter(|&b| b <= isize::MAX as usize)
-            .map(|b| b / dtype.size())
-            .ok_or_else(|| KvError::InvalidArgument {
-                name: "max_seq_len",
-                value: self.max_seq_len.to_string(),
-                reason: "the cache would exceed the address space".into(),
-            })
+        [
+            2,
+            self.num_layers,
+            self.num_kv_heads,
+            self.max_seq_len,
+            self.head_dim,
+            dtype.size(),
+        ]
+        .iter()
+        .try_fold(1usize, |acc, &x| acc.checked_mul(x))
+        .filter(|&b| b <= isize::MAX as usize)
+        .map(|b| b / dtype.size())
+        .ok_or_else(|| KvError::InvalidArgument {
+            name: "max_seq_len",
+            value: self.max_seq_len.to_string(),
+            reason: "the cache would exceed the address space".into(),
+        })
     }
 }
 
@@ -73,7 +84,12 @@ impl KVCache {
     pub fn new(shape: CacheShape, dtype: DType, device: Device) -> Result<Self> {
         let numel = shape.validate(dtype)?;
         let storage = allocate(device, dtype, numel)?;
-        Ok(KVCache { shape, storage, seq_len: 0, layer_len: vec![0; shape.num_layers] })
+        Ok(KVCache {
+            shape,
+            storage,
+            seq_len: 0,
+            layer_len: vec![0; shape.num_layers],
+        })
     }
 
     /// The sizes of this cache.
@@ -139,13 +155,24 @@ impl KVCache {
 
     /// Writes one `head_dim` vector at `(layer, head, pos)`. Fill lengths do not move:
     /// this is the low-level write, paired with [`KVCache::set_seq_len`].
-    pub fn store(&mut self, kv: Kv, layer: i64, head: i64, pos: i64, vector: &TensorRef) -> Result<()> {
+    pub fn store(
+        &mut self,
+        kv: Kv,
+        layer: i64,
+        head: i64,
+        pos: i64,
+        vector: &TensorRef,
+    ) -> Result<()> {
         let s = self.shape;
         let layer = self.check_layer(layer)?;
         let head = check_index("head", head, s.num_kv_heads)?;
         let pos = self.check_position("pos", pos)?;
         vector.expect_shape(if kv == Kv::Key { "key" } else { "value" }, &[s.head_dim])?;
-        let region = Region { offset: self.offset(layer, kv, head, pos), shape: [1, 1, s.head_dim], strides: [0, 0, 1] };
+        let region = Region {
+            offset: self.offset(layer, kv, head, pos),
+            shape: [1, 1, s.head_dim],
+            strides: [0, 0, 1],
+        };
         self.storage.write(region, vector)
     }
 
@@ -176,7 +203,11 @@ impl KVCache {
         // `k` is [n, H, D]; the storage region is viewed in the same index order.
         for (kv, src) in [(Kv::Key, k), (Kv::Value, v)] {
             let r = self.region(layer, kv, start, n);
-            let transposed = Region { offset: r.offset, shape: expected, strides: [r.strides[1], r.strides[0], 1] };
+            let transposed = Region {
+                offset: r.offset,
+                shape: expected,
+                strides: [r.strides[1], r.strides[0], 1],
+            };
             self.storage.write(transposed, src)?;
         }
         self.layer_len[layer] = start + n;
@@ -228,16 +259,34 @@ impl KVCache {
     /// Copies `[num_kv_heads, block_size, head_dim]` keys and values starting at
     /// `start_pos` into `keys`/`values` (host tensors of the storage dtype); positions at
     /// or past `max_seq_len` come back as zeros.
-    pub fn extract_block(&self, layer: i64, start_pos: i64, block_size: i64, keys: &TensorRef, values: &TensorRef) -> Result<()> {
+    pub fn extract_block(
+        &self,
+        layer: i64,
+        start_pos: i64,
+        block_size: i64,
+        keys: &TensorRef,
+        values: &TensorRef,
+    ) -> Result<()> {
         let (layer, start, bs, inside) = self.check_block(layer, start_pos, block_size)?;
         let s = self.shape;
         for (kv, out) in [(Kv::Key, keys), (Kv::Value, values)] {
-            out.expect_shape(if kv == Kv::Key { "keys" } else { "values" }, &[s.num_kv_heads, bs, s.head_dim])?;
+            out.expect_shape(
+                if kv == Kv::Key { "keys" } else { "values" },
+                &[s.num_kv_heads, bs, s.head_dim],
+            )?;
             let st = out.strides3();
             let elem = out.dtype().size() as isize;
             if inside > 0 {
-                let head = unsafe { TensorRef::new(out.as_ptr(), out.dtype(), &[s.num_kv_heads, inside, s.head_dim], &st)? };
-                self.storage.read(self.region(layer, kv, start, inside), &head)?;
+                let head = unsafe {
+                    TensorRef::new(
+                        out.as_ptr(),
+                        out.dtype(),
+                        &[s.num_kv_heads, inside, s.head_dim],
+                        &st,
+                    )?
+                };
+                self.storage
+                    .read(self.region(layer, kv, start, inside), &head)?;
             }
             // Zero the positions past max_seq_len.
             for h in 0..s.num_kv_heads as isize {
@@ -245,7 +294,13 @@ impl KVCache {
                     let at = (h * st[0] + p as isize * st[1]) * elem;
                     for d in 0..s.head_dim as isize {
                         // SAFETY: inside the caller's [H, bs, D] tensor.
-                        unsafe { crate::dtype::write_f32(out.as_mut_ptr().offset(at + d * st[2] * elem), out.dtype(), 0.0) };
+                        unsafe {
+                            crate::dtype::write_f32(
+                                out.as_mut_ptr().offset(at + d * st[2] * elem),
+                                out.dtype(),
+                                0.0,
+                            )
+                        };
                     }
                 }
             }
@@ -255,14 +310,29 @@ impl KVCache {
 
     /// Writes `[num_kv_heads, block_size, head_dim]` keys and values at `start_pos`,
     /// skipping positions past `max_seq_len`. Fill lengths do not move.
-    pub fn inject_block(&mut self, layer: i64, start_pos: i64, block_size: i64, keys: &TensorRef, values: &TensorRef) -> Result<()> {
+    pub fn inject_block(
+        &mut self,
+        layer: i64,
+        start_pos: i64,
+        block_size: i64,
+        keys: &TensorRef,
+        values: &TensorRef,
+    ) -> Result<()> {
         let (layer, start, bs, inside) = self.check_block(layer, start_pos, block_size)?;
         let s = self.shape;
         keys.expect_shape("keys", &[s.num_kv_heads, bs, s.head_dim])?;
         values.expect_shape("values", &[s.num_kv_heads, bs, s.head_dim])?;
         for (kv, src) in [(Kv::Key, keys), (Kv::Value, values)] {
-            let head = unsafe { TensorRef::new(src.as_ptr(), src.dtype(), &[s.num_kv_heads, inside, s.head_dim], &src.strides3())? };
-            self.storage.write(self.region(layer, kv, start, inside), &head)?;
+            let head = unsafe {
+                TensorRef::new(
+                    src.as_ptr(),
+                    src.dtype(),
+                    &[s.num_kv_heads, inside, s.head_dim],
+                    &src.strides3(),
+                )?
+            };
+            self.storage
+                .write(self.region(layer, kv, start, inside), &head)?;
         }
         Ok(())
     }
@@ -270,18 +340,31 @@ impl KVCache {
     fn check_position(&self, name: &'static str, pos: i64) -> Result<usize> {
         let max = self.shape.max_seq_len;
         if pos >= 0 && pos as u64 >= max as u64 {
-            return Err(KvError::CacheFull { what: format!("writing at {name}={pos}"), needed: pos as usize + 1, capacity: max });
+            return Err(KvError::CacheFull {
+                what: format!("writing at {name}={pos}"),
+                needed: pos as usize + 1,
+                capacity: max,
+            });
         }
         check_index(name, pos, max)
     }
 
     /// Validates a block request; returns (layer, start, block_size, positions inside the cache).
-    fn check_block(&self, layer: i64, start_pos: i64, block_size: i64) -> Result<(usize, usize, usize, usize)> {
+    fn check_block(
+        &self,
+        layer: i64,
+        start_pos: i64,
+        block_size: i64,
+    ) -> Result<(usize, usize, usize, usize)> {
         let layer = self.check_layer(layer)?;
         let start = check_index("start_pos", start_pos, self.shape.max_seq_len)?;
         let bs = check_count("block_size", block_size)?;
         if bs == 0 {
-            return Err(KvError::InvalidArgument { name: "block_size", value: "0".into(), reason: "must be >= 1".into() });
+            return Err(KvError::InvalidArgument {
+                name: "block_size",
+                value: "0".into(),
+                reason: "must be >= 1".into(),
+            });
         }
         let inside = bs.min(self.shape.max_seq_len - start);
         Ok((layer, start, bs, inside))

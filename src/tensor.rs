@@ -32,7 +32,12 @@ impl TensorRef {
     /// # Safety
     /// Every element addressed by the layout must be valid for reads (and for writes if the
     /// tensor is used as a destination) for as long as the returned value is used.
-    pub unsafe fn new(ptr: *const u8, dtype: DType, shape: &[usize], strides: &[isize]) -> Result<Self> {
+    pub unsafe fn new(
+        ptr: *const u8,
+        dtype: DType,
+        shape: &[usize],
+        strides: &[isize],
+    ) -> Result<Self> {
         if shape.len() > MAX_RANK || shape.len() != strides.len() {
             return Err(KvError::Shape {
                 name: "tensor",
@@ -45,7 +50,13 @@ impl TensorRef {
         let pad = MAX_RANK - shape.len();
         s[pad..].copy_from_slice(shape);
         st[pad..].copy_from_slice(strides);
-        Ok(TensorRef { ptr, dtype, ndim: shape.len(), shape: s, strides: st })
+        Ok(TensorRef {
+            ptr,
+            dtype,
+            ndim: shape.len(),
+            shape: s,
+            strides: st,
+        })
     }
 
     /// A contiguous (C-order) tensor over `ptr`.
@@ -98,7 +109,11 @@ impl TensorRef {
     /// Fails with a shape error naming `name` unless the shape equals `expected` exactly.
     pub fn expect_shape(&self, name: &'static str, expected: &[usize]) -> Result<()> {
         if self.shape() != expected {
-            return Err(KvError::Shape { name, got: self.shape().to_vec(), expected: format!("{expected:?}") });
+            return Err(KvError::Shape {
+                name,
+                got: self.shape().to_vec(),
+                expected: format!("{expected:?}"),
+            });
         }
         Ok(())
     }
@@ -224,20 +239,27 @@ mod tests {
                 [1, 2, 3],
             );
         }
-        let got: Vec<f32> = dst.iter().map(|&b| half::f16::from_bits(b).to_f32()).collect();
+        let got: Vec<f32> = dst
+            .iter()
+            .map(|&b| half::f16::from_bits(b).to_f32())
+            .collect();
         assert_eq!(got, vec![2.0, 1.0, 0.0, 5.0, 4.0, 3.0]);
     }
 
     #[test]
     fn rank_and_shape_checks() {
         let x = [0f32; 8];
-        let t = unsafe { TensorRef::contiguous(x.as_ptr() as *const u8, DType::F32, &[2, 4]).unwrap() };
+        let t =
+            unsafe { TensorRef::contiguous(x.as_ptr() as *const u8, DType::F32, &[2, 4]).unwrap() };
         assert_eq!(t.shape(), &[2, 4]);
         assert_eq!(t.shape3(), [1, 2, 4]);
         assert_eq!(t.strides3(), [0, 4, 1]);
         assert!(t.expect_shape("k", &[2, 4]).is_ok());
         let e = t.expect_shape("k", &[1, 2, 4]).unwrap_err();
         assert_eq!(e.to_string(), "k has shape [2, 4], expected [1, 2, 4]");
-        assert!(unsafe { TensorRef::contiguous(x.as_ptr() as *const u8, DType::F32, &[1, 1, 2, 4]) }.is_err());
+        assert!(unsafe {
+            TensorRef::contiguous(x.as_ptr() as *const u8, DType::F32, &[1, 1, 2, 4])
+        }
+        .is_err());
     }
 }

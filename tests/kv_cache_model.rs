@@ -22,7 +22,11 @@ struct Model {
 
 impl Model {
     fn new() -> Self {
-        Model { data: vec![0.0; L * 2 * H * MAX * D], seq_len: 0, layer_len: vec![0; L] }
+        Model {
+            data: vec![0.0; L * 2 * H * MAX * D],
+            seq_len: 0,
+            layer_len: vec![0; L],
+        }
     }
     fn at(l: usize, kv: usize, h: usize, p: usize) -> usize {
         (((l * 2 + kv) * H + h) * MAX + p) * D
@@ -31,14 +35,33 @@ impl Model {
 
 #[derive(Clone, Debug)]
 enum Op {
-    Store { kv: usize, layer: i64, head: i64, pos: i64, seed: u32 },
-    Append { layer: i64, n: usize, seed: u32 },
+    Store {
+        kv: usize,
+        layer: i64,
+        head: i64,
+        pos: i64,
+        seed: u32,
+    },
+    Append {
+        layer: i64,
+        n: usize,
+        seed: u32,
+    },
     Advance(i64),
     Truncate(i64),
     Clear,
     SetSeqLen(i64),
-    Extract { layer: i64, start: i64, bs: i64 },
-    Inject { layer: i64, start: i64, bs: i64, seed: u32 },
+    Extract {
+        layer: i64,
+        start: i64,
+        bs: i64,
+    },
+    Inject {
+        layer: i64,
+        start: i64,
+        bs: i64,
+        seed: u32,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -59,11 +82,19 @@ fn op() -> impl Strategy<Value = Op> {
 
 /// Deterministic exact values from a seed.
 fn values(seed: u32, n: usize) -> Vec<f32> {
-    (0..n).map(|i| ((seed.wrapping_mul(2654435761).wrapping_add(i as u32 * 40503)) % 65) as f32 / 4.0 - 8.0).collect()
+    (0..n)
+        .map(|i| {
+            ((seed.wrapping_mul(2654435761).wrapping_add(i as u32 * 40503)) % 65) as f32 / 4.0 - 8.0
+        })
+        .collect()
 }
 
 fn tensor(v: &[f32], shape: &[usize]) -> TensorRef {
     unsafe { TensorRef::contiguous(v.as_ptr() as *const u8, DType::F32, shape).unwrap() }
+}
+
+fn tensor_mut(v: &mut [f32], shape: &[usize]) -> TensorRef {
+    unsafe { TensorRef::contiguous(v.as_mut_ptr() as *const u8, DType::F32, shape).unwrap() }
 }
 
 fn snapshot(c: &KVCache) -> Model {
@@ -72,8 +103,15 @@ fn snapshot(c: &KVCache) -> Model {
     let mut m = Model::new();
     for l in 0..L {
         let (mut k, mut v) = (vec![0f32; H * MAX * D], vec![0f32; H * MAX * D]);
-        c.extract_block(l as i64, 0, MAX as i64, &tensor(&k, &[H, MAX, D]), &tensor(&v, &[H, MAX, D])).unwrap();
-        for (kv, buf) in [(0, &mut k), (1, &mut v)] {
+        c.extract_block(
+            l as i64,
+            0,
+            MAX as i64,
+            &tensor_mut(&mut k, &[H, MAX, D]),
+            &tensor_mut(&mut v, &[H, MAX, D]),
+        )
+        .unwrap();
+        for (kv, buf) in [(0, &k), (1, &v)] {
             let base = Model::at(l, kv, 0, 0);
             m.data[base..base + H * MAX * D].copy_from_slice(buf);
         }
@@ -87,8 +125,15 @@ fn snapshot(c: &KVCache) -> Model {
 fn apply_model(m: &mut Model, op: &Op) -> Result<(), ()> {
     let ok_layer = |l: i64| (0..L as i64).contains(&l);
     match *op {
-        Op::Store { kv, layer, head, pos, seed } => {
-            if !ok_layer(layer) || !(0..H as i64).contains(&head) || !(0..MAX as i64).contains(&pos) {
+        Op::Store {
+            kv,
+            layer,
+            head,
+            pos,
+            seed,
+        } => {
+            if !ok_layer(layer) || !(0..H as i64).contains(&head) || !(0..MAX as i64).contains(&pos)
+            {
                 return Err(());
             }
             let at = Model::at(layer as usize, kv, head as usize, pos as usize);
@@ -126,7 +171,9 @@ fn apply_model(m: &mut Model, op: &Op) -> Result<(), ()> {
             }
             if (n as usize) < m.seq_len {
                 m.seq_len = n as usize;
-                m.layer_len.iter_mut().for_each(|l| *l = (*l).min(n as usize));
+                m.layer_len
+                    .iter_mut()
+                    .for_each(|l| *l = (*l).min(n as usize));
             }
         }
         Op::Clear => {
@@ -145,7 +192,12 @@ fn apply_model(m: &mut Model, op: &Op) -> Result<(), ()> {
                 return Err(());
             }
         }
-        Op::Inject { layer, start, bs, seed } => {
+        Op::Inject {
+            layer,
+            start,
+            bs,
+            seed,
+        } => {
             if !ok_layer(layer) || !(0..MAX as i64).contains(&start) || bs < 1 {
                 return Err(());
             }
@@ -170,14 +222,24 @@ fn apply_model(m: &mut Model, op: &Op) -> Result<(), ()> {
 
 fn apply_cache(c: &mut KVCache, m: &Model, op: &Op) -> Result<(), KvError> {
     match *op {
-        Op::Store { kv, layer, head, pos, seed } => {
+        Op::Store {
+            kv,
+            layer,
+            head,
+            pos,
+            seed,
+        } => {
             let v = values(seed, D);
             let which = if kv == 0 { Kv::Key } else { Kv::Value };
             c.store(which, layer, head, pos, &tensor(&v, &[D]))
         }
         Op::Append { layer, n, seed } => {
             let (k, v) = (values(seed, n * H * D), values(seed ^ 0xffff, n * H * D));
-            let expect_start = if (0..L as i64).contains(&layer) { m.layer_len[layer as usize] } else { 0 };
+            let expect_start = if (0..L as i64).contains(&layer) {
+                m.layer_len[layer as usize]
+            } else {
+                0
+            };
             let start = c.append(layer, &tensor(&k, &[n, H, D]), &tensor(&v, &[n, H, D]))?;
             assert_eq!(start, expect_start);
             Ok(())
@@ -191,8 +253,11 @@ fn apply_cache(c: &mut KVCache, m: &Model, op: &Op) -> Result<(), KvError> {
         Op::SetSeqLen(n) => c.set_seq_len(n),
         Op::Extract { layer, start, bs } => {
             let b = bs.max(1) as usize;
-            let (k, v) = (vec![f32::NAN; H * b * D], vec![f32::NAN; H * b * D]);
-            let (tk, tv) = (tensor(&k, &[H, b, D]), tensor(&v, &[H, b, D]));
+            let (mut k, mut v) = (vec![f32::NAN; H * b * D], vec![f32::NAN; H * b * D]);
+            let (tk, tv) = (
+                tensor_mut(&mut k, &[H, b, D]),
+                tensor_mut(&mut v, &[H, b, D]),
+            );
             c.extract_block(layer, start, bs, &tk, &tv)?;
             for h in 0..H {
                 for p in 0..b {
@@ -200,7 +265,10 @@ fn apply_cache(c: &mut KVCache, m: &Model, op: &Op) -> Result<(), KvError> {
                         let i = (h * b + p) * D + d;
                         let pos = start as usize + p;
                         let (ek, ev) = if pos < MAX {
-                            (m.data[Model::at(layer as usize, 0, h, pos) + d], m.data[Model::at(layer as usize, 1, h, pos) + d])
+                            (
+                                m.data[Model::at(layer as usize, 0, h, pos) + d],
+                                m.data[Model::at(layer as usize, 1, h, pos) + d],
+                            )
                         } else {
                             (0.0, 0.0)
                         };
@@ -210,16 +278,32 @@ fn apply_cache(c: &mut KVCache, m: &Model, op: &Op) -> Result<(), KvError> {
             }
             Ok(())
         }
-        Op::Inject { layer, start, bs, seed } => {
+        Op::Inject {
+            layer,
+            start,
+            bs,
+            seed,
+        } => {
             let b = bs.max(1) as usize;
             let (k, v) = (values(seed, H * b * D), values(seed ^ 0xffff, H * b * D));
-            c.inject_block(layer, start, bs, &tensor(&k, &[H, b, D]), &tensor(&v, &[H, b, D]))
+            c.inject_block(
+                layer,
+                start,
+                bs,
+                &tensor(&k, &[H, b, D]),
+                &tensor(&v, &[H, b, D]),
+            )
         }
     }
 }
 
 fn run(dtype: DType, ops: &[Op]) {
-    let shape = CacheShape { num_layers: L, num_kv_heads: H, head_dim: D, max_seq_len: MAX };
+    let shape = CacheShape {
+        num_layers: L,
+        num_kv_heads: H,
+        head_dim: D,
+        max_seq_len: MAX,
+    };
     let mut cache = KVCache::new(shape, dtype, Device::Cpu).unwrap();
     let mut model = Model::new();
     for op in ops {

@@ -6,10 +6,30 @@ use pyo3::prelude::*;
 
 use crate::error::KvError;
 
-create_exception!(kvrs, KvrsError, PyException, "Base class of every kvrs-specific error.");
-create_exception!(kvrs, CacheFullError, KvrsError, "The cache (or pool) has no room for what was asked.");
-create_exception!(kvrs, NotSupportedError, KvrsError, "The operation is valid but not supported in this configuration.");
-create_exception!(kvrs, DeviceError, KvrsError, "A device is unknown, unavailable or unusable.");
+create_exception!(
+    kvrs,
+    KvrsError,
+    PyException,
+    "Base class of every kvrs-specific error."
+);
+create_exception!(
+    kvrs,
+    CacheFullError,
+    KvrsError,
+    "The cache (or pool) has no room for what was asked."
+);
+create_exception!(
+    kvrs,
+    NotSupportedError,
+    KvrsError,
+    "The operation is valid but not supported in this configuration."
+);
+create_exception!(
+    kvrs,
+    DeviceError,
+    KvrsError,
+    "A device is unknown, unavailable or unusable."
+);
 
 impl From<KvError> for PyErr {
     fn from(e: KvError) -> PyErr {
@@ -22,7 +42,9 @@ impl From<KvError> for PyErr {
             }
             KvError::UnsupportedDType { .. } => PyTypeError::new_err(msg),
             KvError::NotSupported(_) => NotSupportedError::new_err(msg),
-            KvError::Device(ref m) if m.starts_with("cannot allocate") => PyMemoryError::new_err(msg),
+            KvError::Device(ref m) if m.starts_with("cannot allocate") => {
+                PyMemoryError::new_err(msg)
+            }
             KvError::Device(_) => DeviceError::new_err(msg),
         }
     }

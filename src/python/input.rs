@@ -3,7 +3,9 @@
 //! `numpy.asarray` (the buffer protocol, `__array__`). Nothing is copied: the core reads
 //! the caller's memory in place and converts while it writes.
 
-use dlpark::ffi::{DLDataTypeCode, DLDeviceType, DLManagedTensor, DLManagedTensorVersioned, DLTensor};
+use dlpark::ffi::{
+    DLDataTypeCode, DLDeviceType, DLManagedTensor, DLManagedTensorVersioned, DLTensor,
+};
 use dlpark::ManagedBox;
 use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::PyTypeError;
@@ -49,8 +51,12 @@ pub fn read_tensor<'py>(obj: &Bound<'py, PyAny>, name: &'static str) -> PyResult
     let arr = py
         .import(intern!(py, "numpy"))?
         .call_method1(intern!(py, "asarray"), (obj,))
-        .map_err(|e| PyTypeError::new_err(format!("{name} must be an array (NumPy, DLPack or buffer protocol): {e}")))?;
-    let arr = arr.cast_into::<PyUntypedArray>().map_err(|e| PyErr::from(e))?;
+        .map_err(|e| {
+            PyTypeError::new_err(format!(
+                "{name} must be an array (NumPy, DLPack or buffer protocol): {e}"
+            ))
+        })?;
+    let arr = arr.cast_into::<PyUntypedArray>().map_err(PyErr::from)?;
     from_numpy(&arr, name)
 }
 
@@ -61,7 +67,13 @@ fn from_numpy<'py>(arr: &Bound<'py, PyUntypedArray>, name: &'static str) -> PyRe
         11 => DType::F32,
         23 => DType::F16,
         _ if is_bfloat16(py, &d) => DType::BF16,
-        _ => return Err(KvError::UnsupportedDType { name, got: d.str()?.to_string() }.into()),
+        _ => {
+            return Err(KvError::UnsupportedDType {
+                name,
+                got: d.str()?.to_string(),
+            }
+            .into())
+        }
     };
     let shape = arr.shape();
     check_rank(name, shape)?;
@@ -81,7 +93,10 @@ fn from_numpy<'py>(arr: &Bound<'py, PyUntypedArray>, name: &'static str) -> PyRe
     // SAFETY: the array object is held in `_owner` while the TensorRef is used.
     let data = unsafe { (*arr.as_array_ptr()).data as *const u8 };
     let tensor = unsafe { TensorRef::new(data, dtype, shape, &strides[..shape.len()])? };
-    Ok(Input { tensor, _owner: Owner::Array(arr.clone().into_any()) })
+    Ok(Input {
+        tensor,
+        _owner: Owner::Array(arr.clone().into_any()),
+    })
 }
 
 fn from_dlpack<'py>(obj: &Bound<'py, PyAny>, name: &'static str) -> PyResult<Input<'py>> {
@@ -109,13 +124,20 @@ fn from_dlpack<'py>(obj: &Bound<'py, PyAny>, name: &'static str) -> PyResult<Inp
         (DLDataTypeCode::FLOAT, 16, 1) => DType::F16,
         (DLDataTypeCode::BFLOAT, 16, 1) => DType::BF16,
         _ => {
-            let got = format!("DLPack code {} bits {} lanes {}", dt.code.0, dt.bits, dt.lanes);
+            let got = format!(
+                "DLPack code {} bits {} lanes {}",
+                dt.code.0, dt.bits, dt.lanes
+            );
             return Err(KvError::UnsupportedDType { name, got }.into());
         }
     };
     let ndim = t.ndim.max(0) as usize;
     // SAFETY: the managed tensor (held in `_owner`) owns shape and strides.
-    let shape_i64: &[i64] = if ndim == 0 { &[] } else { unsafe { std::slice::from_raw_parts(t.shape, ndim) } };
+    let shape_i64: &[i64] = if ndim == 0 {
+        &[]
+    } else {
+        unsafe { std::slice::from_raw_parts(t.shape, ndim) }
+    };
     let shape: Vec<usize> = shape_i64.iter().map(|&s| s.max(0) as usize).collect();
     check_rank(name, &shape)?;
     let mut strides = [0isize; MAX_RANK];
@@ -132,12 +154,20 @@ fn from_dlpack<'py>(obj: &Bound<'py, PyAny>, name: &'static str) -> PyResult<Inp
     }
     let data = unsafe { (t.data as *const u8).add(t.byte_offset as usize) };
     let tensor = unsafe { TensorRef::new(data, dtype, &shape, &strides[..ndim])? };
-    Ok(Input { tensor, _owner: owner })
+    Ok(Input {
+        tensor,
+        _owner: owner,
+    })
 }
 
 fn check_rank(name: &'static str, shape: &[usize]) -> PyResult<()> {
     if shape.len() > MAX_RANK {
-        return Err(KvError::Shape { name, got: shape.to_vec(), expected: format!("at most {MAX_RANK} dimensions") }.into());
+        return Err(KvError::Shape {
+            name,
+            got: shape.to_vec(),
+            expected: format!("at most {MAX_RANK} dimensions"),
+        }
+        .into());
     }
     Ok(())
 }

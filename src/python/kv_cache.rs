@@ -40,11 +40,19 @@ pub struct PyKVCache {
 impl PyKVCache {
     /// A read-only view `[heads, len, head_dim]` (or one head's `[len, head_dim]`) of a
     /// layer's K or V, owned by `slf`.
-    fn view<'py>(slf: &Bound<'py, Self>, layer: usize, kv: Kv, head: Option<usize>, len: usize) -> PyResult<Bound<'py, PyAny>> {
+    fn view<'py>(
+        slf: &Bound<'py, Self>,
+        layer: usize,
+        kv: Kv,
+        head: Option<usize>,
+        len: usize,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let me = slf.get();
         let s = me.shape;
         let es = me.dtype.size();
-        let offset = (((layer * 2 + kv as usize) * s.num_kv_heads + head.unwrap_or(0)) * s.max_seq_len) * s.head_dim;
+        let offset = (((layer * 2 + kv as usize) * s.num_kv_heads + head.unwrap_or(0))
+            * s.max_seq_len)
+            * s.head_dim;
         let ptr = (me.data + offset * es) as *mut u8;
         let row = (s.head_dim * es) as isize;
         // SAFETY: the storage is never reallocated and lives as long as `slf`, the base.
@@ -52,14 +60,34 @@ impl PyKVCache {
             match head {
                 None => {
                     let strides = [row * s.max_seq_len as isize, row, es as isize];
-                    borrowed_array(slf.as_any(), ptr, me.dtype, &[s.num_kv_heads, len, s.head_dim], &strides, false)
+                    borrowed_array(
+                        slf.as_any(),
+                        ptr,
+                        me.dtype,
+                        &[s.num_kv_heads, len, s.head_dim],
+                        &strides,
+                        false,
+                    )
                 }
-                Some(_) => borrowed_array(slf.as_any(), ptr, me.dtype, &[len, s.head_dim], &[row, es as isize], false),
+                Some(_) => borrowed_array(
+                    slf.as_any(),
+                    ptr,
+                    me.dtype,
+                    &[len, s.head_dim],
+                    &[row, es as isize],
+                    false,
+                ),
             }
         }
     }
 
-    fn head_view<'py>(slf: &Bound<'py, Self>, kv: Kv, layer: i64, head: i64, seq_len: Option<i64>) -> PyResult<Bound<'py, PyAny>> {
+    fn head_view<'py>(
+        slf: &Bound<'py, Self>,
+        kv: Kv,
+        layer: i64,
+        head: i64,
+        seq_len: Option<i64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let me = slf.get();
         let (layer, committed) = {
             let c = me.inner.read();
@@ -81,10 +109,20 @@ impl PyKVCache {
         Self::view(slf, layer, kv, Some(head), len)
     }
 
-    fn store(&self, py: Python<'_>, kv: Kv, layer: i64, head: i64, pos: i64, vector: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn store(
+        &self,
+        py: Python<'_>,
+        kv: Kv,
+        layer: i64,
+        head: i64,
+        pos: i64,
+        vector: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         let input = read_tensor(vector, if kv == Kv::Key { "key" } else { "value" })?;
         let t = *input.tensor();
-        copying(py, t.nbytes(), || self.inner.write().store(kv, layer, head, pos, &t))?;
+        copying(py, t.nbytes(), || {
+            self.inner.write().store(kv, layer, head, pos, &t)
+        })?;
         Ok(())
     }
 }
@@ -93,7 +131,9 @@ impl PyKVCache {
 impl PyKVCache {
     #[new]
     #[pyo3(signature = (num_layers, num_kv_heads, head_dim, max_seq_len, *, dtype = None, device = None))]
-    #[pyo3(text_signature = "(num_layers, num_kv_heads, head_dim, max_seq_len, *, dtype='float16', device='cpu')")]
+    #[pyo3(
+        text_signature = "(num_layers, num_kv_heads, head_dim, max_seq_len, *, dtype='float16', device='cpu')"
+    )]
     fn new(
         num_layers: i64,
         num_kv_heads: i64,
@@ -104,7 +144,12 @@ impl PyKVCache {
     ) -> PyResult<Self> {
         let size = |name: &'static str, v: i64| -> PyResult<usize> {
             if v < 1 {
-                return Err(KvError::InvalidArgument { name, value: v.to_string(), reason: "must be >= 1".into() }.into());
+                return Err(KvError::InvalidArgument {
+                    name,
+                    value: v.to_string(),
+                    reason: "must be >= 1".into(),
+                }
+                .into());
             }
             Ok(v as usize)
         };
@@ -118,7 +163,13 @@ impl PyKVCache {
         let device = device.map(parse_device).transpose()?.unwrap_or(Device::Cpu);
         let cache = KVCache::new(shape, dtype, device)?;
         let data = cache.data_ptr() as usize;
-        Ok(PyKVCache { inner: RwLock::new(cache), shape, dtype, device, data })
+        Ok(PyKVCache {
+            inner: RwLock::new(cache),
+            shape,
+            dtype,
+            device,
+            data,
+        })
     }
 
     /// Committed length.
@@ -170,21 +221,43 @@ impl PyKVCache {
     }
 
     /// Writes one key vector of `head_dim` at (layer, head, pos); lengths do not move.
-    fn store_key(&self, py: Python<'_>, layer: i64, head: i64, pos: i64, key: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn store_key(
+        &self,
+        py: Python<'_>,
+        layer: i64,
+        head: i64,
+        pos: i64,
+        key: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         self.store(py, Kv::Key, layer, head, pos, key)
     }
 
     /// Writes one value vector of `head_dim` at (layer, head, pos); lengths do not move.
-    fn store_value(&self, py: Python<'_>, layer: i64, head: i64, pos: i64, value: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn store_value(
+        &self,
+        py: Python<'_>,
+        layer: i64,
+        head: i64,
+        pos: i64,
+        value: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         self.store(py, Kv::Value, layer, head, pos, value)
     }
 
     /// Appends `k`, `v` of shape [n_tokens, num_kv_heads, head_dim] at the layer's next
     /// free position; returns that position.
-    fn append(&self, py: Python<'_>, layer: i64, k: &Bound<'_, PyAny>, v: &Bound<'_, PyAny>) -> PyResult<usize> {
+    fn append(
+        &self,
+        py: Python<'_>,
+        layer: i64,
+        k: &Bound<'_, PyAny>,
+        v: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
         let (k, v) = (read_tensor(k, "k")?, read_tensor(v, "v")?);
         let (kt, vt) = (*k.tensor(), *v.tensor());
-        Ok(copying(py, kt.nbytes() + vt.nbytes(), || self.inner.write().append(layer, &kt, &vt))?)
+        Ok(copying(py, kt.nbytes() + vt.nbytes(), || {
+            self.inner.write().append(layer, &kt, &vt)
+        })?)
     }
 
     /// Commits `n` tokens: `seq_len += n`. Every layer must hold them already.
@@ -209,14 +282,24 @@ impl PyKVCache {
     /// Zero-copy read-only view [seq_len, head_dim] of one head's keys (default: the
     /// committed length).
     #[pyo3(signature = (layer, head, seq_len = None))]
-    fn keys_for<'py>(slf: &Bound<'py, Self>, layer: i64, head: i64, seq_len: Option<i64>) -> PyResult<Bound<'py, PyAny>> {
+    fn keys_for<'py>(
+        slf: &Bound<'py, Self>,
+        layer: i64,
+        head: i64,
+        seq_len: Option<i64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         Self::head_view(slf, Kv::Key, layer, head, seq_len)
     }
 
     /// Zero-copy read-only view [seq_len, head_dim] of one head's values (default: the
     /// committed length).
     #[pyo3(signature = (layer, head, seq_len = None))]
-    fn values_for<'py>(slf: &Bound<'py, Self>, layer: i64, head: i64, seq_len: Option<i64>) -> PyResult<Bound<'py, PyAny>> {
+    fn values_for<'py>(
+        slf: &Bound<'py, Self>,
+        layer: i64,
+        head: i64,
+        seq_len: Option<i64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         Self::head_view(slf, Kv::Value, layer, head, seq_len)
     }
 
@@ -237,17 +320,36 @@ impl PyKVCache {
 
     /// Copies [num_kv_heads, block_size, head_dim] keys and values from start_pos;
     /// positions past max_seq_len come back as zeros.
-    fn extract_block<'py>(&self, py: Python<'py>, layer: i64, start_pos: i64, block_size: i64) -> PyResult<Bound<'py, PyTuple>> {
+    fn extract_block<'py>(
+        &self,
+        py: Python<'py>,
+        layer: i64,
+        start_pos: i64,
+        block_size: i64,
+    ) -> PyResult<Bound<'py, PyTuple>> {
         if block_size < 1 {
-            return Err(KvError::InvalidArgument { name: "block_size", value: block_size.to_string(), reason: "must be >= 1".into() }.into());
+            return Err(KvError::InvalidArgument {
+                name: "block_size",
+                value: block_size.to_string(),
+                reason: "must be >= 1".into(),
+            }
+            .into());
         }
-        let shape = [self.shape.num_kv_heads, block_size as usize, self.shape.head_dim];
+        let shape = [
+            self.shape.num_kv_heads,
+            block_size as usize,
+            self.shape.head_dim,
+        ];
         let (k, kp) = new_array(py, self.dtype, &shape)?;
         let (v, vp) = new_array(py, self.dtype, &shape)?;
         // SAFETY: fresh C-contiguous arrays of exactly this shape and dtype, held above.
         let kt = unsafe { TensorRef::contiguous(kp, self.dtype, &shape)? };
         let vt = unsafe { TensorRef::contiguous(vp, self.dtype, &shape)? };
-        copying(py, 2 * kt.nbytes(), || self.inner.read().extract_block(layer, start_pos, block_size, &kt, &vt))?;
+        copying(py, 2 * kt.nbytes(), || {
+            self.inner
+                .read()
+                .extract_block(layer, start_pos, block_size, &kt, &vt)
+        })?;
         PyTuple::new(py, [k, v])
     }
 
@@ -264,7 +366,11 @@ impl PyKVCache {
     ) -> PyResult<()> {
         let (k, v) = (read_tensor(keys, "keys")?, read_tensor(values, "values")?);
         let (kt, vt) = (*k.tensor(), *v.tensor());
-        copying(py, kt.nbytes() + vt.nbytes(), || self.inner.write().inject_block(layer, start_pos, block_size, &kt, &vt))?;
+        copying(py, kt.nbytes() + vt.nbytes(), || {
+            self.inner
+                .write()
+                .inject_block(layer, start_pos, block_size, &kt, &vt)
+        })?;
         Ok(())
     }
 

@@ -21,7 +21,7 @@ pub fn descr<'py>(py: Python<'py>, dtype: DType) -> PyResult<Bound<'py, PyArrayD
     match dtype {
         DType::F32 => Ok(builtin(py, NPY_TYPES::NPY_FLOAT)),
         DType::F16 => Ok(builtin(py, NPY_TYPES::NPY_HALF)),
-        DType::BF16 => bfloat16(py).map(|d| d.clone()),
+        DType::BF16 => bfloat16(py).cloned(),
     }
 }
 
@@ -83,14 +83,19 @@ pub unsafe fn borrowed_array<'py>(
     );
     let arr = Bound::from_owned_ptr_or_err(py, arr)?;
     // SetBaseObject steals the reference it is given.
-    if PY_ARRAY_API.PyArray_SetBaseObject(py, arr.as_ptr() as *mut _, owner.clone().into_ptr()) != 0 {
+    if PY_ARRAY_API.PyArray_SetBaseObject(py, arr.as_ptr() as *mut _, owner.clone().into_ptr()) != 0
+    {
         return Err(PyErr::fetch(py));
     }
     Ok(arr)
 }
 
 /// A new, uninitialised C-contiguous NumPy array and its data pointer.
-pub fn new_array<'py>(py: Python<'py>, dtype: DType, shape: &[usize]) -> PyResult<(Bound<'py, PyAny>, *mut u8)> {
+pub fn new_array<'py>(
+    py: Python<'py>,
+    dtype: DType,
+    shape: &[usize],
+) -> PyResult<(Bound<'py, PyAny>, *mut u8)> {
     let mut dims: [npy_intp; 4] = [0; 4];
     for (i, &d) in shape.iter().enumerate() {
         dims[i] = d as npy_intp;
@@ -116,5 +121,7 @@ pub fn new_array<'py>(py: Python<'py>, dtype: DType, shape: &[usize]) -> PyResul
 
 /// Whether `d` is the bfloat16 dtype (false when ml_dtypes is not importable).
 pub fn is_bfloat16(py: Python<'_>, d: &Bound<'_, PyArrayDescr>) -> bool {
-    bfloat16(py).map(|b| b.is(d) || b.is_equiv_to(d)).unwrap_or(false)
+    bfloat16(py)
+        .map(|b| b.is(d) || b.is_equiv_to(d))
+        .unwrap_or(false)
 }

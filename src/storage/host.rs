@@ -28,18 +28,31 @@ impl HostStorage {
     /// Allocates `numel` zeroed elements of `dtype`; fails cleanly (no abort) when the
     /// allocator refuses.
     pub fn zeroed(dtype: DType, numel: usize) -> Result<Self> {
-        let bytes = numel.checked_mul(dtype.size()).ok_or_else(|| too_large(numel, dtype))?;
-        let layout = Layout::from_size_align(bytes.max(1), ALIGN).map_err(|_| too_large(numel, dtype))?;
+        let bytes = numel
+            .checked_mul(dtype.size())
+            .ok_or_else(|| too_large(numel, dtype))?;
+        let layout =
+            Layout::from_size_align(bytes.max(1), ALIGN).map_err(|_| too_large(numel, dtype))?;
         // SAFETY: the layout has a non-zero size.
-        let ptr = NonNull::new(unsafe { alloc_zeroed(layout) })
-            .ok_or_else(|| KvError::Device(format!("cannot allocate {bytes} bytes of host memory")))?;
-        Ok(HostStorage { ptr, layout, dtype, numel })
+        let ptr = NonNull::new(unsafe { alloc_zeroed(layout) }).ok_or_else(|| {
+            KvError::Device(format!("cannot allocate {bytes} bytes of host memory"))
+        })?;
+        Ok(HostStorage {
+            ptr,
+            layout,
+            dtype,
+            numel,
+        })
     }
 
     fn check(&self, r: &Region) {
         // Regions are computed by the caches from validated arguments; one that runs past
         // the allocation is a bug in kvrs, and stopping beats corrupting memory.
-        assert!(r.end() <= self.numel, "region {r:?} exceeds storage of {} elements", self.numel);
+        assert!(
+            r.end() <= self.numel,
+            "region {r:?} exceeds storage of {} elements",
+            self.numel
+        );
     }
 
     fn at(&self, offset: usize) -> *mut u8 {
@@ -133,12 +146,20 @@ mod tests {
     fn write_read_round_trip_and_zero_fill() {
         let mut s = HostStorage::zeroed(DType::F32, 64).unwrap();
         assert_eq!(s.data_ptr() as usize % ALIGN, 0);
-        let region = Region { offset: 8, shape: [1, 2, 3], strides: [0, 10, 1] };
+        let region = Region {
+            offset: 8,
+            shape: [1, 2, 3],
+            strides: [0, 10, 1],
+        };
         let data = [1f32, 2., 3., 4., 5., 6.];
-        let src = unsafe { TensorRef::contiguous(data.as_ptr() as *const u8, DType::F32, &[1, 2, 3]).unwrap() };
+        let src = unsafe {
+            TensorRef::contiguous(data.as_ptr() as *const u8, DType::F32, &[1, 2, 3]).unwrap()
+        };
         s.write(region, &src).unwrap();
         let mut out = [0f32; 6];
-        let dst = unsafe { TensorRef::contiguous(out.as_mut_ptr() as *const u8, DType::F32, &[1, 2, 3]).unwrap() };
+        let dst = unsafe {
+            TensorRef::contiguous(out.as_mut_ptr() as *const u8, DType::F32, &[1, 2, 3]).unwrap()
+        };
         s.read(region, &dst).unwrap();
         assert_eq!(out, data);
         s.fill_zero(region).unwrap();
@@ -150,6 +171,11 @@ mod tests {
     #[should_panic(expected = "exceeds storage")]
     fn out_of_bounds_region_is_caught() {
         let mut s = HostStorage::zeroed(DType::F16, 4).unwrap();
-        s.fill_zero(Region { offset: 2, shape: [1, 1, 3], strides: [0, 0, 1] }).unwrap();
+        s.fill_zero(Region {
+            offset: 2,
+            shape: [1, 1, 3],
+            strides: [0, 0, 1],
+        })
+        .unwrap();
     }
 }

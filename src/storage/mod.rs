@@ -71,7 +71,11 @@ impl Region {
         if self.shape.contains(&0) {
             return self.offset;
         }
-        self.offset + (0..MAX_RANK).map(|i| (self.shape[i] - 1) * self.strides[i]).sum::<usize>() + 1
+        self.offset
+            + (0..MAX_RANK)
+                .map(|i| (self.shape[i] - 1) * self.strides[i])
+                .sum::<usize>()
+            + 1
     }
 
     /// Number of elements in the region.
@@ -139,15 +143,26 @@ mod tests {
 
     #[test]
     fn region_end_and_numel() {
-        let r = Region { offset: 10, shape: [2, 3, 4], strides: [100, 4, 1] };
+        let r = Region {
+            offset: 10,
+            shape: [2, 3, 4],
+            strides: [100, 4, 1],
+        };
         assert_eq!(r.end(), 10 + 100 + 8 + 3 + 1);
         assert_eq!(r.numel(), 24);
-        let empty = Region { offset: 5, shape: [0, 3, 4], strides: [1, 1, 1] };
+        let empty = Region {
+            offset: 5,
+            shape: [0, 3, 4],
+            strides: [1, 1, 1],
+        };
         assert_eq!(empty.end(), 5);
     }
 
     #[test]
     fn cuda_is_a_device_error_without_the_backend() {
-        assert!(matches!(allocate(Device::Cuda(0), DType::F16, 4), Err(KvError::Device(_))));
+        assert!(matches!(
+            allocate(Device::Cuda(0), DType::F16, 4),
+            Err(KvError::Device(_))
+        ));
     }
 }

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import random_kv, snapshot
 
 import kvrs
+from conftest import random_kv, snapshot
 
 H, D, MAX = 2, 4, 8
 
@@ -50,9 +50,17 @@ CASES = [
     (lambda c: c.values_for(0, 0, seq_len=MAX + 1), ValueError, "seq_len=9"),
     (lambda c: c.extract_block(0, MAX, 2), IndexError, "start_pos=8"),
     (lambda c: c.extract_block(0, 0, 0), ValueError, "block_size=0"),
-    (lambda c: c.inject_block(0, 0, 2, np.ones((H, 3, D), np.float32), np.ones((H, 2, D), np.float32)), ValueError, "keys has shape"),
+    (
+        lambda c: c.inject_block(0, 0, 2, np.ones((H, 3, D), np.float32), np.ones((H, 2, D), np.float32)),
+        ValueError,
+        "keys has shape",
+    ),
     (lambda c: c.inject_block(0, 0, 2, np.ones((H, 2, D)), np.ones((H, 2, D))), TypeError, "keys has dtype"),
-    (lambda c: c.inject_block(3, 0, 2, np.ones((H, 2, D), np.float16), np.ones((H, 2, D), np.float16)), IndexError, "layer=3"),
+    (
+        lambda c: c.inject_block(3, 0, 2, np.ones((H, 2, D), np.float16), np.ones((H, 2, D), np.float16)),
+        IndexError,
+        "layer=3",
+    ),
     (lambda c: c.layer_len(2), IndexError, "layer=2"),
 ]
 

@@ -32,7 +32,7 @@ def test_views_are_consumable_through_dlpack():
     c = kvrs.KVCache(1, 2, 4, 8, dtype="float32")
     x = np.arange(24, dtype=np.float32).reshape(3, 2, 4)
     c.append(0, x, -x)
-    K, V = c.get(0)
+    K, _ = c.get(0)
     k2 = np.from_dlpack(K)
     assert np.shares_memory(k2, K)
     np.testing.assert_array_equal(k2, x.transpose(1, 0, 2))

@@ -7,9 +7,9 @@ import gc
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import random_kv
 
 import kvrs
+from conftest import random_kv
 
 L, H, D, MAX = 3, 2, 8, 16
 
