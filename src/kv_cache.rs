@@ -269,41 +269,27 @@ impl KVCache {
     ) -> Result<()> {
         let (layer, start, bs, inside) = self.check_block(layer, start_pos, block_size)?;
         let s = self.shape;
+        keys.expect_shape("keys", &[s.num_kv_heads, bs, s.head_dim])?;
+        values.expect_shape("values", &[s.num_kv_heads, bs, s.head_dim])?;
         for (kv, out) in [(Kv::Key, keys), (Kv::Value, values)] {
-            out.expect_shape(
-                if kv == Kv::Key { "keys" } else { "values" },
-                &[s.num_kv_heads, bs, s.head_dim],
+            self.storage.read(
+                self.region(layer, kv, start, inside),
+                &out.narrowed(1, inside),
             )?;
-            let st = out.strides3();
-            let elem = out.dtype().size() as isize;
-            if inside > 0 {
-                let head = unsafe {
-                    TensorRef::new(
-                        out.as_ptr(),
-                        out.dtype(),
-                        &[s.num_kv_heads, inside, s.head_dim],
-                        &st,
-                    )?
-                };
-                self.storage
-                    .read(self.region(layer, kv, start, inside), &head)?;
-            }
-            // Zero the positions past max_seq_len.
-            for h in 0..s.num_kv_heads as isize {
-                for p in inside..bs {
-                    let at = (h * st[0] + p as isize * st[1]) * elem;
-                    for d in 0..s.head_dim as isize {
-                        // SAFETY: inside the caller's [H, bs, D] tensor.
-                        unsafe {
-                            crate::dtype::write_f32(
-                                out.as_mut_ptr().offset(at + d * st[2] * elem),
-                                out.dtype(),
-                                0.0,
-                            )
-                        };
-                    }
-                }
-            }
+            // Positions past max_seq_len read as zeros.
+            let past = unsafe {
+                let at = out
+                    .as_ptr()
+                    .offset(inside as isize * out.strides3()[1] * out.dtype().size() as isize);
+                TensorRef::new(
+                    at,
+                    out.dtype(),
+                    &[s.num_kv_heads, bs - inside, s.head_dim],
+                    &out.strides3(),
+                )?
+            };
+            // SAFETY: the tail positions of the caller's [H, bs, D] tensor.
+            unsafe { past.fill_zero() };
         }
         Ok(())
     }
@@ -323,16 +309,10 @@ impl KVCache {
         keys.expect_shape("keys", &[s.num_kv_heads, bs, s.head_dim])?;
         values.expect_shape("values", &[s.num_kv_heads, bs, s.head_dim])?;
         for (kv, src) in [(Kv::Key, keys), (Kv::Value, values)] {
-            let head = unsafe {
-                TensorRef::new(
-                    src.as_ptr(),
-                    src.dtype(),
-                    &[s.num_kv_heads, inside, s.head_dim],
-                    &src.strides3(),
-                )?
-            };
-            self.storage
-                .write(self.region(layer, kv, start, inside), &head)?;
+            self.storage.write(
+                self.region(layer, kv, start, inside),
+                &src.narrowed(1, inside),
+            )?;
         }
         Ok(())
     }

@@ -118,6 +118,36 @@ impl TensorRef {
         Ok(())
     }
 
+    /// The same tensor limited to the first `len` indices of dimension `dim` (of the
+    /// rank-3 padded shape); `len` must not exceed that dimension.
+    pub fn narrowed(&self, dim: usize, len: usize) -> TensorRef {
+        assert!(
+            len <= self.shape[dim],
+            "narrowing dimension {dim} of {:?} to {len}",
+            self.shape
+        );
+        let mut t = *self;
+        t.shape[dim] = len;
+        t
+    }
+
+    /// Sets every element to zero.
+    ///
+    /// # Safety
+    /// The tensor must be valid for writes (see [`TensorRef::new`]).
+    pub unsafe fn fill_zero(&self) {
+        let zero = [0u8; 4];
+        copy_strided(
+            self.as_mut_ptr(),
+            self.dtype,
+            self.strides,
+            zero.as_ptr(),
+            self.dtype,
+            [0; MAX_RANK],
+            self.shape,
+        );
+    }
+
     /// Number of bytes a contiguous copy of this tensor would take.
     pub fn nbytes(&self) -> usize {
         self.shape.iter().product::<usize>() * self.dtype.size()

@@ -318,7 +318,7 @@ fn run(dtype: DType, ops: &[Op]) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
 
     #[test]
     fn float32_cache_matches_model(ops in prop::collection::vec(op(), 1..40)) {

@@ -48,6 +48,46 @@ pub fn bfloat16(py: Python<'_>) -> PyResult<&Bound<'_, PyArrayDescr>> {
         .map(|d| d.bind(py))
 }
 
+/// Calls `PyArray_NewFromDescr` for an ndarray of `dtype` and `shape`: over `data` with byte
+/// `strides` when given, else over fresh C-contiguous memory that NumPy allocates.
+///
+/// # Safety
+/// When `data` is given it must be valid for every element the layout addresses.
+unsafe fn ndarray<'py>(
+    py: Python<'py>,
+    dtype: DType,
+    shape: &[usize],
+    layout: Option<(*mut u8, &[isize])>,
+    flags: i32,
+) -> PyResult<Bound<'py, PyAny>> {
+    let mut dims: [npy_intp; 4] = [0; 4];
+    let mut st: [npy_intp; 4] = [0; 4];
+    for (i, &d) in shape.iter().enumerate() {
+        dims[i] = d as npy_intp;
+    }
+    let (data, strides) = match layout {
+        Some((data, strides)) => {
+            for (i, &s) in strides.iter().enumerate() {
+                st[i] = s as npy_intp;
+            }
+            (data as *mut c_void, st.as_mut_ptr())
+        }
+        None => (ptr::null_mut(), ptr::null_mut()),
+    };
+    let arr = PY_ARRAY_API.PyArray_NewFromDescr(
+        py,
+        npyffi::get_type_object(py, npyffi::NpyTypes::PyArray_Type),
+        descr(py, dtype)?.into_ptr() as *mut _,
+        shape.len() as i32,
+        dims.as_mut_ptr(),
+        strides,
+        data,
+        flags,
+        ptr::null_mut(),
+    );
+    Bound::from_owned_ptr_or_err(py, arr)
+}
+
 /// A NumPy array over `data` with `shape` and byte `strides`, whose base is `owner`, so
 /// the memory outlives the array. Read-only unless `writeable`.
 ///
@@ -63,25 +103,8 @@ pub unsafe fn borrowed_array<'py>(
     writeable: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
     let py = owner.py();
-    let mut dims: [npy_intp; 4] = [0; 4];
-    let mut st: [npy_intp; 4] = [0; 4];
-    for (i, (&d, &s)) in shape.iter().zip(strides).enumerate() {
-        dims[i] = d as npy_intp;
-        st[i] = s as npy_intp;
-    }
     let flags = NPY_ARRAY_ALIGNED | if writeable { NPY_ARRAY_WRITEABLE } else { 0 };
-    let arr = PY_ARRAY_API.PyArray_NewFromDescr(
-        py,
-        npyffi::get_type_object(py, npyffi::NpyTypes::PyArray_Type),
-        descr(py, dtype)?.into_ptr() as *mut _,
-        shape.len() as i32,
-        dims.as_mut_ptr(),
-        st.as_mut_ptr(),
-        data as *mut c_void,
-        flags,
-        ptr::null_mut(),
-    );
-    let arr = Bound::from_owned_ptr_or_err(py, arr)?;
+    let arr = ndarray(py, dtype, shape, Some((data, strides)), flags)?;
     // SetBaseObject steals the reference it is given.
     if PY_ARRAY_API.PyArray_SetBaseObject(py, arr.as_ptr() as *mut _, owner.clone().into_ptr()) != 0
     {
@@ -96,27 +119,11 @@ pub fn new_array<'py>(
     dtype: DType,
     shape: &[usize],
 ) -> PyResult<(Bound<'py, PyAny>, *mut u8)> {
-    let mut dims: [npy_intp; 4] = [0; 4];
-    for (i, &d) in shape.iter().enumerate() {
-        dims[i] = d as npy_intp;
-    }
-    // SAFETY: NumPy allocates the data (null data pointer, null strides: C order).
-    unsafe {
-        let arr = PY_ARRAY_API.PyArray_NewFromDescr(
-            py,
-            npyffi::get_type_object(py, npyffi::NpyTypes::PyArray_Type),
-            descr(py, dtype)?.into_ptr() as *mut _,
-            shape.len() as i32,
-            dims.as_mut_ptr(),
-            ptr::null_mut(),
-            ptr::null_mut(),
-            0,
-            ptr::null_mut(),
-        );
-        let arr = Bound::from_owned_ptr_or_err(py, arr)?;
-        let data = (*(arr.as_ptr() as *mut npyffi::PyArrayObject)).data as *mut u8;
-        Ok((arr, data))
-    }
+    // SAFETY: NumPy allocates the data itself.
+    let arr = unsafe { ndarray(py, dtype, shape, None, 0)? };
+    // SAFETY: `arr` is an ndarray; its data pointer is valid while it lives.
+    let data = unsafe { (*(arr.as_ptr() as *mut npyffi::PyArrayObject)).data as *mut u8 };
+    Ok((arr, data))
 }
 
 /// Whether `d` is the bfloat16 dtype (false when ml_dtypes is not importable).

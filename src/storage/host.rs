@@ -131,10 +131,17 @@ impl Storage for HostStorage {
 
     fn fill_zero(&mut self, dst: Region) -> Result<()> {
         self.check(&dst);
-        let zero = [0u8; 4];
-        // A zero-stride source repeats one zero element over the whole region.
-        let src = unsafe { TensorRef::new(zero.as_ptr(), self.dtype, &dst.shape, &[0, 0, 0])? };
-        self.write(dst, &src)
+        // SAFETY: dst checked above, inside the allocation.
+        unsafe {
+            TensorRef::new(
+                self.at(dst.offset),
+                self.dtype,
+                &dst.shape,
+                &dst.signed_strides(),
+            )?
+            .fill_zero()
+        };
+        Ok(())
     }
 }
 
