@@ -274,22 +274,11 @@ impl KVCache {
         for (kv, out) in [(Kv::Key, keys), (Kv::Value, values)] {
             self.storage.read(
                 self.region(layer, kv, start, inside),
-                &out.narrowed(1, inside),
+                &out.slice(1, 0, inside),
             )?;
             // Positions past max_seq_len read as zeros.
-            let past = unsafe {
-                let at = out
-                    .as_ptr()
-                    .offset(inside as isize * out.strides3()[1] * out.dtype().size() as isize);
-                TensorRef::new(
-                    at,
-                    out.dtype(),
-                    &[s.num_kv_heads, bs - inside, s.head_dim],
-                    &out.strides3(),
-                )?
-            };
             // SAFETY: the tail positions of the caller's [H, bs, D] tensor.
-            unsafe { past.fill_zero() };
+            unsafe { out.slice(1, inside, bs - inside).fill_zero() };
         }
         Ok(())
     }
@@ -311,7 +300,7 @@ impl KVCache {
         for (kv, src) in [(Kv::Key, keys), (Kv::Value, values)] {
             self.storage.write(
                 self.region(layer, kv, start, inside),
-                &src.narrowed(1, inside),
+                &src.slice(1, 0, inside),
             )?;
         }
         Ok(())

@@ -3,11 +3,13 @@
 //! The core (this crate without the `python` feature) knows nothing of Python:
 //! [`dtype`] (element types and conversion), [`tensor`] (borrowed strided tensors and
 //! the strided copy), [`storage`] (the device-independent storage interface and its host
-//! backend), [`kv_cache`] (the contiguous cache) and [`error`] (the one error type).
+//! backend), [`kv_cache`] (the contiguous cache), [`paged`] (the block pool shared by many
+//! sequences) and [`error`] (the one error type).
 
 pub mod dtype;
 pub mod error;
 pub mod kv_cache;
+pub mod paged;
 pub mod storage;
 pub mod tensor;
 
@@ -17,5 +19,6 @@ mod python;
 pub use dtype::DType;
 pub use error::{KvError, Result};
 pub use kv_cache::{CacheShape, KVCache, Kv};
+pub use paged::{BlockPool, KvLayout, PagedShape, SeqId};
 pub use storage::{Device, Region, Storage};
 pub use tensor::TensorRef;

@@ -118,16 +118,29 @@ impl TensorRef {
         Ok(())
     }
 
-    /// The same tensor limited to the first `len` indices of dimension `dim` (of the
-    /// rank-3 padded shape); `len` must not exceed that dimension.
-    pub fn narrowed(&self, dim: usize, len: usize) -> TensorRef {
+    /// The sub-tensor of indices `start..start + len` along dimension `dim` of the rank-3
+    /// padded shape.
+    pub fn slice(&self, dim: usize, start: usize, len: usize) -> TensorRef {
         assert!(
-            len <= self.shape[dim],
-            "narrowing dimension {dim} of {:?} to {len}",
-            self.shape
+            start + len <= self.shape[dim],
+            "slicing dimension {dim} of {:?} to {start}..{}",
+            self.shape,
+            start + len
         );
         let mut t = *self;
         t.shape[dim] = len;
+        // SAFETY (of later use): the sliced elements lie inside the original tensor.
+        t.ptr = self
+            .ptr
+            .wrapping_offset(start as isize * self.strides[dim] * self.dtype.size() as isize);
+        t
+    }
+
+    /// The same tensor with two dimensions of the rank-3 padded shape swapped.
+    pub fn transposed(&self, a: usize, b: usize) -> TensorRef {
+        let mut t = *self;
+        t.shape.swap(a, b);
+        t.strides.swap(a, b);
         t
     }
 

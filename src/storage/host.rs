@@ -129,6 +129,32 @@ impl Storage for HostStorage {
         Ok(())
     }
 
+    fn copy_within(&mut self, src: Region, dst: Region) -> Result<()> {
+        self.check(&src);
+        self.check(&dst);
+        assert!(
+            src.end() <= dst.offset || dst.end() <= src.offset,
+            "overlapping copy {src:?} -> {dst:?}"
+        );
+        assert_eq!(
+            src.shape, dst.shape,
+            "copy between regions of different shapes"
+        );
+        // SAFETY: both regions checked and disjoint.
+        unsafe {
+            copy_strided(
+                self.at(dst.offset),
+                self.dtype,
+                dst.signed_strides(),
+                self.at(src.offset),
+                self.dtype,
+                src.signed_strides(),
+                dst.shape,
+            )
+        };
+        Ok(())
+    }
+
     fn fill_zero(&mut self, dst: Region) -> Result<()> {
         self.check(&dst);
         // SAFETY: dst checked above, inside the allocation.

@@ -108,6 +108,9 @@ pub trait Storage: Send + Sync + fmt::Debug {
     fn write(&mut self, dst: Region, src: &TensorRef) -> Result<()>;
     /// Reads `src` into `dst` (host memory of the storage dtype, `src`'s shape).
     fn read(&self, src: Region, dst: &TensorRef) -> Result<()>;
+    /// Copies region `src` onto region `dst` of the same storage (same shape; the two
+    /// must not overlap): copy-on-write and forks.
+    fn copy_within(&mut self, src: Region, dst: Region) -> Result<()>;
     /// Sets every element of `dst` to zero.
     fn fill_zero(&mut self, dst: Region) -> Result<()>;
 

@@ -1,0 +1,181 @@
+//! ollama's batched forward over many sequences: place a batch of tokens (each with its
+//! sequence and position), write K/V per layer, read every sequence's history with a
+//! mask that lets each token see exactly its own sequence up to its own position, commit.
+
+use super::pool::{BlockPool, SeqId};
+use crate::error::{KvError, Result};
+use crate::tensor::TensorRef;
+
+/// A placed batch: which sequences it extends, where each token goes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ForwardPlan {
+    /// `(sequence, first new position, new tokens)` in order of first appearance.
+    pub seqs: Vec<(SeqId, usize, usize)>,
+    /// For each token, its index in `seqs`.
+    pub token_seq: Vec<usize>,
+    /// For each token, its position in its sequence.
+    pub positions: Vec<usize>,
+    /// For each token, its slot in the pool.
+    pub slots: Vec<i64>,
+}
+
+impl ForwardPlan {
+    /// Positions of history that [`BlockPool::forward_get`] returns: every sequence of
+    /// the batch, old and new tokens, concatenated in `seqs` order.
+    pub fn history_len(&self) -> usize {
+        self.seqs
+            .iter()
+            .map(|&(_, start, count)| start + count)
+            .sum()
+    }
+}
+
+impl BlockPool {
+    /// Places a batch: token `i` belongs to sequence `token_seqs[i]` at `positions[i]`.
+    /// The tokens of one sequence must continue it in order (its next position, then the
+    /// one after...). Reserves every slot, all or nothing.
+    pub fn start_forward(
+        &mut self,
+        token_seqs: &[SeqId],
+        positions: &[i64],
+    ) -> Result<ForwardPlan> {
+        if token_seqs.len() != positions.len() {
+            return Err(KvError::InvalidArgument {
+                name: "positions",
+                value: format!("{} entries", positions.len()),
+                reason: format!("needs one position per token ({})", token_seqs.len()),
+            });
+        }
+        let mut seqs: Vec<(SeqId, usize, usize)> = Vec::new();
+        let mut token_seq = Vec::with_capacity(token_seqs.len());
+        for (i, (&id, &pos)) in token_seqs.iter().zip(positions).enumerate() {
+            let k = match seqs.iter().position(|s| s.0 == id) {
+                Some(k) => k,
+                None => {
+                    seqs.push((id, self.seq(id)?.held(), 0));
+                    seqs.len() - 1
+                }
+            };
+            let expected = seqs[k].1 + seqs[k].2;
+            if pos != expected as i64 {
+                return Err(KvError::InvalidArgument {
+                    name: "positions",
+                    value: pos.to_string(),
+                    reason: format!("token {i} of sequence {id} must be at position {expected}, the next one in order"),
+                });
+            }
+            seqs[k].2 += 1;
+            token_seq.push(k);
+        }
+        let ids: Vec<SeqId> = seqs.iter().map(|s| s.0).collect();
+        let counts: Vec<i64> = seqs.iter().map(|s| s.2 as i64).collect();
+        let by_seq = self.reserve(&ids, &counts)?;
+        // `by_seq` lists each sequence's slots in turn; hand them out in token order.
+        let mut next: Vec<usize> = Vec::with_capacity(seqs.len());
+        let mut acc = 0;
+        for s in &seqs {
+            next.push(acc);
+            acc += s.2;
+        }
+        let slots = token_seq
+            .iter()
+            .map(|&k| {
+                next[k] += 1;
+                by_seq[next[k] - 1]
+            })
+            .collect();
+        Ok(ForwardPlan {
+            seqs,
+            token_seq,
+            positions: positions.iter().map(|&p| p as usize).collect(),
+            slots,
+        })
+    }
+
+    /// Reads `layer`'s history for a placed batch into `k_out`, `v_out`
+    /// (`[heads, history_len, head_dim]`) and `mask` (`[n_tokens, history_len]`, 0 where
+    /// a token may attend, `-inf` elsewhere).
+    pub fn forward_get(
+        &self,
+        plan: &ForwardPlan,
+        layer: i64,
+        k_out: &TensorRef,
+        v_out: &TensorRef,
+        mask: &mut [f32],
+    ) -> Result<()> {
+        let sh = self.shape();
+        let layer = crate::error::check_index("layer", layer, sh.num_layers)?;
+        let history = plan.history_len();
+        for (name, out) in [("k_out", k_out), ("v_out", v_out)] {
+            out.expect_shape(name, &[sh.num_kv_heads, history, sh.head_dim])?;
+        }
+        if mask.len() != plan.slots.len() * history {
+            return Err(KvError::Shape {
+                name: "mask",
+                got: vec![mask.len()],
+                expected: format!("[{} * {history}]", plan.slots.len()),
+            });
+        }
+        let mut offsets = Vec::with_capacity(plan.seqs.len());
+        let mut off = 0;
+        for &(id, start, count) in &plan.seqs {
+            let s = self.seq(id)?;
+            if s.layer_len[layer] < start + count {
+                return Err(KvError::InvalidArgument {
+                    name: "seq",
+                    value: format!("sequence {id}"),
+                    reason: format!(
+                        "was cut to {} positions during the forward",
+                        s.layer_len[layer]
+                    ),
+                });
+            }
+            let len = start + count;
+            self.read_positions(
+                &s.blocks,
+                layer,
+                0,
+                len,
+                &k_out.slice(1, off, len),
+                &v_out.slice(1, off, len),
+            )?;
+            offsets.push(off);
+            off += len;
+        }
+        mask.fill(f32::NEG_INFINITY);
+        for (t, (&k, &pos)) in plan.token_seq.iter().zip(&plan.positions).enumerate() {
+            let row = &mut mask[t * history..(t + 1) * history];
+            row[offsets[k]..offsets[k] + pos + 1].fill(0.0);
+        }
+        Ok(())
+    }
+
+    /// Commits a placed batch: each sequence's committed length moves to the end of its
+    /// new tokens (committing any earlier uncommitted positions the batch built on).
+    pub fn finish_forward(&mut self, plan: &ForwardPlan) -> Result<()> {
+        for &(id, start, count) in &plan.seqs {
+            let s = self.seq(id)?;
+            if s.seq_len > start || s.layer_len.iter().any(|&l| l < start + count) {
+                return Err(KvError::InvalidArgument {
+                    name: "seq",
+                    value: format!("sequence {id}"),
+                    reason: "changed since start_forward (truncated or committed); cannot commit the batch".into(),
+                });
+            }
+        }
+        for &(id, start, count) in &plan.seqs {
+            let s = self.seq(id)?;
+            self.advance(id, (start + count - s.seq_len) as i64)?;
+        }
+        Ok(())
+    }
+
+    /// Abandons a placed batch: each live sequence drops the positions it reserved.
+    pub fn cancel_forward(&mut self, plan: &ForwardPlan) {
+        for &(id, start, _) in &plan.seqs {
+            if self.is_live(id) {
+                self.cut_to(id, start);
+            }
+        }
+    }
+}

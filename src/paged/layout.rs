@@ -1,0 +1,163 @@
+//! Where each block, position and head lives in a paged pool's storage.
+
+use std::fmt;
+use std::str::FromStr;
+
+use super::allocator::BlockId;
+use crate::error::KvError;
+use crate::kv_cache::Kv;
+use crate::storage::Region;
+
+/// Order of a block's positions and heads: FlashInfer's two paged layouts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvLayout {
+    /// `[num_blocks, 2, block_size, num_kv_heads, head_dim]` per layer.
+    Nhd,
+    /// `[num_blocks, 2, num_kv_heads, block_size, head_dim]` per layer.
+    Hnd,
+}
+
+impl FromStr for KvLayout {
+    type Err = KvError;
+
+    fn from_str(s: &str) -> Result<Self, KvError> {
+        match s {
+            "NHD" => Ok(KvLayout::Nhd),
+            "HND" => Ok(KvLayout::Hnd),
+            _ => Err(KvError::InvalidArgument {
+                name: "layout",
+                value: format!("{s:?}"),
+                reason: "use 'NHD' or 'HND'".into(),
+            }),
+        }
+    }
+}
+
+impl fmt::Display for KvLayout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            KvLayout::Nhd => "NHD",
+            KvLayout::Hnd => "HND",
+        })
+    }
+}
+
+/// The sizes of a paged pool; storage is `[num_layers][num_blocks][K|V][...]`, each
+/// layer one contiguous FlashInfer cache tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PagedShape {
+    /// Transformer layers.
+    pub num_layers: usize,
+    /// Key/value heads per layer.
+    pub num_kv_heads: usize,
+    /// Elements per head vector.
+    pub head_dim: usize,
+    /// Positions per block.
+    pub block_size: usize,
+    /// Blocks in the pool.
+    pub num_blocks: usize,
+    /// Order within a block.
+    pub layout: KvLayout,
+}
+
+impl PagedShape {
+    /// Elements of one block in one layer, K and V.
+    pub fn block_elems(&self) -> usize {
+        2 * self.block_size * self.num_kv_heads * self.head_dim
+    }
+
+    /// Elements of one layer's cache tensor.
+    pub fn layer_elems(&self) -> usize {
+        self.num_blocks * self.block_elems()
+    }
+
+    /// Elements of the whole pool, or `None` on overflow.
+    pub fn total_elems(&self) -> Option<usize> {
+        self.num_layers
+            .checked_mul(self.num_blocks)?
+            .checked_mul(self.block_elems())
+    }
+
+    /// Element offset of `block` in `layer`.
+    pub fn block_offset(&self, layer: usize, block: BlockId) -> usize {
+        layer * self.layer_elems() + block as usize * self.block_elems()
+    }
+
+    /// Positions `offset..offset + n` of `block`'s K or V in `layer`, as `[n, heads, head_dim]`.
+    pub fn positions(
+        &self,
+        layer: usize,
+        kv: Kv,
+        block: BlockId,
+        offset: usize,
+        n: usize,
+    ) -> Region {
+        let (h, d, bs) = (self.num_kv_heads, self.head_dim, self.block_size);
+        let base = self.block_offset(layer, block) + kv as usize * bs * h * d;
+        let (pos_stride, head_stride) = match self.layout {
+            KvLayout::Nhd => (h * d, d),
+            KvLayout::Hnd => (d, bs * d),
+        };
+        Region {
+            offset: base + offset * pos_stride,
+            shape: [n, h, d],
+            strides: [pos_stride, head_stride, 1],
+        }
+    }
+
+    /// All of `block` in `layer` (K and V) as one contiguous run.
+    pub fn whole_block(&self, layer: usize, block: BlockId) -> Region {
+        Region {
+            offset: self.block_offset(layer, block),
+            shape: [1, 1, self.block_elems()],
+            strides: [0, 0, 1],
+        }
+    }
+
+    /// Shape of one layer's cache tensor, as FlashInfer expects it.
+    pub fn layer_tensor_shape(&self) -> [usize; 5] {
+        let (n, bs, h, d) = (
+            self.num_blocks,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+        );
+        match self.layout {
+            KvLayout::Nhd => [n, 2, bs, h, d],
+            KvLayout::Hnd => [n, 2, h, bs, d],
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn regions_follow_flashinfer_layouts() {
+        let mut s = PagedShape {
+            num_layers: 2,
+            num_kv_heads: 3,
+            head_dim: 4,
+            block_size: 5,
+            num_blocks: 6,
+            layout: KvLayout::Nhd,
+        };
+        // NHD: [6, 2, 5, 3, 4]; layer 1, block 2, V, position 3, head 1.
+        let r = s.positions(1, Kv::Value, 2, 3, 1);
+        let flat = |idx: [usize; 5], dims: [usize; 5]| {
+            idx.iter().zip(dims).fold(0, |acc, (&i, d)| acc * d + i)
+        };
+        assert_eq!(
+            r.offset + r.strides[1],
+            s.layer_elems() + flat([2, 1, 3, 1, 0], s.layer_tensor_shape())
+        );
+        s.layout = KvLayout::Hnd;
+        let r = s.positions(1, Kv::Value, 2, 3, 1);
+        assert_eq!(
+            r.offset + r.strides[1],
+            s.layer_elems() + flat([2, 1, 1, 3, 0], s.layer_tensor_shape())
+        );
+        assert_eq!(s.whole_block(1, 2).end(), s.block_offset(1, 3));
+    }
+}

@@ -1,0 +1,502 @@
+//! Property test: random interleavings of every `BlockPool` operation on many sequences
+//! against a reference that keeps each sequence's K/V as plain vectors.
+//!
+//! After every step: each live sequence's gathered K/V equals the reference; reference
+//! counts equal block-table occurrences and the free list is exact (`check_invariants`);
+//! `free + used == total`; `tokens_stored` equals the number of distinct (block, offset)
+//! slots that some sequence holds, and `fragmentation_tokens` the rest of the used blocks.
+//! A refused operation (`CacheFull`, bad arguments) must leave pool and reference alike.
+
+use std::collections::HashSet;
+
+use kvrs::paged::{BlockPool, KvLayout, PagedShape, SeqId};
+use kvrs::{DType, Device, KvError, TensorRef};
+use proptest::prelude::*;
+
+const L: usize = 2;
+const H: usize = 2;
+const D: usize = 2;
+const BS: usize = 4;
+const BLOCKS: usize = 14;
+const TOKEN: usize = H * D;
+
+/// The reference: per layer, the K and V vectors of every held position.
+#[derive(Clone, Debug, PartialEq)]
+struct RefSeq {
+    k: Vec<Vec<Vec<f32>>>,
+    v: Vec<Vec<Vec<f32>>>,
+    seq_len: usize,
+}
+
+impl RefSeq {
+    fn new() -> Self {
+        RefSeq {
+            k: vec![Vec::new(); L],
+            v: vec![Vec::new(); L],
+            seq_len: 0,
+        }
+    }
+    fn held(&self) -> usize {
+        self.k.iter().map(Vec::len).max().unwrap()
+    }
+    fn cut(&mut self, n: usize) {
+        self.seq_len = self.seq_len.min(n);
+        for l in 0..L {
+            self.k[l].truncate(n);
+            self.v[l].truncate(n);
+        }
+    }
+    fn uniform(&self) -> bool {
+        self.k.iter().all(|x| x.len() == self.k[0].len())
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    New,
+    Free(usize),
+    Fork(usize),
+    CopyPrefix(usize, usize, usize),
+    Append {
+        seq: usize,
+        layer: usize,
+        n: usize,
+        seed: u32,
+    },
+    Advance(usize, i64),
+    Truncate(usize, usize),
+    Remove(usize, usize, Option<usize>),
+    Reserve {
+        seqs: Vec<(usize, usize)>,
+        seed: u32,
+    },
+    Forward {
+        seqs: Vec<(usize, usize)>,
+        seed: u32,
+        commit: bool,
+    },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let i = 0..8usize;
+    prop_oneof![
+        2 => Just(Op::New),
+        1 => i.clone().prop_map(Op::Free),
+        1 => i.clone().prop_map(Op::Fork),
+        1 => (i.clone(), i.clone(), 0..12usize).prop_map(|(a, b, n)| Op::CopyPrefix(a, b, n)),
+        4 => (i.clone(), 0..L, 0..7usize, any::<u32>()).prop_map(|(seq, layer, n, seed)| Op::Append { seq, layer, n, seed }),
+        3 => (i.clone(), -1i64..5).prop_map(|(s, n)| Op::Advance(s, n)),
+        1 => (i.clone(), 0..14usize).prop_map(|(s, n)| Op::Truncate(s, n)),
+        1 => (i.clone(), 0..14usize, prop::option::of(0..16usize)).prop_map(|(s, b, e)| Op::Remove(s, b, e)),
+        2 => (prop::collection::vec((i.clone(), 0..6usize), 1..4), any::<u32>()).prop_map(|(seqs, seed)| Op::Reserve { seqs, seed }),
+        2 => (prop::collection::vec((i, 1..4usize), 1..4), any::<u32>(), any::<bool>())
+            .prop_map(|(seqs, seed, commit)| Op::Forward { seqs, seed, commit }),
+    ]
+}
+
+fn values(seed: u32, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            ((seed.wrapping_mul(2654435761).wrapping_add(i as u32 * 40503)) % 65) as f32 / 4.0 - 8.0
+        })
+        .collect()
+}
+
+fn tensor(v: &[f32], shape: &[usize]) -> TensorRef {
+    unsafe { TensorRef::contiguous(v.as_ptr() as *const u8, DType::F32, shape).unwrap() }
+}
+
+fn tensor_mut(v: &mut [f32], shape: &[usize]) -> TensorRef {
+    unsafe { TensorRef::contiguous(v.as_mut_ptr() as *const u8, DType::F32, shape).unwrap() }
+}
+
+/// Tokens `[n, H, D]` from a seed, and the same split per token.
+fn tokens(seed: u32, n: usize) -> (Vec<f32>, Vec<Vec<f32>>) {
+    let flat = values(seed, n * TOKEN);
+    let per = flat.chunks(TOKEN).map(<[f32]>::to_vec).collect();
+    (flat, per)
+}
+
+struct World {
+    pool: BlockPool,
+    live: Vec<(SeqId, RefSeq)>,
+}
+
+impl World {
+    fn pick(&self, i: usize) -> Option<usize> {
+        (!self.live.is_empty()).then(|| i % self.live.len())
+    }
+
+    /// Blocks a write of `start..end` needs: new ones plus copies of shared ones.
+    fn blocks_needed(&self, id: SeqId, start: usize, end: usize) -> usize {
+        if start >= end {
+            return 0;
+        }
+        let table = &self.pool.seq(id).unwrap().blocks;
+        let grow = end.div_ceil(BS).saturating_sub(table.len());
+        let shared = (start / BS..end.div_ceil(BS).min(table.len()))
+            .filter(|&b| self.pool.refcount(table[b]) > 1)
+            .count();
+        grow + shared
+    }
+
+    fn apply(&mut self, op: &Op) {
+        match op {
+            Op::New => {
+                let id = self.pool.new_sequence();
+                self.live.push((id, RefSeq::new()));
+            }
+            Op::Free(i) => {
+                if let Some(i) = self.pick(*i) {
+                    let (id, _) = self.live.remove(i);
+                    self.pool.free_sequence(id).unwrap();
+                    assert!(
+                        self.pool.free_sequence(id).is_err(),
+                        "freeing twice must fail"
+                    );
+                }
+            }
+            Op::Fork(i) => {
+                if let Some(i) = self.pick(*i) {
+                    let id = self.pool.fork(self.live[i].0).unwrap();
+                    let r = self.live[i].1.clone();
+                    self.live.push((id, r));
+                }
+            }
+            Op::CopyPrefix(a, b, n) => {
+                let (Some(a), Some(b)) = (self.pick(*a), self.pick(*b)) else {
+                    return;
+                };
+                let res = self
+                    .pool
+                    .copy_prefix(self.live[a].0, self.live[b].0, *n as i64);
+                if a == b || *n > self.live[a].1.seq_len {
+                    assert!(
+                        matches!(res, Err(KvError::InvalidArgument { .. })),
+                        "{res:?}"
+                    );
+                    return;
+                }
+                res.unwrap();
+                let mut r = self.live[a].1.clone();
+                r.cut(*n);
+                r.seq_len = *n;
+                self.live[b].1 = r;
+            }
+            Op::Append {
+                seq,
+                layer,
+                n,
+                seed,
+            } => {
+                let Some(i) = self.pick(*seq) else { return };
+                let id = self.live[i].0;
+                let start = self.live[i].1.k[*layer].len();
+                let needed = self.blocks_needed(id, start, start + n);
+                let free = self.pool.num_free_blocks();
+                let (k, kt) = tokens(*seed, *n);
+                let (v, vt) = tokens(seed ^ 0xabcd, *n);
+                let res = self.pool.append(
+                    id,
+                    *layer as i64,
+                    &tensor(&k, &[*n, H, D]),
+                    &tensor(&v, &[*n, H, D]),
+                );
+                if needed > free {
+                    assert!(matches!(res, Err(KvError::CacheFull { .. })), "{res:?}");
+                    return;
+                }
+                assert_eq!(res.unwrap(), start);
+                self.live[i].1.k[*layer].extend(kt);
+                self.live[i].1.v[*layer].extend(vt);
+            }
+            Op::Advance(i, n) => {
+                let Some(i) = self.pick(*i) else { return };
+                let r = &mut self.live[i].1;
+                let ok = *n >= 0 && r.k.iter().all(|x| x.len() >= r.seq_len + *n as usize);
+                assert_eq!(self.pool.advance(self.live[i].0, *n).is_ok(), ok);
+                if ok {
+                    self.live[i].1.seq_len += *n as usize;
+                }
+            }
+            Op::Truncate(i, n) => {
+                let Some(i) = self.pick(*i) else { return };
+                self.pool.truncate(self.live[i].0, *n as i64).unwrap();
+                if *n < self.live[i].1.seq_len {
+                    self.live[i].1.cut(*n);
+                }
+            }
+            Op::Remove(i, b, e) => {
+                let Some(i) = self.pick(*i) else { return };
+                let res = self
+                    .pool
+                    .remove(self.live[i].0, *b as i64, e.map(|e| e as i64));
+                let held = self.live[i].1.held();
+                let end = e.unwrap_or(usize::MAX);
+                if *b >= end || *b >= held {
+                    res.unwrap();
+                } else if end < held {
+                    assert!(matches!(res, Err(KvError::NotSupported(_))));
+                } else {
+                    res.unwrap();
+                    self.live[i].1.cut(*b);
+                }
+            }
+            Op::Reserve { seqs, seed } => self.reserve_and_write(seqs, *seed),
+            Op::Forward { seqs, seed, commit } => self.forward(seqs, *seed, *commit),
+        }
+    }
+
+    /// Distinct live sequences from `(index, count)` pairs.
+    fn distinct(&self, seqs: &[(usize, usize)]) -> Vec<(usize, usize)> {
+        let mut out: Vec<(usize, usize)> = Vec::new();
+        for &(i, c) in seqs {
+            if let Some(i) = self.pick(i) {
+                if !out.iter().any(|o| o.0 == i) {
+                    out.push((i, c));
+                }
+            }
+        }
+        out
+    }
+
+    fn reserve_and_write(&mut self, seqs: &[(usize, usize)], seed: u32) {
+        let chosen = self.distinct(seqs);
+        if chosen.is_empty() {
+            return;
+        }
+        let ids: Vec<SeqId> = chosen.iter().map(|&(i, _)| self.live[i].0).collect();
+        let counts: Vec<i64> = chosen.iter().map(|&(_, c)| c as i64).collect();
+        let uniform = chosen.iter().all(|&(i, _)| self.live[i].1.uniform());
+        let needed: usize = chosen
+            .iter()
+            .map(|&(i, c)| {
+                self.blocks_needed(
+                    self.live[i].0,
+                    self.live[i].1.held(),
+                    self.live[i].1.held() + c,
+                )
+            })
+            .sum();
+        let free = self.pool.num_free_blocks();
+        let res = self.pool.reserve(&ids, &counts);
+        if !uniform {
+            assert!(
+                matches!(res, Err(KvError::InvalidArgument { .. })),
+                "{res:?}"
+            );
+            return;
+        }
+        if needed > free {
+            assert!(matches!(res, Err(KvError::CacheFull { .. })), "{res:?}");
+            return;
+        }
+        let slots = res.unwrap();
+        let n: usize = counts.iter().sum::<i64>() as usize;
+        assert_eq!(slots.len(), n);
+        for layer in 0..L {
+            let (k, kt) = tokens(seed.wrapping_add(layer as u32), n);
+            let (v, vt) = tokens(seed ^ 0x5555 ^ layer as u32, n);
+            self.pool
+                .write(
+                    layer as i64,
+                    &tensor(&k, &[n, H, D]),
+                    &tensor(&v, &[n, H, D]),
+                    &slots,
+                )
+                .unwrap();
+            let mut t = 0;
+            for &(i, c) in &chosen {
+                self.live[i].1.k[layer].extend_from_slice(&kt[t..t + c]);
+                self.live[i].1.v[layer].extend_from_slice(&vt[t..t + c]);
+                t += c;
+            }
+        }
+    }
+
+    fn forward(&mut self, seqs: &[(usize, usize)], seed: u32, commit: bool) {
+        let chosen = self.distinct(seqs);
+        if chosen.is_empty() {
+            return;
+        }
+        // Tokens interleaved round-robin across the sequences.
+        let mut order = Vec::new();
+        let mut next: Vec<usize> = chosen.iter().map(|&(i, _)| self.live[i].1.held()).collect();
+        for round in 0..chosen.iter().map(|c| c.1).max().unwrap() {
+            for (j, &(i, c)) in chosen.iter().enumerate() {
+                if round < c {
+                    order.push((j, i, next[j]));
+                    next[j] += 1;
+                }
+            }
+        }
+        let token_seqs: Vec<SeqId> = order.iter().map(|&(_, i, _)| self.live[i].0).collect();
+        let positions: Vec<i64> = order.iter().map(|&(_, _, p)| p as i64).collect();
+        let uniform = chosen.iter().all(|&(i, _)| self.live[i].1.uniform());
+        let needed: usize = chosen
+            .iter()
+            .map(|&(i, c)| {
+                self.blocks_needed(
+                    self.live[i].0,
+                    self.live[i].1.held(),
+                    self.live[i].1.held() + c,
+                )
+            })
+            .sum();
+        let free = self.pool.num_free_blocks();
+        let res = self.pool.start_forward(&token_seqs, &positions);
+        if !uniform || needed > free {
+            assert!(res.is_err());
+            return;
+        }
+        let plan = res.unwrap();
+        let n = order.len();
+        for layer in 0..L {
+            let (k, kt) = tokens(seed.wrapping_add(7 * layer as u32), n);
+            let (v, vt) = tokens(seed ^ 0x7777 ^ layer as u32, n);
+            self.pool
+                .write(
+                    layer as i64,
+                    &tensor(&k, &[n, H, D]),
+                    &tensor(&v, &[n, H, D]),
+                    &plan.slots,
+                )
+                .unwrap();
+            for (t, &(_, i, _)) in order.iter().enumerate() {
+                self.live[i].1.k[layer].push(kt[t].clone());
+                self.live[i].1.v[layer].push(vt[t].clone());
+            }
+        }
+        // The history and mask.
+        let hist = plan.history_len();
+        for layer in 0..L {
+            let (mut ko, mut vo, mut mask) = (
+                vec![0f32; H * hist * D],
+                vec![0f32; H * hist * D],
+                vec![0f32; n * hist],
+            );
+            self.pool
+                .forward_get(
+                    &plan,
+                    layer as i64,
+                    &tensor_mut(&mut ko, &[H, hist, D]),
+                    &tensor_mut(&mut vo, &[H, hist, D]),
+                    &mut mask,
+                )
+                .unwrap();
+            let mut off = 0;
+            let mut offsets = vec![];
+            for &(i, _) in &chosen {
+                let r = &self.live[i].1;
+                for p in 0..r.k[layer].len() {
+                    for h in 0..H {
+                        for d in 0..D {
+                            assert_eq!(ko[(h * hist + off + p) * D + d], r.k[layer][p][h * D + d]);
+                            assert_eq!(vo[(h * hist + off + p) * D + d], r.v[layer][p][h * D + d]);
+                        }
+                    }
+                }
+                offsets.push(off);
+                off += r.k[layer].len();
+            }
+            for (t, &(j, _, pos)) in order.iter().enumerate() {
+                for c in 0..hist {
+                    let visible = c >= offsets[j] && c <= offsets[j] + pos;
+                    assert_eq!(mask[t * hist + c] == 0.0, visible, "token {t} history {c}");
+                    assert!(mask[t * hist + c] == 0.0 || mask[t * hist + c] == f32::NEG_INFINITY);
+                }
+            }
+        }
+        if commit {
+            self.pool.finish_forward(&plan).unwrap();
+            for &(i, _) in &chosen {
+                self.live[i].1.seq_len = self.live[i].1.held();
+            }
+        } else {
+            self.pool.cancel_forward(&plan);
+            for &(i, c) in &chosen {
+                let r = &mut self.live[i].1;
+                let start = r.held() - c;
+                r.cut(start);
+            }
+        }
+    }
+
+    fn check(&self) {
+        self.pool.check_invariants().unwrap();
+        let mut slots = HashSet::new();
+        for (id, r) in &self.live {
+            let s = self.pool.seq(*id).unwrap();
+            assert_eq!(s.seq_len, r.seq_len);
+            for l in 0..L {
+                let len = r.k[l].len();
+                assert_eq!(s.layer_len[l], len);
+                let cap = len.max(1);
+                let (mut ko, mut vo) = (vec![f32::NAN; H * cap * D], vec![f32::NAN; H * cap * D]);
+                let got = self
+                    .pool
+                    .gather(
+                        *id,
+                        l as i64,
+                        &tensor_mut(&mut ko, &[H, cap, D]),
+                        &tensor_mut(&mut vo, &[H, cap, D]),
+                    )
+                    .unwrap();
+                assert_eq!(got, len);
+                for p in 0..len {
+                    for h in 0..H {
+                        for d in 0..D {
+                            assert_eq!(
+                                ko[(h * cap + p) * D + d],
+                                r.k[l][p][h * D + d],
+                                "seq {id} layer {l} pos {p}"
+                            );
+                            assert_eq!(vo[(h * cap + p) * D + d], r.v[l][p][h * D + d]);
+                        }
+                    }
+                }
+            }
+            for p in 0..r.held() {
+                slots.insert((s.blocks[p / BS], p % BS));
+            }
+        }
+        let st = self.pool.stats();
+        assert_eq!(st.free_blocks + st.used_blocks, BLOCKS);
+        assert_eq!(st.tokens_stored, slots.len());
+        assert_eq!(st.fragmentation_tokens, st.used_blocks * BS - slots.len());
+        assert_eq!(st.num_sequences, self.live.len());
+    }
+}
+
+fn run(layout: KvLayout, dtype: DType, ops: &[Op]) {
+    let shape = PagedShape {
+        num_layers: L,
+        num_kv_heads: H,
+        head_dim: D,
+        block_size: BS,
+        num_blocks: BLOCKS,
+        layout,
+    };
+    let mut w = World {
+        pool: BlockPool::new(shape, dtype, Device::Cpu).unwrap(),
+        live: Vec::new(),
+    };
+    for op in ops {
+        w.apply(op);
+        w.check();
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 600, ..ProptestConfig::default() })]
+
+    #[test]
+    fn nhd_float32_pool_matches_reference(ops in prop::collection::vec(op(), 1..60)) {
+        run(KvLayout::Nhd, DType::F32, &ops);
+    }
+
+    #[test]
+    fn hnd_bfloat16_pool_matches_reference(ops in prop::collection::vec(op(), 1..60)) {
+        run(KvLayout::Hnd, DType::BF16, &ops);
+    }
+}
