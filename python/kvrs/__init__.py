@@ -1,25 +1,34 @@
 """kvrs: KV-cache storage for LLM inference, with a Rust core.
 
-The contiguous cache (:class:`KVCache`) preallocates K and V for every layer and hands
-them out as zero-copy NumPy views. Errors derive from :class:`KvrsError` where they are
+The contiguous cache (:class:`KVCache`) preallocates K and V for every layer of one
+sequence and hands them out as zero-copy NumPy views. The paged pool
+(:class:`BlockPool`) shares fixed-size blocks between many :class:`Sequence` objects,
+with copy-on-write forks, vLLM slot mappings, FlashInfer page tables and ollama-style
+batched forwards (:class:`ForwardBatch`). Errors derive from :class:`KvrsError` where they are
 kvrs-specific (:class:`CacheFullError`, :class:`NotSupportedError`, :class:`DeviceError`)
 and are plain ``ValueError`` / ``IndexError`` / ``TypeError`` otherwise.
 """
 
 from kvrs._kvrs import (
+    BlockPool,
     CacheFullError,
     DeviceError,
+    ForwardBatch,
     KVCache,
     KvrsError,
     NotSupportedError,
+    Sequence,
     __version__,
 )
 
 __all__ = [
+    "BlockPool",
     "CacheFullError",
     "DeviceError",
+    "ForwardBatch",
     "KVCache",
     "KvrsError",
     "NotSupportedError",
+    "Sequence",
     "__version__",
 ]

@@ -1,11 +1,23 @@
 """Type stubs for the compiled core, kvrs._kvrs (checked by mypy.stubtest in `make test`)."""
 
+from collections.abc import Iterable
+from types import TracebackType
 from typing import Any, final
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["CacheFullError", "DeviceError", "KVCache", "KvrsError", "NotSupportedError", "__version__"]
+__all__ = [
+    "BlockPool",
+    "CacheFullError",
+    "DeviceError",
+    "ForwardBatch",
+    "KVCache",
+    "KvrsError",
+    "NotSupportedError",
+    "Sequence",
+    "__version__",
+]
 
 __version__: str
 
@@ -14,6 +26,9 @@ _DTypeLike = str | np.dtype[Any] | type | Any
 
 _ArrayLike = npt.NDArray[Any] | Any
 """A NumPy array, anything with ``__dlpack__`` (a torch CPU tensor), or anything with the buffer protocol."""
+
+_IntsLike = npt.NDArray[np.integer[Any]] | Iterable[int]
+"""A 1-D integer array or a sequence of ints."""
 
 class KvrsError(Exception):
     """Base class of every kvrs-specific error."""
@@ -97,3 +112,157 @@ class KVCache:
     def utilization_ratio(self) -> float:
         """seq_len / max_seq_len, in [0, 1]."""
     def __len__(self) -> int: ...
+
+@final
+class BlockPool:
+    """A pool of fixed-size KV blocks for every layer, allocated once and shared by many sequences."""
+
+    def __new__(
+        cls,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        memory_bytes: int | str | None = None,
+        dtype: _DTypeLike = "float16",
+        device: str | Any = "cpu",
+        layout: str = "NHD",
+    ) -> BlockPool: ...
+    @property
+    def num_layers(self) -> int:
+        """Number of layers."""
+    @property
+    def num_kv_heads(self) -> int:
+        """Key/value heads per layer."""
+    @property
+    def head_dim(self) -> int:
+        """Elements per head vector."""
+    @property
+    def block_size(self) -> int:
+        """Positions per block."""
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool."""
+    @property
+    def dtype(self) -> str:
+        """Storage dtype name."""
+    @property
+    def device(self) -> str:
+        """Device name."""
+    @property
+    def layout(self) -> str:
+        """'NHD' or 'HND'."""
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block across all layers (K and V)."""
+    @property
+    def free_blocks(self) -> int:
+        """Blocks no sequence holds."""
+    def kv_cache(self, layer: int) -> npt.NDArray[Any]:
+        """Zero-copy writable view of one layer's cache tensor, in FlashInfer's paged layout."""
+    def stats(self) -> dict[str, Any]:
+        """Occupancy as a dict (blocks, bytes, exact token counts)."""
+    def new_sequence(self) -> Sequence:
+        """Starts an empty sequence."""
+    def copy_prefix(self, src: Sequence, dst: Sequence, n: int) -> None:
+        """Makes `dst` hold the first `n` committed positions of `src`, sharing blocks."""
+    def keep(self, seqs: Iterable[Sequence]) -> None:
+        """Frees every sequence of the pool not in `seqs`."""
+    def reserve(self, seqs: Iterable[Sequence], counts: _IntsLike) -> npt.NDArray[np.int64]:
+        """Reserves room for counts[i] new tokens in each sequence; returns the int64 slot mapping."""
+    def write(self, layer: int, k: _ArrayLike, v: _ArrayLike, slot_mapping: _IntsLike) -> None:
+        """Scatters k, v [n_tokens, num_kv_heads, head_dim] into slot_mapping (-1 skips)."""
+    def page_table(
+        self, seqs: Iterable[Sequence]
+    ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32], npt.NDArray[np.int32]]:
+        """FlashInfer's int32 page table (indptr, indices, last_page_len) of `seqs`."""
+    def block_tables(self, seqs: Iterable[Sequence], pad: int = -1) -> npt.NDArray[np.int32]:
+        """Block tables of `seqs` as an int32 [batch, max_blocks] array padded with `pad`."""
+    def start_forward(self, seqs: Iterable[Sequence], positions: _IntsLike) -> ForwardBatch:
+        """Places a batch of tokens (token i: seqs[i] at positions[i]) and reserves their slots."""
+    def check_invariants(self) -> None:
+        """Verifies internal consistency; raises AssertionError naming the first broken invariant."""
+
+@final
+class Sequence:
+    """One sequence's view of a pool: its block table and lengths."""
+
+    @property
+    def pool(self) -> BlockPool:
+        """The pool this sequence lives in."""
+    @property
+    def seq_len(self) -> int:
+        """Committed length."""
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the block table."""
+    @property
+    def block_table(self) -> npt.NDArray[np.int32]:
+        """The block ids, in position order (an int32 copy)."""
+    @property
+    def pos_min(self) -> int:
+        """Lowest position held (-1 when empty)."""
+    @property
+    def pos_max(self) -> int:
+        """Highest committed position (-1 when empty)."""
+    @property
+    def is_freed(self) -> bool:
+        """Whether free() has been called (or the pool's keep() dropped it)."""
+    def layer_len(self, layer: int) -> int:
+        """Positions written into `layer` (committed and appended)."""
+    def memory_bytes(self) -> int:
+        """Bytes of the blocks this sequence holds (shared blocks count in full)."""
+    def append(self, layer: int, k: _ArrayLike, v: _ArrayLike) -> int:
+        """Appends k, v [n_tokens, num_kv_heads, head_dim]; returns the start position."""
+    def advance(self, n: int = 1) -> None:
+        """Commits n tokens: seq_len += n. Every layer must hold them already."""
+    def get(
+        self, layer: int, out: tuple[npt.NDArray[Any], npt.NDArray[Any]] | None = None
+    ) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+        """The layer's K and V gathered into contiguous [num_kv_heads, length, head_dim] arrays."""
+    def views(self, layer: int) -> list[tuple[int, int, npt.NDArray[Any], npt.NDArray[Any]]]:
+        """Zero-copy read-only per-block views: a list of (start, length, K, V)."""
+    def fork(self) -> Sequence:
+        """A new sequence sharing every block of this one (copy-on-write on first write)."""
+    def truncate(self, n: int) -> None:
+        """Drops positions >= n, returning freed blocks; a no-op when n >= seq_len."""
+    def remove(self, begin: int, end: int | None = None) -> None:
+        """llama.cpp's seq_rm: removes positions [begin, end); a middle span raises NotSupportedError."""
+    def free(self) -> None:
+        """Returns every block to the pool; the sequence cannot be used afterwards."""
+    def __enter__(self) -> Sequence: ...
+    def __exit__(self, *_args: object) -> None: ...
+
+@final
+class ForwardBatch:
+    """A batch of tokens placed in a pool by BlockPool.start_forward."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the batch."""
+    @property
+    def slot_mapping(self) -> npt.NDArray[np.int64]:
+        """Each token's slot (int64, vLLM's convention)."""
+    @property
+    def positions(self) -> npt.NDArray[np.int64]:
+        """Each token's position in its sequence."""
+    @property
+    def history_len(self) -> int:
+        """Positions of history that get() returns."""
+    def put(self, layer: int, k: _ArrayLike, v: _ArrayLike) -> None:
+        """Writes this layer's K and V for the batch's tokens ([n_tokens, heads, head_dim])."""
+    def get(self, layer: int) -> tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[np.float32]]:
+        """(K, V, mask) over every sequence of the batch; mask is 0 where a token may attend, -inf elsewhere."""
+    def finish(self) -> None:
+        """Commits the batch: each sequence's seq_len moves past its new tokens."""
+    def cancel(self) -> None:
+        """Abandons the batch: the reserved positions are dropped again."""
+    def __enter__(self) -> ForwardBatch: ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        _exc: BaseException | None = None,
+        _tb: TracebackType | None = None,
+    ) -> None: ...

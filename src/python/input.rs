@@ -7,7 +7,7 @@ use dlpark::ffi::{
     DLDataTypeCode, DLDeviceType, DLManagedTensor, DLManagedTensorVersioned, DLTensor,
 };
 use dlpark::ManagedBox;
-use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::{PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::PyTypeError;
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -170,4 +170,29 @@ fn check_rank(name: &'static str, shape: &[usize]) -> PyResult<()> {
         .into());
     }
     Ok(())
+}
+
+/// Reads `obj` (argument `name`: a list, tuple or 1-D integer array) as int64 values.
+pub fn read_ints(obj: &Bound<'_, PyAny>, name: &'static str) -> PyResult<Vec<i64>> {
+    let py = obj.py();
+    if let Ok(arr) = obj.cast::<numpy::PyArray1<i64>>() {
+        return Ok(arr.to_vec()?);
+    }
+    let arr = py
+        .import(intern!(py, "numpy"))?
+        .call_method1(intern!(py, "asarray"), (obj,))?;
+    let arr = arr.cast_into::<PyUntypedArray>().map_err(PyErr::from)?;
+    let kind = arr.dtype().kind();
+    if arr.ndim() != 1 || !(kind == b'i' || kind == b'u' || (kind == b'f' && arr.len() == 0)) {
+        return Err(PyTypeError::new_err(format!(
+            "{name} must be a 1-D sequence of integers, got dtype {} and shape {:?}",
+            arr.dtype().str()?,
+            arr.shape()
+        )));
+    }
+    let arr = arr.call_method1(intern!(py, "astype"), ("int64",))?;
+    Ok(arr
+        .cast_into::<numpy::PyArray1<i64>>()
+        .map_err(PyErr::from)?
+        .to_vec()?)
 }

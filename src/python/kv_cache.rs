@@ -5,6 +5,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
 use super::args::{parse_device, parse_dtype};
+use super::copying;
 use super::input::read_tensor;
 use super::views::{borrowed_array, new_array};
 use crate::dtype::DType;
@@ -12,19 +13,6 @@ use crate::error::{check_index, KvError};
 use crate::kv_cache::{CacheShape, KVCache, Kv};
 use crate::storage::Device;
 use crate::tensor::TensorRef;
-
-/// Copies of at least this many bytes run with the GIL released; smaller ones (a decode
-/// step's single token) finish faster than releasing and re-taking the GIL would.
-const DETACH_BYTES: usize = 64 * 1024;
-
-/// Runs `f` with the GIL released when it moves at least [`DETACH_BYTES`].
-fn copying<T: Send, F: FnOnce() -> T + Send>(py: Python<'_>, bytes: usize, f: F) -> T {
-    if bytes >= DETACH_BYTES {
-        py.detach(f)
-    } else {
-        f()
-    }
-}
 
 /// A contiguous KV cache for one sequence, preallocated for `max_seq_len` positions.
 #[pyclass(frozen, name = "KVCache", module = "kvrs")]

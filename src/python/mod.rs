@@ -1,18 +1,36 @@
 //! PyO3 bindings (feature `python`): the `kvrs._kvrs` extension module.
 
 mod args;
+mod batch;
 mod errors;
 mod input;
 mod kv_cache;
+mod pool;
 mod views;
 
 use pyo3::prelude::*;
+
+/// Copies of at least this many bytes run with the GIL released; smaller ones (a decode
+/// step's single token) finish faster than releasing and re-taking the GIL would.
+const DETACH_BYTES: usize = 64 * 1024;
+
+/// Runs `f` with the GIL released when it moves at least [`DETACH_BYTES`].
+fn copying<T: Send, F: FnOnce() -> T + Send>(py: Python<'_>, bytes: usize, f: F) -> T {
+    if bytes >= DETACH_BYTES {
+        py.detach(f)
+    } else {
+        f()
+    }
+}
 
 /// The compiled core of kvrs; import the `kvrs` package instead.
 #[pymodule]
 fn _kvrs(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add_class::<kv_cache::PyKVCache>()?;
+    m.add_class::<pool::PyBlockPool>()?;
+    m.add_class::<pool::PySequence>()?;
+    m.add_class::<batch::PyForwardBatch>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

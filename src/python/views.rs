@@ -60,8 +60,8 @@ unsafe fn ndarray<'py>(
     layout: Option<(*mut u8, &[isize])>,
     flags: i32,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let mut dims: [npy_intp; 4] = [0; 4];
-    let mut st: [npy_intp; 4] = [0; 4];
+    let mut dims: [npy_intp; 8] = [0; 8];
+    let mut st: [npy_intp; 8] = [0; 8];
     for (i, &d) in shape.iter().enumerate() {
         dims[i] = d as npy_intp;
     }

@@ -1,0 +1,166 @@
+//! `kvrs.ForwardBatch`: ollama's StartForward / Put / Get over a pool.
+
+use numpy::{PyArray1, PyArrayMethods};
+use parking_lot::Mutex;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+
+use super::copying;
+use super::input::read_tensor;
+use super::pool::PyBlockPool;
+use super::views::new_array;
+use crate::paged::ForwardPlan;
+use crate::tensor::TensorRef;
+
+/// A batch of tokens placed in a pool by `BlockPool.start_forward`.
+#[pyclass(frozen, name = "ForwardBatch", module = "kvrs")]
+pub struct PyForwardBatch {
+    pool: Py<PyBlockPool>,
+    plan: ForwardPlan,
+    /// None while open; then "finished" or "cancelled".
+    closed: Mutex<Option<&'static str>>,
+}
+
+impl PyForwardBatch {
+    /// Wraps a plan the pool has reserved.
+    pub fn new(pool: Py<PyBlockPool>, plan: ForwardPlan) -> Self {
+        PyForwardBatch {
+            pool,
+            plan,
+            closed: Mutex::new(None),
+        }
+    }
+
+    fn check_open(&self) -> PyResult<()> {
+        match *self.closed.lock() {
+            None => Ok(()),
+            Some(state) => Err(PyValueError::new_err(format!(
+                "this batch is already {state}"
+            ))),
+        }
+    }
+}
+
+#[pymethods]
+impl PyForwardBatch {
+    /// Tokens in the batch.
+    #[getter]
+    fn num_tokens(&self) -> usize {
+        self.plan.slots.len()
+    }
+
+    /// Each token's slot (int64, vLLM's convention), for kernels that write K/V themselves.
+    #[getter]
+    fn slot_mapping<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        PyArray1::from_slice(py, &self.plan.slots)
+    }
+
+    /// Each token's position in its sequence.
+    #[getter]
+    fn positions<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        PyArray1::from_iter(py, self.plan.positions.iter().map(|&p| p as i64))
+    }
+
+    /// Positions of history that get() returns (all sequences of the batch, concatenated).
+    #[getter]
+    fn history_len(&self) -> usize {
+        self.plan.history_len()
+    }
+
+    /// Writes this layer's K and V for the batch's tokens ([n_tokens, heads, head_dim]).
+    fn put(
+        &self,
+        py: Python<'_>,
+        layer: i64,
+        k: &Bound<'_, PyAny>,
+        v: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        self.check_open()?;
+        let (k, v) = (read_tensor(k, "k")?, read_tensor(v, "v")?);
+        let (kt, vt) = (*k.tensor(), *v.tensor());
+        let pool = self.pool.get();
+        copying(py, kt.nbytes() + vt.nbytes(), || {
+            pool.inner.lock().write(layer, &kt, &vt, &self.plan.slots)
+        })?;
+        Ok(())
+    }
+
+    /// (K, V, mask): K and V [heads, history_len, head_dim] cover every sequence of the
+    /// batch, concatenated in order of first appearance; mask float32 [n_tokens,
+    /// history_len] is 0 where a token may attend (its own sequence, up to its own
+    /// position) and -inf elsewhere.
+    fn get<'py>(&self, py: Python<'py>, layer: i64) -> PyResult<Bound<'py, PyTuple>> {
+        self.check_open()?;
+        let pool = self.pool.get();
+        let (h, d, hist, n) = (
+            pool.shape.num_kv_heads,
+            pool.shape.head_dim,
+            self.plan.history_len(),
+            self.plan.slots.len(),
+        );
+        let (k, kp) = new_array(py, pool.dtype, &[h, hist, d])?;
+        let (v, vp) = new_array(py, pool.dtype, &[h, hist, d])?;
+        let mask = PyArray1::<f32>::zeros(py, n * hist, false);
+        // SAFETY: fresh C-contiguous arrays of exactly these shapes, held above.
+        let kt = unsafe { TensorRef::contiguous(kp, pool.dtype, &[h, hist, d])? };
+        let vt = unsafe { TensorRef::contiguous(vp, pool.dtype, &[h, hist, d])? };
+        {
+            let mut m = unsafe { mask.as_array_mut() };
+            let m = m.as_slice_mut().expect("fresh contiguous array");
+            copying(py, 2 * kt.nbytes(), || {
+                pool.inner
+                    .lock()
+                    .forward_get(&self.plan, layer, &kt, &vt, m)
+            })?;
+        }
+        let mask = mask.reshape([n, hist])?;
+        PyTuple::new(py, [k, v, mask.into_any()])
+    }
+
+    /// Commits the batch: each sequence's seq_len moves past its new tokens.
+    fn finish(&self) -> PyResult<()> {
+        self.check_open()?;
+        self.pool.get().inner.lock().finish_forward(&self.plan)?;
+        *self.closed.lock() = Some("finished");
+        Ok(())
+    }
+
+    /// Abandons the batch: the reserved positions are dropped again.
+    fn cancel(&self) -> PyResult<()> {
+        self.check_open()?;
+        self.pool.get().inner.lock().cancel_forward(&self.plan);
+        *self.closed.lock() = Some("cancelled");
+        Ok(())
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    /// Finishes the batch, or cancels it when the block raised.
+    #[pyo3(signature = (exc_type, _exc = None, _tb = None))]
+    fn __exit__(
+        &self,
+        exc_type: Option<&Bound<'_, PyAny>>,
+        _exc: Option<&Bound<'_, PyAny>>,
+        _tb: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        if self.closed.lock().is_some() {
+            return Ok(());
+        }
+        match exc_type {
+            Some(t) if !t.is_none() => self.cancel(),
+            _ => self.finish(),
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "ForwardBatch(num_tokens={}, sequences={}, state={})",
+            self.plan.slots.len(),
+            self.plan.seqs.len(),
+            self.closed.lock().unwrap_or("open")
+        )
+    }
+}

@@ -1,0 +1,647 @@
+//! `kvrs.BlockPool` and `kvrs.Sequence`: the Python face of the paged pool.
+
+use numpy::{PyArray1, PyArray2, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
+use parking_lot::Mutex;
+use pyo3::exceptions::{PyAssertionError, PyTypeError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyTuple};
+
+use super::args::{parse_device, parse_dtype};
+use super::batch::PyForwardBatch;
+use super::copying;
+use super::input::{read_ints, read_tensor};
+use super::views::{borrowed_array, new_array};
+use crate::bytes::parse_size;
+use crate::dtype::DType;
+use crate::error::KvError;
+use crate::kv_cache::Kv;
+use crate::paged::{BlockPool, KvLayout, PagedShape, SeqId};
+use crate::storage::Device;
+
+/// A pool of fixed-size KV blocks for every layer, allocated once and shared by many
+/// sequences.
+#[pyclass(frozen, name = "BlockPool", module = "kvrs")]
+pub struct PyBlockPool {
+    pub(crate) inner: Mutex<BlockPool>,
+    pub(crate) shape: PagedShape,
+    pub(crate) dtype: DType,
+    device: Device,
+    data: usize,
+}
+
+/// One sequence's view of a pool: its block table and lengths.
+#[pyclass(frozen, name = "Sequence", module = "kvrs")]
+pub struct PySequence {
+    pub(crate) pool: Py<PyBlockPool>,
+    pub(crate) id: SeqId,
+}
+
+impl Drop for PySequence {
+    fn drop(&mut self) {
+        // Release on garbage collection; a sequence already freed is simply gone.
+        let _ = self.pool.get().inner.lock().free_sequence(self.id);
+    }
+}
+
+impl PyBlockPool {
+    /// Ids of `seqs`, each checked to be a Sequence of this pool.
+    pub(crate) fn ids(
+        slf: &Bound<'_, Self>,
+        seqs: &Bound<'_, PyAny>,
+        name: &'static str,
+    ) -> PyResult<Vec<SeqId>> {
+        let mut ids = Vec::new();
+        for item in seqs.try_iter()? {
+            ids.push(Self::id_of(slf, &item?, name)?);
+        }
+        Ok(ids)
+    }
+
+    pub(crate) fn id_of(
+        slf: &Bound<'_, Self>,
+        seq: &Bound<'_, PyAny>,
+        name: &'static str,
+    ) -> PyResult<SeqId> {
+        let seq = seq
+            .cast::<PySequence>()
+            .map_err(|_| PyTypeError::new_err(format!("{name} must hold kvrs.Sequence objects")))?
+            .get();
+        if !seq.pool.bind(slf.py()).is(slf) {
+            return Err(KvError::InvalidArgument {
+                name,
+                value: format!("sequence {}", seq.id),
+                reason: "belongs to another pool".into(),
+            }
+            .into());
+        }
+        Ok(seq.id)
+    }
+
+    /// A read-only (or writable) NumPy view over `[...]` elements of the storage, owned by the pool.
+    pub(crate) fn view<'py>(
+        slf: &Bound<'py, Self>,
+        offset: usize,
+        shape: &[usize],
+        strides: &[usize],
+        writeable: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let me = slf.get();
+        let es = me.dtype.size();
+        let byte_strides: Vec<isize> = strides.iter().map(|&s| (s * es) as isize).collect();
+        // SAFETY: the pool's storage is never reallocated and lives as long as `slf`, the base.
+        unsafe {
+            borrowed_array(
+                slf.as_any(),
+                (me.data + offset * es) as *mut u8,
+                me.dtype,
+                shape,
+                &byte_strides,
+                writeable,
+            )
+        }
+    }
+
+    fn sequence(slf: &Bound<'_, Self>, id: SeqId) -> PySequence {
+        PySequence {
+            pool: slf.clone().unbind(),
+            id,
+        }
+    }
+}
+
+fn i32_array<'py>(py: Python<'py>, v: Vec<i32>) -> Bound<'py, PyArray1<i32>> {
+    PyArray1::from_vec(py, v)
+}
+
+#[pymethods]
+impl PyBlockPool {
+    #[new]
+    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, *, block_size = 16, num_blocks = None, memory_bytes = None, dtype = None, device = None, layout = "NHD"))]
+    #[pyo3(
+        text_signature = "(num_layers, num_kv_heads, head_dim, *, block_size=16, num_blocks=None, memory_bytes=None, dtype='float16', device='cpu', layout='NHD')"
+    )]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        num_layers: i64,
+        num_kv_heads: i64,
+        head_dim: i64,
+        block_size: i64,
+        num_blocks: Option<i64>,
+        memory_bytes: Option<&Bound<'_, PyAny>>,
+        dtype: Option<&Bound<'_, PyAny>>,
+        device: Option<&Bound<'_, PyAny>>,
+        layout: &str,
+    ) -> PyResult<Self> {
+        let positive = |name: &'static str, v: i64| -> PyResult<usize> {
+            if v < 1 {
+                return Err(KvError::InvalidArgument {
+                    name,
+                    value: v.to_string(),
+                    reason: "must be >= 1".into(),
+                }
+                .into());
+            }
+            Ok(v as usize)
+        };
+        let dtype = dtype.map(parse_dtype).transpose()?.unwrap_or(DType::F16);
+        let device = device.map(parse_device).transpose()?.unwrap_or(Device::Cpu);
+        let mut shape = PagedShape {
+            num_layers: positive("num_layers", num_layers)?,
+            num_kv_heads: positive("num_kv_heads", num_kv_heads)?,
+            head_dim: positive("head_dim", head_dim)?,
+            block_size: positive("block_size", block_size)?,
+            num_blocks: 0,
+            layout: layout.parse::<KvLayout>()?,
+        };
+        let per_block = shape.num_layers
+            * 2
+            * shape.block_size
+            * shape.num_kv_heads
+            * shape.head_dim
+            * dtype.size();
+        shape.num_blocks = match (num_blocks, memory_bytes) {
+            (Some(n), None) => positive("num_blocks", n)?,
+            (None, Some(m)) => {
+                let bytes = match m.extract::<i64>() {
+                    Ok(b) if b >= 0 => b as usize,
+                    Ok(b) => {
+                        return Err(KvError::InvalidArgument {
+                            name: "memory_bytes",
+                            value: b.to_string(),
+                            reason: "must be >= 0".into(),
+                        }
+                        .into())
+                    }
+                    Err(_) => parse_size(&m.str()?.to_string())?,
+                };
+                if bytes < per_block {
+                    return Err(KvError::InvalidArgument {
+                        name: "memory_bytes",
+                        value: bytes.to_string(),
+                        reason: format!(
+                            "holds no block: one block of every layer takes {per_block} bytes"
+                        ),
+                    }
+                    .into());
+                }
+                bytes / per_block
+            }
+            _ => {
+                return Err(KvError::InvalidArgument {
+                    name: "num_blocks",
+                    value: format!("{num_blocks:?}"),
+                    reason: "give exactly one of num_blocks and memory_bytes".into(),
+                }
+                .into())
+            }
+        };
+        let pool = BlockPool::new(shape, dtype, device)?;
+        let data = pool.data_ptr() as usize;
+        Ok(PyBlockPool {
+            inner: Mutex::new(pool),
+            shape,
+            dtype,
+            device,
+            data,
+        })
+    }
+
+    /// Number of layers.
+    #[getter]
+    fn num_layers(&self) -> usize {
+        self.shape.num_layers
+    }
+
+    /// Key/value heads per layer.
+    #[getter]
+    fn num_kv_heads(&self) -> usize {
+        self.shape.num_kv_heads
+    }
+
+    /// Elements per head vector.
+    #[getter]
+    fn head_dim(&self) -> usize {
+        self.shape.head_dim
+    }
+
+    /// Positions per block.
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.shape.block_size
+    }
+
+    /// Blocks in the pool.
+    #[getter]
+    fn num_blocks(&self) -> usize {
+        self.shape.num_blocks
+    }
+
+    /// Storage dtype name.
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.dtype.name()
+    }
+
+    /// Device name.
+    #[getter]
+    fn device(&self) -> String {
+        self.device.to_string()
+    }
+
+    /// 'NHD' or 'HND'.
+    #[getter]
+    fn layout(&self) -> String {
+        self.shape.layout.to_string()
+    }
+
+    /// Bytes of one block across all layers (K and V).
+    #[getter]
+    fn bytes_per_block(&self) -> usize {
+        self.inner.lock().bytes_per_block()
+    }
+
+    /// Blocks no sequence holds.
+    #[getter]
+    fn free_blocks(&self) -> usize {
+        self.inner.lock().num_free_blocks()
+    }
+
+    /// Zero-copy writable view of one layer's cache tensor, in FlashInfer's paged layout.
+    fn kv_cache<'py>(slf: &Bound<'py, Self>, layer: i64) -> PyResult<Bound<'py, PyAny>> {
+        let sh = slf.get().shape;
+        let layer = crate::error::check_index("layer", layer, sh.num_layers)?;
+        let dims = sh.layer_tensor_shape();
+        let mut strides = [1usize; 5];
+        for i in (0..4).rev() {
+            strides[i] = strides[i + 1] * dims[i + 1];
+        }
+        Self::view(slf, sh.block_offset(layer, 0), &dims, &strides, true)
+    }
+
+    /// Occupancy as a dict (blocks, bytes, exact token counts).
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.lock().stats();
+        let d = PyDict::new(py);
+        d.set_item("num_blocks", s.num_blocks)?;
+        d.set_item("free_blocks", s.free_blocks)?;
+        d.set_item("used_blocks", s.used_blocks)?;
+        d.set_item("block_size", s.block_size)?;
+        d.set_item("bytes_total", s.bytes_total)?;
+        d.set_item("bytes_used", s.bytes_used)?;
+        d.set_item("tokens_stored", s.tokens_stored)?;
+        d.set_item("fragmentation_tokens", s.fragmentation_tokens)?;
+        d.set_item("utilization_ratio", s.utilization_ratio)?;
+        d.set_item("num_sequences", s.num_sequences)?;
+        Ok(d)
+    }
+
+    /// Starts an empty sequence.
+    fn new_sequence(slf: &Bound<'_, Self>) -> PySequence {
+        let id = slf.get().inner.lock().new_sequence();
+        Self::sequence(slf, id)
+    }
+
+    /// Makes `dst` hold the first `n` committed positions of `src`, sharing blocks.
+    fn copy_prefix(
+        slf: &Bound<'_, Self>,
+        src: &Bound<'_, PyAny>,
+        dst: &Bound<'_, PyAny>,
+        n: i64,
+    ) -> PyResult<()> {
+        let (s, d) = (Self::id_of(slf, src, "src")?, Self::id_of(slf, dst, "dst")?);
+        Ok(slf.get().inner.lock().copy_prefix(s, d, n)?)
+    }
+
+    /// Frees every sequence of the pool not in `seqs`.
+    fn keep(slf: &Bound<'_, Self>, seqs: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids = Self::ids(slf, seqs, "seqs")?;
+        Ok(slf.get().inner.lock().keep(&ids)?)
+    }
+
+    /// Reserves room for counts[i] new tokens at the end of each sequence (all or nothing)
+    /// and returns their int64 slot mapping (block * block_size + offset).
+    fn reserve<'py>(
+        slf: &Bound<'py, Self>,
+        seqs: &Bound<'py, PyAny>,
+        counts: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let ids = Self::ids(slf, seqs, "seqs")?;
+        let counts = read_ints(counts, "counts")?;
+        let slots = slf.get().inner.lock().reserve(&ids, &counts)?;
+        Ok(PyArray1::from_vec(slf.py(), slots))
+    }
+
+    /// Scatters k, v [n_tokens, num_kv_heads, head_dim] into slot_mapping (-1 skips).
+    fn write(
+        &self,
+        py: Python<'_>,
+        layer: i64,
+        k: &Bound<'_, PyAny>,
+        v: &Bound<'_, PyAny>,
+        slot_mapping: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let (k, v) = (read_tensor(k, "k")?, read_tensor(v, "v")?);
+        let slots = read_ints(slot_mapping, "slot_mapping")?;
+        let (kt, vt) = (*k.tensor(), *v.tensor());
+        copying(py, kt.nbytes() + vt.nbytes(), || {
+            self.inner.lock().write(layer, &kt, &vt, &slots)
+        })?;
+        Ok(())
+    }
+
+    /// FlashInfer's int32 page table (indptr, indices, last_page_len) of `seqs`.
+    fn page_table<'py>(
+        slf: &Bound<'py, Self>,
+        seqs: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let ids = Self::ids(slf, seqs, "seqs")?;
+        let (indptr, indices, last) = slf.get().inner.lock().page_table(&ids)?;
+        let py = slf.py();
+        PyTuple::new(
+            py,
+            [
+                i32_array(py, indptr),
+                i32_array(py, indices),
+                i32_array(py, last),
+            ],
+        )
+    }
+
+    /// Block tables of `seqs` as an int32 [batch, max_blocks] array padded with `pad`.
+    #[pyo3(signature = (seqs, pad = -1))]
+    #[pyo3(text_signature = "($self, seqs, pad=-1)")]
+    fn block_tables<'py>(
+        slf: &Bound<'py, Self>,
+        seqs: &Bound<'py, PyAny>,
+        pad: i32,
+    ) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        let ids = Self::ids(slf, seqs, "seqs")?;
+        let (flat, width) = slf.get().inner.lock().block_tables(&ids, pad)?;
+        Ok(PyArray1::from_vec(slf.py(), flat).reshape([ids.len(), width])?)
+    }
+
+    /// Places a batch of tokens (token i: seqs[i] at positions[i]) and reserves their
+    /// slots; returns a ForwardBatch for put / get / finish.
+    fn start_forward(
+        slf: &Bound<'_, Self>,
+        seqs: &Bound<'_, PyAny>,
+        positions: &Bound<'_, PyAny>,
+    ) -> PyResult<PyForwardBatch> {
+        let ids = Self::ids(slf, seqs, "seqs")?;
+        let positions = read_ints(positions, "positions")?;
+        let plan = slf.get().inner.lock().start_forward(&ids, &positions)?;
+        Ok(PyForwardBatch::new(slf.clone().unbind(), plan))
+    }
+
+    /// Verifies internal consistency (reference counts, free list, block tables);
+    /// raises AssertionError naming the first broken invariant. O(blocks); for tests.
+    fn check_invariants(&self) -> PyResult<()> {
+        self.inner
+            .lock()
+            .check_invariants()
+            .map_err(PyAssertionError::new_err)
+    }
+
+    fn __repr__(&self) -> String {
+        let s = self.shape;
+        format!(
+            "BlockPool(num_layers={}, num_kv_heads={}, head_dim={}, block_size={}, num_blocks={}, dtype='{}', device='{}', layout='{}')",
+            s.num_layers, s.num_kv_heads, s.head_dim, s.block_size, s.num_blocks, self.dtype, self.device, s.layout
+        )
+    }
+}
+
+impl PySequence {
+    fn pool_ref(&self) -> &PyBlockPool {
+        self.pool.get()
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&crate::paged::SeqState, &BlockPool) -> T) -> PyResult<T> {
+        let pool = self.pool_ref().inner.lock();
+        let s = pool.seq(self.id)?;
+        Ok(f(s, &pool))
+    }
+}
+
+#[pymethods]
+impl PySequence {
+    /// The pool this sequence lives in.
+    #[getter]
+    fn pool(&self, py: Python<'_>) -> Py<PyBlockPool> {
+        self.pool.clone_ref(py)
+    }
+
+    /// Committed length.
+    #[getter]
+    fn seq_len(&self) -> PyResult<usize> {
+        self.with(|s, _| s.seq_len)
+    }
+
+    /// Blocks in the block table.
+    #[getter]
+    fn num_blocks(&self) -> PyResult<usize> {
+        self.with(|s, _| s.blocks.len())
+    }
+
+    /// The block ids, in position order (an int32 copy).
+    #[getter]
+    fn block_table<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let blocks = self.with(|s, _| s.blocks.iter().map(|&b| b as i32).collect::<Vec<_>>())?;
+        Ok(i32_array(py, blocks))
+    }
+
+    /// Lowest position held (-1 when empty).
+    #[getter]
+    fn pos_min(&self) -> PyResult<i64> {
+        self.with(|s, _| if s.seq_len == 0 { -1 } else { 0 })
+    }
+
+    /// Highest committed position (-1 when empty).
+    #[getter]
+    fn pos_max(&self) -> PyResult<i64> {
+        self.with(|s, _| s.seq_len as i64 - 1)
+    }
+
+    /// Whether free() has been called (or the pool's keep() dropped it).
+    #[getter]
+    fn is_freed(&self) -> bool {
+        !self.pool_ref().inner.lock().is_live(self.id)
+    }
+
+    /// Positions written into `layer` (committed and appended).
+    fn layer_len(&self, layer: i64) -> PyResult<usize> {
+        let layer = crate::error::check_index("layer", layer, self.pool_ref().shape.num_layers)?;
+        self.with(|s, _| s.layer_len[layer])
+    }
+
+    /// Bytes of the blocks this sequence holds (shared blocks count in full).
+    fn memory_bytes(&self) -> PyResult<usize> {
+        self.with(|s, p| s.blocks.len() * p.bytes_per_block())
+    }
+
+    /// Appends k, v [n_tokens, num_kv_heads, head_dim] at the layer's next free
+    /// position, allocating (and copying shared) blocks as needed; returns that position.
+    fn append(
+        &self,
+        py: Python<'_>,
+        layer: i64,
+        k: &Bound<'_, PyAny>,
+        v: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let (k, v) = (read_tensor(k, "k")?, read_tensor(v, "v")?);
+        let (kt, vt) = (*k.tensor(), *v.tensor());
+        let pool = self.pool_ref();
+        Ok(copying(py, kt.nbytes() + vt.nbytes(), || {
+            pool.inner.lock().append(self.id, layer, &kt, &vt)
+        })?)
+    }
+
+    /// Commits n tokens: seq_len += n. Every layer must hold them already.
+    #[pyo3(signature = (n = 1))]
+    fn advance(&self, n: i64) -> PyResult<()> {
+        Ok(self.pool_ref().inner.lock().advance(self.id, n)?)
+    }
+
+    /// The layer's K and V gathered into contiguous [num_kv_heads, length, head_dim]
+    /// arrays (into `out`, a (K, V) pair of writable arrays [num_kv_heads, >= length,
+    /// head_dim], when given: the result is then a view of `out`).
+    #[pyo3(signature = (layer, out = None))]
+    fn get<'py>(
+        &self,
+        py: Python<'py>,
+        layer: i64,
+        out: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let pool = self.pool_ref();
+        let (k_arr, v_arr) = match out {
+            Some(pair) => {
+                let (k, v): (Bound<'py, PyAny>, Bound<'py, PyAny>) = pair.extract()?;
+                (k, v)
+            }
+            None => {
+                let len = self.layer_len(layer)?;
+                let shape = [pool.shape.num_kv_heads, len, pool.shape.head_dim];
+                (
+                    new_array(py, pool.dtype, &shape)?.0,
+                    new_array(py, pool.dtype, &shape)?.0,
+                )
+            }
+        };
+        let kt = writable(&k_arr, "out[0]")?;
+        let vt = writable(&v_arr, "out[1]")?;
+        let (kt_ref, vt_ref) = (*kt.tensor(), *vt.tensor());
+        let bytes = kt_ref.nbytes() + vt_ref.nbytes();
+        let len = copying(py, bytes, || {
+            pool.inner.lock().gather(self.id, layer, &kt_ref, &vt_ref)
+        })?;
+        let cut = (
+            pyo3::types::PySlice::full(py),
+            pyo3::types::PySlice::new(py, 0, len as isize, 1),
+        );
+        PyTuple::new(py, [k_arr.get_item(&cut)?, v_arr.get_item(&cut)?])
+    }
+
+    /// Zero-copy read-only per-block views of the layer: a list of (start, length, K, V),
+    /// K and V in the pool's layout ([length, heads, dim] for NHD, [heads, length, dim] for HND).
+    fn views<'py>(&self, py: Python<'py>, layer: i64) -> PyResult<Bound<'py, PyList>> {
+        let pool_obj = self.pool.bind(py);
+        let sh = self.pool_ref().shape;
+        let layer = crate::error::check_index("layer", layer, sh.num_layers)?;
+        let (blocks, len) = self.with(|s, _| (s.blocks.clone(), s.layer_len[layer]))?;
+        let out = PyList::empty(py);
+        let (h, d, bs) = (sh.num_kv_heads, sh.head_dim, sh.block_size);
+        for (i, &b) in blocks.iter().enumerate() {
+            let start = i * bs;
+            if start >= len {
+                break;
+            }
+            let n = (len - start).min(bs);
+            let (shape, strides) = match sh.layout {
+                KvLayout::Nhd => ([n, h, d], [h * d, d, 1]),
+                KvLayout::Hnd => ([h, n, d], [bs * d, d, 1]),
+            };
+            let k = PyBlockPool::view(
+                pool_obj,
+                sh.positions(layer, Kv::Key, b, 0, 1).offset,
+                &shape,
+                &strides,
+                false,
+            )?;
+            let v = PyBlockPool::view(
+                pool_obj,
+                sh.positions(layer, Kv::Value, b, 0, 1).offset,
+                &shape,
+                &strides,
+                false,
+            )?;
+            out.append((start, n, k, v))?;
+        }
+        Ok(out)
+    }
+
+    /// A new sequence sharing every block of this one (copy-on-write on first write).
+    fn fork(&self, py: Python<'_>) -> PyResult<PySequence> {
+        let id = self.pool_ref().inner.lock().fork(self.id)?;
+        Ok(PySequence {
+            pool: self.pool.clone_ref(py),
+            id,
+        })
+    }
+
+    /// Drops positions >= n, returning freed blocks; a no-op when n >= seq_len.
+    fn truncate(&self, n: i64) -> PyResult<()> {
+        Ok(self.pool_ref().inner.lock().truncate(self.id, n)?)
+    }
+
+    /// llama.cpp's seq_rm: removes positions [begin, end) (end=None: to the end). A tail
+    /// works; a middle span raises kvrs.NotSupportedError.
+    #[pyo3(signature = (begin, end = None))]
+    fn remove(&self, begin: i64, end: Option<i64>) -> PyResult<()> {
+        Ok(self.pool_ref().inner.lock().remove(self.id, begin, end)?)
+    }
+
+    /// Returns every block to the pool; the sequence cannot be used afterwards.
+    fn free(&self) -> PyResult<()> {
+        Ok(self.pool_ref().inner.lock().free_sequence(self.id)?)
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, _args: &Bound<'_, PyTuple>) {
+        let _ = self.pool_ref().inner.lock().free_sequence(self.id);
+    }
+
+    fn __repr__(&self) -> String {
+        match self.with(|s, _| (s.seq_len, s.blocks.len())) {
+            Ok((len, blocks)) => format!(
+                "Sequence(id={}, seq_len={len}, num_blocks={blocks})",
+                self.id
+            ),
+            Err(_) => format!("Sequence(id={}, freed)", self.id),
+        }
+    }
+}
+
+/// Reads a writable NumPy array as a destination tensor.
+fn writable<'py>(
+    obj: &Bound<'py, PyAny>,
+    name: &'static str,
+) -> PyResult<super::input::Input<'py>> {
+    let arr = obj
+        .cast::<PyUntypedArray>()
+        .map_err(|_| PyTypeError::new_err(format!("{name} must be a writable NumPy array")))?;
+    // SAFETY: `arr` is an ndarray; its flags are plain data.
+    let flags = unsafe { (*arr.as_array_ptr()).flags };
+    if flags & 0x0400 == 0 {
+        return Err(KvError::InvalidArgument {
+            name,
+            value: "a read-only array".into(),
+            reason: "must be writable".into(),
+        }
+        .into());
+    }
+    read_tensor(obj, name)
+}
