@@ -254,7 +254,7 @@ class ForwardBatch:
     def put(self, layer: int, k: _ArrayLike, v: _ArrayLike) -> None:
         """Writes this layer's K and V for the batch's tokens ([n_tokens, heads, head_dim])."""
     def get(self, layer: int) -> tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[np.float32]]:
-        """(K, V, mask) over every sequence of the batch; mask is 0 where a token may attend, -inf elsewhere."""
+        """(K, V, mask) over every sequence of the batch; mask: 0 where a token may attend, else -inf."""
     def finish(self) -> None:
         """Commits the batch: each sequence's seq_len moves past its new tokens."""
     def cancel(self) -> None:

@@ -377,7 +377,7 @@ impl PyBlockPool {
     ) -> PyResult<Bound<'py, PyArray2<i32>>> {
         let ids = Self::ids(slf, seqs, "seqs")?;
         let (flat, width) = slf.get().inner.lock().block_tables(&ids, pad)?;
-        Ok(PyArray1::from_vec(slf.py(), flat).reshape([ids.len(), width])?)
+        PyArray1::from_vec(slf.py(), flat).reshape([ids.len(), width])
     }
 
     /// Places a batch of tokens (token i: seqs[i] at positions[i]) and reserves their

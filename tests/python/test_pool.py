@@ -66,7 +66,7 @@ def test_append_get_and_out():
     np.testing.assert_array_equal(K, k.transpose(1, 0, 2))
     np.testing.assert_array_equal(V, -k.transpose(1, 0, 2))
     out = (np.zeros((H, 32, D), np.float32), np.zeros((H, 32, D), np.float32))
-    K2, V2 = s.get(0, out=out)
+    K2, _ = s.get(0, out=out)
     assert K2.shape == (H, 7, D) and np.shares_memory(K2, out[0])
     np.testing.assert_array_equal(K2, K)
     assert s.seq_len == 7 and s.num_blocks == 2 and s.pos_min == 0 and s.pos_max == 6
@@ -204,7 +204,7 @@ def test_batch_masks_for_two_sequences():
     new = toks(3, start=40)
     for layer in range(L):
         batch.put(layer, new, -new)
-    K, V, mask = batch.get(0)
+    K, _, mask = batch.get(0)
     assert K.shape == (H, 7, D) and mask.shape == (3, 7) and mask.dtype == np.float32
     ninf = -np.inf
     np.testing.assert_array_equal(
@@ -244,7 +244,7 @@ def test_full_pool_is_all_or_nothing():
     a, b = p.new_sequence(), p.new_sequence()
     fill(a, 8)
     before = (p.stats(), list(a.block_table), a.seq_len)
-    with pytest.raises(kvrs.CacheFullError, match="needs 2 .*capacity is 1"):
+    with pytest.raises(kvrs.CacheFullError, match=r"needs 2 .*capacity is 1"):
         p.reserve([a, b], [1, 4])  # a needs a third block, b a fourth
     assert (p.stats(), list(a.block_table), a.seq_len) == before
     with pytest.raises(kvrs.CacheFullError):

@@ -214,7 +214,7 @@ class PoolMachine(RuleBasedStateMachine):
                     r.seq_len = r.held()
             else:
                 batch.cancel()
-                for s, r, c in chosen:
+                for _, r, c in chosen:
                     r.cut(r.held() - c)
 
     @invariant()
