@@ -169,8 +169,11 @@ impl TensorRef {
 
 /// Copies every element of a rank-3 shape from `src` to `dst`, converting the dtype.
 ///
-/// Dimensions of size 1 are dropped and adjacent dimensions that are contiguous in both
-/// tensors are merged, so a copy between compatible layouts runs as a few long rows.
+/// Dimensions of size 1 are dropped, the rest are ordered by source stride (reads run
+/// sequentially, which matters more than sequential writes), and
+/// dimensions that are contiguous in both tensors are merged, so a copy between
+/// compatible layouts runs as a few long rows (a plain `memcpy` per row when the dtypes
+/// match).
 ///
 /// # Safety
 /// `src` must be readable and `dst` writable at every element addressed by `shape` with
@@ -188,51 +191,62 @@ pub unsafe fn copy_strided(
         return;
     }
     // (size, dst stride, src stride) of the dimensions that matter, outermost first.
-    let mut dims: [(usize, isize, isize); MAX_RANK] = [(1, 0, 0); MAX_RANK];
+    let mut order: [(usize, isize, isize); MAX_RANK] = [(1, 0, 0); MAX_RANK];
     let mut n = 0;
     for i in 0..MAX_RANK {
-        if shape[i] == 1 {
-            continue;
+        if shape[i] != 1 {
+            order[n] = (shape[i], dst_strides[i], src_strides[i]);
+            n += 1;
         }
-        let d = (shape[i], dst_strides[i], src_strides[i]);
-        if n > 0 {
-            let (os, od, oss) = dims[n - 1];
+    }
+    order[..n].sort_by_key(|d| std::cmp::Reverse(d.2.unsigned_abs()));
+    let mut dims: [(usize, isize, isize); MAX_RANK] = [(1, 0, 0); MAX_RANK];
+    let mut m = 0;
+    for &d in &order[..n] {
+        if m > 0 {
+            let (os, od, oss) = dims[m - 1];
             if od == d.1 * d.0 as isize && oss == d.2 * d.0 as isize {
-                dims[n - 1] = (os * d.0, d.1, d.2);
+                dims[m - 1] = (os * d.0, d.1, d.2);
                 continue;
             }
         }
-        dims[n] = d;
-        n += 1;
+        dims[m] = d;
+        m += 1;
     }
-    if n == 0 {
+    if m == 0 {
         dims[0] = (1, 1, 1);
-        n = 1;
+        m = 1;
     }
-    let (row_len, inner_dst, inner_src) = dims[n - 1];
-    let ds = dst_dtype.size() as isize;
-    let ss = src_dtype.size() as isize;
-    let copy_row = |d: *mut u8, s: *const u8| {
-        if inner_dst == 1 && inner_src == 1 {
-            convert_contiguous(d, dst_dtype, s, src_dtype, row_len);
-        } else {
-            for i in 0..row_len as isize {
-                let v = read_f32(s.offset(i * inner_src * ss), src_dtype);
-                write_f32(d.offset(i * inner_dst * ds), dst_dtype, v);
-            }
-        }
-    };
-    let outer: [(usize, isize, isize); 2] = match n {
+    let (row_len, inner_dst, inner_src) = dims[m - 1];
+    let (ds, ss) = (dst_dtype.size() as isize, src_dtype.size() as isize);
+    let outer: [(usize, isize, isize); 2] = match m {
         1 => [(1, 0, 0), (1, 0, 0)],
         2 => [(1, 0, 0), dims[0]],
         _ => [dims[0], dims[1]],
     };
-    for a in 0..outer[0].0 as isize {
-        for b in 0..outer[1].0 as isize {
-            let d = dst.offset((a * outer[0].1 + b * outer[1].1) * ds);
-            let s = src.offset((a * outer[0].2 + b * outer[1].2) * ss);
-            copy_row(d, s);
+    let rows = |row: &mut dyn FnMut(*mut u8, *const u8)| {
+        for a in 0..outer[0].0 as isize {
+            for b in 0..outer[1].0 as isize {
+                let d = dst.offset((a * outer[0].1 + b * outer[1].1) * ds);
+                let s = src.offset((a * outer[0].2 + b * outer[1].2) * ss);
+                row(d, s);
+            }
         }
+    };
+    if inner_dst == 1 && inner_src == 1 {
+        if dst_dtype == src_dtype {
+            let bytes = row_len * dst_dtype.size();
+            rows(&mut |d, s| std::ptr::copy_nonoverlapping(s, d, bytes));
+        } else {
+            rows(&mut |d, s| convert_contiguous(d, dst_dtype, s, src_dtype, row_len));
+        }
+    } else {
+        rows(&mut |d, s| {
+            for i in 0..row_len as isize {
+                let v = read_f32(s.offset(i * inner_src * ss), src_dtype);
+                write_f32(d.offset(i * inner_dst * ds), dst_dtype, v);
+            }
+        });
     }
 }
 

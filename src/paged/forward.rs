@@ -2,6 +2,8 @@
 //! sequence and position), write K/V per layer, read every sequence's history with a
 //! mask that lets each token see exactly its own sequence up to its own position, commit.
 
+use rustc_hash::FxHashMap;
+
 use super::pool::{BlockPool, SeqId};
 use crate::error::{KvError, Result};
 use crate::tensor::TensorRef;
@@ -47,12 +49,14 @@ impl BlockPool {
             });
         }
         let mut seqs: Vec<(SeqId, usize, usize)> = Vec::new();
+        let mut index: FxHashMap<SeqId, usize> = FxHashMap::default();
         let mut token_seq = Vec::with_capacity(token_seqs.len());
         for (i, (&id, &pos)) in token_seqs.iter().zip(positions).enumerate() {
-            let k = match seqs.iter().position(|s| s.0 == id) {
-                Some(k) => k,
+            let k = match index.get(&id) {
+                Some(&k) => k,
                 None => {
                     seqs.push((id, self.seq(id)?.held(), 0));
+                    index.insert(id, seqs.len() - 1);
                     seqs.len() - 1
                 }
             };

@@ -2,7 +2,7 @@
 //! sequences, with reference counting, copy-on-write forks, slot reservation and page
 //! tables.
 
-use std::collections::HashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::allocator::{BlockAllocator, BlockId};
 use super::layout::PagedShape;
@@ -74,7 +74,7 @@ pub struct BlockPool {
     shape: PagedShape,
     storage: Box<dyn Storage>,
     alloc: BlockAllocator,
-    seqs: HashMap<SeqId, SeqState>,
+    seqs: FxHashMap<SeqId, SeqState>,
     next_id: SeqId,
 }
 
@@ -122,7 +122,7 @@ impl BlockPool {
             shape,
             storage,
             alloc: BlockAllocator::new(shape.num_blocks),
-            seqs: HashMap::new(),
+            seqs: FxHashMap::default(),
             next_id: 0,
         })
     }
@@ -498,9 +498,10 @@ impl BlockPool {
         }
         let mut needed = 0;
         let mut plan = Vec::with_capacity(ids.len());
-        for (i, (&id, &c)) in ids.iter().zip(counts).enumerate() {
+        let mut seen = FxHashSet::with_capacity_and_hasher(ids.len(), Default::default());
+        for (&id, &c) in ids.iter().zip(counts) {
             let c = check_count("counts", c)?;
-            if ids[..i].contains(&id) {
+            if !seen.insert(id) {
                 return Err(KvError::InvalidArgument {
                     name: "seqs",
                     value: format!("sequence {id}"),
