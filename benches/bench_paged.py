@@ -22,7 +22,7 @@ import numpy as np
 import kvrs
 
 sys.path.insert(0, str(Path(__file__).parent))
-from vllm_style_manager import BlockManager  # noqa: E402
+from vllm_style_manager import BlockManager
 
 SEQS, PROMPT, STEPS, BS = 256, 100, 200, 16
 
@@ -77,7 +77,9 @@ def python_step(state):
 
 
 def gather(layout: str, tokens=4096, heads=8, dim=128):
-    pool = kvrs.BlockPool(1, heads, dim, block_size=BS, num_blocks=tokens // BS + 1, dtype="float16", layout=layout)
+    pool = kvrs.BlockPool(
+        1, heads, dim, block_size=BS, num_blocks=tokens // BS + 1, dtype="float16", layout=layout
+    )
     seq = pool.new_sequence()
     x = np.random.default_rng(0).standard_normal((tokens, heads, dim)).astype(np.float16)
     seq.append(0, x, x)
