@@ -48,11 +48,12 @@ fmt: .stamp-install ## format Rust and Python sources
 	cargo fmt --all
 	$(VENV)/bin/ruff format python tests benches
 
-bench: .stamp-install ## Python benchmarks against NumPy (ratios, one process)
+bench: .stamp-install ## Python benchmarks against NumPy and a vLLM-style manager (ratios, one process each)
 	$(PY) benches/bench_contiguous.py
+	$(PY) benches/bench_paged.py
 
 bench-rust: ## criterion benchmarks of the core
-	cargo bench --bench contiguous
+	cargo bench
 
 clean: ## remove build outputs and the virtual environment
 	cargo clean
