@@ -30,7 +30,7 @@ fn schedule(c: &mut Criterion) {
     c.bench_function("decode_schedule_256_seqs", |b| {
         b.iter_batched_ref(
             || {
-                let mut pool = BlockPool::new(shape, DType::F16, Device::Cpu).unwrap();
+                let mut pool = BlockPool::new(shape, DType::F16, Device::Cpu, None).unwrap();
                 let ids: Vec<_> = (0..256).map(|_| pool.new_sequence()).collect();
                 pool.reserve(&ids, &[100; 256]).unwrap();
                 (pool, ids)

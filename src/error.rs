@@ -61,6 +61,22 @@ pub enum KvError {
     /// (Python: `kvrs.NotSupportedError`).
     #[error("not supported: {0}")]
     NotSupported(String),
+    /// A file that cannot be read or written (Python: `OSError`).
+    #[error("{path}: {reason}")]
+    Io {
+        /// The file.
+        path: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// A saved cache that is truncated, corrupted or made for another pool (Python: `ValueError`).
+    #[error("{path}: {reason}; nothing was loaded")]
+    BadFile {
+        /// The file.
+        path: String,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// A device that is unknown or unavailable (Python: `kvrs.DeviceError`).
     #[error("device error: {0}")]
     Device(String),

@@ -153,6 +153,41 @@ impl KVCache {
         }
     }
 
+    /// A host tensor over positions `0..len` of one layer's K or V (`[heads, len,
+    /// head_dim]`), for transfers between caches. Host storage only.
+    pub fn host_tensor(&self, layer: usize, kv: Kv, len: usize) -> Result<TensorRef> {
+        if self.device() != Device::Cpu {
+            return Err(KvError::NotSupported(format!(
+                "direct access to a cache on {}",
+                self.device()
+            )));
+        }
+        let r = self.region(layer, kv, 0, len.min(self.shape.max_seq_len));
+        let strides = r.signed_strides();
+        // SAFETY: the region lies inside this cache's host allocation, which outlives the borrow.
+        unsafe {
+            TensorRef::new(
+                self.storage.data_ptr().add(r.offset * self.dtype().size()),
+                self.dtype(),
+                &r.shape,
+                &strides,
+            )
+        }
+    }
+
+    /// Sets the committed length and each layer's length (all at most `max_seq_len`,
+    /// the committed one at most every layer's).
+    pub fn set_lengths(&mut self, seq_len: usize, layer_len: &[usize]) {
+        assert!(
+            layer_len.len() == self.shape.num_layers
+                && layer_len
+                    .iter()
+                    .all(|&l| l >= seq_len && l <= self.shape.max_seq_len)
+        );
+        self.seq_len = seq_len;
+        self.layer_len.copy_from_slice(layer_len);
+    }
+
     /// Writes one `head_dim` vector at `(layer, head, pos)`. Fill lengths do not move:
     /// this is the low-level write, paired with [`KVCache::set_seq_len`].
     pub fn store(

@@ -11,6 +11,7 @@ pub mod dtype;
 pub mod error;
 pub mod kv_cache;
 pub mod paged;
+pub mod prefix;
 pub mod storage;
 pub mod tensor;
 

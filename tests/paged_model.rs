@@ -214,7 +214,7 @@ impl World {
                 let Some(i) = self.pick(*i) else { return };
                 let r = &mut self.live[i].1;
                 let ok = *n >= 0 && r.k.iter().all(|x| x.len() >= r.seq_len + *n as usize);
-                assert_eq!(self.pool.advance(self.live[i].0, *n).is_ok(), ok);
+                assert_eq!(self.pool.advance(self.live[i].0, *n, None).is_ok(), ok);
                 if ok {
                     self.live[i].1.seq_len += *n as usize;
                 }
@@ -344,7 +344,7 @@ impl World {
             })
             .sum();
         let free = self.pool.num_free_blocks();
-        let res = self.pool.start_forward(&token_seqs, &positions);
+        let res = self.pool.start_forward(&token_seqs, &positions, None);
         if !uniform || needed > free {
             assert!(res.is_err());
             return;
@@ -478,7 +478,7 @@ fn run(layout: KvLayout, dtype: DType, ops: &[Op]) {
         layout,
     };
     let mut w = World {
-        pool: BlockPool::new(shape, dtype, Device::Cpu).unwrap(),
+        pool: BlockPool::new(shape, dtype, Device::Cpu, None).unwrap(),
         live: Vec::new(),
     };
     for op in ops {

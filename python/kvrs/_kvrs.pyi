@@ -1,5 +1,6 @@
 """Type stubs for the compiled core, kvrs._kvrs (checked by mypy.stubtest in `make test`)."""
 
+import os
 from collections.abc import Iterable
 from types import TracebackType
 from typing import Any, final
@@ -29,6 +30,9 @@ _ArrayLike = npt.NDArray[Any] | Any
 
 _IntsLike = npt.NDArray[np.integer[Any]] | Iterable[int]
 """A 1-D integer array or a sequence of ints."""
+
+_Key = str | bytes | None
+"""A namespace or extra key: text (UTF-8) or bytes."""
 
 class KvrsError(Exception):
     """Base class of every kvrs-specific error."""
@@ -129,6 +133,10 @@ class BlockPool:
         dtype: _DTypeLike = "float16",
         device: str | Any = "cpu",
         layout: str = "NHD",
+        prefix_caching: bool = True,
+        hash: str = "blake3",
+        seed: int | None = None,
+        partial_hits: bool = True,
     ) -> BlockPool: ...
     @property
     def num_layers(self) -> int:
@@ -160,12 +168,37 @@ class BlockPool:
     @property
     def free_blocks(self) -> int:
         """Blocks no sequence holds."""
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether full blocks with known token ids are cached for reuse."""
+    @property
+    def hash(self) -> str | None:
+        """The prefix hash function ('blake3' or 'xxh3'), or None without prefix caching."""
+    @property
+    def seed(self) -> int | None:
+        """The seed of every hash chain, or None without prefix caching."""
     def kv_cache(self, layer: int) -> npt.NDArray[Any]:
         """Zero-copy writable view of one layer's cache tensor, in FlashInfer's paged layout."""
     def stats(self) -> dict[str, Any]:
         """Occupancy as a dict (blocks, bytes, exact token counts)."""
-    def new_sequence(self) -> Sequence:
-        """Starts an empty sequence."""
+    def new_sequence(
+        self, tokens: _IntsLike | None = None, namespace: _Key = None, extra_key: _Key = None
+    ) -> Sequence:
+        """Starts a sequence; with `tokens` it attaches the longest cached prefix."""
+    def match_prefix(self, tokens: _IntsLike, namespace: _Key = None, extra_key: _Key = None) -> int:
+        """Tokens of `tokens` a new sequence would find cached, without attaching anything."""
+    def pin(self, tokens: _IntsLike, namespace: _Key = None, extra_key: _Key = None) -> int:
+        """Keeps the cached whole blocks of `tokens` from eviction until unpin(); returns the tokens pinned."""
+    def unpin(self, tokens: _IntsLike, namespace: _Key = None, extra_key: _Key = None) -> int:
+        """Undoes one pin() of the same prefix; returns the tokens unpinned."""
+    def evict_all(self) -> int:
+        """Drops every cached block no sequence holds; returns how many."""
+    def drain_events(self) -> list[dict[str, Any]]:
+        """Blocks stored in and removed from the prefix cache since the last call."""
+    def save_prefix_cache(self, path: str | os.PathLike[str]) -> int:
+        """Writes every cached block to `path` (safetensors, atomically); returns how many."""
+    def load_prefix_cache(self, path: str | os.PathLike[str]) -> dict[str, int]:
+        """Warms the prefix cache from a saved file; returns {'loaded': n, 'skipped': m}."""
     def copy_prefix(self, src: Sequence, dst: Sequence, n: int) -> None:
         """Makes `dst` hold the first `n` committed positions of `src`, sharing blocks."""
     def keep(self, seqs: Iterable[Sequence]) -> None:
@@ -180,7 +213,9 @@ class BlockPool:
         """FlashInfer's int32 page table (indptr, indices, last_page_len) of `seqs`."""
     def block_tables(self, seqs: Iterable[Sequence], pad: int = -1) -> npt.NDArray[np.int32]:
         """Block tables of `seqs` as an int32 [batch, max_blocks] array padded with `pad`."""
-    def start_forward(self, seqs: Iterable[Sequence], positions: _IntsLike) -> ForwardBatch:
+    def start_forward(
+        self, seqs: Iterable[Sequence], positions: _IntsLike, tokens: _IntsLike | None = None
+    ) -> ForwardBatch:
         """Places a batch of tokens (token i: seqs[i] at positions[i]) and reserves their slots."""
     def check_invariants(self) -> None:
         """Verifies internal consistency; raises AssertionError naming the first broken invariant."""
@@ -216,8 +251,28 @@ class Sequence:
         """Bytes of the blocks this sequence holds (shared blocks count in full)."""
     def append(self, layer: int, k: _ArrayLike, v: _ArrayLike) -> int:
         """Appends k, v [n_tokens, num_kv_heads, head_dim]; returns the start position."""
-    def advance(self, n: int = 1) -> None:
-        """Commits n tokens: seq_len += n. Every layer must hold them already."""
+    def advance(self, n: int = 1, tokens: _IntsLike | None = None) -> None:
+        """Commits n tokens (with their token ids when given). Every layer must hold them already."""
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache when the sequence started."""
+    @property
+    def token_ids(self) -> npt.NDArray[np.uint32]:
+        """The token ids the sequence knows (its prompt and committed tokens)."""
+    def set_seq_len(self, n: int) -> None:
+        """Sets seq_len and every layer's length to n, growing or shrinking the block table."""
+    def extract_block(
+        self, layer: int, start_pos: int, block_size: int
+    ) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+        """Copies [num_kv_heads, block_size, head_dim] keys and values of `layer` from start_pos."""
+    def inject_block(
+        self, layer: int, start_pos: int, block_size: int, keys: _ArrayLike, values: _ArrayLike
+    ) -> None:
+        """Writes [num_kv_heads, block_size, head_dim] keys and values of `layer` at start_pos."""
+    def copy_to_cache(self, cache: KVCache) -> None:
+        """Replaces `cache`'s content with this sequence's (lengths included)."""
+    def copy_from_cache(self, cache: KVCache) -> None:
+        """Fills this empty sequence from `cache`."""
     def get(
         self, layer: int, out: tuple[npt.NDArray[Any], npt.NDArray[Any]] | None = None
     ) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:

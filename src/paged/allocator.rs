@@ -5,9 +5,11 @@ pub type BlockId = u32;
 
 /// Hands out blocks and counts references to them.
 ///
-/// A block is free exactly when its count is 0, and then it sits in the free list once.
-/// Allocation pops the list, release pushes to it: both O(1). Releasing a free block is a
-/// bug in kvrs (a double free), and panics rather than corrupt the list.
+/// A block with count 0 is either in the free list (once) or parked by the caller (a
+/// cached block waiting in the prefix index's LRU list). Allocation pops the free list,
+/// [`BlockAllocator::push_free`] returns a block to it: both O(1). Releasing a block
+/// with no reference is a bug in kvrs (a double free), and panics rather than corrupt
+/// the counts.
 #[derive(Debug, Clone)]
 pub struct BlockAllocator {
     refcount: Vec<u32>,
@@ -53,18 +55,32 @@ impl BlockAllocator {
         *c += 1;
     }
 
-    /// Drops a reference; the block returns to the free list when none is left.
-    pub fn release(&mut self, block: BlockId) {
+    /// Gives a parked block (count 0, not in the free list) its first reference again.
+    pub fn revive(&mut self, block: BlockId) {
+        let c = &mut self.refcount[block as usize];
+        assert!(*c == 0, "reviving block {block} that has {c} references");
+        *c = 1;
+    }
+
+    /// Drops a reference; true when none is left, and the caller then either
+    /// [`push_free`](Self::push_free)s the block or parks it.
+    #[must_use]
+    pub fn release(&mut self, block: BlockId) -> bool {
         let c = &mut self.refcount[block as usize];
         assert!(*c > 0, "double free of block {block}");
         *c -= 1;
-        if *c == 0 {
-            self.free.push(block);
-        }
+        *c == 0
     }
 
-    /// Checks that the free list holds each zero-count block exactly once and nothing else.
-    pub fn check(&self) -> Result<(), String> {
+    /// Returns a block with no reference to the free list.
+    pub fn push_free(&mut self, block: BlockId) {
+        debug_assert_eq!(self.refcount[block as usize], 0);
+        self.free.push(block);
+    }
+
+    /// Checks that the free list holds zero-count blocks only, each once, and that
+    /// `parked` more zero-count blocks exist outside it.
+    pub fn check(&self, parked: usize) -> Result<(), String> {
         let mut seen = vec![false; self.refcount.len()];
         for &b in &self.free {
             if seen[b as usize] {
@@ -79,9 +95,9 @@ impl BlockAllocator {
             seen[b as usize] = true;
         }
         let zero = self.refcount.iter().filter(|&&c| c == 0).count();
-        if zero != self.free.len() {
+        if zero != self.free.len() + parked {
             return Err(format!(
-                "{zero} blocks have no reference but {} are free",
+                "{zero} blocks have no reference but {} are free and {parked} parked",
                 self.free.len()
             ));
         }
@@ -104,12 +120,16 @@ mod tests {
         assert_eq!((x, y, z), (0, 1, 2));
         assert_eq!(a.allocate(), None);
         a.share(y);
-        a.release(y);
+        assert!(!a.release(y));
         assert_eq!(a.num_free(), 0);
-        a.release(y);
+        assert!(a.release(y));
+        a.push_free(y);
         assert_eq!(a.num_free(), 1);
         assert_eq!(a.allocate(), Some(y));
-        a.check().unwrap();
+        assert!(a.release(z));
+        a.check(1).unwrap();
+        a.revive(z);
+        a.check(0).unwrap();
     }
 
     #[test]
@@ -117,7 +137,7 @@ mod tests {
     fn double_free_panics() {
         let mut a = BlockAllocator::new(1);
         let b = a.allocate().unwrap();
-        a.release(b);
-        a.release(b);
+        assert!(a.release(b));
+        let _ = a.release(b);
     }
 }

@@ -19,6 +19,8 @@ pub struct ForwardPlan {
     pub positions: Vec<usize>,
     /// For each token, its slot in the pool.
     pub slots: Vec<i64>,
+    /// For each token, its token id, when the caller gave them.
+    pub tokens: Option<Vec<u32>>,
 }
 
 impl ForwardPlan {
@@ -35,11 +37,13 @@ impl ForwardPlan {
 impl BlockPool {
     /// Places a batch: token `i` belongs to sequence `token_seqs[i]` at `positions[i]`.
     /// The tokens of one sequence must continue it in order (its next position, then the
-    /// one after...). Reserves every slot, all or nothing.
+    /// one after...). `tokens` (one id per token) are recorded when the batch finishes, so
+    /// the blocks it completes join the prefix cache. Reserves every slot, all or nothing.
     pub fn start_forward(
         &mut self,
         token_seqs: &[SeqId],
         positions: &[i64],
+        tokens: Option<&[u32]>,
     ) -> Result<ForwardPlan> {
         if token_seqs.len() != positions.len() {
             return Err(KvError::InvalidArgument {
@@ -71,6 +75,18 @@ impl BlockPool {
             seqs[k].2 += 1;
             token_seq.push(k);
         }
+        if let Some(t) = tokens {
+            if t.len() != token_seqs.len() {
+                return Err(KvError::InvalidArgument {
+                    name: "tokens",
+                    value: format!("{} ids", t.len()),
+                    reason: format!("needs one id per token ({})", token_seqs.len()),
+                });
+            }
+            for (k, &(id, start, _)) in seqs.iter().enumerate() {
+                Self::check_tokens(self.seq(id)?, id, start, &tokens_of(t, &token_seq, k))?;
+            }
+        }
         let ids: Vec<SeqId> = seqs.iter().map(|s| s.0).collect();
         let counts: Vec<i64> = seqs.iter().map(|s| s.2 as i64).collect();
         let by_seq = self.reserve(&ids, &counts)?;
@@ -93,6 +109,7 @@ impl BlockPool {
             token_seq,
             positions: positions.iter().map(|&p| p as usize).collect(),
             slots,
+            tokens: tokens.map(<[u32]>::to_vec),
         })
     }
 
@@ -167,9 +184,12 @@ impl BlockPool {
                 });
             }
         }
-        for &(id, start, count) in &plan.seqs {
+        for (k, &(id, start, count)) in plan.seqs.iter().enumerate() {
+            if let Some(t) = &plan.tokens {
+                self.record_tokens(id, start, &tokens_of(t, &plan.token_seq, k));
+            }
             let s = self.seq(id)?;
-            self.advance(id, (start + count - s.seq_len) as i64)?;
+            self.advance(id, (start + count - s.seq_len) as i64, None)?;
         }
         Ok(())
     }
@@ -178,8 +198,18 @@ impl BlockPool {
     pub fn cancel_forward(&mut self, plan: &ForwardPlan) {
         for &(id, start, _) in &plan.seqs {
             if self.is_live(id) {
-                self.cut_to(id, start);
+                self.cut_to(id, start, false);
             }
         }
     }
+}
+
+/// The ids of the batch tokens that belong to the `k`-th sequence, in batch order.
+fn tokens_of(tokens: &[u32], token_seq: &[usize], k: usize) -> Vec<u32> {
+    tokens
+        .iter()
+        .zip(token_seq)
+        .filter(|(_, &j)| j == k)
+        .map(|(&t, _)| t)
+        .collect()
 }

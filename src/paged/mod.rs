@@ -10,4 +10,4 @@ pub mod pool;
 pub use allocator::{BlockAllocator, BlockId};
 pub use forward::ForwardPlan;
 pub use layout::{KvLayout, PagedShape};
-pub use pool::{BlockPool, PoolStats, SeqId, SeqState};
+pub use pool::{BlockPool, PoolStats, PrefixConfig, SeqId, SeqState};

@@ -1,6 +1,8 @@
 //! The paged block pool: one preallocated storage of fixed-size blocks shared by many
-//! sequences, with reference counting, copy-on-write forks, slot reservation and page
-//! tables.
+//! sequences, with reference counting, copy-on-write forks, slot reservation, page
+//! tables and (optionally) prefix caching with LRU eviction.
+
+use std::sync::Arc;
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
@@ -8,18 +10,21 @@ use super::allocator::{BlockAllocator, BlockId};
 use super::layout::PagedShape;
 use crate::dtype::DType;
 use crate::error::{check_count, check_index, KvError, Result};
-use crate::kv_cache::Kv;
+use crate::kv_cache::{KVCache, Kv};
+use crate::prefix::{BlockHash, HashKind, PrefixCounters, PrefixEvent, PrefixIndex};
 use crate::storage::{allocate, Device, Storage};
 use crate::tensor::TensorRef;
 
 /// Handle of a sequence in a pool (never reused within one pool).
 pub type SeqId = u64;
 
-/// What one sequence holds: its block table and fill lengths.
+/// What one sequence holds: its block table, fill lengths and (when it tracks them)
+/// token ids.
 ///
 /// Positions `0..held()` live in `blocks` (`blocks.len() == ceil(held / block_size)`);
 /// each layer has its own fill length, and `seq_len` is the committed length, never above
-/// any layer's.
+/// any layer's. `tokens` are the known token ids (the prompt may run ahead of `held`);
+/// `hashes` are the chained hashes of the first full, committed blocks.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SeqState {
     /// Block ids, in position order.
@@ -28,6 +33,16 @@ pub struct SeqState {
     pub layer_len: Vec<usize>,
     /// Committed positions.
     pub seq_len: usize,
+    /// Known token ids, from position 0.
+    pub tokens: Vec<u32>,
+    /// Chained hashes of blocks `0..hashes.len()`.
+    pub hashes: Vec<BlockHash>,
+    /// Root of the sequence's hash chain (its namespace).
+    pub root: BlockHash,
+    /// Mixed into every block hash (LoRA adapter, multimodal inputs).
+    pub extra: Arc<[u8]>,
+    /// Prompt tokens served from the prefix cache when the sequence started.
+    pub num_cached_tokens: usize,
 }
 
 impl SeqState {
@@ -42,14 +57,25 @@ impl SeqState {
     }
 }
 
+/// How a pool caches prefixes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PrefixConfig {
+    /// Hash function of the chains.
+    pub hash: HashKind,
+    /// Seed of every chain root.
+    pub seed: u128,
+    /// Whether prompts may match the beginning of a cached block.
+    pub partial_hits: bool,
+}
+
 /// Occupancy of the pool (see [`BlockPool::stats`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct PoolStats {
     /// Blocks in the pool.
     pub num_blocks: usize,
-    /// Blocks with no reference.
+    /// Blocks no sequence holds (free, or cached and evictable).
     pub free_blocks: usize,
-    /// Blocks referenced by at least one sequence.
+    /// Blocks referenced by at least one sequence (or pin).
     pub used_blocks: usize,
     /// Positions per block.
     pub block_size: usize,
@@ -57,14 +83,20 @@ pub struct PoolStats {
     pub bytes_total: usize,
     /// Bytes of the used blocks.
     pub bytes_used: usize,
-    /// Distinct positions held in used blocks (a shared block counts once).
+    /// Distinct positions held by sequences (a shared block counts once).
     pub tokens_stored: usize,
-    /// Reserved but unfilled positions of used blocks: `used_blocks * block_size - tokens_stored`.
+    /// Unfilled positions of used blocks: `used_blocks * block_size - tokens_stored`.
     pub fragmentation_tokens: usize,
     /// `tokens_stored / (num_blocks * block_size)`.
     pub utilization_ratio: f64,
     /// Live sequences.
     pub num_sequences: usize,
+    /// Blocks in the prefix index (held or evictable).
+    pub cached_blocks: usize,
+    /// Cached blocks no sequence holds: evicted first-in, least recently used first.
+    pub evictable_blocks: usize,
+    /// Query and eviction counters.
+    pub prefix: PrefixCounters,
 }
 
 /// A pool of `num_blocks` blocks of `block_size` positions for every layer, shared by
@@ -74,13 +106,21 @@ pub struct BlockPool {
     shape: PagedShape,
     storage: Box<dyn Storage>,
     alloc: BlockAllocator,
+    prefix: Option<PrefixIndex>,
+    pins: FxHashMap<BlockId, u32>,
     seqs: FxHashMap<SeqId, SeqState>,
     next_id: SeqId,
 }
 
 impl BlockPool {
-    /// Allocates the whole pool, zero-filled, on `device`.
-    pub fn new(shape: PagedShape, dtype: DType, device: Device) -> Result<Self> {
+    /// Allocates the whole pool, zero-filled, on `device`; caches prefixes when `prefix`
+    /// is given.
+    pub fn new(
+        shape: PagedShape,
+        dtype: DType,
+        device: Device,
+        prefix: Option<PrefixConfig>,
+    ) -> Result<Self> {
         for (name, v) in [
             ("num_layers", shape.num_layers),
             ("num_kv_heads", shape.num_kv_heads),
@@ -96,13 +136,13 @@ impl BlockPool {
                 });
             }
         }
-        if shape.num_blocks > BlockId::MAX as usize / shape.block_size {
+        if shape.num_blocks > i32::MAX as usize / shape.block_size {
             return Err(KvError::InvalidArgument {
                 name: "num_blocks",
                 value: shape.num_blocks.to_string(),
                 reason: format!(
                     "slots must fit in int32: at most {} blocks",
-                    BlockId::MAX as usize / shape.block_size
+                    i32::MAX as usize / shape.block_size
                 ),
             });
         }
@@ -118,10 +158,21 @@ impl BlockPool {
                 reason: "the pool would exceed the address space".into(),
             })?;
         let storage = allocate(device, dtype, numel)?;
+        let prefix = prefix.map(|p| {
+            PrefixIndex::new(
+                p.hash,
+                p.seed,
+                p.partial_hits,
+                shape.num_blocks,
+                shape.block_size,
+            )
+        });
         Ok(BlockPool {
             shape,
             storage,
             alloc: BlockAllocator::new(shape.num_blocks),
+            prefix,
+            pins: FxHashMap::default(),
             seqs: FxHashMap::default(),
             next_id: 0,
         })
@@ -147,39 +198,257 @@ impl BlockPool {
         self.storage.data_ptr()
     }
 
+    /// The storage (for persistence and transfers).
+    pub(crate) fn storage(&self) -> &dyn Storage {
+        self.storage.as_ref()
+    }
+
+    /// The storage, for writing (loading a saved cache).
+    pub(crate) fn storage_mut(&mut self) -> &mut dyn Storage {
+        self.storage.as_mut()
+    }
+
+    /// Blocks in the free list (not counting evictable cached ones).
+    pub(crate) fn free_block_count(&self) -> usize {
+        self.alloc.num_free()
+    }
+
+    /// The prefix index, when prefix caching is on.
+    pub fn prefix(&self) -> Option<&PrefixIndex> {
+        self.prefix.as_ref()
+    }
+
     /// Bytes of one block across all layers.
     pub fn bytes_per_block(&self) -> usize {
         self.shape.num_layers * self.shape.block_elems() * self.dtype().size()
     }
 
-    /// Free blocks.
+    /// Blocks that allocation can hand out: free ones plus evictable cached ones.
     pub fn num_free_blocks(&self) -> usize {
-        self.alloc.num_free()
+        self.alloc.num_free() + self.prefix.as_ref().map_or(0, |p| p.lru.len())
     }
 
-    /// References to `block`.
+    /// References to `block` (from sequences and pins).
     pub fn refcount(&self, block: BlockId) -> u32 {
         self.alloc.refcount(block)
     }
 
-    /// Starts an empty sequence.
-    pub fn new_sequence(&mut self) -> SeqId {
+    /// Whether `block` is in the prefix index (and so immutable).
+    pub fn is_cached(&self, block: BlockId) -> bool {
+        self.prefix
+            .as_ref()
+            .is_some_and(|p| p.meta(block).is_some())
+    }
+
+    // ----- block life cycle -------------------------------------------------------------
+
+    /// Takes a block for writing: a free one, else the least recently used cached one.
+    /// The caller has checked [`Self::num_free_blocks`].
+    pub(crate) fn take_block(&mut self) -> BlockId {
+        if let Some(b) = self.alloc.allocate() {
+            return b;
+        }
+        let p = self
+            .prefix
+            .as_mut()
+            .expect("free blocks checked by the caller");
+        let b = p
+            .lru
+            .pop_front()
+            .expect("free blocks checked by the caller");
+        p.unregister(b);
+        p.counters.evictions += 1;
+        self.alloc.revive(b);
+        b
+    }
+
+    /// Adds a reference to `b`, taking it out of the eviction order if it was there.
+    pub(crate) fn hold_block(&mut self, b: BlockId) {
+        if self.alloc.refcount(b) == 0 {
+            self.prefix
+                .as_mut()
+                .expect("only cached blocks rest unreferenced")
+                .lru
+                .remove(b);
+            self.alloc.revive(b);
+        } else {
+            self.alloc.share(b);
+        }
+    }
+
+    /// Drops a reference to `b`; an unreferenced cached block becomes evictable (most
+    /// recently used), any other goes back to the free list.
+    pub(crate) fn release_block(&mut self, b: BlockId) {
+        if self.alloc.release(b) {
+            match self.prefix.as_mut() {
+                Some(p) if p.meta(b).is_some() => p.lru.push_back(b),
+                _ => self.alloc.push_free(b),
+            }
+        }
+    }
+
+    /// Releases blocks last first, so a freed prompt's end is evicted before its start.
+    fn release_all(&mut self, blocks: &[BlockId]) {
+        for &b in blocks.iter().rev() {
+            self.release_block(b);
+        }
+    }
+
+    // ----- sequences --------------------------------------------------------------------
+
+    fn empty_state(&self, root: BlockHash, extra: Arc<[u8]>) -> SeqState {
+        SeqState {
+            blocks: Vec::new(),
+            layer_len: vec![0; self.shape.num_layers],
+            seq_len: 0,
+            tokens: Vec::new(),
+            hashes: Vec::new(),
+            root,
+            extra,
+            num_cached_tokens: 0,
+        }
+    }
+
+    fn insert(&mut self, s: SeqState) -> SeqId {
         let id = self.next_id;
         self.next_id += 1;
-        self.seqs.insert(
-            id,
-            SeqState {
-                blocks: Vec::new(),
-                layer_len: vec![0; self.shape.num_layers],
-                seq_len: 0,
-            },
-        );
+        self.seqs.insert(id, s);
         id
+    }
+
+    /// Starts an empty sequence that tracks no tokens.
+    pub fn new_sequence(&mut self) -> SeqId {
+        let root = self.prefix.as_ref().map_or(0, |p| p.root(b""));
+        let s = self.empty_state(root, Arc::from(&[][..]));
+        self.insert(s)
+    }
+
+    /// Starts a sequence whose token ids begin with `tokens` (the prompt). With prefix
+    /// caching on, the longest cached prefix is attached (no copy for full blocks; a
+    /// fresh copy of the matching beginning of a block for a partial hit) and reported
+    /// as `num_cached_tokens`; at least one prompt token is always left to compute.
+    pub fn new_sequence_with(&mut self, tokens: &[u32], namespace: &[u8], extra: &[u8]) -> SeqId {
+        let bs = self.shape.block_size;
+        let root = self.prefix.as_ref().map_or(0, |p| p.root(namespace));
+        let mut s = self.empty_state(root, Arc::from(extra));
+        s.tokens = tokens.to_vec();
+        let limit = tokens.len().saturating_sub(1);
+        let (full, partial) = self.match_blocks(root, tokens, extra, limit);
+        for &(b, h) in &full {
+            self.hold_block(b);
+            s.blocks.push(b);
+            s.hashes.push(h);
+        }
+        let mut cached = full.len() * bs;
+        if let Some((src, n)) = partial {
+            if self.num_free_blocks() > 0 {
+                // Hold the source so allocating the copy cannot evict it.
+                self.hold_block(src);
+                let b = self.take_block();
+                self.copy_block(src, b);
+                self.release_block(src);
+                s.blocks.push(b);
+                cached += n;
+            }
+        }
+        s.layer_len.fill(cached);
+        s.seq_len = cached;
+        s.num_cached_tokens = cached;
+        if let Some(p) = self.prefix.as_mut() {
+            p.counters.queries += 1;
+            p.counters.query_tokens += tokens.len() as u64;
+            p.counters.hit_tokens += cached as u64;
+        }
+        self.insert(s)
+    }
+
+    /// The cached blocks matching `tokens` from `root`: whole blocks (with their hashes),
+    /// then the best partial match of the next block, covering at most `limit` tokens.
+    fn match_blocks(
+        &self,
+        root: BlockHash,
+        tokens: &[u32],
+        extra: &[u8],
+        limit: usize,
+    ) -> (Vec<(BlockId, BlockHash)>, Option<(BlockId, usize)>) {
+        let Some(p) = self.prefix.as_ref() else {
+            return (Vec::new(), None);
+        };
+        let bs = self.shape.block_size;
+        let mut full = Vec::new();
+        let mut parent = root;
+        while (full.len() + 1) * bs <= limit {
+            let start = full.len() * bs;
+            let h = p.kind.block(parent, &tokens[start..start + bs], extra);
+            match p.lookup(h) {
+                Some(b) => {
+                    full.push((b, h));
+                    parent = h;
+                }
+                None => break,
+            }
+        }
+        let mut partial = None;
+        if p.partial_hits {
+            let start = full.len() * bs;
+            let want = &tokens[start..limit.min(start + bs).max(start)];
+            let mut best = 0;
+            for &c in p.children(parent) {
+                // A child's hash also covers the extra key: only same-key children match.
+                if p.kind.block(parent, p.block_tokens(c), extra)
+                    != p.meta(c).expect("indexed").hash
+                {
+                    continue;
+                }
+                let lcp = p
+                    .block_tokens(c)
+                    .iter()
+                    .zip(want)
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                if lcp > best {
+                    best = lcp;
+                    partial = Some((c, lcp));
+                }
+            }
+        }
+        (full, partial)
+    }
+
+    /// Tokens of `tokens` (in `namespace`, with `extra`) that a new sequence would find
+    /// cached, without attaching anything or counting a query.
+    pub fn match_prefix(&self, tokens: &[u32], namespace: &[u8], extra: &[u8]) -> usize {
+        let Some(p) = self.prefix.as_ref() else {
+            return 0;
+        };
+        let (full, partial) = self.match_blocks(
+            p.root(namespace),
+            tokens,
+            extra,
+            tokens.len().saturating_sub(1),
+        );
+        full.len() * self.shape.block_size + partial.map_or(0, |(_, n)| n)
+    }
+
+    /// Copies every layer of block `src` onto block `dst`.
+    fn copy_block(&mut self, src: BlockId, dst: BlockId) {
+        for layer in 0..self.shape.num_layers {
+            self.storage
+                .copy_within(
+                    self.shape.whole_block(layer, src),
+                    self.shape.whole_block(layer, dst),
+                )
+                .expect("blocks of one pool");
+        }
     }
 
     /// The state of a live sequence.
     pub fn seq(&self, id: SeqId) -> Result<&SeqState> {
         self.seqs.get(&id).ok_or_else(|| freed(id))
+    }
+
+    fn seq_mut(&mut self, id: SeqId) -> &mut SeqState {
+        self.seqs.get_mut(&id).expect("checked live")
     }
 
     /// Whether `id` is a live sequence.
@@ -192,10 +461,10 @@ impl BlockPool {
         self.seqs.keys().copied().collect()
     }
 
-    /// Releases a sequence's blocks and forgets it.
+    /// Releases a sequence's blocks (last first) and forgets it.
     pub fn free_sequence(&mut self, id: SeqId) -> Result<()> {
         let s = self.seqs.remove(&id).ok_or_else(|| freed(id))?;
-        s.blocks.iter().for_each(|&b| self.alloc.release(b));
+        self.release_all(&s.blocks);
         Ok(())
     }
 
@@ -204,6 +473,7 @@ impl BlockPool {
         for &id in keep {
             self.seq(id)?;
         }
+        let keep: FxHashSet<SeqId> = keep.iter().copied().collect();
         let drop: Vec<SeqId> = self
             .seqs
             .keys()
@@ -218,11 +488,12 @@ impl BlockPool {
 
     /// A new sequence sharing every block of `id` (no copy).
     pub fn fork(&mut self, id: SeqId) -> Result<SeqId> {
-        let s = self.seq(id)?.clone();
-        s.blocks.iter().for_each(|&b| self.alloc.share(b));
-        let new = self.new_sequence();
-        self.seqs.insert(new, s);
-        Ok(new)
+        let mut s = self.seq(id)?.clone();
+        s.num_cached_tokens = 0;
+        for &b in &s.blocks {
+            self.hold_block(b);
+        }
+        Ok(self.insert(s))
     }
 
     /// Makes `dst` hold the first `n` committed positions of `src`, sharing their blocks
@@ -245,79 +516,83 @@ impl BlockPool {
                 reason: format!("src has only {} committed positions", s.seq_len),
             });
         }
-        let shared: Vec<BlockId> = s.blocks[..n.div_ceil(self.shape.block_size)].to_vec();
-        shared.iter().for_each(|&b| self.alloc.share(b));
-        let d = self.seqs.get_mut(&dst).expect("checked above");
-        let old = std::mem::replace(&mut d.blocks, shared);
-        d.layer_len.fill(n);
-        d.seq_len = n;
-        old.iter().for_each(|&b| self.alloc.release(b));
+        let bs = self.shape.block_size;
+        let mut copy = s.clone();
+        copy.blocks.truncate(n.div_ceil(bs));
+        copy.hashes.truncate(n / bs);
+        copy.tokens.truncate(n);
+        copy.layer_len.fill(n);
+        copy.seq_len = n;
+        copy.num_cached_tokens = 0;
+        for &b in &copy.blocks {
+            self.hold_block(b);
+        }
+        let old = std::mem::replace(self.seq_mut(dst), copy);
+        self.release_all(&old.blocks);
         Ok(())
     }
 
-    /// Blocks that writing positions `start..end` of `s` would take from the free list:
-    /// new blocks past the table, plus copies of shared blocks in the range.
+    // ----- writing ----------------------------------------------------------------------
+
+    /// Whether writing into block `b` needs a private copy first: it is shared, or it
+    /// is cached (cached blocks are immutable).
+    fn needs_copy(&self, b: BlockId) -> bool {
+        self.alloc.refcount(b) > 1 || self.is_cached(b)
+    }
+
+    /// Blocks that writing positions `start..end` of `s` would take: new blocks past the
+    /// table, plus copies of shared or cached blocks in the range.
     fn blocks_needed(&self, s: &SeqState, start: usize, end: usize) -> usize {
         if start >= end {
             return 0;
         }
         let bs = self.shape.block_size;
         let grow = end.div_ceil(bs).saturating_sub(s.blocks.len());
-        let last_existing = (end.div_ceil(bs)).min(s.blocks.len());
-        let shared = (start / bs..last_existing)
-            .filter(|&i| self.alloc.refcount(s.blocks[i]) > 1)
+        let last_existing = end.div_ceil(bs).min(s.blocks.len());
+        let copies = (start / bs..last_existing)
+            .filter(|&i| self.needs_copy(s.blocks[i]))
             .count();
-        grow + shared
+        grow + copies
     }
 
-    /// Makes positions `start..end` of sequence `id` writable: copies shared blocks in
-    /// the range (copy-on-write, all layers) and appends new blocks. The caller has
-    /// checked with [`Self::blocks_needed`] that the free list suffices.
-    fn prepare_write(&mut self, id: SeqId, start: usize, end: usize) -> Result<()> {
+    /// Makes positions `start..end` of sequence `id` writable: copies shared or cached
+    /// blocks in the range (copy-on-write, all layers) and appends new blocks. The caller
+    /// has checked with [`Self::blocks_needed`] that enough blocks are available.
+    fn prepare_write(&mut self, id: SeqId, start: usize, end: usize) {
         if start >= end {
-            return Ok(());
+            return;
         }
         let bs = self.shape.block_size;
-        let mut blocks = std::mem::take(&mut self.seqs.get_mut(&id).expect("live").blocks);
+        let mut blocks = std::mem::take(&mut self.seq_mut(id).blocks);
         for i in start / bs..end.div_ceil(bs).min(blocks.len()) {
             let old = blocks[i];
-            if self.alloc.refcount(old) > 1 {
-                let new = self
-                    .alloc
-                    .allocate()
-                    .expect("free blocks checked by the caller");
-                for layer in 0..self.shape.num_layers {
-                    self.storage.copy_within(
-                        self.shape.whole_block(layer, old),
-                        self.shape.whole_block(layer, new),
-                    )?;
-                }
-                self.alloc.release(old);
+            if self.needs_copy(old) {
+                let new = self.take_block();
+                self.copy_block(old, new);
+                self.release_block(old);
                 blocks[i] = new;
             }
         }
         while blocks.len() < end.div_ceil(bs) {
-            blocks.push(
-                self.alloc
-                    .allocate()
-                    .expect("free blocks checked by the caller"),
-            );
+            blocks.push(self.take_block());
         }
-        self.seqs.get_mut(&id).expect("live").blocks = blocks;
-        Ok(())
+        self.seq_mut(id).blocks = blocks;
     }
 
-    fn cache_full(&self, what: String, needed: usize) -> KvError {
-        KvError::CacheFull {
-            what: format!("{what} (blocks)"),
-            needed,
-            capacity: self.alloc.num_free(),
+    fn ensure_room(&self, needed: usize, what: impl FnOnce() -> String) -> Result<()> {
+        if needed > self.num_free_blocks() {
+            return Err(KvError::CacheFull {
+                what: format!("{} (blocks)", what()),
+                needed,
+                capacity: self.num_free_blocks(),
+            });
         }
+        Ok(())
     }
 
     /// Appends `k`, `v` (`[n_tokens, num_kv_heads, head_dim]`) at `layer`'s next free
     /// position of sequence `id`, allocating and copying blocks as needed; returns the
-    /// start position. All or nothing: `CacheFull` when the free blocks do not suffice.
+    /// start position. All or nothing: `CacheFull` when the blocks do not suffice.
     pub fn append(&mut self, id: SeqId, layer: i64, k: &TensorRef, v: &TensorRef) -> Result<usize> {
         let sh = self.shape;
         let layer = check_index("layer", layer, sh.num_layers)?;
@@ -325,18 +600,16 @@ impl BlockPool {
         v.expect_shape("v", &[n, sh.num_kv_heads, sh.head_dim])?;
         let s = self.seq(id)?;
         let start = s.layer_len[layer];
-        let end = start + n;
-        let needed = self.blocks_needed(s, start, end);
-        if needed > self.alloc.num_free() {
-            return Err(self.cache_full(
-                format!("appending {n} tokens to layer {layer} at position {start}"),
-                needed,
-            ));
-        }
-        self.prepare_write(id, start, end)?;
-        let blocks = self.seqs[&id].blocks.clone();
-        self.write_positions(&blocks, layer, start, k, v)?;
-        self.seqs.get_mut(&id).expect("live").layer_len[layer] = end;
+        self.ensure_room(self.blocks_needed(s, start, start + n), || {
+            format!("appending {n} tokens to layer {layer} at position {start}")
+        })?;
+        self.prepare_write(id, start, start + n);
+        let blocks = std::mem::take(&mut self.seq_mut(id).blocks);
+        let written = self.write_positions(&blocks, layer, start, k, v);
+        let s = self.seq_mut(id);
+        s.blocks = blocks;
+        written?;
+        s.layer_len[layer] = start + n;
         Ok(start)
     }
 
@@ -367,8 +640,46 @@ impl BlockPool {
         Ok(())
     }
 
-    /// Commits `n` tokens of sequence `id`; every layer must already hold them.
-    pub fn advance(&mut self, id: SeqId, n: i64) -> Result<()> {
+    /// Checks that `new` token ids can be recorded at positions `start..` of `s`: its known
+    /// tokens must reach `start`, and any it already knows there must agree.
+    pub(crate) fn check_tokens(s: &SeqState, id: SeqId, start: usize, new: &[u32]) -> Result<()> {
+        if s.tokens.len() < start {
+            return Err(KvError::InvalidArgument {
+                name: "tokens",
+                value: format!("{} ids for positions {start}..{}", new.len(), start + new.len()),
+                reason: format!(
+                    "sequence {id} knows token ids only up to position {}; give them from the start \
+                     (new_sequence(tokens=...)) and with every commit",
+                    s.tokens.len()
+                ),
+            });
+        }
+        for (i, (&known, &given)) in s.tokens[start..].iter().zip(new).enumerate() {
+            if known != given {
+                return Err(KvError::InvalidArgument {
+                    name: "tokens",
+                    value: given.to_string(),
+                    reason: format!(
+                        "position {} of sequence {id} already has token id {known}",
+                        start + i
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn record_tokens(&mut self, id: SeqId, start: usize, new: &[u32]) {
+        let s = self.seq_mut(id);
+        let known = s.tokens.len() - start;
+        if new.len() > known {
+            s.tokens.extend_from_slice(&new[known..]);
+        }
+    }
+
+    /// Commits `n` tokens of sequence `id` (every layer must already hold them), with
+    /// their token ids when given; then caches the blocks they complete.
+    pub fn advance(&mut self, id: SeqId, n: i64, tokens: Option<&[u32]>) -> Result<()> {
         let n = check_count("n", n)?;
         let s = self.seq(id)?;
         let target = s.seq_len + n;
@@ -382,27 +693,65 @@ impl BlockPool {
                 ),
             });
         }
-        self.seqs.get_mut(&id).expect("live").seq_len = target;
+        if let Some(t) = tokens {
+            if t.len() != n {
+                return Err(KvError::InvalidArgument {
+                    name: "tokens",
+                    value: format!("{} ids", t.len()),
+                    reason: format!("needs one id per committed token ({n})"),
+                });
+            }
+            Self::check_tokens(s, id, s.seq_len, t)?;
+        }
+        let start = s.seq_len;
+        if let Some(t) = tokens {
+            self.record_tokens(id, start, t);
+        }
+        self.seq_mut(id).seq_len = target;
+        self.register_blocks(id);
         Ok(())
     }
 
-    /// Cuts sequence `id` to its first `len` positions in every layer (and the committed
-    /// length), releasing the blocks past them.
-    pub(crate) fn cut_to(&mut self, id: SeqId, len: usize) {
+    /// Caches every full, committed block of `id` whose token ids are known.
+    fn register_blocks(&mut self, id: SeqId) {
         let bs = self.shape.block_size;
-        let s = self.seqs.get_mut(&id).expect("live");
+        let Some(p) = self.prefix.as_mut() else {
+            return;
+        };
+        let s = self.seqs.get_mut(&id).expect("checked live");
+        while s.hashes.len() < s.seq_len.min(s.tokens.len()) / bs {
+            let i = s.hashes.len();
+            let parent = if i == 0 { s.root } else { s.hashes[i - 1] };
+            let toks = &s.tokens[i * bs..(i + 1) * bs];
+            let h = p.kind.block(parent, toks, &s.extra);
+            s.hashes.push(h);
+            // A block already cached under another hash, or a hash already cached in
+            // another block, stays as it is: the first copy wins.
+            p.register(s.blocks[i], h, parent, i == 0, toks);
+        }
+    }
+
+    /// Cuts sequence `id` to its first `len` positions in every layer (and the committed
+    /// length), releasing the blocks past them; `cut_tokens` also forgets token ids there.
+    pub(crate) fn cut_to(&mut self, id: SeqId, len: usize, cut_tokens: bool) {
+        let bs = self.shape.block_size;
+        let s = self.seq_mut(id);
         s.seq_len = s.seq_len.min(len);
         s.layer_len.iter_mut().for_each(|l| *l = (*l).min(len));
+        s.hashes.truncate(s.seq_len / bs);
+        if cut_tokens {
+            s.tokens.truncate(len);
+        }
         let keep = s.held().div_ceil(bs);
         let dropped: Vec<BlockId> = s.blocks.drain(keep..).collect();
-        dropped.iter().for_each(|&b| self.alloc.release(b));
+        self.release_all(&dropped);
     }
 
     /// Drops positions `>= n`; a no-op when `n >= seq_len` (as [`crate::KVCache::truncate`]).
     pub fn truncate(&mut self, id: SeqId, n: i64) -> Result<()> {
         let n = check_count("n", n)?;
         if n < self.seq(id)?.seq_len {
-            self.cut_to(id, n);
+            self.cut_to(id, n, true);
         }
         Ok(())
     }
@@ -427,9 +776,168 @@ impl BlockPool {
                  or remove a tail (end=None)"
             )));
         }
-        self.cut_to(id, begin);
+        self.cut_to(id, begin, true);
         Ok(())
     }
+
+    /// Sets the committed length and every layer's length to `n`, growing or shrinking
+    /// the block table (new positions hold whatever the blocks held); then caches the
+    /// full blocks whose token ids are known. For callers that inject blocks kept elsewhere.
+    pub fn set_seq_len(&mut self, id: SeqId, n: i64) -> Result<()> {
+        let n = check_count("n", n)?;
+        let held = self.seq(id)?.held();
+        if n < held {
+            self.cut_to(id, n, true);
+        } else {
+            let s = self.seq(id)?;
+            self.ensure_room(self.blocks_needed(s, held, n), || {
+                format!("growing sequence {id} to {n} positions")
+            })?;
+            self.prepare_write(id, held, n);
+        }
+        let bs = self.shape.block_size;
+        let s = self.seq_mut(id);
+        s.layer_len.fill(n);
+        s.seq_len = n;
+        s.hashes.truncate(n / bs);
+        self.register_blocks(id);
+        Ok(())
+    }
+
+    /// Writes `[num_kv_heads, block_size, head_dim]` keys and values at positions
+    /// `start_pos..start_pos + block_size` of `layer`, allocating blocks as needed; the
+    /// layer then holds at least those positions. Commit with [`Self::set_seq_len`] or
+    /// [`Self::advance`].
+    pub fn inject_block(
+        &mut self,
+        id: SeqId,
+        layer: i64,
+        start_pos: i64,
+        block_size: i64,
+        keys: &TensorRef,
+        values: &TensorRef,
+    ) -> Result<()> {
+        let sh = self.shape;
+        let layer = check_index("layer", layer, sh.num_layers)?;
+        let start = check_count("start_pos", start_pos)?;
+        let n = check_count("block_size", block_size)?;
+        keys.expect_shape("keys", &[sh.num_kv_heads, n, sh.head_dim])?;
+        values.expect_shape("values", &[sh.num_kv_heads, n, sh.head_dim])?;
+        let s = self.seq(id)?;
+        self.ensure_room(self.blocks_needed(s, start, start + n), || {
+            format!("injecting {n} positions at {start}")
+        })?;
+        self.prepare_write(id, start, start + n);
+        let blocks = std::mem::take(&mut self.seq_mut(id).blocks);
+        let written = self.write_positions(
+            &blocks,
+            layer,
+            start,
+            &keys.transposed(0, 1),
+            &values.transposed(0, 1),
+        );
+        let s = self.seq_mut(id);
+        s.blocks = blocks;
+        written?;
+        s.layer_len[layer] = s.layer_len[layer].max(start + n);
+        Ok(())
+    }
+
+    /// Copies `[num_kv_heads, block_size, head_dim]` keys and values of `layer` from
+    /// `start_pos` into `keys`/`values`; positions the layer does not hold read as zeros.
+    pub fn extract_block(
+        &self,
+        id: SeqId,
+        layer: i64,
+        start_pos: i64,
+        block_size: i64,
+        keys: &TensorRef,
+        values: &TensorRef,
+    ) -> Result<()> {
+        let sh = self.shape;
+        let layer = check_index("layer", layer, sh.num_layers)?;
+        let start = check_count("start_pos", start_pos)?;
+        let n = check_count("block_size", block_size)?;
+        keys.expect_shape("keys", &[sh.num_kv_heads, n, sh.head_dim])?;
+        values.expect_shape("values", &[sh.num_kv_heads, n, sh.head_dim])?;
+        let s = self.seq(id)?;
+        let inside = s.layer_len[layer].saturating_sub(start).min(n);
+        if inside > 0 {
+            self.read_positions(&s.blocks, layer, start, inside, keys, values)?;
+        }
+        for out in [keys, values] {
+            // SAFETY: the tail positions of the caller's [H, n, D] tensor.
+            unsafe { out.slice(1, inside, n - inside).fill_zero() };
+        }
+        Ok(())
+    }
+
+    /// Fills empty sequence `id` with the content of `cache`: every layer's positions and
+    /// lengths, and its committed length.
+    pub fn copy_from_cache(&mut self, id: SeqId, cache: &KVCache) -> Result<()> {
+        let sh = self.shape;
+        check_same_shape(sh, cache)?;
+        let s = self.seq(id)?;
+        if s.held() > 0 {
+            return Err(KvError::InvalidArgument {
+                name: "seq",
+                value: format!("sequence {id}"),
+                reason: format!("must be empty, but holds {} positions", s.held()),
+            });
+        }
+        let held = (0..sh.num_layers)
+            .map(|l| cache.layer_len(l))
+            .max()
+            .unwrap_or(0);
+        self.ensure_room(held.div_ceil(sh.block_size), || {
+            format!("copying {held} positions from a KVCache")
+        })?;
+        self.prepare_write(id, 0, held);
+        let blocks = self.seq(id)?.blocks.clone();
+        for layer in 0..sh.num_layers {
+            let len = cache.layer_len(layer);
+            let (k, v) = (
+                cache.host_tensor(layer, Kv::Key, len)?,
+                cache.host_tensor(layer, Kv::Value, len)?,
+            );
+            self.write_positions(&blocks, layer, 0, &k.transposed(0, 1), &v.transposed(0, 1))?;
+        }
+        let s = self.seq_mut(id);
+        for layer in 0..sh.num_layers {
+            s.layer_len[layer] = cache.layer_len(layer);
+        }
+        s.seq_len = cache.seq_len();
+        self.register_blocks(id);
+        Ok(())
+    }
+
+    /// Copies sequence `id` into `cache`, replacing its content: every layer's positions
+    /// and lengths, and the committed length.
+    pub fn copy_to_cache(&self, id: SeqId, cache: &mut KVCache) -> Result<()> {
+        let sh = self.shape;
+        check_same_shape(sh, cache)?;
+        let s = self.seq(id)?;
+        let max = cache.shape().max_seq_len;
+        if s.held() > max {
+            return Err(KvError::CacheFull {
+                what: format!("copying sequence {id} into a KVCache"),
+                needed: s.held(),
+                capacity: max,
+            });
+        }
+        for layer in 0..sh.num_layers {
+            let len = s.layer_len[layer];
+            let (k, v) = (
+                cache.host_tensor(layer, Kv::Key, len)?,
+                cache.host_tensor(layer, Kv::Value, len)?,
+            );
+            self.read_positions(&s.blocks, layer, 0, len, &k, &v)?;
+        }
+        cache.set_lengths(s.seq_len, &s.layer_len);
+        Ok(())
+    }
+
+    // ----- reading ----------------------------------------------------------------------
 
     /// Gathers sequence `id`'s `layer` into `k_out`, `v_out` (`[heads, >= len, head_dim]`)
     /// and returns `len`, the positions that layer holds.
@@ -484,6 +992,8 @@ impl BlockPool {
         Ok(())
     }
 
+    // ----- batches ----------------------------------------------------------------------
+
     /// Reserves positions for `counts[i]` new tokens at the end of each sequence, all or
     /// nothing, and returns their slots (`block * block_size + offset`), in order. The
     /// positions become part of every layer (fill them with [`Self::write`]) and are
@@ -517,18 +1027,15 @@ impl BlockPool {
             needed += self.blocks_needed(s, start, start + c);
             plan.push((id, start, c));
         }
-        if needed > self.alloc.num_free() {
-            let total: usize = plan.iter().map(|p| p.2).sum();
-            return Err(self.cache_full(
-                format!("reserving {total} tokens for {} sequences", ids.len()),
-                needed,
-            ));
-        }
+        let total: usize = plan.iter().map(|p| p.2).sum();
+        self.ensure_room(needed, || {
+            format!("reserving {total} tokens for {} sequences", ids.len())
+        })?;
         let bs = self.shape.block_size;
-        let mut slots = Vec::with_capacity(plan.iter().map(|p| p.2).sum());
+        let mut slots = Vec::with_capacity(total);
         for (id, start, c) in plan {
-            self.prepare_write(id, start, start + c)?;
-            let s = self.seqs.get_mut(&id).expect("live");
+            self.prepare_write(id, start, start + c);
+            let s = self.seq_mut(id);
             s.layer_len.fill(start + c);
             slots.extend(
                 (start..start + c).map(|p| (s.blocks[p / bs] as usize * bs + p % bs) as i64),
@@ -539,7 +1046,7 @@ impl BlockPool {
 
     /// Scatters `k`, `v` (`[n_tokens, heads, head_dim]`) into `slots` (vLLM's
     /// `reshape_and_cache`; slot `-1` skips the token). Every slot must lie in a block
-    /// that exactly one sequence holds (reserve positions first).
+    /// that exactly one sequence holds and that is not cached (reserve positions first).
     pub fn write(&mut self, layer: i64, k: &TensorRef, v: &TensorRef, slots: &[i64]) -> Result<()> {
         let sh = self.shape;
         let layer = check_index("layer", layer, sh.num_layers)?;
@@ -557,19 +1064,24 @@ impl BlockPool {
             if slot == -1 {
                 continue;
             }
-            let b = check_index("slot_mapping", slot, limit)? / sh.block_size;
-            let refs = self.alloc.refcount(b as BlockId);
-            if refs != 1 {
-                return Err(KvError::InvalidArgument {
-                    name: "slot_mapping",
-                    value: slot.to_string(),
-                    reason: if refs == 0 {
-                        format!("block {b} is free; reserve() the positions first")
-                    } else {
-                        format!("block {b} is shared by {refs} sequences; reserve() the positions first (copy-on-write)")
-                    },
-                });
-            }
+            let b = (check_index("slot_mapping", slot, limit)? / sh.block_size) as BlockId;
+            let refs = self.alloc.refcount(b);
+            let reason = if refs == 0 {
+                format!("block {b} is not held by any sequence; reserve() the positions first")
+            } else if refs > 1 {
+                format!("block {b} is shared by {refs} holders; reserve() the positions first (copy-on-write)")
+            } else if self.is_cached(b) {
+                format!(
+                    "block {b} is in the prefix cache and immutable; reserve() the positions first"
+                )
+            } else {
+                continue;
+            };
+            return Err(KvError::InvalidArgument {
+                name: "slot_mapping",
+                value: slot.to_string(),
+                reason,
+            });
         }
         let mut t = 0;
         while t < n {
@@ -630,7 +1142,102 @@ impl BlockPool {
         Ok((out, width))
     }
 
-    /// Occupancy: blocks, bytes and exact token counts.
+    // ----- the prefix cache -------------------------------------------------------------
+
+    fn prefix_or_err(&self) -> Result<&PrefixIndex> {
+        self.prefix.as_ref().ok_or_else(|| {
+            KvError::NotSupported(
+                "prefix caching is off for this pool (prefix_caching=False)".into(),
+            )
+        })
+    }
+
+    /// The cached full blocks of `tokens` (in `namespace`, with `extra`), in order.
+    fn cached_chain(&self, tokens: &[u32], namespace: &[u8], extra: &[u8]) -> Result<Vec<BlockId>> {
+        let p = self.prefix_or_err()?;
+        let (full, _) = self.match_blocks(p.root(namespace), tokens, extra, tokens.len());
+        Ok(full.into_iter().map(|(b, _)| b).collect())
+    }
+
+    /// Keeps the cached full blocks of `tokens` from eviction until [`Self::unpin`];
+    /// returns the tokens pinned.
+    pub fn pin(&mut self, tokens: &[u32], namespace: &[u8], extra: &[u8]) -> Result<usize> {
+        let chain = self.cached_chain(tokens, namespace, extra)?;
+        for &b in &chain {
+            self.hold_block(b);
+            *self.pins.entry(b).or_insert(0) += 1;
+        }
+        Ok(chain.len() * self.shape.block_size)
+    }
+
+    /// Undoes one [`Self::pin`] of the same prefix; returns the tokens unpinned.
+    pub fn unpin(&mut self, tokens: &[u32], namespace: &[u8], extra: &[u8]) -> Result<usize> {
+        let chain = self.cached_chain(tokens, namespace, extra)?;
+        let pinned: Vec<BlockId> = chain
+            .into_iter()
+            .take_while(|b| self.pins.contains_key(b))
+            .collect();
+        for &b in pinned.iter().rev() {
+            let c = self.pins.get_mut(&b).expect("checked");
+            *c -= 1;
+            if *c == 0 {
+                self.pins.remove(&b);
+            }
+            self.release_block(b);
+        }
+        Ok(pinned.len() * self.shape.block_size)
+    }
+
+    /// Drops every cached block no sequence holds; returns how many.
+    pub fn evict_all(&mut self) -> usize {
+        let Some(p) = self.prefix.as_mut() else {
+            return 0;
+        };
+        let mut n = 0;
+        while let Some(b) = p.lru.pop_front() {
+            p.unregister(b);
+            p.counters.evictions += 1;
+            self.alloc.push_free(b);
+            n += 1;
+        }
+        n
+    }
+
+    /// Blocks stored in and removed from the prefix index since the last call.
+    pub fn drain_events(&mut self) -> Vec<PrefixEvent> {
+        self.prefix
+            .as_mut()
+            .map_or_else(Vec::new, PrefixIndex::drain_events)
+    }
+
+    /// Caches `tokens`' block `b` under `hash` (from a saved cache) as evictable, most
+    /// recently used. For loading; `b` must be unreferenced and uncached.
+    pub(crate) fn adopt_cached(
+        &mut self,
+        b: BlockId,
+        hash: BlockHash,
+        parent: BlockHash,
+        first: bool,
+        tokens: &[u32],
+    ) -> bool {
+        let p = self.prefix.as_mut().expect("prefix caching on");
+        if !p.register(b, hash, parent, first, tokens) {
+            return false;
+        }
+        p.lru.push_back(b);
+        true
+    }
+
+    /// Takes a free block (not an evictable one) for loading, or `None`.
+    pub(crate) fn take_free_block(&mut self) -> Option<BlockId> {
+        let b = self.alloc.allocate()?;
+        assert!(self.alloc.release(b));
+        Some(b)
+    }
+
+    // ----- accounting -------------------------------------------------------------------
+
+    /// Occupancy: blocks, bytes, exact token counts and prefix-cache counters.
     pub fn stats(&self) -> PoolStats {
         let bs = self.shape.block_size;
         // A block's filled positions: the most any sequence holding it has written there.
@@ -641,11 +1248,15 @@ impl BlockPool {
                 fill[b as usize] = fill[b as usize].max(held.saturating_sub(i * bs).min(bs));
             }
         }
-        let used = self.shape.num_blocks - self.alloc.num_free();
+        for &b in self.pins.keys() {
+            fill[b as usize] = bs;
+        }
+        let free = self.num_free_blocks();
+        let used = self.shape.num_blocks - free;
         let tokens: usize = fill.iter().sum();
         PoolStats {
             num_blocks: self.shape.num_blocks,
-            free_blocks: self.alloc.num_free(),
+            free_blocks: free,
             used_blocks: used,
             block_size: bs,
             bytes_total: self.storage.nbytes(),
@@ -654,15 +1265,29 @@ impl BlockPool {
             fragmentation_tokens: used * bs - tokens,
             utilization_ratio: tokens as f64 / (self.shape.num_blocks * bs) as f64,
             num_sequences: self.seqs.len(),
+            cached_blocks: self.prefix.as_ref().map_or(0, PrefixIndex::len),
+            evictable_blocks: self.prefix.as_ref().map_or(0, |p| p.lru.len()),
+            prefix: self
+                .prefix
+                .as_ref()
+                .map_or_else(PrefixCounters::default, |p| p.counters),
         }
     }
 
-    /// Checks every invariant: reference counts equal block-table occurrences, the free
-    /// list is exact, tables cover exactly the held positions, `seq_len` never exceeds a
-    /// layer's length. For tests; O(blocks + sequences).
+    /// Checks every invariant: reference counts equal block-table occurrences plus pins,
+    /// the free list and the eviction order are exact, the prefix index is consistent,
+    /// tables cover exactly the held positions, `seq_len` never exceeds a layer's length.
+    /// For tests; O(blocks + sequences).
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
-        self.alloc.check()?;
+        let evictable = self.prefix.as_ref().map_or(0, |p| p.lru.len());
+        self.alloc.check(evictable)?;
+        if let Some(p) = &self.prefix {
+            p.check(|b| self.alloc.refcount(b))?;
+        }
         let mut refs = vec![0u32; self.shape.num_blocks];
+        for (&b, &c) in &self.pins {
+            refs[b as usize] += c;
+        }
         for (id, s) in &self.seqs {
             if s.blocks.len() != s.held().div_ceil(self.shape.block_size) {
                 return Err(format!(
@@ -682,7 +1307,7 @@ impl BlockPool {
         for (b, &r) in refs.iter().enumerate() {
             if r != self.alloc.refcount(b as BlockId) {
                 return Err(format!(
-                    "block {b} is in {r} tables but counts {} references",
+                    "block {b} has {r} holders but counts {} references",
                     self.alloc.refcount(b as BlockId)
                 ));
             }
@@ -697,6 +1322,24 @@ fn freed(id: SeqId) -> KvError {
         value: format!("sequence {id}"),
         reason: "was freed (or belongs to no pool)".into(),
     }
+}
+
+fn check_same_shape(sh: PagedShape, cache: &KVCache) -> Result<()> {
+    let c = cache.shape();
+    if (c.num_layers, c.num_kv_heads, c.head_dim) != (sh.num_layers, sh.num_kv_heads, sh.head_dim) {
+        return Err(KvError::InvalidArgument {
+            name: "cache",
+            value: format!(
+                "{} layers x {} heads x {}",
+                c.num_layers, c.num_kv_heads, c.head_dim
+            ),
+            reason: format!(
+                "must match the pool's {} layers x {} heads x {}",
+                sh.num_layers, sh.num_kv_heads, sh.head_dim
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// Checks that `t` is `[n, heads, head_dim]` and returns `n`.

@@ -37,9 +37,11 @@ impl From<KvError> for PyErr {
         match e {
             KvError::CacheFull { .. } => CacheFullError::new_err(msg),
             KvError::OutOfRange { .. } => PyIndexError::new_err(msg),
-            KvError::Shape { .. } | KvError::UnknownDType(_) | KvError::InvalidArgument { .. } => {
-                PyValueError::new_err(msg)
-            }
+            KvError::Io { .. } => pyo3::exceptions::PyOSError::new_err(msg),
+            KvError::Shape { .. }
+            | KvError::UnknownDType(_)
+            | KvError::InvalidArgument { .. }
+            | KvError::BadFile { .. } => PyValueError::new_err(msg),
             KvError::UnsupportedDType { .. } => PyTypeError::new_err(msg),
             KvError::NotSupported(_) => NotSupportedError::new_err(msg),
             KvError::Device(ref m) if m.starts_with("cannot allocate") => {

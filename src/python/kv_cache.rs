@@ -17,7 +17,7 @@ use crate::tensor::TensorRef;
 /// A contiguous KV cache for one sequence, preallocated for `max_seq_len` positions.
 #[pyclass(frozen, name = "KVCache", module = "kvrs")]
 pub struct PyKVCache {
-    inner: RwLock<KVCache>,
+    pub(crate) inner: RwLock<KVCache>,
     shape: CacheShape,
     dtype: DType,
     device: Device,

@@ -10,12 +10,14 @@ use super::args::{parse_device, parse_dtype};
 use super::batch::PyForwardBatch;
 use super::copying;
 use super::input::{read_ints, read_tensor};
+use super::kv_cache::PyKVCache;
 use super::views::{borrowed_array, new_array};
 use crate::bytes::parse_size;
 use crate::dtype::DType;
 use crate::error::KvError;
 use crate::kv_cache::Kv;
-use crate::paged::{BlockPool, KvLayout, PagedShape, SeqId};
+use crate::paged::{BlockPool, KvLayout, PagedShape, PrefixConfig, SeqId};
+use crate::prefix::HashKind;
 use crate::storage::Device;
 
 /// A pool of fixed-size KV blocks for every layer, allocated once and shared by many
@@ -116,9 +118,9 @@ fn i32_array<'py>(py: Python<'py>, v: Vec<i32>) -> Bound<'py, PyArray1<i32>> {
 #[pymethods]
 impl PyBlockPool {
     #[new]
-    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, *, block_size = 16, num_blocks = None, memory_bytes = None, dtype = None, device = None, layout = "NHD"))]
+    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, *, block_size = 16, num_blocks = None, memory_bytes = None, dtype = None, device = None, layout = "NHD", prefix_caching = true, hash = "blake3", seed = None, partial_hits = true))]
     #[pyo3(
-        text_signature = "(num_layers, num_kv_heads, head_dim, *, block_size=16, num_blocks=None, memory_bytes=None, dtype='float16', device='cpu', layout='NHD')"
+        text_signature = "(num_layers, num_kv_heads, head_dim, *, block_size=16, num_blocks=None, memory_bytes=None, dtype='float16', device='cpu', layout='NHD', prefix_caching=True, hash='blake3', seed=None, partial_hits=True)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -131,6 +133,10 @@ impl PyBlockPool {
         dtype: Option<&Bound<'_, PyAny>>,
         device: Option<&Bound<'_, PyAny>>,
         layout: &str,
+        prefix_caching: bool,
+        hash: &str,
+        seed: Option<u128>,
+        partial_hits: bool,
     ) -> PyResult<Self> {
         let positive = |name: &'static str, v: i64| -> PyResult<usize> {
             if v < 1 {
@@ -195,7 +201,19 @@ impl PyBlockPool {
                 .into())
             }
         };
-        let pool = BlockPool::new(shape, dtype, device)?;
+        let hash: HashKind = hash.parse()?;
+        let prefix = prefix_caching.then(|| -> PyResult<PrefixConfig> {
+            let seed = match seed {
+                Some(s) => s,
+                None => {
+                    let mut b = [0u8; 16];
+                    getrandom::fill(&mut b).map_err(|e| KvError::Device(format!("no OS randomness for the hash seed: {e}")))?;
+                    u128::from_le_bytes(b)
+                }
+            };
+            Ok(PrefixConfig { hash, seed, partial_hits })
+        });
+        let pool = BlockPool::new(shape, dtype, device, prefix.transpose()?)?;
         let data = pool.data_ptr() as usize;
         Ok(PyBlockPool {
             inner: Mutex::new(pool),
@@ -266,6 +284,25 @@ impl PyBlockPool {
         self.inner.lock().num_free_blocks()
     }
 
+    /// Whether full blocks with known token ids are cached for reuse.
+    #[getter]
+    fn prefix_caching(&self) -> bool {
+        self.inner.lock().prefix().is_some()
+    }
+
+    /// The prefix hash function ('blake3' or 'xxh3'), or None without prefix caching.
+    #[getter]
+    fn hash(&self) -> Option<String> {
+        self.inner.lock().prefix().map(|p| p.kind.to_string())
+    }
+
+    /// The seed of every hash chain (give it to another pool to share saved caches), or
+    /// None without prefix caching.
+    #[getter]
+    fn seed(&self) -> Option<u128> {
+        self.inner.lock().prefix().map(|p| p.seed)
+    }
+
     /// Zero-copy writable view of one layer's cache tensor, in FlashInfer's paged layout.
     fn kv_cache<'py>(slf: &Bound<'py, Self>, layer: i64) -> PyResult<Bound<'py, PyAny>> {
         let sh = slf.get().shape;
@@ -292,13 +329,98 @@ impl PyBlockPool {
         d.set_item("fragmentation_tokens", s.fragmentation_tokens)?;
         d.set_item("utilization_ratio", s.utilization_ratio)?;
         d.set_item("num_sequences", s.num_sequences)?;
+        d.set_item("cached_blocks", s.cached_blocks)?;
+        d.set_item("evictable_blocks", s.evictable_blocks)?;
+        d.set_item("prefix_queries", s.prefix.queries)?;
+        d.set_item("prefix_query_tokens", s.prefix.query_tokens)?;
+        d.set_item("prefix_hit_tokens", s.prefix.hit_tokens)?;
+        let rate = if s.prefix.query_tokens == 0 { 0.0 } else { s.prefix.hit_tokens as f64 / s.prefix.query_tokens as f64 };
+        d.set_item("hit_rate", rate)?;
+        d.set_item("evictions", s.prefix.evictions)?;
         Ok(d)
     }
 
-    /// Starts an empty sequence.
-    fn new_sequence(slf: &Bound<'_, Self>) -> PySequence {
-        let id = slf.get().inner.lock().new_sequence();
-        Self::sequence(slf, id)
+    /// Starts a sequence; with `tokens` (the prompt's ids) it attaches the longest cached
+    /// prefix (see num_cached_tokens) and caches its blocks as they fill.
+    #[pyo3(signature = (tokens = None, namespace = None, extra_key = None))]
+    fn new_sequence(
+        slf: &Bound<'_, Self>,
+        tokens: Option<&Bound<'_, PyAny>>,
+        namespace: Option<&Bound<'_, PyAny>>,
+        extra_key: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PySequence> {
+        let (ns, extra) = (key_bytes(namespace, "namespace")?, key_bytes(extra_key, "extra_key")?);
+        let id = match tokens {
+            Some(t) => {
+                let t = token_ids(t, "tokens")?;
+                slf.get().inner.lock().new_sequence_with(&t, &ns, &extra)
+            }
+            None if ns.is_empty() && extra.is_empty() => slf.get().inner.lock().new_sequence(),
+            None => slf.get().inner.lock().new_sequence_with(&[], &ns, &extra),
+        };
+        Ok(Self::sequence(slf, id))
+    }
+
+    /// Tokens of `tokens` a new sequence would find cached (whole blocks, then a partial
+    /// block), without attaching anything.
+    #[pyo3(signature = (tokens, namespace = None, extra_key = None))]
+    fn match_prefix(&self, tokens: &Bound<'_, PyAny>, namespace: Option<&Bound<'_, PyAny>>, extra_key: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
+        let (t, ns, extra) = (token_ids(tokens, "tokens")?, key_bytes(namespace, "namespace")?, key_bytes(extra_key, "extra_key")?);
+        Ok(self.inner.lock().match_prefix(&t, &ns, &extra))
+    }
+
+    /// Keeps the cached whole blocks of `tokens` from eviction until unpin(); returns the
+    /// tokens pinned.
+    #[pyo3(signature = (tokens, namespace = None, extra_key = None))]
+    fn pin(&self, tokens: &Bound<'_, PyAny>, namespace: Option<&Bound<'_, PyAny>>, extra_key: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
+        let (t, ns, extra) = (token_ids(tokens, "tokens")?, key_bytes(namespace, "namespace")?, key_bytes(extra_key, "extra_key")?);
+        Ok(self.inner.lock().pin(&t, &ns, &extra)?)
+    }
+
+    /// Undoes one pin() of the same prefix; returns the tokens unpinned.
+    #[pyo3(signature = (tokens, namespace = None, extra_key = None))]
+    fn unpin(&self, tokens: &Bound<'_, PyAny>, namespace: Option<&Bound<'_, PyAny>>, extra_key: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
+        let (t, ns, extra) = (token_ids(tokens, "tokens")?, key_bytes(namespace, "namespace")?, key_bytes(extra_key, "extra_key")?);
+        Ok(self.inner.lock().unpin(&t, &ns, &extra)?)
+    }
+
+    /// Drops every cached block no sequence holds; returns how many.
+    fn evict_all(&self) -> usize {
+        self.inner.lock().evict_all()
+    }
+
+    /// Blocks stored in and removed from the prefix cache since the last call: a list of
+    /// dicts (type 'stored' or 'removed', block_hash and parent_hash as 32-digit hex,
+    /// num_tokens, block_id).
+    fn drain_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let events = self.inner.lock().drain_events();
+        let out = PyList::empty(py);
+        for e in events {
+            let d = PyDict::new(py);
+            d.set_item("type", if e.stored { "stored" } else { "removed" })?;
+            d.set_item("block_hash", format!("{:032x}", e.hash))?;
+            d.set_item("parent_hash", format!("{:032x}", e.parent))?;
+            d.set_item("num_tokens", e.num_tokens)?;
+            d.set_item("block_id", e.block)?;
+            out.append(d)?;
+        }
+        Ok(out)
+    }
+
+    /// Writes every cached block to `path` (safetensors, atomically); returns how many.
+    fn save_prefix_cache(&self, py: Python<'_>, path: std::path::PathBuf) -> PyResult<usize> {
+        Ok(py.detach(|| self.inner.lock().save_prefix_cache(&path))?)
+    }
+
+    /// Warms the prefix cache from a file written by save_prefix_cache(); returns
+    /// {'loaded': n, 'skipped': m}. A mismatched, truncated or corrupted file raises
+    /// ValueError and loads nothing.
+    fn load_prefix_cache<'py>(&self, py: Python<'py>, path: std::path::PathBuf) -> PyResult<Bound<'py, PyDict>> {
+        let r = py.detach(|| self.inner.lock().load_prefix_cache(&path))?;
+        let d = PyDict::new(py);
+        d.set_item("loaded", r.loaded)?;
+        d.set_item("skipped", r.skipped)?;
+        Ok(d)
     }
 
     /// Makes `dst` hold the first `n` committed positions of `src`, sharing blocks.
@@ -380,16 +502,20 @@ impl PyBlockPool {
         PyArray1::from_vec(slf.py(), flat).reshape([ids.len(), width])
     }
 
-    /// Places a batch of tokens (token i: seqs[i] at positions[i]) and reserves their
-    /// slots; returns a ForwardBatch for put / get / finish.
+    /// Places a batch of tokens (token i: seqs[i] at positions[i], with token id
+    /// tokens[i] when given) and reserves their slots; returns a ForwardBatch for put /
+    /// get / finish.
+    #[pyo3(signature = (seqs, positions, tokens = None))]
     fn start_forward(
         slf: &Bound<'_, Self>,
         seqs: &Bound<'_, PyAny>,
         positions: &Bound<'_, PyAny>,
+        tokens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyForwardBatch> {
         let ids = Self::ids(slf, seqs, "seqs")?;
         let positions = read_ints(positions, "positions")?;
-        let plan = slf.get().inner.lock().start_forward(&ids, &positions)?;
+        let tokens = tokens.map(|t| token_ids(t, "tokens")).transpose()?;
+        let plan = slf.get().inner.lock().start_forward(&ids, &positions, tokens.as_deref())?;
         Ok(PyForwardBatch::new(slf.clone().unbind(), plan))
     }
 
@@ -496,10 +622,74 @@ impl PySequence {
         })?)
     }
 
-    /// Commits n tokens: seq_len += n. Every layer must hold them already.
-    #[pyo3(signature = (n = 1))]
-    fn advance(&self, n: i64) -> PyResult<()> {
-        Ok(self.pool_ref().inner.lock().advance(self.id, n)?)
+    /// Commits n tokens: seq_len += n. Every layer must hold them already. `tokens` (n
+    /// ids) records their token ids, so the blocks they fill join the prefix cache.
+    #[pyo3(signature = (n = 1, tokens = None))]
+    fn advance(&self, n: i64, tokens: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let tokens = tokens.map(|t| token_ids(t, "tokens")).transpose()?;
+        Ok(self.pool_ref().inner.lock().advance(self.id, n, tokens.as_deref())?)
+    }
+
+    /// Prompt tokens served from the prefix cache when the sequence started.
+    #[getter]
+    fn num_cached_tokens(&self) -> PyResult<usize> {
+        self.with(|s, _| s.num_cached_tokens)
+    }
+
+    /// The token ids the sequence knows (its prompt and committed tokens), as uint32.
+    #[getter]
+    fn token_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<u32>>> {
+        let t = self.with(|s, _| s.tokens.clone())?;
+        Ok(PyArray1::from_vec(py, t))
+    }
+
+    /// Sets seq_len and every layer's length to n, growing or shrinking the block table
+    /// (for callers that inject blocks kept elsewhere); caches blocks whose ids are known.
+    fn set_seq_len(&self, n: i64) -> PyResult<()> {
+        Ok(self.pool_ref().inner.lock().set_seq_len(self.id, n)?)
+    }
+
+    /// Copies [num_kv_heads, block_size, head_dim] keys and values of `layer` from
+    /// start_pos; positions the layer does not hold come back as zeros.
+    fn extract_block<'py>(&self, py: Python<'py>, layer: i64, start_pos: i64, block_size: i64) -> PyResult<Bound<'py, PyTuple>> {
+        let pool = self.pool_ref();
+        if block_size < 0 {
+            return Err(KvError::InvalidArgument { name: "block_size", value: block_size.to_string(), reason: "must be >= 0".into() }.into());
+        }
+        let shape = [pool.shape.num_kv_heads, block_size as usize, pool.shape.head_dim];
+        let (k, kp) = new_array(py, pool.dtype, &shape)?;
+        let (v, vp) = new_array(py, pool.dtype, &shape)?;
+        // SAFETY: fresh C-contiguous arrays of exactly this shape and dtype, held above.
+        let kt = unsafe { crate::tensor::TensorRef::contiguous(kp, pool.dtype, &shape)? };
+        let vt = unsafe { crate::tensor::TensorRef::contiguous(vp, pool.dtype, &shape)? };
+        copying(py, 2 * kt.nbytes(), || pool.inner.lock().extract_block(self.id, layer, start_pos, block_size, &kt, &vt))?;
+        PyTuple::new(py, [k, v])
+    }
+
+    /// Writes [num_kv_heads, block_size, head_dim] keys and values of `layer` at
+    /// start_pos, allocating blocks as needed; commit with set_seq_len() or advance().
+    fn inject_block(&self, py: Python<'_>, layer: i64, start_pos: i64, block_size: i64, keys: &Bound<'_, PyAny>, values: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (k, v) = (read_tensor(keys, "keys")?, read_tensor(values, "values")?);
+        let (kt, vt) = (*k.tensor(), *v.tensor());
+        let pool = self.pool_ref();
+        copying(py, kt.nbytes() + vt.nbytes(), || pool.inner.lock().inject_block(self.id, layer, start_pos, block_size, &kt, &vt))?;
+        Ok(())
+    }
+
+    /// Replaces `cache`'s content with this sequence's (lengths included).
+    fn copy_to_cache(&self, py: Python<'_>, cache: &Bound<'_, PyKVCache>) -> PyResult<()> {
+        let pool = self.pool_ref();
+        let cache = cache.get();
+        py.detach(|| pool.inner.lock().copy_to_cache(self.id, &mut cache.inner.write()))?;
+        Ok(())
+    }
+
+    /// Fills this empty sequence from `cache` (every layer's positions and lengths).
+    fn copy_from_cache(&self, py: Python<'_>, cache: &Bound<'_, PyKVCache>) -> PyResult<()> {
+        let pool = self.pool_ref();
+        let cache = cache.get();
+        py.detach(|| pool.inner.lock().copy_from_cache(self.id, &cache.inner.read()))?;
+        Ok(())
     }
 
     /// The layer's K and V gathered into contiguous [num_kv_heads, length, head_dim]
@@ -644,4 +834,31 @@ fn writable<'py>(
         .into());
     }
     read_tensor(obj, name)
+}
+
+/// Reads token ids: a 1-D sequence of integers in [0, 2**32).
+fn token_ids(obj: &Bound<'_, PyAny>, name: &'static str) -> PyResult<Vec<u32>> {
+    read_ints(obj, name)?
+        .into_iter()
+        .map(|t| {
+            u32::try_from(t).map_err(|_| KvError::InvalidArgument { name, value: t.to_string(), reason: "token ids must be in [0, 2**32)".into() }.into())
+        })
+        .collect()
+}
+
+/// Reads a namespace or extra key: None, str (as UTF-8) or bytes.
+fn key_bytes(obj: Option<&Bound<'_, PyAny>>, name: &'static str) -> PyResult<Vec<u8>> {
+    match obj {
+        None => Ok(Vec::new()),
+        Some(o) if o.is_none() => Ok(Vec::new()),
+        Some(o) => {
+            if let Ok(s) = o.extract::<String>() {
+                Ok(s.into_bytes())
+            } else if let Ok(b) = o.extract::<Vec<u8>>() {
+                Ok(b)
+            } else {
+                Err(PyTypeError::new_err(format!("{name} must be str or bytes")))
+            }
+        }
+    }
 }

@@ -66,7 +66,7 @@ CASES = [
     (lambda p, a, b, o: p.reserve([b], [1]), ValueError, "different lengths"),
     (lambda p, a, b, o: p.reserve([a], [100]), kvrs.CacheFullError, "reserving 100 tokens"),
     (lambda p, a, b, o: p.write(0, tok(), tok(), [10_000]), IndexError, "slot_mapping=10000"),
-    (lambda p, a, b, o: p.write(0, tok(), tok(), [23]), ValueError, "is free"),
+    (lambda p, a, b, o: p.write(0, tok(), tok(), [23]), ValueError, "not held by any sequence"),
     (lambda p, a, b, o: p.write(0, tok(2), tok(2), [0]), ValueError, "one per token"),
     (lambda p, a, b, o: p.start_forward([a], [4]), ValueError, "must be at position 5"),
     (lambda p, a, b, o: p.start_forward([a, a], [5]), ValueError, "one position per token"),
@@ -91,7 +91,7 @@ def test_write_into_a_shared_block_is_refused(world):
     fork = a.fork()
     shared_slot = int(a.block_table[1]) * BS + 1
     before = snapshot(p, [a, fork])
-    with pytest.raises(ValueError, match="shared by 2 sequences"):
+    with pytest.raises(ValueError, match="shared by 2 holders"):
         p.write(0, tok(), tok(), [shared_slot])
     assert snapshot(p, [a, fork]) == before
 
