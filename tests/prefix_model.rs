@@ -159,16 +159,19 @@ impl World {
             } => {
                 let t = prompt(*shared, *suffix, *seed);
                 let expect = self.pool.match_prefix(&t, b"", b"");
-                let can_copy = self.pool.num_free_blocks() > 0;
                 let id = self.pool.new_sequence_with(&t, b"", b"");
                 let s = self.pool.seq(id).unwrap();
                 assert!(
                     s.num_cached_tokens < t.len().max(1),
                     "a prompt token is left to compute"
                 );
-                if can_copy {
-                    assert_eq!(s.num_cached_tokens, expect);
-                }
+                // All of the match, or its whole blocks when no block was left for the
+                // partial copy.
+                let got = s.num_cached_tokens;
+                assert!(
+                    got == expect || (got.is_multiple_of(BS) && got <= expect && expect - got < BS),
+                    "{got} vs {expect}"
+                );
                 self.live.push(Live { id, tokens: t });
             }
             Op::Prefill(i) => {
@@ -345,6 +348,7 @@ fn run(hash: HashKind, partial_hits: bool, layout: KvLayout, ops: &[Op]) {
         layout,
     };
     let cfg = PrefixConfig {
+        events: true,
         hash,
         seed: 42,
         partial_hits,
@@ -361,7 +365,7 @@ fn run(hash: HashKind, partial_hits: bool, layout: KvLayout, ops: &[Op]) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 500, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
 
     #[test]
     fn blake3_partial_hits_nhd(ops in prop::collection::vec(op(), 1..60)) {

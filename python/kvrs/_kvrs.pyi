@@ -137,6 +137,7 @@ class BlockPool:
         hash: str = "blake3",
         seed: int | None = None,
         partial_hits: bool = True,
+        events: bool = False,
     ) -> BlockPool: ...
     @property
     def num_layers(self) -> int:
@@ -188,7 +189,7 @@ class BlockPool:
     def match_prefix(self, tokens: _IntsLike, namespace: _Key = None, extra_key: _Key = None) -> int:
         """Tokens of `tokens` a new sequence would find cached, without attaching anything."""
     def pin(self, tokens: _IntsLike, namespace: _Key = None, extra_key: _Key = None) -> int:
-        """Keeps the cached whole blocks of `tokens` from eviction until unpin(); returns the tokens pinned."""
+        """Keeps the cached whole blocks of `tokens` from eviction until unpin(); returns tokens pinned."""
     def unpin(self, tokens: _IntsLike, namespace: _Key = None, extra_key: _Key = None) -> int:
         """Undoes one pin() of the same prefix; returns the tokens unpinned."""
     def evict_all(self) -> int:

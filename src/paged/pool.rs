@@ -18,6 +18,10 @@ use crate::tensor::TensorRef;
 /// Handle of a sequence in a pool (never reused within one pool).
 pub type SeqId = u64;
 
+/// A prefix match: the cached whole blocks with their hashes, then the best partial
+/// match of the next block (source block, matching tokens).
+type PrefixMatch = (Vec<(BlockId, BlockHash)>, Option<(BlockId, usize)>);
+
 /// What one sequence holds: its block table, fill lengths and (when it tracks them)
 /// token ids.
 ///
@@ -66,6 +70,8 @@ pub struct PrefixConfig {
     pub seed: u128,
     /// Whether prompts may match the beginning of a cached block.
     pub partial_hits: bool,
+    /// Whether stored and removed blocks are recorded for [`BlockPool::drain_events`].
+    pub events: bool,
 }
 
 /// Occupancy of the pool (see [`BlockPool::stats`]).
@@ -163,6 +169,7 @@ impl BlockPool {
                 p.hash,
                 p.seed,
                 p.partial_hits,
+                p.events,
                 shape.num_blocks,
                 shape.block_size,
             )
@@ -341,15 +348,16 @@ impl BlockPool {
         }
         let mut cached = full.len() * bs;
         if let Some((src, n)) = partial {
+            // Hold the source so allocating the copy cannot evict it (holding may take it
+            // out of the eviction order, so room is counted afterwards).
+            self.hold_block(src);
             if self.num_free_blocks() > 0 {
-                // Hold the source so allocating the copy cannot evict it.
-                self.hold_block(src);
                 let b = self.take_block();
                 self.copy_block(src, b);
-                self.release_block(src);
                 s.blocks.push(b);
                 cached += n;
             }
+            self.release_block(src);
         }
         s.layer_len.fill(cached);
         s.seq_len = cached;
@@ -370,7 +378,7 @@ impl BlockPool {
         tokens: &[u32],
         extra: &[u8],
         limit: usize,
-    ) -> (Vec<(BlockId, BlockHash)>, Option<(BlockId, usize)>) {
+    ) -> PrefixMatch {
         let Some(p) = self.prefix.as_ref() else {
             return (Vec::new(), None);
         };
@@ -1204,10 +1212,15 @@ impl BlockPool {
     }
 
     /// Blocks stored in and removed from the prefix index since the last call.
-    pub fn drain_events(&mut self) -> Vec<PrefixEvent> {
+    pub fn drain_events(&mut self) -> Result<Vec<PrefixEvent>> {
         self.prefix
             .as_mut()
-            .map_or_else(Vec::new, PrefixIndex::drain_events)
+            .and_then(PrefixIndex::drain_events)
+            .ok_or_else(|| {
+                KvError::NotSupported(
+                    "events are not recorded: create the pool with events=True".into(),
+                )
+            })
     }
 
     /// Caches `tokens`' block `b` under `hash` (from a saved cache) as evictable, most

@@ -63,7 +63,8 @@ pub struct PrefixIndex {
     children: FxHashMap<BlockHash, Vec<BlockId>>,
     /// Cached blocks no sequence holds, least recently used first: the eviction order.
     pub lru: Lru,
-    events: Vec<PrefixEvent>,
+    /// Events since the last drain, or `None` when they are not recorded.
+    events: Option<Vec<PrefixEvent>>,
     /// Query and eviction counters.
     pub counters: PrefixCounters,
 }
@@ -74,6 +75,7 @@ impl PrefixIndex {
         kind: HashKind,
         seed: u128,
         partial_hits: bool,
+        events: bool,
         num_blocks: usize,
         block_size: usize,
     ) -> Self {
@@ -87,7 +89,7 @@ impl PrefixIndex {
             tokens: vec![0; num_blocks * block_size],
             children: FxHashMap::default(),
             lru: Lru::new(num_blocks),
-            events: Vec::new(),
+            events: events.then(Vec::new),
             counters: PrefixCounters::default(),
         }
     }
@@ -149,13 +151,15 @@ impl PrefixIndex {
         self.tokens[b as usize * self.block_size..(b as usize + 1) * self.block_size]
             .copy_from_slice(tokens);
         self.children.entry(parent).or_default().push(b);
-        self.events.push(PrefixEvent {
-            stored: true,
-            hash,
-            parent,
-            num_tokens: self.block_size,
-            block: b,
-        });
+        if let Some(ev) = self.events.as_mut() {
+            ev.push(PrefixEvent {
+                stored: true,
+                hash,
+                parent,
+                num_tokens: self.block_size,
+                block: b,
+            });
+        }
         true
     }
 
@@ -171,19 +175,21 @@ impl PrefixIndex {
                 self.children.remove(&m.parent);
             }
         }
-        self.events.push(PrefixEvent {
-            stored: false,
-            hash: m.hash,
-            parent: m.parent,
-            num_tokens: self.block_size,
-            block: b,
-        });
+        if let Some(ev) = self.events.as_mut() {
+            ev.push(PrefixEvent {
+                stored: false,
+                hash: m.hash,
+                parent: m.parent,
+                num_tokens: self.block_size,
+                block: b,
+            });
+        }
         m
     }
 
-    /// Events since the last call.
-    pub fn drain_events(&mut self) -> Vec<PrefixEvent> {
-        std::mem::take(&mut self.events)
+    /// Events since the last call, or `None` when events are not recorded.
+    pub fn drain_events(&mut self) -> Option<Vec<PrefixEvent>> {
+        self.events.as_mut().map(std::mem::take)
     }
 
     /// Checks that hashes, metadata, children and the LRU list agree.

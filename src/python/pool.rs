@@ -118,9 +118,9 @@ fn i32_array<'py>(py: Python<'py>, v: Vec<i32>) -> Bound<'py, PyArray1<i32>> {
 #[pymethods]
 impl PyBlockPool {
     #[new]
-    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, *, block_size = 16, num_blocks = None, memory_bytes = None, dtype = None, device = None, layout = "NHD", prefix_caching = true, hash = "blake3", seed = None, partial_hits = true))]
+    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, *, block_size = 16, num_blocks = None, memory_bytes = None, dtype = None, device = None, layout = "NHD", prefix_caching = true, hash = "blake3", seed = None, partial_hits = true, events = false))]
     #[pyo3(
-        text_signature = "(num_layers, num_kv_heads, head_dim, *, block_size=16, num_blocks=None, memory_bytes=None, dtype='float16', device='cpu', layout='NHD', prefix_caching=True, hash='blake3', seed=None, partial_hits=True)"
+        text_signature = "(num_layers, num_kv_heads, head_dim, *, block_size=16, num_blocks=None, memory_bytes=None, dtype='float16', device='cpu', layout='NHD', prefix_caching=True, hash='blake3', seed=None, partial_hits=True, events=False)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -137,6 +137,7 @@ impl PyBlockPool {
         hash: &str,
         seed: Option<u128>,
         partial_hits: bool,
+        events: bool,
     ) -> PyResult<Self> {
         let positive = |name: &'static str, v: i64| -> PyResult<usize> {
             if v < 1 {
@@ -207,11 +208,18 @@ impl PyBlockPool {
                 Some(s) => s,
                 None => {
                     let mut b = [0u8; 16];
-                    getrandom::fill(&mut b).map_err(|e| KvError::Device(format!("no OS randomness for the hash seed: {e}")))?;
+                    getrandom::fill(&mut b).map_err(|e| {
+                        KvError::Device(format!("no OS randomness for the hash seed: {e}"))
+                    })?;
                     u128::from_le_bytes(b)
                 }
             };
-            Ok(PrefixConfig { hash, seed, partial_hits })
+            Ok(PrefixConfig {
+                hash,
+                seed,
+                partial_hits,
+                events,
+            })
         });
         let pool = BlockPool::new(shape, dtype, device, prefix.transpose()?)?;
         let data = pool.data_ptr() as usize;
@@ -334,7 +342,11 @@ impl PyBlockPool {
         d.set_item("prefix_queries", s.prefix.queries)?;
         d.set_item("prefix_query_tokens", s.prefix.query_tokens)?;
         d.set_item("prefix_hit_tokens", s.prefix.hit_tokens)?;
-        let rate = if s.prefix.query_tokens == 0 { 0.0 } else { s.prefix.hit_tokens as f64 / s.prefix.query_tokens as f64 };
+        let rate = if s.prefix.query_tokens == 0 {
+            0.0
+        } else {
+            s.prefix.hit_tokens as f64 / s.prefix.query_tokens as f64
+        };
         d.set_item("hit_rate", rate)?;
         d.set_item("evictions", s.prefix.evictions)?;
         Ok(d)
@@ -349,7 +361,10 @@ impl PyBlockPool {
         namespace: Option<&Bound<'_, PyAny>>,
         extra_key: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PySequence> {
-        let (ns, extra) = (key_bytes(namespace, "namespace")?, key_bytes(extra_key, "extra_key")?);
+        let (ns, extra) = (
+            key_bytes(namespace, "namespace")?,
+            key_bytes(extra_key, "extra_key")?,
+        );
         let id = match tokens {
             Some(t) => {
                 let t = token_ids(t, "tokens")?;
@@ -364,23 +379,50 @@ impl PyBlockPool {
     /// Tokens of `tokens` a new sequence would find cached (whole blocks, then a partial
     /// block), without attaching anything.
     #[pyo3(signature = (tokens, namespace = None, extra_key = None))]
-    fn match_prefix(&self, tokens: &Bound<'_, PyAny>, namespace: Option<&Bound<'_, PyAny>>, extra_key: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
-        let (t, ns, extra) = (token_ids(tokens, "tokens")?, key_bytes(namespace, "namespace")?, key_bytes(extra_key, "extra_key")?);
+    fn match_prefix(
+        &self,
+        tokens: &Bound<'_, PyAny>,
+        namespace: Option<&Bound<'_, PyAny>>,
+        extra_key: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<usize> {
+        let (t, ns, extra) = (
+            token_ids(tokens, "tokens")?,
+            key_bytes(namespace, "namespace")?,
+            key_bytes(extra_key, "extra_key")?,
+        );
         Ok(self.inner.lock().match_prefix(&t, &ns, &extra))
     }
 
     /// Keeps the cached whole blocks of `tokens` from eviction until unpin(); returns the
     /// tokens pinned.
     #[pyo3(signature = (tokens, namespace = None, extra_key = None))]
-    fn pin(&self, tokens: &Bound<'_, PyAny>, namespace: Option<&Bound<'_, PyAny>>, extra_key: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
-        let (t, ns, extra) = (token_ids(tokens, "tokens")?, key_bytes(namespace, "namespace")?, key_bytes(extra_key, "extra_key")?);
+    fn pin(
+        &self,
+        tokens: &Bound<'_, PyAny>,
+        namespace: Option<&Bound<'_, PyAny>>,
+        extra_key: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<usize> {
+        let (t, ns, extra) = (
+            token_ids(tokens, "tokens")?,
+            key_bytes(namespace, "namespace")?,
+            key_bytes(extra_key, "extra_key")?,
+        );
         Ok(self.inner.lock().pin(&t, &ns, &extra)?)
     }
 
     /// Undoes one pin() of the same prefix; returns the tokens unpinned.
     #[pyo3(signature = (tokens, namespace = None, extra_key = None))]
-    fn unpin(&self, tokens: &Bound<'_, PyAny>, namespace: Option<&Bound<'_, PyAny>>, extra_key: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
-        let (t, ns, extra) = (token_ids(tokens, "tokens")?, key_bytes(namespace, "namespace")?, key_bytes(extra_key, "extra_key")?);
+    fn unpin(
+        &self,
+        tokens: &Bound<'_, PyAny>,
+        namespace: Option<&Bound<'_, PyAny>>,
+        extra_key: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<usize> {
+        let (t, ns, extra) = (
+            token_ids(tokens, "tokens")?,
+            key_bytes(namespace, "namespace")?,
+            key_bytes(extra_key, "extra_key")?,
+        );
         Ok(self.inner.lock().unpin(&t, &ns, &extra)?)
     }
 
@@ -393,7 +435,7 @@ impl PyBlockPool {
     /// dicts (type 'stored' or 'removed', block_hash and parent_hash as 32-digit hex,
     /// num_tokens, block_id).
     fn drain_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let events = self.inner.lock().drain_events();
+        let events = self.inner.lock().drain_events()?;
         let out = PyList::empty(py);
         for e in events {
             let d = PyDict::new(py);
@@ -415,7 +457,11 @@ impl PyBlockPool {
     /// Warms the prefix cache from a file written by save_prefix_cache(); returns
     /// {'loaded': n, 'skipped': m}. A mismatched, truncated or corrupted file raises
     /// ValueError and loads nothing.
-    fn load_prefix_cache<'py>(&self, py: Python<'py>, path: std::path::PathBuf) -> PyResult<Bound<'py, PyDict>> {
+    fn load_prefix_cache<'py>(
+        &self,
+        py: Python<'py>,
+        path: std::path::PathBuf,
+    ) -> PyResult<Bound<'py, PyDict>> {
         let r = py.detach(|| self.inner.lock().load_prefix_cache(&path))?;
         let d = PyDict::new(py);
         d.set_item("loaded", r.loaded)?;
@@ -515,7 +561,11 @@ impl PyBlockPool {
         let ids = Self::ids(slf, seqs, "seqs")?;
         let positions = read_ints(positions, "positions")?;
         let tokens = tokens.map(|t| token_ids(t, "tokens")).transpose()?;
-        let plan = slf.get().inner.lock().start_forward(&ids, &positions, tokens.as_deref())?;
+        let plan = slf
+            .get()
+            .inner
+            .lock()
+            .start_forward(&ids, &positions, tokens.as_deref())?;
         Ok(PyForwardBatch::new(slf.clone().unbind(), plan))
     }
 
@@ -627,7 +677,11 @@ impl PySequence {
     #[pyo3(signature = (n = 1, tokens = None))]
     fn advance(&self, n: i64, tokens: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let tokens = tokens.map(|t| token_ids(t, "tokens")).transpose()?;
-        Ok(self.pool_ref().inner.lock().advance(self.id, n, tokens.as_deref())?)
+        Ok(self
+            .pool_ref()
+            .inner
+            .lock()
+            .advance(self.id, n, tokens.as_deref())?)
     }
 
     /// Prompt tokens served from the prefix cache when the sequence started.
@@ -651,28 +705,59 @@ impl PySequence {
 
     /// Copies [num_kv_heads, block_size, head_dim] keys and values of `layer` from
     /// start_pos; positions the layer does not hold come back as zeros.
-    fn extract_block<'py>(&self, py: Python<'py>, layer: i64, start_pos: i64, block_size: i64) -> PyResult<Bound<'py, PyTuple>> {
+    fn extract_block<'py>(
+        &self,
+        py: Python<'py>,
+        layer: i64,
+        start_pos: i64,
+        block_size: i64,
+    ) -> PyResult<Bound<'py, PyTuple>> {
         let pool = self.pool_ref();
         if block_size < 0 {
-            return Err(KvError::InvalidArgument { name: "block_size", value: block_size.to_string(), reason: "must be >= 0".into() }.into());
+            return Err(KvError::InvalidArgument {
+                name: "block_size",
+                value: block_size.to_string(),
+                reason: "must be >= 0".into(),
+            }
+            .into());
         }
-        let shape = [pool.shape.num_kv_heads, block_size as usize, pool.shape.head_dim];
+        let shape = [
+            pool.shape.num_kv_heads,
+            block_size as usize,
+            pool.shape.head_dim,
+        ];
         let (k, kp) = new_array(py, pool.dtype, &shape)?;
         let (v, vp) = new_array(py, pool.dtype, &shape)?;
         // SAFETY: fresh C-contiguous arrays of exactly this shape and dtype, held above.
         let kt = unsafe { crate::tensor::TensorRef::contiguous(kp, pool.dtype, &shape)? };
         let vt = unsafe { crate::tensor::TensorRef::contiguous(vp, pool.dtype, &shape)? };
-        copying(py, 2 * kt.nbytes(), || pool.inner.lock().extract_block(self.id, layer, start_pos, block_size, &kt, &vt))?;
+        copying(py, 2 * kt.nbytes(), || {
+            pool.inner
+                .lock()
+                .extract_block(self.id, layer, start_pos, block_size, &kt, &vt)
+        })?;
         PyTuple::new(py, [k, v])
     }
 
     /// Writes [num_kv_heads, block_size, head_dim] keys and values of `layer` at
     /// start_pos, allocating blocks as needed; commit with set_seq_len() or advance().
-    fn inject_block(&self, py: Python<'_>, layer: i64, start_pos: i64, block_size: i64, keys: &Bound<'_, PyAny>, values: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn inject_block(
+        &self,
+        py: Python<'_>,
+        layer: i64,
+        start_pos: i64,
+        block_size: i64,
+        keys: &Bound<'_, PyAny>,
+        values: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         let (k, v) = (read_tensor(keys, "keys")?, read_tensor(values, "values")?);
         let (kt, vt) = (*k.tensor(), *v.tensor());
         let pool = self.pool_ref();
-        copying(py, kt.nbytes() + vt.nbytes(), || pool.inner.lock().inject_block(self.id, layer, start_pos, block_size, &kt, &vt))?;
+        copying(py, kt.nbytes() + vt.nbytes(), || {
+            pool.inner
+                .lock()
+                .inject_block(self.id, layer, start_pos, block_size, &kt, &vt)
+        })?;
         Ok(())
     }
 
@@ -680,7 +765,11 @@ impl PySequence {
     fn copy_to_cache(&self, py: Python<'_>, cache: &Bound<'_, PyKVCache>) -> PyResult<()> {
         let pool = self.pool_ref();
         let cache = cache.get();
-        py.detach(|| pool.inner.lock().copy_to_cache(self.id, &mut cache.inner.write()))?;
+        py.detach(|| {
+            pool.inner
+                .lock()
+                .copy_to_cache(self.id, &mut cache.inner.write())
+        })?;
         Ok(())
     }
 
@@ -688,7 +777,11 @@ impl PySequence {
     fn copy_from_cache(&self, py: Python<'_>, cache: &Bound<'_, PyKVCache>) -> PyResult<()> {
         let pool = self.pool_ref();
         let cache = cache.get();
-        py.detach(|| pool.inner.lock().copy_from_cache(self.id, &cache.inner.read()))?;
+        py.detach(|| {
+            pool.inner
+                .lock()
+                .copy_from_cache(self.id, &cache.inner.read())
+        })?;
         Ok(())
     }
 
@@ -841,7 +934,14 @@ fn token_ids(obj: &Bound<'_, PyAny>, name: &'static str) -> PyResult<Vec<u32>> {
     read_ints(obj, name)?
         .into_iter()
         .map(|t| {
-            u32::try_from(t).map_err(|_| KvError::InvalidArgument { name, value: t.to_string(), reason: "token ids must be in [0, 2**32)".into() }.into())
+            u32::try_from(t).map_err(|_| {
+                KvError::InvalidArgument {
+                    name,
+                    value: t.to_string(),
+                    reason: "token ids must be in [0, 2**32)".into(),
+                }
+                .into()
+            })
         })
         .collect()
 }
