@@ -48,9 +48,11 @@ fmt: .stamp-install ## format Rust and Python sources
 	cargo fmt --all
 	$(VENV)/bin/ruff format python tests benches
 
-bench: .stamp-install ## Python benchmarks against NumPy and a vLLM-style manager (ratios, one process each)
+bench: .stamp-install ## Python benchmarks against NumPy and vLLM-style peers (ratios, one process each)
+	$(PIP) install --quiet 'xxhash>=3.4'
 	$(PY) benches/bench_contiguous.py
 	$(PY) benches/bench_paged.py
+	$(PY) benches/bench_prefix.py
 
 bench-rust: ## criterion benchmarks of the core
 	cargo bench

@@ -385,9 +385,12 @@ impl BlockPool {
         let bs = self.shape.block_size;
         let mut full = Vec::new();
         let mut parent = root;
+        let mut buf = Vec::with_capacity(16 + 4 * bs + extra.len());
         while (full.len() + 1) * bs <= limit {
             let start = full.len() * bs;
-            let h = p.kind.block(parent, &tokens[start..start + bs], extra);
+            let h = p
+                .kind
+                .block_with(&mut buf, parent, &tokens[start..start + bs], extra);
             match p.lookup(h) {
                 Some(b) => {
                     full.push((b, h));

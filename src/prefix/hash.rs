@@ -43,69 +43,89 @@ impl fmt::Display for HashKind {
     }
 }
 
-/// Feeds byte slices to one of the two hash functions.
-enum Hasher {
-    Blake3(Box<blake3::Hasher>),
-    Xxh3(Box<xxhash_rust::xxh3::Xxh3>),
-}
-
-impl Hasher {
-    fn new(kind: HashKind) -> Self {
-        match kind {
-            HashKind::Blake3 => Hasher::Blake3(Box::new(blake3::Hasher::new())),
-            HashKind::Xxh3 => Hasher::Xxh3(Box::new(xxhash_rust::xxh3::Xxh3::new())),
-        }
-    }
-
-    fn update(&mut self, bytes: &[u8]) {
-        match self {
-            Hasher::Blake3(h) => {
-                h.update(bytes);
-            }
-            Hasher::Xxh3(h) => h.update(bytes),
-        }
-    }
-
-    fn finish(self) -> BlockHash {
-        match self {
-            Hasher::Blake3(h) => {
-                let out = h.finalize();
-                u128::from_le_bytes(out.as_bytes()[..16].try_into().expect("32-byte digest"))
-            }
-            Hasher::Xxh3(h) => h.digest128(),
-        }
-    }
-}
-
 impl HashKind {
-    /// The root of every chain of `namespace` in a pool seeded with `seed`.
+    fn digest(self, bytes: &[u8]) -> BlockHash {
+        match self {
+            HashKind::Blake3 => u128::from_le_bytes(
+                blake3::hash(bytes).as_bytes()[..16]
+                    .try_into()
+                    .expect("32-byte digest"),
+            ),
+            HashKind::Xxh3 => xxhash_rust::xxh3::xxh3_128(bytes),
+        }
+    }
+
+    /// The root of every chain of `namespace` in a pool seeded with `seed`:
+    /// `hash("kvrs-root\0" ‖ seed ‖ namespace)`.
     pub fn root(self, seed: u128, namespace: &[u8]) -> BlockHash {
-        let mut h = Hasher::new(self);
-        h.update(b"kvrs-root\0");
-        h.update(&seed.to_le_bytes());
-        h.update(&(namespace.len() as u64).to_le_bytes());
-        h.update(namespace);
-        h.finish()
+        let mut buf = Vec::with_capacity(26 + namespace.len());
+        buf.extend_from_slice(b"kvrs-root\0");
+        buf.extend_from_slice(&seed.to_le_bytes());
+        buf.extend_from_slice(namespace);
+        self.digest(&buf)
     }
 
     /// The hash of a full block of `tokens` after `parent`, with `extra` (LoRA adapter,
     /// multimodal input) mixed in.
+    ///
+    /// BLAKE3 runs in keyed mode: key `parent ‖ e` (16 + 16 bytes, `e` = 0 without an
+    /// extra key, else the first 16 bytes of `BLAKE3("kvrs-extra\0" ‖ extra)`), message
+    /// the token ids as little-endian u32, so a 16-token block is one compression. xxh3
+    /// hashes `parent ‖ tokens ‖ extra` (unambiguous: parent and block have fixed sizes).
     pub fn block(self, parent: BlockHash, tokens: &[u32], extra: &[u8]) -> BlockHash {
-        let mut h = Hasher::new(self);
-        h.update(&parent.to_le_bytes());
+        self.block_with(&mut Vec::new(), parent, tokens, extra)
+    }
+
+    /// [`HashKind::block`] reusing `buf` for the input bytes (no allocation once it is large enough).
+    pub fn block_with(
+        self,
+        buf: &mut Vec<u8>,
+        parent: BlockHash,
+        tokens: &[u32],
+        extra: &[u8],
+    ) -> BlockHash {
+        buf.clear();
+        if self == HashKind::Xxh3 {
+            buf.extend_from_slice(&parent.to_le_bytes());
+        }
         if cfg!(target_endian = "little") {
             // SAFETY: u32 has no padding; on little-endian targets its bytes are the LE encoding.
-            h.update(unsafe {
+            buf.extend_from_slice(unsafe {
                 std::slice::from_raw_parts(tokens.as_ptr() as *const u8, tokens.len() * 4)
             });
         } else {
-            for t in tokens {
-                h.update(&t.to_le_bytes());
+            tokens
+                .iter()
+                .for_each(|t| buf.extend_from_slice(&t.to_le_bytes()));
+        }
+        match self {
+            HashKind::Xxh3 => {
+                buf.extend_from_slice(extra);
+                xxhash_rust::xxh3::xxh3_128(buf)
+            }
+            HashKind::Blake3 => {
+                let e: u128 = if extra.is_empty() {
+                    0
+                } else {
+                    let mut h = blake3::Hasher::new();
+                    h.update(b"kvrs-extra\0");
+                    h.update(extra);
+                    u128::from_le_bytes(
+                        h.finalize().as_bytes()[..16]
+                            .try_into()
+                            .expect("32-byte digest"),
+                    )
+                };
+                let mut key = [0u8; 32];
+                key[..16].copy_from_slice(&parent.to_le_bytes());
+                key[16..].copy_from_slice(&e.to_le_bytes());
+                u128::from_le_bytes(
+                    blake3::keyed_hash(&key, buf).as_bytes()[..16]
+                        .try_into()
+                        .expect("32-byte digest"),
+                )
             }
         }
-        h.update(&(extra.len() as u64).to_le_bytes());
-        h.update(extra);
-        h.finish()
     }
 }
 
@@ -129,12 +149,26 @@ mod tests {
     }
 
     #[test]
-    fn blake3_block_hash_is_the_documented_construction() {
-        let mut h = blake3::Hasher::new();
-        h.update(&5u128.to_le_bytes());
-        h.update(&[1, 0, 0, 0, 2, 0, 0, 0]);
-        h.update(&0u64.to_le_bytes());
-        let expect = u128::from_le_bytes(h.finalize().as_bytes()[..16].try_into().unwrap());
-        assert_eq!(HashKind::Blake3.block(5, &[1, 2], b""), expect);
+    fn block_hashes_are_the_documented_construction() {
+        let tokens = [1u8, 0, 0, 0, 2, 0, 0, 0];
+        let digest = |h: blake3::Hash| u128::from_le_bytes(h.as_bytes()[..16].try_into().unwrap());
+        let mut key = [0u8; 32];
+        key[..16].copy_from_slice(&5u128.to_le_bytes());
+        assert_eq!(
+            HashKind::Blake3.block(5, &[1, 2], b""),
+            digest(blake3::keyed_hash(&key, &tokens))
+        );
+        key[16..].copy_from_slice(&blake3::hash(b"kvrs-extra\0xy").as_bytes()[..16]);
+        assert_eq!(
+            HashKind::Blake3.block(5, &[1, 2], b"xy"),
+            digest(blake3::keyed_hash(&key, &tokens))
+        );
+        let mut input = 5u128.to_le_bytes().to_vec();
+        input.extend_from_slice(&tokens);
+        input.extend_from_slice(b"xy");
+        assert_eq!(
+            HashKind::Xxh3.block(5, &[1, 2], b"xy"),
+            xxhash_rust::xxh3::xxh3_128(&input)
+        );
     }
 }

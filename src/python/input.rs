@@ -172,11 +172,35 @@ fn check_rank(name: &'static str, shape: &[usize]) -> PyResult<()> {
     Ok(())
 }
 
+/// Runs `f` on the elements of `obj` when it is a C-contiguous 1-D NumPy array of `T`;
+/// `None` when it is not one.
+fn with_slice<T: numpy::Element + Copy, R>(
+    obj: &Bound<'_, PyAny>,
+    f: impl FnOnce(&[T]) -> R,
+) -> Option<R> {
+    let arr = obj.cast::<numpy::PyArray1<T>>().ok()?;
+    let ro = arr.try_readonly().ok()?;
+    Some(f(ro.as_slice().ok()?))
+}
+
 /// Reads `obj` (argument `name`: a list, tuple or 1-D integer array) as int64 values.
 pub fn read_ints(obj: &Bound<'_, PyAny>, name: &'static str) -> PyResult<Vec<i64>> {
     let py = obj.py();
-    if let Ok(arr) = obj.cast::<numpy::PyArray1<i64>>() {
-        return Ok(arr.to_vec()?);
+    if let Some(v) = with_slice::<i64, _>(obj, <[i64]>::to_vec) {
+        return Ok(v);
+    }
+    if let Some(v) = with_slice::<i32, _>(obj, |s| s.iter().map(|&x| x as i64).collect()) {
+        return Ok(v);
+    }
+    // A list of Python ints converts faster item by item than through numpy.asarray.
+    if let Ok(list) = obj.cast::<pyo3::types::PyList>() {
+        if let Ok(v) = list
+            .iter()
+            .map(|x| x.extract::<i64>())
+            .collect::<PyResult<Vec<i64>>>()
+        {
+            return Ok(v);
+        }
     }
     let arr = py
         .import(intern!(py, "numpy"))?
@@ -191,8 +215,35 @@ pub fn read_ints(obj: &Bound<'_, PyAny>, name: &'static str) -> PyResult<Vec<i64
         )));
     }
     let arr = arr.call_method1(intern!(py, "astype"), ("int64",))?;
-    Ok(arr
-        .cast_into::<numpy::PyArray1<i64>>()
-        .map_err(PyErr::from)?
-        .to_vec()?)
+    Ok(with_slice::<i64, _>(&arr, <[i64]>::to_vec).expect("a fresh contiguous int64 array"))
+}
+
+/// Reads token ids (a 1-D sequence of integers in [0, 2**32)); uint32, int32 and int64
+/// arrays are read straight from their memory.
+pub fn read_token_ids(obj: &Bound<'_, PyAny>, name: &'static str) -> PyResult<Vec<u32>> {
+    fn narrow<T: Copy + Into<i64>>(s: &[T], name: &'static str) -> PyResult<Vec<u32>> {
+        if let Some(&bad) = s
+            .iter()
+            .find(|&&t| !(0..=u32::MAX as i64).contains(&t.into()))
+        {
+            let reason = "token ids must be in [0, 2**32)".into();
+            return Err(KvError::InvalidArgument {
+                name,
+                value: bad.into().to_string(),
+                reason,
+            }
+            .into());
+        }
+        Ok(s.iter().map(|&t| t.into() as u32).collect())
+    }
+    if let Some(v) = with_slice::<u32, _>(obj, <[u32]>::to_vec) {
+        return Ok(v);
+    }
+    if let Some(v) = with_slice::<i64, _>(obj, |s| narrow(s, name)) {
+        return v;
+    }
+    if let Some(v) = with_slice::<i32, _>(obj, |s| narrow(s, name)) {
+        return v;
+    }
+    narrow(&read_ints(obj, name)?, name)
 }

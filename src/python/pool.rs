@@ -9,7 +9,7 @@ use pyo3::types::{PyDict, PyList, PyTuple};
 use super::args::{parse_device, parse_dtype};
 use super::batch::PyForwardBatch;
 use super::copying;
-use super::input::{read_ints, read_tensor};
+use super::input::{read_ints, read_tensor, read_token_ids};
 use super::kv_cache::PyKVCache;
 use super::views::{borrowed_array, new_array};
 use crate::bytes::parse_size;
@@ -367,7 +367,7 @@ impl PyBlockPool {
         );
         let id = match tokens {
             Some(t) => {
-                let t = token_ids(t, "tokens")?;
+                let t = read_token_ids(t, "tokens")?;
                 slf.get().inner.lock().new_sequence_with(&t, &ns, &extra)
             }
             None if ns.is_empty() && extra.is_empty() => slf.get().inner.lock().new_sequence(),
@@ -386,7 +386,7 @@ impl PyBlockPool {
         extra_key: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
         let (t, ns, extra) = (
-            token_ids(tokens, "tokens")?,
+            read_token_ids(tokens, "tokens")?,
             key_bytes(namespace, "namespace")?,
             key_bytes(extra_key, "extra_key")?,
         );
@@ -403,7 +403,7 @@ impl PyBlockPool {
         extra_key: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
         let (t, ns, extra) = (
-            token_ids(tokens, "tokens")?,
+            read_token_ids(tokens, "tokens")?,
             key_bytes(namespace, "namespace")?,
             key_bytes(extra_key, "extra_key")?,
         );
@@ -419,7 +419,7 @@ impl PyBlockPool {
         extra_key: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
         let (t, ns, extra) = (
-            token_ids(tokens, "tokens")?,
+            read_token_ids(tokens, "tokens")?,
             key_bytes(namespace, "namespace")?,
             key_bytes(extra_key, "extra_key")?,
         );
@@ -560,7 +560,7 @@ impl PyBlockPool {
     ) -> PyResult<PyForwardBatch> {
         let ids = Self::ids(slf, seqs, "seqs")?;
         let positions = read_ints(positions, "positions")?;
-        let tokens = tokens.map(|t| token_ids(t, "tokens")).transpose()?;
+        let tokens = tokens.map(|t| read_token_ids(t, "tokens")).transpose()?;
         let plan = slf
             .get()
             .inner
@@ -676,7 +676,7 @@ impl PySequence {
     /// ids) records their token ids, so the blocks they fill join the prefix cache.
     #[pyo3(signature = (n = 1, tokens = None))]
     fn advance(&self, n: i64, tokens: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
-        let tokens = tokens.map(|t| token_ids(t, "tokens")).transpose()?;
+        let tokens = tokens.map(|t| read_token_ids(t, "tokens")).transpose()?;
         Ok(self
             .pool_ref()
             .inner
@@ -927,23 +927,6 @@ fn writable<'py>(
         .into());
     }
     read_tensor(obj, name)
-}
-
-/// Reads token ids: a 1-D sequence of integers in [0, 2**32).
-fn token_ids(obj: &Bound<'_, PyAny>, name: &'static str) -> PyResult<Vec<u32>> {
-    read_ints(obj, name)?
-        .into_iter()
-        .map(|t| {
-            u32::try_from(t).map_err(|_| {
-                KvError::InvalidArgument {
-                    name,
-                    value: t.to_string(),
-                    reason: "token ids must be in [0, 2**32)".into(),
-                }
-                .into()
-            })
-        })
-        .collect()
 }
 
 /// Reads a namespace or extra key: None, str (as UTF-8) or bytes.
