@@ -1,0 +1,153 @@
+"""Hypothesis state machine: prefix caching from Python, under memory pressure.
+
+Sequences start from prompts sharing a preamble, are prefilled, decoded (tiny
+vocabularies, so chains collide), batched, forked, truncated and freed while a small pool
+evicts. K/V at position p is a function of the token ids up to p, as a model's would be,
+so every live sequence's K/V must equal that function of its ids whatever was shared,
+copied for a partial hit or evicted. Invariants are checked after every step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import kvrs
+
+L, H, D, BS, BLOCKS = 2, 2, 2, 4, 14
+
+
+def kv_of(tokens, start, n):
+    out = np.empty((n, H, D), np.float32)
+    for i, p in enumerate(range(start, start + n)):
+        out[i] = np.random.default_rng(hash(tuple(tokens[: p + 1])) % 2**32).integers(-32, 33, (H, D)) / 4
+    return out
+
+
+class PrefixMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.pool = kvrs.BlockPool(L, H, D, block_size=BS, num_blocks=BLOCKS, dtype="float32", seed=5)
+        self.live: list[tuple[kvrs.Sequence, list[int]]] = []
+
+    def extend(self, seq, tokens, n):
+        """Computes positions seq_len..seq_len+n of `tokens` and commits them; False if full."""
+        start = seq.seq_len
+        k = kv_of(tokens, start, n)
+        try:
+            seq.append(0, k, -k)
+        except kvrs.CacheFullError:
+            return False
+        seq.append(1, k, -k)  # the blocks exist now: no other layer allocates
+        seq.advance(n, tokens=tokens[start : start + n])
+        return True
+
+    @rule(shared=st.integers(0, 16), suffix=st.lists(st.integers(100, 102), max_size=5))
+    def new(self, shared, suffix):
+        tokens = list(range(1, shared + 1)) + suffix
+        expect = self.pool.match_prefix(tokens)
+        seq = self.pool.new_sequence(tokens=tokens)
+        got = seq.num_cached_tokens
+        assert got < max(len(tokens), 1)
+        assert got == expect or (got % BS == 0 and expect - BS < got <= expect)
+        self.live.append((seq, tokens))
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 20))
+    def prefill(self, i):
+        seq, tokens = self.live[i % len(self.live)]
+        if seq.seq_len < len(tokens):
+            self.extend(seq, tokens, len(tokens) - seq.seq_len)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 20), new=st.lists(st.integers(200, 201), min_size=1, max_size=4))
+    def decode(self, i, new):
+        j = i % len(self.live)
+        seq, tokens = self.live[j]
+        if seq.seq_len == len(tokens) and self.extend(seq, tokens + new, len(new)):
+            self.live[j] = (seq, tokens + new)
+
+    @precondition(lambda self: self.live)
+    @rule(
+        picks=st.lists(st.integers(0, 20), min_size=1, max_size=3),
+        ids=st.lists(st.integers(300, 301), min_size=3, max_size=3),
+        commit=st.booleans(),
+    )
+    def batch(self, picks, ids, commit):
+        chosen = []
+        for i in picks:
+            j = i % len(self.live)
+            seq, tokens = self.live[j]
+            if j not in chosen and seq.seq_len == len(tokens):
+                chosen.append(j)
+        if not chosen:
+            return
+        seqs = [self.live[j][0] for j in chosen]
+        new = ids[: len(chosen)]
+        try:
+            batch = self.pool.start_forward(seqs, [s.seq_len for s in seqs], tokens=new)
+        except kvrs.CacheFullError:
+            return
+        extended = [self.live[j][1] + [t] for j, t in zip(chosen, new, strict=True)]
+        for layer in range(L):
+            k = np.concatenate([kv_of(t, len(t) - 1, 1) for t in extended])
+            batch.put(layer, k, -k)
+        if commit:
+            batch.finish()
+            for j, t in zip(chosen, extended, strict=True):
+                self.live[j] = (self.live[j][0], t)
+        else:
+            batch.cancel()
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 20))
+    def fork(self, i):
+        seq, tokens = self.live[i % len(self.live)]
+        self.live.append((seq.fork(), list(tokens)))
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 20))
+    def free(self, i):
+        seq, _ = self.live.pop(i % len(self.live))
+        seq.free()
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 20), n=st.integers(0, 20))
+    def truncate(self, i, n):
+        j = i % len(self.live)
+        seq, tokens = self.live[j]
+        if n < seq.seq_len:
+            seq.truncate(n)
+            self.live[j] = (seq, tokens[:n])
+
+    @rule(shared=st.integers(0, 16), unpin=st.booleans())
+    def pin(self, shared, unpin):
+        tokens = list(range(1, shared + 1))
+        (self.pool.unpin if unpin else self.pool.pin)(tokens)
+
+    @rule()
+    def evict_all(self):
+        before = self.pool.stats()
+        assert self.pool.evict_all() == before["evictable_blocks"]
+
+    @invariant()
+    def contents_follow_the_tokens(self):
+        self.pool.check_invariants()
+        for seq, tokens in self.live:
+            n = seq.seq_len
+            assert list(seq.token_ids[:n]) == tokens[:n]
+            for layer in range(L):
+                held = seq.layer_len(layer)
+                if held:
+                    K, V = seq.get(layer)
+                    k = kv_of(tokens, 0, held)
+                    np.testing.assert_array_equal(K, k.transpose(1, 0, 2))
+                    np.testing.assert_array_equal(V, -k.transpose(1, 0, 2))
+        st_ = self.pool.stats()
+        assert st_["free_blocks"] + st_["used_blocks"] == BLOCKS
+
+
+TestPrefixCaching = PrefixMachine.TestCase
+TestPrefixCaching.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
