@@ -102,6 +102,30 @@ pub fn check_count(name: &'static str, value: i64) -> Result<usize> {
     })
 }
 
+/// Checks `value >= 1` and returns it as a size.
+pub fn check_size(name: &'static str, value: i64) -> Result<usize> {
+    match usize::try_from(value) {
+        Ok(v) if v >= 1 => Ok(v),
+        _ => Err(KvError::InvalidArgument {
+            name,
+            value: value.to_string(),
+            reason: "must be >= 1".into(),
+        }),
+    }
+}
+
+/// Checks that every named size is at least 1.
+pub fn check_positive(sizes: &[(&'static str, usize)]) -> Result<()> {
+    match sizes.iter().find(|(_, v)| *v == 0) {
+        Some(&(name, _)) => Err(KvError::InvalidArgument {
+            name,
+            value: "0".into(),
+            reason: "must be >= 1".into(),
+        }),
+        None => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

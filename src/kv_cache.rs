@@ -3,9 +3,9 @@
 //! committed with [`KVCache::advance`].
 
 use crate::dtype::DType;
-use crate::error::{check_count, check_index, KvError, Result};
+use crate::error::{check_count, check_index, check_positive, KvError, Result};
 use crate::storage::{allocate, Device, Region, Storage};
-use crate::tensor::TensorRef;
+use crate::tensor::{expect_block_pair, TensorRef};
 
 /// Keys or values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -32,20 +32,12 @@ pub struct CacheShape {
 impl CacheShape {
     /// Checks that every size is positive and that the whole cache is addressable.
     pub fn validate(&self, dtype: DType) -> Result<usize> {
-        for (name, v) in [
+        check_positive(&[
             ("num_layers", self.num_layers),
             ("num_kv_heads", self.num_kv_heads),
             ("head_dim", self.head_dim),
             ("max_seq_len", self.max_seq_len),
-        ] {
-            if v == 0 {
-                return Err(KvError::InvalidArgument {
-                    name,
-                    value: "0".into(),
-                    reason: "must be >= 1".into(),
-                });
-            }
-        }
+        ])?;
         [
             2,
             self.num_layers,
@@ -304,8 +296,7 @@ impl KVCache {
     ) -> Result<()> {
         let (layer, start, bs, inside) = self.check_block(layer, start_pos, block_size)?;
         let s = self.shape;
-        keys.expect_shape("keys", &[s.num_kv_heads, bs, s.head_dim])?;
-        values.expect_shape("values", &[s.num_kv_heads, bs, s.head_dim])?;
+        expect_block_pair(keys, values, [s.num_kv_heads, bs, s.head_dim])?;
         for (kv, out) in [(Kv::Key, keys), (Kv::Value, values)] {
             self.storage.read(
                 self.region(layer, kv, start, inside),
@@ -330,8 +321,7 @@ impl KVCache {
     ) -> Result<()> {
         let (layer, start, bs, inside) = self.check_block(layer, start_pos, block_size)?;
         let s = self.shape;
-        keys.expect_shape("keys", &[s.num_kv_heads, bs, s.head_dim])?;
-        values.expect_shape("values", &[s.num_kv_heads, bs, s.head_dim])?;
+        expect_block_pair(keys, values, [s.num_kv_heads, bs, s.head_dim])?;
         for (kv, src) in [(Kv::Key, keys), (Kv::Value, values)] {
             self.storage.write(
                 self.region(layer, kv, start, inside),

@@ -167,6 +167,16 @@ impl TensorRef {
     }
 }
 
+/// Checks a block pair: `keys` and `values`, each exactly `shape` (`[heads, n, head_dim]`).
+pub fn expect_block_pair(
+    keys: &TensorRef,
+    values: &TensorRef,
+    shape: [usize; MAX_RANK],
+) -> Result<()> {
+    keys.expect_shape("keys", &shape)?;
+    values.expect_shape("values", &shape)
+}
+
 /// Copies every element of a rank-3 shape from `src` to `dst`, converting the dtype.
 ///
 /// Dimensions of size 1 are dropped, the rest are ordered by source stride (reads run

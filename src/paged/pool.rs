@@ -9,11 +9,11 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use super::allocator::{BlockAllocator, BlockId};
 use super::layout::PagedShape;
 use crate::dtype::DType;
-use crate::error::{check_count, check_index, KvError, Result};
+use crate::error::{check_count, check_index, check_positive, KvError, Result};
 use crate::kv_cache::{KVCache, Kv};
 use crate::prefix::{BlockHash, HashKind, PrefixCounters, PrefixEvent, PrefixIndex};
 use crate::storage::{allocate, Device, Storage};
-use crate::tensor::TensorRef;
+use crate::tensor::{expect_block_pair, TensorRef};
 
 /// Handle of a sequence in a pool (never reused within one pool).
 pub type SeqId = u64;
@@ -127,21 +127,13 @@ impl BlockPool {
         device: Device,
         prefix: Option<PrefixConfig>,
     ) -> Result<Self> {
-        for (name, v) in [
+        check_positive(&[
             ("num_layers", shape.num_layers),
             ("num_kv_heads", shape.num_kv_heads),
             ("head_dim", shape.head_dim),
             ("block_size", shape.block_size),
             ("num_blocks", shape.num_blocks),
-        ] {
-            if v == 0 {
-                return Err(KvError::InvalidArgument {
-                    name,
-                    value: "0".into(),
-                    reason: "must be >= 1".into(),
-                });
-            }
-        }
+        ])?;
         if shape.num_blocks > i32::MAX as usize / shape.block_size {
             return Err(KvError::InvalidArgument {
                 name: "num_blocks",
@@ -832,8 +824,7 @@ impl BlockPool {
         let layer = check_index("layer", layer, sh.num_layers)?;
         let start = check_count("start_pos", start_pos)?;
         let n = check_count("block_size", block_size)?;
-        keys.expect_shape("keys", &[sh.num_kv_heads, n, sh.head_dim])?;
-        values.expect_shape("values", &[sh.num_kv_heads, n, sh.head_dim])?;
+        expect_block_pair(keys, values, [sh.num_kv_heads, n, sh.head_dim])?;
         let s = self.seq(id)?;
         self.ensure_room(self.blocks_needed(s, start, start + n), || {
             format!("injecting {n} positions at {start}")
@@ -869,8 +860,7 @@ impl BlockPool {
         let layer = check_index("layer", layer, sh.num_layers)?;
         let start = check_count("start_pos", start_pos)?;
         let n = check_count("block_size", block_size)?;
-        keys.expect_shape("keys", &[sh.num_kv_heads, n, sh.head_dim])?;
-        values.expect_shape("values", &[sh.num_kv_heads, n, sh.head_dim])?;
+        expect_block_pair(keys, values, [sh.num_kv_heads, n, sh.head_dim])?;
         let s = self.seq(id)?;
         let inside = s.layer_len[layer].saturating_sub(start).min(n);
         if inside > 0 {

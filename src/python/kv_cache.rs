@@ -9,7 +9,7 @@ use super::copying;
 use super::input::read_tensor;
 use super::views::{borrowed_array, new_array};
 use crate::dtype::DType;
-use crate::error::{check_index, KvError};
+use crate::error::{check_index, check_size, KvError};
 use crate::kv_cache::{CacheShape, KVCache, Kv};
 use crate::storage::Device;
 use crate::tensor::TensorRef;
@@ -130,22 +130,11 @@ impl PyKVCache {
         dtype: Option<&Bound<'_, PyAny>>,
         device: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let size = |name: &'static str, v: i64| -> PyResult<usize> {
-            if v < 1 {
-                return Err(KvError::InvalidArgument {
-                    name,
-                    value: v.to_string(),
-                    reason: "must be >= 1".into(),
-                }
-                .into());
-            }
-            Ok(v as usize)
-        };
         let shape = CacheShape {
-            num_layers: size("num_layers", num_layers)?,
-            num_kv_heads: size("num_kv_heads", num_kv_heads)?,
-            head_dim: size("head_dim", head_dim)?,
-            max_seq_len: size("max_seq_len", max_seq_len)?,
+            num_layers: check_size("num_layers", num_layers)?,
+            num_kv_heads: check_size("num_kv_heads", num_kv_heads)?,
+            head_dim: check_size("head_dim", head_dim)?,
+            max_seq_len: check_size("max_seq_len", max_seq_len)?,
         };
         let dtype = dtype.map(parse_dtype).transpose()?.unwrap_or(DType::F16);
         let device = device.map(parse_device).transpose()?.unwrap_or(Device::Cpu);

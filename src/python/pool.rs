@@ -14,7 +14,7 @@ use super::kv_cache::PyKVCache;
 use super::views::{borrowed_array, new_array};
 use crate::bytes::parse_size;
 use crate::dtype::DType;
-use crate::error::KvError;
+use crate::error::{check_size, KvError};
 use crate::kv_cache::Kv;
 use crate::paged::{BlockPool, KvLayout, PagedShape, PrefixConfig, SeqId};
 use crate::prefix::HashKind;
@@ -139,24 +139,13 @@ impl PyBlockPool {
         partial_hits: bool,
         events: bool,
     ) -> PyResult<Self> {
-        let positive = |name: &'static str, v: i64| -> PyResult<usize> {
-            if v < 1 {
-                return Err(KvError::InvalidArgument {
-                    name,
-                    value: v.to_string(),
-                    reason: "must be >= 1".into(),
-                }
-                .into());
-            }
-            Ok(v as usize)
-        };
         let dtype = dtype.map(parse_dtype).transpose()?.unwrap_or(DType::F16);
         let device = device.map(parse_device).transpose()?.unwrap_or(Device::Cpu);
         let mut shape = PagedShape {
-            num_layers: positive("num_layers", num_layers)?,
-            num_kv_heads: positive("num_kv_heads", num_kv_heads)?,
-            head_dim: positive("head_dim", head_dim)?,
-            block_size: positive("block_size", block_size)?,
+            num_layers: check_size("num_layers", num_layers)?,
+            num_kv_heads: check_size("num_kv_heads", num_kv_heads)?,
+            head_dim: check_size("head_dim", head_dim)?,
+            block_size: check_size("block_size", block_size)?,
             num_blocks: 0,
             layout: layout.parse::<KvLayout>()?,
         };
@@ -167,7 +156,7 @@ impl PyBlockPool {
             * shape.head_dim
             * dtype.size();
         shape.num_blocks = match (num_blocks, memory_bytes) {
-            (Some(n), None) => positive("num_blocks", n)?,
+            (Some(n), None) => check_size("num_blocks", n)?,
             (None, Some(m)) => {
                 let bytes = match m.extract::<i64>() {
                     Ok(b) if b >= 0 => b as usize,
