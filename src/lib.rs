@@ -12,6 +12,7 @@ pub mod error;
 pub mod kv_cache;
 pub mod paged;
 pub mod prefix;
+pub mod rope;
 pub mod storage;
 pub mod tensor;
 

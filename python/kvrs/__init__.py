@@ -17,6 +17,7 @@ from kvrs._kvrs import (
     KVCache,
     KvrsError,
     NotSupportedError,
+    RoPE,
     Sequence,
     __version__,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "KVCache",
     "KvrsError",
     "NotSupportedError",
+    "RoPE",
     "Sequence",
     "__version__",
 ]

@@ -16,6 +16,7 @@ __all__ = [
     "KVCache",
     "KvrsError",
     "NotSupportedError",
+    "RoPE",
     "Sequence",
     "__version__",
 ]
@@ -138,6 +139,7 @@ class BlockPool:
         seed: int | None = None,
         partial_hits: bool = True,
         events: bool = False,
+        rope: RoPE | None = None,
     ) -> BlockPool: ...
     @property
     def num_layers(self) -> int:
@@ -169,6 +171,9 @@ class BlockPool:
     @property
     def free_blocks(self) -> int:
         """Blocks no sequence holds."""
+    @property
+    def rope(self) -> RoPE | None:
+        """The rotary embedding used to re-rotate moved keys, or None."""
     @property
     def prefix_caching(self) -> bool:
         """Whether full blocks with known token ids are cached for reuse."""
@@ -322,3 +327,29 @@ class ForwardBatch:
         _exc: BaseException | None = None,
         _tb: TracebackType | None = None,
     ) -> None: ...
+
+@final
+class RoPE:
+    """A rotary position embedding (theta, rotated dimensions, 'neox' or 'gptj' pairing, scaling)."""
+
+    def __new__(
+        cls,
+        theta: float = 10000.0,
+        rotary_dim: int | None = None,
+        style: str = "neox",
+        scaling: tuple[str, float] | None = None,
+    ) -> RoPE: ...
+    @property
+    def theta(self) -> float:
+        """Base of the rotation frequencies."""
+    @property
+    def rotary_dim(self) -> int | None:
+        """Rotated leading dimensions (None: all of head_dim)."""
+    @property
+    def style(self) -> str:
+        """'neox' or 'gptj'."""
+    @property
+    def scaling(self) -> tuple[str, float] | None:
+        """('linear', factor), or None."""
+    def apply(self, x: _ArrayLike, positions: _IntsLike) -> npt.NDArray[np.float32]:
+        """Rotates x ([n, head_dim] or [n, heads, head_dim]) to `positions`; returns a new float32 array."""

@@ -12,6 +12,7 @@ use crate::dtype::DType;
 use crate::error::{check_count, check_index, check_positive, KvError, Result};
 use crate::kv_cache::{KVCache, Kv};
 use crate::prefix::{BlockHash, HashKind, PrefixCounters, PrefixEvent, PrefixIndex};
+use crate::rope::Rope;
 use crate::storage::{allocate, Device, Storage};
 use crate::tensor::{expect_block_pair, TensorRef};
 
@@ -47,6 +48,9 @@ pub struct SeqState {
     pub extra: Arc<[u8]>,
     /// Prompt tokens served from the prefix cache when the sequence started.
     pub num_cached_tokens: usize,
+    /// Blocks at or past this position are never cached: their K/V were moved by a
+    /// middle removal and no longer match what the model computes for the tokens.
+    pub cache_limit: usize,
 }
 
 impl SeqState {
@@ -114,6 +118,7 @@ pub struct BlockPool {
     alloc: BlockAllocator,
     prefix: Option<PrefixIndex>,
     pins: FxHashMap<BlockId, u32>,
+    rope: Option<Rope>,
     seqs: FxHashMap<SeqId, SeqState>,
     next_id: SeqId,
 }
@@ -172,9 +177,23 @@ impl BlockPool {
             alloc: BlockAllocator::new(shape.num_blocks),
             prefix,
             pins: FxHashMap::default(),
+            rope: None,
             seqs: FxHashMap::default(),
             next_id: 0,
         })
+    }
+
+    /// Gives the pool the rotary embedding its keys were computed with, so that a span can
+    /// be removed from the middle of a sequence (later keys are re-rotated).
+    pub fn with_rope(mut self, rope: Rope) -> Result<Self> {
+        rope.rotary_dim(self.shape.head_dim)?;
+        self.rope = Some(rope);
+        Ok(self)
+    }
+
+    /// The pool's rotary embedding, if it has one.
+    pub fn rope(&self) -> Option<Rope> {
+        self.rope
     }
 
     /// The pool's sizes and layout.
@@ -305,6 +324,7 @@ impl BlockPool {
             root,
             extra,
             num_cached_tokens: 0,
+            cache_limit: usize::MAX,
         }
     }
 
@@ -722,7 +742,7 @@ impl BlockPool {
             return;
         };
         let s = self.seqs.get_mut(&id).expect("checked live");
-        while s.hashes.len() < s.seq_len.min(s.tokens.len()) / bs {
+        while s.hashes.len() < s.seq_len.min(s.tokens.len()).min(s.cache_limit) / bs {
             let i = s.hashes.len();
             let parent = if i == 0 { s.root } else { s.hashes[i - 1] };
             let toks = &s.tokens[i * bs..(i + 1) * bs];
@@ -773,13 +793,70 @@ impl BlockPool {
             return Ok(());
         }
         if end < held {
-            return Err(KvError::NotSupported(format!(
-                "removing positions [{begin}, {end}) from the middle of a sequence of {held} needs later \
-                 positions shifted and their keys re-rotated; give the pool a RoPE description (not yet available) \
-                 or remove a tail (end=None)"
-            )));
+            let rope = self.rope.ok_or_else(|| {
+                KvError::NotSupported(format!(
+                    "removing positions [{begin}, {end}) from the middle of a sequence of {held} needs later \
+                     keys re-rotated: give the pool its rotary embedding (BlockPool(..., rope=kvrs.RoPE(...))) \
+                     or remove a tail (end=None)"
+                ))
+            })?;
+            return self.remove_span(id, begin, end, rope);
         }
         self.cut_to(id, begin, true);
+        Ok(())
+    }
+
+    /// Removes positions `[begin, end)` from the middle of sequence `id`: later positions
+    /// move down by `end - begin` and their keys are re-rotated by that much (values are
+    /// unchanged). Shared or cached blocks are copied before they change.
+    fn remove_span(&mut self, id: SeqId, begin: usize, end: usize, rope: Rope) -> Result<()> {
+        let sh = self.shape;
+        let (bs, h, d) = (sh.block_size, sh.num_kv_heads, sh.head_dim);
+        let shift = end - begin;
+        let s = self.seq(id)?;
+        let new_held = s.held() - shift;
+        self.ensure_room(self.blocks_needed(s, begin, new_held), || {
+            format!("removing positions [{begin}, {end}) of sequence {id}")
+        })?;
+        self.prepare_write(id, begin, new_held);
+        let blocks = self.seq(id)?.blocks.clone();
+        for layer in 0..sh.num_layers {
+            let len = self.seq(id)?.layer_len[layer];
+            if len <= end {
+                continue;
+            }
+            // One layer's moved tail at a time, through float32.
+            let n = len - end;
+            let (mut k, mut v) = (vec![0f32; h * n * d], vec![0f32; h * n * d]);
+            let kt = unsafe {
+                TensorRef::contiguous(k.as_mut_ptr() as *const u8, DType::F32, &[h, n, d])?
+            };
+            let vt = unsafe {
+                TensorRef::contiguous(v.as_mut_ptr() as *const u8, DType::F32, &[h, n, d])?
+            };
+            self.read_positions(&blocks, layer, end, n, &kt, &vt)?;
+            rope.rotate(d, &mut k, -(shift as f64))?;
+            self.write_positions(
+                &blocks,
+                layer,
+                begin,
+                &kt.transposed(0, 1),
+                &vt.transposed(0, 1),
+            )?;
+        }
+        let moved = |l: usize| if l > end { l - shift } else { l.min(begin) };
+        let s = self.seq_mut(id);
+        s.layer_len.iter_mut().for_each(|l| *l = moved(*l));
+        s.seq_len = moved(s.seq_len);
+        if s.tokens.len() > begin {
+            let stop = end.min(s.tokens.len());
+            s.tokens.drain(begin..stop);
+        }
+        s.hashes.truncate(begin / bs);
+        s.cache_limit = s.cache_limit.min(begin);
+        let keep = s.held().div_ceil(bs);
+        let dropped: Vec<BlockId> = s.blocks.drain(keep..).collect();
+        self.release_all(&dropped);
         Ok(())
     }
 

@@ -6,6 +6,7 @@ mod errors;
 mod input;
 mod kv_cache;
 mod pool;
+mod rope;
 mod views;
 
 use pyo3::prelude::*;
@@ -31,6 +32,7 @@ fn _kvrs(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pool::PyBlockPool>()?;
     m.add_class::<pool::PySequence>()?;
     m.add_class::<batch::PyForwardBatch>()?;
+    m.add_class::<rope::PyRope>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -11,6 +11,7 @@ use super::batch::PyForwardBatch;
 use super::copying;
 use super::input::{read_ints, read_tensor, read_token_ids};
 use super::kv_cache::PyKVCache;
+use super::rope::PyRope;
 use super::views::{borrowed_array, new_array};
 use crate::bytes::parse_size;
 use crate::dtype::DType;
@@ -118,9 +119,9 @@ fn i32_array<'py>(py: Python<'py>, v: Vec<i32>) -> Bound<'py, PyArray1<i32>> {
 #[pymethods]
 impl PyBlockPool {
     #[new]
-    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, *, block_size = 16, num_blocks = None, memory_bytes = None, dtype = None, device = None, layout = "NHD", prefix_caching = true, hash = "blake3", seed = None, partial_hits = true, events = false))]
+    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, *, block_size = 16, num_blocks = None, memory_bytes = None, dtype = None, device = None, layout = "NHD", prefix_caching = true, hash = "blake3", seed = None, partial_hits = true, events = false, rope = None))]
     #[pyo3(
-        text_signature = "(num_layers, num_kv_heads, head_dim, *, block_size=16, num_blocks=None, memory_bytes=None, dtype='float16', device='cpu', layout='NHD', prefix_caching=True, hash='blake3', seed=None, partial_hits=True, events=False)"
+        text_signature = "(num_layers, num_kv_heads, head_dim, *, block_size=16, num_blocks=None, memory_bytes=None, dtype='float16', device='cpu', layout='NHD', prefix_caching=True, hash='blake3', seed=None, partial_hits=True, events=False, rope=None)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -138,6 +139,7 @@ impl PyBlockPool {
         seed: Option<u128>,
         partial_hits: bool,
         events: bool,
+        rope: Option<&Bound<'_, PyRope>>,
     ) -> PyResult<Self> {
         let dtype = dtype.map(parse_dtype).transpose()?.unwrap_or(DType::F16);
         let device = device.map(parse_device).transpose()?.unwrap_or(Device::Cpu);
@@ -210,7 +212,10 @@ impl PyBlockPool {
                 events,
             })
         });
-        let pool = BlockPool::new(shape, dtype, device, prefix.transpose()?)?;
+        let mut pool = BlockPool::new(shape, dtype, device, prefix.transpose()?)?;
+        if let Some(r) = rope {
+            pool = pool.with_rope(r.get().rope)?;
+        }
         let data = pool.data_ptr() as usize;
         Ok(PyBlockPool {
             inner: Mutex::new(pool),
@@ -279,6 +284,12 @@ impl PyBlockPool {
     #[getter]
     fn free_blocks(&self) -> usize {
         self.inner.lock().num_free_blocks()
+    }
+
+    /// The rotary embedding used to re-rotate moved keys, or None.
+    #[getter]
+    fn rope(&self) -> Option<PyRope> {
+        self.inner.lock().rope().map(|rope| PyRope { rope })
     }
 
     /// Whether full blocks with known token ids are cached for reuse.
@@ -866,7 +877,8 @@ impl PySequence {
     }
 
     /// llama.cpp's seq_rm: removes positions [begin, end) (end=None: to the end). A tail
-    /// works; a middle span raises kvrs.NotSupportedError.
+    /// is cut; a middle span moves later positions down and re-rotates their keys, which
+    /// needs the pool's `rope` (else kvrs.NotSupportedError).
     #[pyo3(signature = (begin, end = None))]
     fn remove(&self, begin: i64, end: Option<i64>) -> PyResult<()> {
         Ok(self.pool_ref().inner.lock().remove(self.id, begin, end)?)
