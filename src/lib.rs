@@ -8,6 +8,7 @@
 
 pub mod bytes;
 pub mod dtype;
+pub mod encoder_cache;
 pub mod error;
 pub mod kv_cache;
 pub mod paged;

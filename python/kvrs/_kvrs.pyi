@@ -12,6 +12,7 @@ __all__ = [
     "BlockPool",
     "CacheFullError",
     "DeviceError",
+    "EncoderCache",
     "ForwardBatch",
     "KVCache",
     "KvrsError",
@@ -353,3 +354,46 @@ class RoPE:
         """('linear', factor), or None."""
     def apply(self, x: _ArrayLike, positions: _IntsLike) -> npt.NDArray[np.float32]:
         """Rotates x ([n, head_dim] or [n, heads, head_dim]) to `positions`; returns a new float32 array."""
+
+@final
+class EncoderCache:
+    """Position-independent K/V of one encoder input (cross-attention), written once per layer."""
+
+    def __new__(
+        cls,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        *,
+        dtype: _DTypeLike = "float16",
+        device: str | Any = "cpu",
+    ) -> EncoderCache: ...
+    @property
+    def length(self) -> int | None:
+        """Encoder positions every layer holds (None before the first set)."""
+    @property
+    def max_len(self) -> int:
+        """Encoder positions the cache can hold."""
+    @property
+    def num_layers(self) -> int:
+        """Number of layers."""
+    @property
+    def dtype(self) -> str:
+        """Storage dtype name."""
+    @property
+    def device(self) -> str:
+        """Device name."""
+    @property
+    def is_complete(self) -> bool:
+        """Whether every layer holds its K/V."""
+    def is_set(self, layer: int) -> bool:
+        """Whether `layer` holds its K/V."""
+    def set(self, layer: int, k: _ArrayLike, v: _ArrayLike) -> None:
+        """Writes `layer`'s K and V ([n, num_kv_heads, head_dim], the same n for every layer)."""
+    def get(self, layer: int) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+        """Zero-copy read-only views (K, V) [num_kv_heads, length, head_dim] of a set layer."""
+    def clear(self) -> None:
+        """Forgets the input; the memory stays allocated for the next one."""
+    def memory_bytes(self) -> int:
+        """Bytes of storage held."""

@@ -14,6 +14,48 @@ use crate::kv_cache::{CacheShape, KVCache, Kv};
 use crate::storage::Device;
 use crate::tensor::TensorRef;
 
+/// A read-only NumPy view, owned by `owner`, of `len` positions of one layer's K or V in
+/// a contiguous cache's storage at `data`: `[heads, len, head_dim]`, or `[len, head_dim]`
+/// for one `head`.
+///
+/// # Safety
+/// `data` must be the storage of a cache of `shape` and `dtype` that lives as long as `owner`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn layer_view<'py>(
+    owner: &Bound<'py, PyAny>,
+    data: usize,
+    shape: CacheShape,
+    dtype: DType,
+    layer: usize,
+    kv: Kv,
+    head: Option<usize>,
+    len: usize,
+) -> PyResult<Bound<'py, PyAny>> {
+    let (s, es) = (shape, dtype.size());
+    let offset = (((layer * 2 + kv as usize) * s.num_kv_heads + head.unwrap_or(0)) * s.max_seq_len)
+        * s.head_dim;
+    let ptr = (data + offset * es) as *mut u8;
+    let row = (s.head_dim * es) as isize;
+    match head {
+        None => borrowed_array(
+            owner,
+            ptr,
+            dtype,
+            &[s.num_kv_heads, len, s.head_dim],
+            &[row * s.max_seq_len as isize, row, es as isize],
+            false,
+        ),
+        Some(_) => borrowed_array(
+            owner,
+            ptr,
+            dtype,
+            &[len, s.head_dim],
+            &[row, es as isize],
+            false,
+        ),
+    }
+}
+
 /// A contiguous KV cache for one sequence, preallocated for `max_seq_len` positions.
 #[pyclass(frozen, name = "KVCache", module = "kvrs")]
 pub struct PyKVCache {
@@ -36,36 +78,18 @@ impl PyKVCache {
         len: usize,
     ) -> PyResult<Bound<'py, PyAny>> {
         let me = slf.get();
-        let s = me.shape;
-        let es = me.dtype.size();
-        let offset = (((layer * 2 + kv as usize) * s.num_kv_heads + head.unwrap_or(0))
-            * s.max_seq_len)
-            * s.head_dim;
-        let ptr = (me.data + offset * es) as *mut u8;
-        let row = (s.head_dim * es) as isize;
         // SAFETY: the storage is never reallocated and lives as long as `slf`, the base.
         unsafe {
-            match head {
-                None => {
-                    let strides = [row * s.max_seq_len as isize, row, es as isize];
-                    borrowed_array(
-                        slf.as_any(),
-                        ptr,
-                        me.dtype,
-                        &[s.num_kv_heads, len, s.head_dim],
-                        &strides,
-                        false,
-                    )
-                }
-                Some(_) => borrowed_array(
-                    slf.as_any(),
-                    ptr,
-                    me.dtype,
-                    &[len, s.head_dim],
-                    &[row, es as isize],
-                    false,
-                ),
-            }
+            layer_view(
+                slf.as_any(),
+                me.data,
+                me.shape,
+                me.dtype,
+                layer,
+                kv,
+                head,
+                len,
+            )
         }
     }
 

@@ -2,6 +2,7 @@
 
 mod args;
 mod batch;
+mod encoder_cache;
 mod errors;
 mod input;
 mod kv_cache;
@@ -33,6 +34,7 @@ fn _kvrs(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pool::PySequence>()?;
     m.add_class::<batch::PyForwardBatch>()?;
     m.add_class::<rope::PyRope>()?;
+    m.add_class::<encoder_cache::PyEncoderCache>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

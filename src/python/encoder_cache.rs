@@ -1,0 +1,182 @@
+//! `kvrs.EncoderCache`: cross-attention K/V of one encoder input.
+
+use parking_lot::RwLock;
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+
+use super::args::{parse_device, parse_dtype};
+use super::copying;
+use super::input::read_tensor;
+use super::kv_cache::layer_view;
+use crate::dtype::DType;
+use crate::encoder_cache::EncoderCache;
+use crate::error::check_size;
+use crate::kv_cache::{CacheShape, Kv};
+use crate::storage::Device;
+
+/// Position-independent K/V of one encoder input (cross-attention): each layer is
+/// written once with `set`, read by every decode step with `get`, and has no causal mask.
+#[pyclass(frozen, name = "EncoderCache", module = "kvrs")]
+pub struct PyEncoderCache {
+    inner: RwLock<EncoderCache>,
+    shape: CacheShape,
+    dtype: DType,
+    device: Device,
+    data: usize,
+}
+
+#[pymethods]
+impl PyEncoderCache {
+    #[new]
+    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, max_len, *, dtype = None, device = None))]
+    #[pyo3(
+        text_signature = "(num_layers, num_kv_heads, head_dim, max_len, *, dtype='float16', device='cpu')"
+    )]
+    fn new(
+        num_layers: i64,
+        num_kv_heads: i64,
+        head_dim: i64,
+        max_len: i64,
+        dtype: Option<&Bound<'_, PyAny>>,
+        device: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let shape = CacheShape {
+            num_layers: check_size("num_layers", num_layers)?,
+            num_kv_heads: check_size("num_kv_heads", num_kv_heads)?,
+            head_dim: check_size("head_dim", head_dim)?,
+            max_seq_len: check_size("max_len", max_len)?,
+        };
+        let dtype = dtype.map(parse_dtype).transpose()?.unwrap_or(DType::F16);
+        let device = device.map(parse_device).transpose()?.unwrap_or(Device::Cpu);
+        let cache = EncoderCache::new(shape, dtype, device)?;
+        let data = cache.cache().data_ptr() as usize;
+        Ok(PyEncoderCache {
+            inner: RwLock::new(cache),
+            shape,
+            dtype,
+            device,
+            data,
+        })
+    }
+
+    /// Encoder positions every layer holds (None before the first set).
+    #[getter]
+    fn length(&self) -> Option<usize> {
+        self.inner.read().length()
+    }
+
+    /// Encoder positions the cache can hold.
+    #[getter]
+    fn max_len(&self) -> usize {
+        self.shape.max_seq_len
+    }
+
+    /// Number of layers.
+    #[getter]
+    fn num_layers(&self) -> usize {
+        self.shape.num_layers
+    }
+
+    /// Storage dtype name.
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.dtype.name()
+    }
+
+    /// Device name.
+    #[getter]
+    fn device(&self) -> String {
+        self.device.to_string()
+    }
+
+    /// Whether every layer holds its K/V.
+    #[getter]
+    fn is_complete(&self) -> bool {
+        let c = self.inner.read();
+        (0..self.shape.num_layers).all(|l| c.is_set(l))
+    }
+
+    /// Whether `layer` holds its K/V.
+    fn is_set(&self, layer: i64) -> PyResult<bool> {
+        let c = self.inner.read();
+        Ok(c.is_set(c.cache().check_layer(layer)?))
+    }
+
+    /// Writes `layer`'s K and V ([n, num_kv_heads, head_dim], the same n for every layer),
+    /// once until clear().
+    fn set(
+        &self,
+        py: Python<'_>,
+        layer: i64,
+        k: &Bound<'_, PyAny>,
+        v: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let (k, v) = (read_tensor(k, "k")?, read_tensor(v, "v")?);
+        let (kt, vt) = (*k.tensor(), *v.tensor());
+        Ok(copying(py, kt.nbytes() + vt.nbytes(), || {
+            self.inner.write().set(layer, &kt, &vt)
+        })?)
+    }
+
+    /// Zero-copy read-only views (K, V) [num_kv_heads, length, head_dim] of a set layer.
+    fn get<'py>(slf: &Bound<'py, Self>, layer: i64) -> PyResult<Bound<'py, PyTuple>> {
+        let me = slf.get();
+        let (layer, len) = {
+            let c = me.inner.read();
+            let l = c.cache().check_layer(layer)?;
+            if !c.is_set(l) {
+                return Err(crate::error::KvError::InvalidArgument {
+                    name: "layer",
+                    value: l.to_string(),
+                    reason: "is not set yet".into(),
+                }
+                .into());
+            }
+            (l, c.cache().layer_len(l))
+        };
+        // SAFETY: the storage lives as long as `slf`, the base of the views.
+        let k = unsafe {
+            layer_view(
+                slf.as_any(),
+                me.data,
+                me.shape,
+                me.dtype,
+                layer,
+                Kv::Key,
+                None,
+                len,
+            )?
+        };
+        let v = unsafe {
+            layer_view(
+                slf.as_any(),
+                me.data,
+                me.shape,
+                me.dtype,
+                layer,
+                Kv::Value,
+                None,
+                len,
+            )?
+        };
+        PyTuple::new(slf.py(), [k, v])
+    }
+
+    /// Forgets the input; the memory stays allocated for the next one.
+    fn clear(&self) {
+        self.inner.write().clear()
+    }
+
+    /// Bytes of storage held.
+    fn memory_bytes(&self) -> usize {
+        self.inner.read().cache().memory_bytes()
+    }
+
+    fn __repr__(&self) -> String {
+        let s = self.shape;
+        format!(
+            "EncoderCache(num_layers={}, num_kv_heads={}, head_dim={}, max_len={}, dtype='{}', device='{}', length={:?})",
+            s.num_layers, s.num_kv_heads, s.head_dim, s.max_seq_len, self.dtype, self.device, self.length()
+        )
+    }
+}
