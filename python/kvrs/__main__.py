@@ -21,11 +21,18 @@ def main(argv: list[str] | None = None) -> int:
         help="cache storage dtype (default float16)",
     )
     demo.add_argument("--seed", type=int, default=0, help="weights and prompt seed (default 0)")
+    demo.add_argument("--requests", type=int, default=8, help="chat requests in the serving part (default 8)")
+    demo.add_argument(
+        "--system-len", type=int, default=64, help="tokens of their shared system prompt (default 64)"
+    )
     args = parser.parse_args(argv)
 
     from kvrs import demo as demo_module
+    from kvrs import serving
 
-    return demo_module.run(args.prompt_len, args.new_tokens, args.dtype, args.seed)
+    single = demo_module.run(args.prompt_len, args.new_tokens, args.dtype, args.seed)
+    batched = serving.run(args.requests, args.system_len, args.new_tokens // 5, args.dtype, args.seed)
+    return max(single, batched)
 
 
 if __name__ == "__main__":

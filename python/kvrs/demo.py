@@ -69,15 +69,14 @@ class TinyLlama:
     def rms_norm(x: np.ndarray) -> np.ndarray:
         return x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6)
 
-    def attend(self, q: np.ndarray, keys: np.ndarray, values: np.ndarray, q_pos: np.ndarray) -> np.ndarray:
-        """Causal GQA: q [n, heads, d] at q_pos over keys/values [kv_heads, T, d] at 0..T-1."""
+    def attend(self, q: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """GQA: q [n, heads, d] over keys/values [kv_heads, T, d], with mask [n, T] of 0
+        (may attend) and -inf."""
         cfg = self.cfg
         group = cfg.heads // cfg.kv_heads
         k = np.repeat(keys.astype(np.float32), group, axis=0)  # [heads, T, d]
         v = np.repeat(values.astype(np.float32), group, axis=0)
-        scores = np.einsum("nhd,htd->hnt", q, k) / math.sqrt(cfg.head_dim)
-        mask = np.arange(k.shape[1])[None, :] > q_pos[:, None]
-        scores = np.where(mask[None], -np.inf, scores)
+        scores = np.einsum("nhd,htd->hnt", q, k) / math.sqrt(cfg.head_dim) + mask[None]
         scores -= scores.max(-1, keepdims=True)
         p = np.exp(scores)
         p /= p.sum(-1, keepdims=True)
@@ -85,7 +84,7 @@ class TinyLlama:
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray, kv_for_layer) -> np.ndarray:
         """Runs tokens through the model; `kv_for_layer(layer, k, v)` stores this step's K/V
-        ([n, kv_heads, head_dim]) and returns the layer's full (K, V) history."""
+        ([n, kv_heads, head_dim]) and returns the history (K, V) with the tokens' mask."""
         cfg = self.cfg
         x = self.embed[tokens]
         for layer in range(cfg.layers):
@@ -93,8 +92,8 @@ class TinyLlama:
             q = self.rope((h @ self.wq[layer]).reshape(-1, cfg.heads, cfg.head_dim), positions)
             k = self.rope((h @ self.wk[layer]).reshape(-1, cfg.kv_heads, cfg.head_dim), positions)
             v = (h @ self.wv[layer]).reshape(-1, cfg.kv_heads, cfg.head_dim)
-            keys, values = kv_for_layer(layer, k, v)
-            attn = self.attend(q, keys, values, positions)
+            keys, values, mask = kv_for_layer(layer, k, v)
+            attn = self.attend(q, keys, values, mask)
             x = x + attn.reshape(len(tokens), -1) @ self.wo[layer]
             h = self.rms_norm(x)
             gate = h @ self.w_gate[layer]
@@ -102,21 +101,29 @@ class TinyLlama:
         return self.rms_norm(x) @ self.lm_head
 
 
+def causal_mask(positions: np.ndarray, history: int) -> np.ndarray:
+    """0 where a token at `positions[i]` may attend to history position t (t <= its own), else -inf."""
+    return np.where(np.arange(history)[None, :] > positions[:, None], -np.inf, 0.0).astype(np.float32)
+
+
 def generate(model: TinyLlama, cache: kvrs.KVCache, prompt: np.ndarray, new_tokens: int):
     """Greedy generation through the cache; returns the tokens and each step's last logits."""
 
+    positions = np.arange(len(prompt))
+
     def through_cache(layer, k, v):
         cache.append(layer, k, v)
-        return cache.get(layer)
+        keys, values = cache.get(layer)
+        return keys, values, causal_mask(positions, keys.shape[1])
 
     tokens = list(prompt)
-    logits = model.forward(prompt, np.arange(len(prompt)), through_cache)
+    logits = model.forward(prompt, positions, through_cache)
     cache.advance(len(prompt))
     steps = [logits[-1]]
     for _ in range(new_tokens):
         tokens.append(int(steps[-1].argmax()))
-        pos = cache.seq_len
-        logits = model.forward(np.array(tokens[-1:]), np.array([pos]), through_cache)
+        positions = np.array([cache.seq_len])
+        logits = model.forward(np.array(tokens[-1:]), positions, through_cache)
         cache.advance(1)
         steps.append(logits[-1])
     return tokens, np.stack(steps)
@@ -126,12 +133,13 @@ def recompute(model: TinyLlama, tokens: list[int], prompt_len: int, np_dtype) ->
     """The same logits without a cache: the whole sequence in one pass, with K/V rounded to
     the storage dtype as the cache rounds them."""
 
+    positions = np.arange(len(tokens))
+
     def no_cache(layer, k, v):
         keys = k.astype(np_dtype).transpose(1, 0, 2)
-        return keys, v.astype(np_dtype).transpose(1, 0, 2)
+        return keys, v.astype(np_dtype).transpose(1, 0, 2), causal_mask(positions, len(tokens))
 
-    seq = np.array(tokens)
-    logits = model.forward(seq, np.arange(len(seq)), no_cache)
+    logits = model.forward(np.array(tokens), positions, no_cache)
     return logits[prompt_len - 1 :]
 
 
