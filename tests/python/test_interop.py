@@ -5,6 +5,7 @@ from __future__ import annotations
 import array
 
 import numpy as np
+import pytest
 
 import kvrs
 
@@ -79,3 +80,35 @@ def test_bytes_of_wrong_dtype_are_rejected():
         assert "key has dtype float64" in str(e)
     else:
         raise AssertionError("float64 input was accepted")
+
+
+def test_bfloat16_through_dlpack():
+    import ml_dtypes
+    from dlpack_capsules import KDL_BFLOAT, Producer
+
+    x = (np.arange(16, dtype=np.float32).reshape(2, 2, 4) / 4).astype(ml_dtypes.bfloat16)
+    bits = x.view(np.uint16)
+    for store in ("float32", "float16", "bfloat16"):
+        c = kvrs.KVCache(1, 2, 4, 8, dtype=store)
+        producer = Producer(bits, KDL_BFLOAT, 16)
+        c.append(0, producer, Producer(bits, KDL_BFLOAT, 16))
+        np.testing.assert_array_equal(c.get(0)[0].astype(np.float32), x.astype(np.float32).transpose(1, 0, 2))
+
+
+def test_device_tensors_are_refused_not_copied():
+    from dlpack_capsules import KDL_CUDA, KDL_FLOAT, Producer
+
+    c = kvrs.KVCache(1, 2, 4, 8, dtype="float32")
+    on_gpu = Producer(np.ones((1, 2, 4), np.float32), KDL_FLOAT, 32, device_type=KDL_CUDA)
+    with pytest.raises(kvrs.DeviceError, match="k lives on DLPack device type 2"):
+        c.append(0, on_gpu, np.ones((1, 2, 4), np.float32))
+    assert c.layer_len(0) == 0
+
+
+def test_unsupported_dlpack_dtype_is_a_type_error():
+    from dlpack_capsules import Producer
+
+    c = kvrs.KVCache(1, 2, 4, 8, dtype="float32")
+    ints = Producer(np.ones((1, 2, 4), np.int32), 0, 32)  # kDLInt
+    with pytest.raises(TypeError, match="k has dtype DLPack code 0 bits 32"):
+        c.append(0, ints, ints)
