@@ -30,7 +30,7 @@ demo: .stamp-install ## run the main job: python -m kvrs demo
 test: test-rust test-python stubtest ## build and run every test (Rust, Python, stub check)
 
 test-rust: ## cargo test: the core without Python
-	cargo test --release --quiet
+	cargo test --release --quiet --features cuda
 
 test-python: .stamp-install ## pytest (hypothesis state machines, errors, interop)
 	$(PY) -m pytest
@@ -40,7 +40,7 @@ stubtest: .stamp-install ## check python/kvrs/_kvrs.pyi against the compiled mod
 
 lint: .stamp-install ## cargo fmt --check, clippy -D warnings, ruff
 	cargo fmt --all -- --check
-	cargo clippy --all-targets --features python -- -D warnings
+	cargo clippy --all-targets --features python,cuda -- -D warnings
 	$(VENV)/bin/ruff check python tests benches
 	$(VENV)/bin/ruff format --check python tests benches
 

@@ -21,6 +21,7 @@ from kvrs._kvrs import (
     RoPE,
     Sequence,
     __version__,
+    cuda_available,
 )
 
 __all__ = [
@@ -35,4 +36,5 @@ __all__ = [
     "RoPE",
     "Sequence",
     "__version__",
+    "cuda_available",
 ]

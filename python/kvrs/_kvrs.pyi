@@ -20,9 +20,13 @@ __all__ = [
     "RoPE",
     "Sequence",
     "__version__",
+    "cuda_available",
 ]
 
 __version__: str
+
+def cuda_available() -> bool:
+    """Whether a CUDA driver and at least one CUDA device are present."""
 
 _DTypeLike = str | np.dtype[Any] | type | Any
 """'float32' | 'float16' | 'bfloat16' (or 'fp32', 'fp16', 'half', 'bf16'), a NumPy dtype, or a torch dtype."""

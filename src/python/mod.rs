@@ -25,6 +25,12 @@ fn copying<T: Send, F: FnOnce() -> T + Send>(py: Python<'_>, bytes: usize, f: F)
     }
 }
 
+/// Whether a CUDA driver and at least one CUDA device are present.
+#[pyfunction]
+fn cuda_available() -> bool {
+    crate::storage::cuda::device_count().is_ok_and(|n| n > 0)
+}
+
 /// The compiled core of kvrs; import the `kvrs` package instead.
 #[pymodule]
 fn _kvrs(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -35,6 +41,7 @@ fn _kvrs(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<batch::PyForwardBatch>()?;
     m.add_class::<rope::PyRope>()?;
     m.add_class::<encoder_cache::PyEncoderCache>()?;
+    m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

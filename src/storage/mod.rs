@@ -2,6 +2,7 @@
 //! caches address through strided [`Region`]s. The host backend lives in [`host`]; the
 //! CUDA backend implements the same trait, so the caches never look at the device.
 
+pub mod cuda;
 mod host;
 
 pub use host::HostStorage;
@@ -124,9 +125,18 @@ pub trait Storage: Send + Sync + fmt::Debug {
 pub fn allocate(device: Device, dtype: DType, numel: usize) -> Result<Box<dyn Storage>> {
     match device {
         Device::Cpu => Ok(Box::new(HostStorage::zeroed(dtype, numel)?)),
-        Device::Cuda(_) => Err(KvError::Device(format!(
-            "device={device} requested, but this build of kvrs has no CUDA backend yet; use device='cpu'"
-        ))),
+        Device::Cuda(ordinal) => {
+            let count = cuda::device_count()
+                .map_err(|why| KvError::Device(format!("device={device}: {why}")))?;
+            if ordinal >= count {
+                return Err(KvError::Device(format!(
+                    "device={device} does not exist: this machine has {count} CUDA devices"
+                )));
+            }
+            Err(KvError::Device(format!(
+                "device={device}: CUDA storage is not implemented in this version of kvrs yet; use device='cpu'"
+            )))
+        }
     }
 }
 
