@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 SOURCES := Cargo.toml Cargo.lock pyproject.toml $(shell find src python -type f \( -name '*.rs' -o -name '*.py' -o -name '*.pyi' \) 2>/dev/null)
 
 .DEFAULT_GOAL := help
-.PHONY: help demo test test-rust test-python stubtest lint fmt bench bench-rust install clean
+.PHONY: help demo test test-rust test-python stubtest check-ptx ptx lint fmt bench bench-rust install clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "} {printf "  make %-12s %s\n", $$1, $$2}'
@@ -27,7 +27,7 @@ install: .stamp-install ## build the extension (release) into .venv with the tes
 demo: .stamp-install ## run the main job: python -m kvrs demo
 	$(PY) -m kvrs demo
 
-test: test-rust test-python stubtest ## build and run every test (Rust, Python, stub check)
+test: test-rust test-python stubtest check-ptx ## build and run every test (Rust, Python, stub check, PTX check)
 
 test-rust: ## cargo test: the core without Python
 	cargo test --release --quiet --features cuda
@@ -37,6 +37,12 @@ test-python: .stamp-install ## pytest (hypothesis state machines, errors, intero
 
 stubtest: .stamp-install ## check python/kvrs/_kvrs.pyi against the compiled module
 	$(PY) -m mypy.stubtest kvrs._kvrs
+
+check-ptx: $(VENV)/bin/activate ## the committed PTX matches kernels/kvrs.cu and assembles for sm_80 and sm_90
+	PY=$(PY) kernels/build.sh check
+
+ptx: $(VENV)/bin/activate ## regenerate kernels/kvrs.ptx with the pinned nvcc from PyPI
+	PY=$(PY) kernels/build.sh ptx
 
 lint: .stamp-install ## cargo fmt --check, clippy -D warnings, ruff
 	cargo fmt --all -- --check

@@ -1,0 +1,160 @@
+// kvrs CUDA kernels, compiled to PTX (compute_80) by `make ptx` and checked by `make test`
+// (`kernels/build.sh check`): the committed kvrs.ptx must match this file and assemble
+// with ptxas for sm_80 and sm_90. The CUDA storage backend loads the PTX at run time.
+//
+// Layouts (elements):
+// - paged, per layer: [num_blocks, 2, block_size, heads, head_dim] ("NHD", hnd = 0) or
+//   [num_blocks, 2, heads, block_size, head_dim] ("HND", hnd = 1); index 1 = 0 is K, 1 is V.
+// - contiguous cache, per layer: K and V each [heads, max_seq_len, head_dim].
+// - token inputs: [n_tokens, heads, head_dim] with element strides (token, head), last
+//   dimension contiguous.
+// Every kernel with a `layers` grid dimension takes arrays of per-layer pointers, so one
+// launch covers all layers of a step.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace {
+
+template <typename T> __device__ __forceinline__ float to_f32(T x);
+template <> __device__ __forceinline__ float to_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ float to_f32<__half>(__half x) { return __half2float(x); }
+template <> __device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// Conversions round to nearest, ties to even, as the host path does.
+template <typename T> __device__ __forceinline__ T from_f32(float x);
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// Element offset of (block, kv, offset in block, head, dim) in one layer's paged tensor.
+__device__ __forceinline__ int64_t paged_offset(int64_t block, int kv, int64_t off, int64_t head, int64_t dim,
+                                                int64_t bs, int64_t heads, int64_t head_dim, int hnd) {
+    const int64_t base = (block * 2 + kv) * bs * heads * head_dim;
+    return hnd ? base + (head * bs + off) * head_dim + dim : base + (off * heads + head) * head_dim + dim;
+}
+
+// vLLM's reshape_and_cache. Grid (tokens, layers); threads stride over heads * head_dim.
+template <typename S, typename T>
+__device__ void scatter(const S* const* k, const S* const* v, T* const* cache, const int64_t* slots,
+                        int64_t tok_stride, int64_t head_stride, int bs, int heads, int head_dim, int hnd) {
+    const int64_t t = blockIdx.x;
+    const int layer = blockIdx.y;
+    const int64_t slot = slots[t];
+    if (slot < 0) return;  // -1: padding, skip
+    const int64_t block = slot / bs, off = slot % bs;
+    for (int i = threadIdx.x; i < heads * head_dim; i += blockDim.x) {
+        const int h = i / head_dim, d = i % head_dim;
+        const int64_t src = t * tok_stride + h * head_stride + d;
+        cache[layer][paged_offset(block, 0, off, h, d, bs, heads, head_dim, hnd)] = from_f32<T>(to_f32(k[layer][src]));
+        cache[layer][paged_offset(block, 1, off, h, d, bs, heads, head_dim, hnd)] = from_f32<T>(to_f32(v[layer][src]));
+    }
+}
+
+// A sequence's positions 0..len gathered into contiguous K/V [heads, cap, head_dim].
+// Grid (len, layers); threads stride over heads * head_dim.
+template <typename T>
+__device__ void gather(const T* const* cache, const int32_t* table, int64_t cap, T* const* out_k, T* const* out_v,
+                       int bs, int heads, int head_dim, int hnd) {
+    const int64_t p = blockIdx.x;
+    const int layer = blockIdx.y;
+    const int64_t block = table[p / bs], off = p % bs;
+    for (int i = threadIdx.x; i < heads * head_dim; i += blockDim.x) {
+        const int h = i / head_dim, d = i % head_dim;
+        const int64_t dst = (h * cap + p) * head_dim + d;
+        out_k[layer][dst] = cache[layer][paged_offset(block, 0, off, h, d, bs, heads, head_dim, hnd)];
+        out_v[layer][dst] = cache[layer][paged_offset(block, 1, off, h, d, bs, heads, head_dim, hnd)];
+    }
+}
+
+// Keys at positions start..start+n of a block table rotated in place by a position change
+// whose angles are given as cos/sin per rotated pair. Grid (n, layers); threads stride
+// over heads * rotary_dim / 2. style 0: NeoX (i with i + rotary_dim/2); 1: GPT-J (2i, 2i+1).
+template <typename T>
+__device__ void rope_rotate(T* const* cache, const int32_t* table, int64_t start, const float* cos_t,
+                            const float* sin_t, int rotary_dim, int style, int bs, int heads, int head_dim, int hnd) {
+    const int64_t p = start + blockIdx.x;
+    const int layer = blockIdx.y;
+    const int64_t block = table[p / bs], off = p % bs;
+    const int half = rotary_dim / 2;
+    for (int i = threadIdx.x; i < heads * half; i += blockDim.x) {
+        const int h = i / half, j = i % half;
+        const int a = style == 0 ? j : 2 * j, b = style == 0 ? j + half : 2 * j + 1;
+        T* x = cache[layer] + paged_offset(block, 0, off, h, 0, bs, heads, head_dim, hnd);
+        const float xa = to_f32(x[a]), xb = to_f32(x[b]);
+        x[a] = from_f32<T>(xa * cos_t[j] - xb * sin_t[j]);
+        x[b] = from_f32<T>(xa * sin_t[j] + xb * cos_t[j]);
+    }
+}
+
+// The contiguous cache's append, reading the write position from a device-resident
+// counter (so a decode loop can be captured in a CUDA graph; the host checks capacity
+// before launching). Grid (tokens, layers); threads stride over heads * head_dim.
+template <typename S, typename T>
+__device__ void append_contiguous(const S* const* k, const S* const* v, T* const* cache_k, T* const* cache_v,
+                                  const int64_t* position, int64_t tok_stride, int64_t head_stride,
+                                  int64_t max_seq_len, int heads, int head_dim) {
+    const int64_t t = blockIdx.x;
+    const int layer = blockIdx.y;
+    const int64_t p = *position + t;
+    if (p >= max_seq_len) return;
+    for (int i = threadIdx.x; i < heads * head_dim; i += blockDim.x) {
+        const int h = i / head_dim, d = i % head_dim;
+        const int64_t src = t * tok_stride + h * head_stride + d;
+        const int64_t dst = (h * max_seq_len + p) * head_dim + d;
+        cache_k[layer][dst] = from_f32<T>(to_f32(k[layer][src]));
+        cache_v[layer][dst] = from_f32<T>(to_f32(v[layer][src]));
+    }
+}
+
+}  // namespace
+
+// Whole blocks copied, every layer: pairs[i] = (src, dst). Grid (pairs, layers); threads
+// stride over the block's 32-bit words (a block's bytes are always a multiple of 4).
+extern "C" __global__ void kvrs_copy_blocks(uint32_t* const* layers, const int64_t* pairs, int64_t block_words) {
+    const int64_t src = pairs[2 * blockIdx.x] * block_words, dst = pairs[2 * blockIdx.x + 1] * block_words;
+    uint32_t* data = layers[blockIdx.y];
+    for (int64_t i = threadIdx.x; i < block_words; i += blockDim.x) data[dst + i] = data[src + i];
+}
+
+// Adds n to the device-resident position counter (the end of a captured decode step).
+extern "C" __global__ void kvrs_advance_counter(int64_t* position, int64_t n) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) *position += n;
+}
+
+#define KVRS_SCATTER(NAME, S, T)                                                                              \
+    extern "C" __global__ void kvrs_scatter_##NAME(const S* const* k, const S* const* v, T* const* cache,     \
+                                                   const int64_t* slots, int64_t tok_stride,                   \
+                                                   int64_t head_stride, int bs, int heads, int head_dim,       \
+                                                   int hnd) {                                                   \
+        scatter<S, T>(k, v, cache, slots, tok_stride, head_stride, bs, heads, head_dim, hnd);                 \
+    }
+#define KVRS_APPEND(NAME, S, T)                                                                               \
+    extern "C" __global__ void kvrs_append_contiguous_##NAME(                                                 \
+        const S* const* k, const S* const* v, T* const* cache_k, T* const* cache_v, const int64_t* position,  \
+        int64_t tok_stride, int64_t head_stride, int64_t max_seq_len, int heads, int head_dim) {              \
+        append_contiguous<S, T>(k, v, cache_k, cache_v, position, tok_stride, head_stride, max_seq_len, heads, \
+                                head_dim);                                                                     \
+    }
+#define KVRS_FOR_INPUTS(MACRO, T, TN) \
+    MACRO(f32_##TN, float, T)         \
+    MACRO(f16_##TN, __half, T)        \
+    MACRO(bf16_##TN, __nv_bfloat16, T)
+#define KVRS_PER_STORAGE(T, TN)                                                                               \
+    KVRS_FOR_INPUTS(KVRS_SCATTER, T, TN)                                                                      \
+    KVRS_FOR_INPUTS(KVRS_APPEND, T, TN)                                                                       \
+    extern "C" __global__ void kvrs_gather_##TN(const T* const* cache, const int32_t* table, int64_t cap,     \
+                                                T* const* out_k, T* const* out_v, int bs, int heads,          \
+                                                int head_dim, int hnd) {                                       \
+        gather<T>(cache, table, cap, out_k, out_v, bs, heads, head_dim, hnd);                                 \
+    }                                                                                                          \
+    extern "C" __global__ void kvrs_rope_rotate_##TN(T* const* cache, const int32_t* table, int64_t start,    \
+                                                     const float* cos_t, const float* sin_t, int rotary_dim,  \
+                                                     int style, int bs, int heads, int head_dim, int hnd) {   \
+        rope_rotate<T>(cache, table, start, cos_t, sin_t, rotary_dim, style, bs, heads, head_dim, hnd);       \
+    }
+
+KVRS_PER_STORAGE(float, f32)
+KVRS_PER_STORAGE(__half, f16)
+KVRS_PER_STORAGE(__nv_bfloat16, bf16)
