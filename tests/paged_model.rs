@@ -344,7 +344,7 @@ impl World {
             })
             .sum();
         let free = self.pool.num_free_blocks();
-        let res = self.pool.start_forward(&token_seqs, &positions, None);
+        let res = self.pool.start_forward(&token_seqs, Some(&positions), None);
         if !uniform || needed > free {
             assert!(res.is_err());
             return;

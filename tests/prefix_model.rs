@@ -220,7 +220,7 @@ impl World {
                 let new: Vec<u32> = (0..chosen.len())
                     .map(|j| 300 + (seed.wrapping_add(j as u32) % 2))
                     .collect();
-                let plan = match self.pool.start_forward(&ids, &positions, Some(&new)) {
+                let plan = match self.pool.start_forward(&ids, Some(&positions), Some(&new)) {
                     Ok(p) => p,
                     Err(KvError::CacheFull { .. }) => return,
                     Err(e) => panic!("{e:?}"),

@@ -225,7 +225,7 @@ class BlockPool:
     def block_tables(self, seqs: Iterable[Sequence], pad: int = -1) -> npt.NDArray[np.int32]:
         """Block tables of `seqs` as an int32 [batch, max_blocks] array padded with `pad`."""
     def start_forward(
-        self, seqs: Iterable[Sequence], positions: _IntsLike, tokens: _IntsLike | None = None
+        self, seqs: Iterable[Sequence], positions: _IntsLike | None = None, tokens: _IntsLike | None = None
     ) -> ForwardBatch:
         """Places a batch of tokens (token i: seqs[i] at positions[i]) and reserves their slots."""
     def check_invariants(self) -> None:

@@ -35,27 +35,29 @@ impl ForwardPlan {
 }
 
 impl BlockPool {
-    /// Places a batch: token `i` belongs to sequence `token_seqs[i]` at `positions[i]`.
-    /// The tokens of one sequence must continue it in order (its next position, then the
-    /// one after...). `tokens` (one id per token) are recorded when the batch finishes, so
+    /// Places a batch: token `i` belongs to sequence `token_seqs[i]` at `positions[i]`
+    /// (`None`: each sequence continues where it ends, its tokens in batch order). The
+    /// tokens of one sequence must continue it in order (its next position, then the one
+    /// after...). `tokens` (one id per token) are recorded when the batch finishes, so
     /// the blocks it completes join the prefix cache. Reserves every slot, all or nothing.
     pub fn start_forward(
         &mut self,
         token_seqs: &[SeqId],
-        positions: &[i64],
+        positions: Option<&[i64]>,
         tokens: Option<&[u32]>,
     ) -> Result<ForwardPlan> {
-        if token_seqs.len() != positions.len() {
+        if let Some(p) = positions.filter(|p| p.len() != token_seqs.len()) {
             return Err(KvError::InvalidArgument {
                 name: "positions",
-                value: format!("{} entries", positions.len()),
+                value: format!("{} entries", p.len()),
                 reason: format!("needs one position per token ({})", token_seqs.len()),
             });
         }
         let mut seqs: Vec<(SeqId, usize, usize)> = Vec::new();
         let mut index: FxHashMap<SeqId, usize> = FxHashMap::default();
         let mut token_seq = Vec::with_capacity(token_seqs.len());
-        for (i, (&id, &pos)) in token_seqs.iter().zip(positions).enumerate() {
+        let mut placed = Vec::with_capacity(token_seqs.len());
+        for (i, &id) in token_seqs.iter().enumerate() {
             let k = match index.get(&id) {
                 Some(&k) => k,
                 None => {
@@ -65,6 +67,7 @@ impl BlockPool {
                 }
             };
             let expected = seqs[k].1 + seqs[k].2;
+            let pos = positions.map_or(expected as i64, |p| p[i]);
             if pos != expected as i64 {
                 return Err(KvError::InvalidArgument {
                     name: "positions",
@@ -74,6 +77,7 @@ impl BlockPool {
             }
             seqs[k].2 += 1;
             token_seq.push(k);
+            placed.push(expected);
         }
         if let Some(t) = tokens {
             if t.len() != token_seqs.len() {
@@ -107,7 +111,7 @@ impl BlockPool {
         Ok(ForwardPlan {
             seqs,
             token_seq,
-            positions: positions.iter().map(|&p| p as usize).collect(),
+            positions: placed,
             slots,
             tokens: tokens.map(<[u32]>::to_vec),
         })

@@ -548,24 +548,24 @@ impl PyBlockPool {
         PyArray1::from_vec(slf.py(), flat).reshape([ids.len(), width])
     }
 
-    /// Places a batch of tokens (token i: seqs[i] at positions[i], with token id
-    /// tokens[i] when given) and reserves their slots; returns a ForwardBatch for put /
-    /// get / finish.
-    #[pyo3(signature = (seqs, positions, tokens = None))]
+    /// Places a batch of tokens (token i: seqs[i] at positions[i], or where its sequence
+    /// continues when positions is None; token id tokens[i] when given) and reserves their
+    /// slots; returns a ForwardBatch for put / get / finish.
+    #[pyo3(signature = (seqs, positions = None, tokens = None))]
     fn start_forward(
         slf: &Bound<'_, Self>,
         seqs: &Bound<'_, PyAny>,
-        positions: &Bound<'_, PyAny>,
+        positions: Option<&Bound<'_, PyAny>>,
         tokens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyForwardBatch> {
         let ids = Self::ids(slf, seqs, "seqs")?;
-        let positions = read_ints(positions, "positions")?;
+        let positions = positions.map(|p| read_ints(p, "positions")).transpose()?;
         let tokens = tokens.map(|t| read_token_ids(t, "tokens")).transpose()?;
-        let plan = slf
-            .get()
-            .inner
-            .lock()
-            .start_forward(&ids, &positions, tokens.as_deref())?;
+        let plan =
+            slf.get()
+                .inner
+                .lock()
+                .start_forward(&ids, positions.as_deref(), tokens.as_deref())?;
         Ok(PyForwardBatch::new(slf.clone().unbind(), plan))
     }
 

@@ -253,3 +253,15 @@ def test_full_pool_is_all_or_nothing():
         p.start_forward([a, b, b, b, b, b], [8, 0, 1, 2, 3, 4])
     assert (p.stats(), list(a.block_table), a.seq_len, b.num_blocks) == (*before, 0)
     p.check_invariants()
+
+
+def test_batch_positions_default_to_where_each_sequence_continues():
+    p = pool()
+    a, b = p.new_sequence(), p.new_sequence()
+    fill(a, 3)
+    batch = p.start_forward([a, b, a, b, b])
+    assert list(batch.positions) == [3, 0, 4, 1, 2]
+    for layer in range(L):
+        batch.put(layer, toks(5), toks(5))
+    batch.finish()
+    assert (a.seq_len, b.seq_len) == (5, 3)
