@@ -10,6 +10,7 @@
 use std::collections::HashSet;
 
 use kvrs::paged::{BlockPool, KvLayout, PagedShape, SeqId};
+use kvrs::rope::{Rope, RopeStyle};
 use kvrs::{DType, Device, KvError, TensorRef};
 use proptest::prelude::*;
 
@@ -120,6 +121,44 @@ fn tokens(seed: u32, n: usize) -> (Vec<f32>, Vec<Vec<f32>>) {
 struct World {
     pool: BlockPool,
     live: Vec<(SeqId, RefSeq)>,
+    /// The pool's rotary embedding (middle removals re-rotate keys) and storage dtype.
+    rope: Option<Rope>,
+    dtype: DType,
+}
+
+impl World {
+    /// The reference of a middle removal: positions `end..` move to `begin..`, their keys
+    /// rotated by `-(end - begin)` in float32 and rounded to the storage dtype.
+    fn remove_span(&self, r: &mut RefSeq, begin: usize, end: usize) {
+        let rope = self.rope.expect("a pool with a RoPE");
+        let shift = end - begin;
+        for l in 0..L {
+            let len = r.k[l].len();
+            if len > end {
+                let mut tail: Vec<Vec<f32>> = r.k[l][end..].to_vec();
+                for key in &mut tail {
+                    rope.rotate(D, key, -(shift as f64)).unwrap();
+                    if self.dtype == DType::BF16 {
+                        key.iter_mut()
+                            .for_each(|x| *x = half::bf16::from_f32(*x).to_f32());
+                    }
+                }
+                let vtail: Vec<Vec<f32>> = r.v[l][end..].to_vec();
+                r.k[l].truncate(begin);
+                r.v[l].truncate(begin);
+                r.k[l].extend(tail);
+                r.v[l].extend(vtail);
+            } else {
+                r.k[l].truncate(begin);
+                r.v[l].truncate(begin);
+            }
+        }
+        r.seq_len = if r.seq_len > end {
+            r.seq_len - shift
+        } else {
+            r.seq_len.min(begin)
+        };
+    }
 }
 
 impl World {
@@ -228,15 +267,31 @@ impl World {
             }
             Op::Remove(i, b, e) => {
                 let Some(i) = self.pick(*i) else { return };
+                let held = self.live[i].1.held();
+                let end = e.unwrap_or(usize::MAX);
+                // A middle removal first copies the shared blocks its moved positions land in.
+                let needed = if *b < end && end < held {
+                    self.blocks_needed(self.live[i].0, *b, held - (end - *b))
+                } else {
+                    0
+                };
+                let free = self.pool.num_free_blocks();
                 let res = self
                     .pool
                     .remove(self.live[i].0, *b as i64, e.map(|e| e as i64));
-                let held = self.live[i].1.held();
-                let end = e.unwrap_or(usize::MAX);
                 if *b >= end || *b >= held {
                     res.unwrap();
-                } else if end < held {
+                } else if end < held && self.rope.is_none() {
                     assert!(matches!(res, Err(KvError::NotSupported(_))));
+                } else if end < held {
+                    if needed > free {
+                        assert!(matches!(res, Err(KvError::CacheFull { .. })), "{res:?}");
+                    } else {
+                        res.unwrap();
+                        let mut r = self.live[i].1.clone();
+                        self.remove_span(&mut r, *b, end);
+                        self.live[i].1 = r;
+                    }
                 } else {
                     res.unwrap();
                     self.live[i].1.cut(*b);
@@ -477,9 +532,22 @@ fn run(layout: KvLayout, dtype: DType, ops: &[Op]) {
         num_blocks: BLOCKS,
         layout,
     };
+    // The bfloat16 pool gets a RoPE, so its middle removals move and re-rotate keys.
+    let rope = (dtype == DType::BF16).then_some(Rope {
+        theta: 10000.0,
+        rotary_dim: None,
+        style: RopeStyle::Gptj,
+        linear_factor: 1.0,
+    });
+    let mut pool = BlockPool::new(shape, dtype, Device::Cpu, None).unwrap();
+    if let Some(r) = rope {
+        pool = pool.with_rope(r).unwrap();
+    }
     let mut w = World {
-        pool: BlockPool::new(shape, dtype, Device::Cpu, None).unwrap(),
+        pool,
         live: Vec::new(),
+        rope,
+        dtype,
     };
     for op in ops {
         w.apply(op);
