@@ -627,13 +627,42 @@ impl BlockPool {
             format!("appending {n} tokens to layer {layer} at position {start}")
         })?;
         self.prepare_write(id, start, start + n);
+        self.write_seq(id, layer, start, k, v)?;
+        self.seq_mut(id).layer_len[layer] = start + n;
+        Ok(start)
+    }
+
+    /// Writes `k`, `v` (`[n, H, D]`) at positions `start..start + n` of sequence `id`,
+    /// whose blocks there are writable ([`Self::prepare_write`]).
+    fn write_seq(
+        &mut self,
+        id: SeqId,
+        layer: usize,
+        start: usize,
+        k: &TensorRef,
+        v: &TensorRef,
+    ) -> Result<()> {
         let blocks = std::mem::take(&mut self.seq_mut(id).blocks);
         let written = self.write_positions(&blocks, layer, start, k, v);
-        let s = self.seq_mut(id);
-        s.blocks = blocks;
-        written?;
-        s.layer_len[layer] = start + n;
-        Ok(start)
+        self.seq_mut(id).blocks = blocks;
+        written
+    }
+
+    /// Checks the arguments of a block transfer; returns (layer, start, block size).
+    fn block_args(
+        &self,
+        layer: i64,
+        start_pos: i64,
+        block_size: i64,
+        keys: &TensorRef,
+        values: &TensorRef,
+    ) -> Result<(usize, usize, usize)> {
+        let sh = self.shape;
+        let layer = check_index("layer", layer, sh.num_layers)?;
+        let start = check_count("start_pos", start_pos)?;
+        let n = check_count("block_size", block_size)?;
+        expect_block_pair(keys, values, [sh.num_kv_heads, n, sh.head_dim])?;
+        Ok((layer, start, n))
     }
 
     /// Writes `k`, `v` (`[n, H, D]`) at positions `start..start + n` of a block table.
@@ -897,27 +926,20 @@ impl BlockPool {
         keys: &TensorRef,
         values: &TensorRef,
     ) -> Result<()> {
-        let sh = self.shape;
-        let layer = check_index("layer", layer, sh.num_layers)?;
-        let start = check_count("start_pos", start_pos)?;
-        let n = check_count("block_size", block_size)?;
-        expect_block_pair(keys, values, [sh.num_kv_heads, n, sh.head_dim])?;
+        let (layer, start, n) = self.block_args(layer, start_pos, block_size, keys, values)?;
         let s = self.seq(id)?;
         self.ensure_room(self.blocks_needed(s, start, start + n), || {
             format!("injecting {n} positions at {start}")
         })?;
         self.prepare_write(id, start, start + n);
-        let blocks = std::mem::take(&mut self.seq_mut(id).blocks);
-        let written = self.write_positions(
-            &blocks,
+        self.write_seq(
+            id,
             layer,
             start,
             &keys.transposed(0, 1),
             &values.transposed(0, 1),
-        );
+        )?;
         let s = self.seq_mut(id);
-        s.blocks = blocks;
-        written?;
         s.layer_len[layer] = s.layer_len[layer].max(start + n);
         Ok(())
     }
@@ -933,11 +955,7 @@ impl BlockPool {
         keys: &TensorRef,
         values: &TensorRef,
     ) -> Result<()> {
-        let sh = self.shape;
-        let layer = check_index("layer", layer, sh.num_layers)?;
-        let start = check_count("start_pos", start_pos)?;
-        let n = check_count("block_size", block_size)?;
-        expect_block_pair(keys, values, [sh.num_kv_heads, n, sh.head_dim])?;
+        let (layer, start, n) = self.block_args(layer, start_pos, block_size, keys, values)?;
         let s = self.seq(id)?;
         let inside = s.layer_len[layer].saturating_sub(start).min(n);
         if inside > 0 {
