@@ -44,11 +44,12 @@ check-ptx: $(VENV)/bin/activate ## the committed PTX matches kernels/kvrs.cu and
 ptx: $(VENV)/bin/activate ## regenerate kernels/kvrs.ptx with the pinned nvcc from PyPI
 	PY=$(PY) kernels/build.sh ptx
 
-lint: .stamp-install ## cargo fmt --check, clippy -D warnings, ruff
+lint: .stamp-install ## cargo fmt --check, clippy -D warnings, ruff, mypy on the package
 	cargo fmt --all -- --check
 	cargo clippy --all-targets --features python,cuda -- -D warnings
 	$(VENV)/bin/ruff check python tests benches
 	$(VENV)/bin/ruff format --check python tests benches
+	$(PY) -m mypy python/kvrs
 
 fmt: .stamp-install ## format Rust and Python sources
 	cargo fmt --all

@@ -32,7 +32,6 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     logits: list[np.ndarray] = field(default_factory=list)
     cached: int = 0
-    seq: kvrs.Sequence | None = None
 
 
 def make_requests(cfg: ModelConfig, n: int, system_len: int, new_tokens: int, seed: int) -> list[Request]:
@@ -53,40 +52,41 @@ def make_requests(cfg: ModelConfig, n: int, system_len: int, new_tokens: int, se
 def serve(model: TinyLlama, pool: kvrs.BlockPool, requests: list[Request]) -> dict[str, float]:
     """Runs every request to completion; returns counters of the run."""
     pending = sorted(requests, key=lambda r: r.arrival)
-    running: list[Request] = []
+    running: list[tuple[Request, kvrs.Sequence]] = []
     step, tokens_computed, peak_used = 0, 0, 0
     while pending or running:
         while pending and pending[0].arrival <= step:
             r = pending.pop(0)
-            r.seq = pool.new_sequence(tokens=r.prompt)
-            r.cached = r.seq.num_cached_tokens
+            seq = pool.new_sequence(tokens=r.prompt)
+            r.cached = seq.num_cached_tokens
             r.tokens = list(r.prompt)
-            running.append(r)
-        seqs, positions, ids, last = [], [], [], []
-        for r in running:
-            start = r.seq.seq_len
-            todo = r.tokens[start:]  # the uncached prompt, or the one token generated last
-            seqs += [r.seq] * len(todo)
-            positions += range(start, start + len(todo))
+            running.append((r, seq))
+        seqs: list[kvrs.Sequence] = []
+        ids: list[int] = []
+        last: list[int] = []
+        for r, seq in running:
+            todo = r.tokens[seq.seq_len :]  # the uncached prompt, or the one token generated last
+            seqs += [seq] * len(todo)
             ids += todo
             last.append(len(ids) - 1)
         if ids:
-            with pool.start_forward(seqs, positions, tokens=ids) as batch:
+            # Positions default to where each sequence continues.
+            with pool.start_forward(seqs, tokens=ids) as batch:
 
                 def through_pool(layer, k, v, batch=batch):
                     batch.put(layer, k, v)
                     return batch.get(layer)
 
-                logits = model.forward(np.array(ids), np.array(positions), through_pool)
+                logits = model.forward(np.array(ids), batch.positions, through_pool)
             tokens_computed += len(ids)
             peak_used = max(peak_used, pool.stats()["used_blocks"])
-            for r, i in zip(running, last, strict=True):
+            for (r, _), i in zip(running, last, strict=True):
                 r.logits.append(logits[i])
                 if len(r.tokens) - len(r.prompt) < r.max_new:
                     r.tokens.append(int(logits[i].argmax()))
-        for r in [r for r in running if len(r.tokens) - len(r.prompt) >= r.max_new]:
-            r.seq.free()  # its blocks stay cached for the next requests
-            running.remove(r)
+        for r, seq in [(r, s) for r, s in running if len(r.tokens) - len(r.prompt) >= r.max_new]:
+            seq.free()  # its blocks stay cached for the next requests
+            running.remove((r, seq))
         step += 1
     return {"steps": step, "tokens_computed": tokens_computed, "peak_used_blocks": peak_used}
 

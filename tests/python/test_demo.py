@@ -65,6 +65,9 @@ class SabotagedBatch:
     def __init__(self, batch):
         self.batch = batch
 
+    def __getattr__(self, name):
+        return getattr(self.batch, name)
+
     def __enter__(self):
         self.batch.__enter__()
         return self
