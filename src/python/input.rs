@@ -124,11 +124,11 @@ fn from_dlpack<'py>(obj: &Bound<'py, PyAny>, name: &'static str) -> PyResult<Inp
         (DLDataTypeCode::FLOAT, 16, 1) => DType::F16,
         (DLDataTypeCode::BFLOAT, 16, 1) => DType::BF16,
         _ => {
-            let got = format!(
-                "DLPack code {} bits {} lanes {}",
-                dt.code.0, dt.bits, dt.lanes
-            );
-            return Err(KvError::UnsupportedDType { name, got }.into());
+            return Err(KvError::UnsupportedDType {
+                name,
+                got: dlpack_dtype_name(dt),
+            }
+            .into())
         }
     };
     let ndim = t.ndim.max(0) as usize;
@@ -158,6 +158,25 @@ fn from_dlpack<'py>(obj: &Bound<'py, PyAny>, name: &'static str) -> PyResult<Inp
         tensor,
         _owner: owner,
     })
+}
+
+/// A DLPack dtype as NumPy would name it (`float64`, `int8`, `bool8`, ...).
+fn dlpack_dtype_name(dt: dlpark::ffi::DLDataType) -> String {
+    let kind = match dt.code.0 {
+        0 => "int",
+        1 => "uint",
+        2 => "float",
+        4 => "bfloat",
+        5 => "complex",
+        6 => "bool",
+        code => return format!("DLPack type code {code} ({} bits)", dt.bits),
+    };
+    let lanes = if dt.lanes == 1 {
+        String::new()
+    } else {
+        format!("x{}", dt.lanes)
+    };
+    format!("{kind}{}{lanes}", dt.bits)
 }
 
 fn check_rank(name: &'static str, shape: &[usize]) -> PyResult<()> {
