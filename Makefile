@@ -19,10 +19,10 @@ $(VENV)/bin/activate:
 
 .stamp-install: $(VENV)/bin/activate $(SOURCES)
 	$(PIP) install --quiet maturin==1.16.0
-	$(PIP) install --quiet --no-build-isolation -e '.[test]'
+	$(PIP) install --quiet --no-build-isolation -e '.[test,hf]'
 	@touch $@
 
-install: .stamp-install ## build the extension (release) into .venv with the test extra
+install: .stamp-install ## build the extension (release) into .venv with the test and hf (torch, transformers) extras
 
 demo: .stamp-install ## run the main job: python -m kvrs demo
 	$(PY) -m kvrs demo
