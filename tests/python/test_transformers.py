@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from kvrs.integrations.transformers import KvrsCache  # noqa: E402
+from kvrs.integrations.transformers import KvrsCache, KvrsPagedCache  # noqa: E402
 
 CFG = LlamaConfig(
     vocab_size=128,
@@ -47,16 +47,30 @@ def generate(model, cache, ids, **kw):
         return model.generate(ids, past_key_values=cache, max_new_tokens=16, pad_token_id=0, **kw)
 
 
-def kvrs_cache(dtype=None, max_seq_len=128):
+def contiguous(dtype=None, max_seq_len=128, rows=8):
+    """A KvrsCache (rows: unused, the contiguous layers size themselves on first use)."""
     return KvrsCache.from_config(CFG, max_seq_len=max_seq_len, dtype=dtype)
 
 
-def test_greedy_matches_dynamic_cache(model):
+def paged(dtype=None, max_seq_len=128, rows=8):
+    """A KvrsPagedCache whose pool holds `rows` rows of `max_seq_len` positions."""
+    return KvrsPagedCache.from_config(
+        CFG, num_blocks=rows * -(-max_seq_len // 4), block_size=4, dtype=dtype or "float32"
+    )
+
+
+@pytest.fixture(params=[contiguous, paged], ids=["contiguous", "paged"])
+def kvrs_cache(request):
+    """Makes a kvrs-backed transformers cache: contiguous KVCache layers or a BlockPool."""
+    return request.param
+
+
+def test_greedy_matches_dynamic_cache(model, kvrs_cache):
     ids = prompts()
     assert torch.equal(generate(model, kvrs_cache(), ids), generate(model, DynamicCache(config=CFG), ids))
 
 
-def test_left_padded_batch_matches_dynamic_cache(model):
+def test_left_padded_batch_matches_dynamic_cache(model, kvrs_cache):
     ids = prompts(batch=3, length=9)
     mask = torch.ones_like(ids)
     ids[0, :4], mask[0, :4] = 0, 0  # shorter prompts, padded on the left
@@ -65,7 +79,7 @@ def test_left_padded_batch_matches_dynamic_cache(model):
     assert torch.equal(out, generate(model, DynamicCache(config=CFG), ids, attention_mask=mask))
 
 
-def test_sampling_matches_dynamic_cache(model):
+def test_sampling_matches_dynamic_cache(model, kvrs_cache):
     ids = prompts()
     torch.manual_seed(7)
     out = generate(model, kvrs_cache(), ids, do_sample=True, top_k=20)
@@ -73,13 +87,13 @@ def test_sampling_matches_dynamic_cache(model):
     assert torch.equal(out, generate(model, DynamicCache(config=CFG), ids, do_sample=True, top_k=20))
 
 
-def test_beam_search_matches_dynamic_cache(model):
+def test_beam_search_matches_dynamic_cache(model, kvrs_cache):
     ids = prompts()
     out = generate(model, kvrs_cache(), ids, num_beams=3, do_sample=False)
     assert torch.equal(out, generate(model, DynamicCache(config=CFG), ids, num_beams=3, do_sample=False))
 
 
-def test_assisted_decoding_crops(model):
+def test_assisted_decoding_crops(model, kvrs_cache):
     torch.manual_seed(3)
     assistant = LlamaForCausalLM(CFG).eval()
     ids = prompts(batch=1)
@@ -89,7 +103,7 @@ def test_assisted_decoding_crops(model):
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [(None, 1e-5), ("float16", 3e-2), ("bfloat16", 2e-1)])
-def test_manual_loop_logits(model, dtype, tol):
+def test_manual_loop_logits(model, kvrs_cache, dtype, tol):
     ids = prompts(batch=2, length=12)
     caches = (kvrs_cache(dtype), DynamicCache(config=CFG))
     outs = ([], [])
@@ -108,7 +122,7 @@ def test_manual_loop_logits(model, dtype, tol):
         assert torch.allclose(a, b, atol=tol), float((a - b).abs().max())
 
 
-def test_prompt_cache_reused_across_calls(model):
+def test_prompt_cache_reused_across_calls(model, kvrs_cache):
     ids = prompts(batch=1, length=10)
     prompt_cache = kvrs_cache()
     with torch.no_grad():
@@ -120,12 +134,12 @@ def test_prompt_cache_reused_across_calls(model):
     assert prompt_cache.get_seq_length() == 10  # the copies did not touch it
 
 
-def test_crop_and_reset(model):
+def test_crop_and_reset(model, kvrs_cache):
     cache = kvrs_cache()
     with torch.no_grad():
         model(prompts(batch=1, length=10), past_key_values=cache, use_cache=True)
     cache.crop(-4)
-    assert cache.get_seq_length() == 6 and cache.layers[0].keys.shape[2] == 6
+    assert cache.get_seq_length() == 6
     cache.crop(0)
     assert cache.get_seq_length() == 6
     with pytest.raises(ValueError, match="negative"):
@@ -134,11 +148,33 @@ def test_crop_and_reset(model):
     assert cache.get_seq_length() == 0
 
 
-def test_full_cache_raises_a_clear_error(model):
+def test_full_cache_raises_a_clear_error(model, kvrs_cache):
     import kvrs
 
     with pytest.raises(kvrs.CacheFullError), torch.no_grad():
-        model(prompts(batch=1, length=20), past_key_values=kvrs_cache(max_seq_len=16), use_cache=True)
+        model(prompts(batch=1, length=20), past_key_values=kvrs_cache(max_seq_len=16, rows=1), use_cache=True)
+
+
+def test_paged_beam_search_shares_blocks_and_frees_them(model):
+    cache = paged(rows=8)
+    ids = prompts(batch=2, length=12)
+    generate(model, cache, ids, num_beams=3, do_sample=False)
+    st = cache.pool.stats()
+    # 6 beam rows of 28 positions would take 6 * 7 blocks unshared; forks share the prompt.
+    assert st["used_blocks"] < 6 * 7 and st["num_sequences"] == 6
+    cache.pool.check_invariants()
+    cache.reset()
+    assert cache.pool.stats()["used_blocks"] == 0
+
+
+def test_paged_prompt_copies_share_blocks(model):
+    cache = paged()
+    with torch.no_grad():
+        model(prompts(batch=1, length=16), past_key_values=cache, use_cache=True)
+    used = cache.pool.stats()["used_blocks"]
+    copies = [copy.deepcopy(cache) for _ in range(3)]
+    assert cache.pool.stats()["used_blocks"] == used  # forks: no new block
+    assert all(c.get_seq_length() == 16 for c in copies)
 
 
 def test_kvrs_imports_without_transformers():

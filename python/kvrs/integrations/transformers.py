@@ -174,3 +174,144 @@ class KvrsCache(Cache):
         stored in `dtype` ('float32', 'float16', 'bfloat16'; default: the model's dtype)."""
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         return cls(text.num_hidden_layers, max_seq_len, dtype)
+
+
+class KvrsPagedLayer(CacheLayerMixin):
+    """One model layer of a :class:`KvrsPagedCache`: its keys and values live in the
+    cache's pool, in the sequences of the batch rows."""
+
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, owner: KvrsPagedCache, layer: int):
+        super().__init__()
+        self.owner, self.layer = owner, layer
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        if self.device.type != "cpu":
+            raise kvrs.DeviceError(
+                f"KvrsPagedCache keeps its storage on the host for now; got tensors on {self.device}"
+            )
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys, self.values = self.owner.write(self.layer, key_states, value_states, self.dtype)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.seq_len()
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class KvrsPagedCache(Cache):
+    """A ``transformers`` cache whose keys and values live in a :class:`kvrs.BlockPool`,
+    one pool sequence per batch row.
+
+    Blocks are allocated as sequences grow. Beam search reorders rows by forking
+    sequences (blocks are shared, copied on write), and ``copy.deepcopy`` forks every
+    row, so a reused prompt cache shares its blocks. The attended K/V are gathered from
+    the pool's blocks at every step (one copy per layer and step).
+    """
+
+    def __init__(self, pool: kvrs.BlockPool):
+        self.pool = pool
+        self.rows: list[kvrs.Sequence] = []
+        super().__init__(layers=[KvrsPagedLayer(self, i) for i in range(pool.num_layers)])
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Any,
+        *,
+        num_blocks: int | None = None,
+        memory_bytes: int | str | None = None,
+        block_size: int = 16,
+        dtype: str = "float32",
+    ) -> KvrsPagedCache:
+        """A cache with a new pool sized for the model config (give `num_blocks` or `memory_bytes`)."""
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        pool = kvrs.BlockPool(
+            text.num_hidden_layers,
+            heads,
+            head_dim,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            memory_bytes=memory_bytes,
+            dtype=dtype,
+        )
+        return cls(pool)
+
+    def seq_len(self) -> int:
+        """Committed positions (the same for every row)."""
+        return self.rows[0].seq_len if self.rows else 0
+
+    def write(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor, dtype: torch.dtype):
+        """Appends one layer's new K/V for every row; returns the layer's whole K/V as
+        [batch, heads, len, head_dim]. The last layer commits the step."""
+        batch, _, q, _ = key_states.shape
+        if not self.rows:
+            self.rows = [self.pool.new_sequence() for _ in range(batch)]
+        if batch != len(self.rows):
+            raise ValueError(f"key_states has batch {batch}; this cache holds {len(self.rows)} rows")
+        keys, values = [], []
+        for row, seq in enumerate(self.rows):
+            seq.append(
+                layer, key_states[row].detach().transpose(0, 1), value_states[row].detach().transpose(0, 1)
+            )
+            k, v = seq.get(layer)
+            keys.append(_as_torch(k))
+            values.append(_as_torch(v))
+        if layer == self.pool.num_layers - 1:
+            for seq in self.rows:
+                seq.advance(q)
+        return torch.stack(keys).to(dtype), torch.stack(values).to(dtype)
+
+    def _replace_rows(self, sources: list[int]) -> None:
+        """Rows become forks of the current rows at `sources` (blocks shared, no copy)."""
+        new = [self.rows[i].fork() for i in sources]
+        for seq in self.rows:
+            seq.free()
+        self.rows = new
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.rows:
+            self._replace_rows([int(i) for i in beam_idx])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.rows:
+            self._replace_rows([i for i in range(len(self.rows)) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.rows:
+            self._replace_rows([int(i) for i in torch.as_tensor(indices).flatten()])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Removes the last `-tokens_to_remove` positions (transformers >= 5.15 semantics)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass a negative count of tokens to remove")
+        for seq in self.rows:
+            seq.truncate(max(0, seq.seq_len + tokens_to_remove))
+
+    def reset(self) -> None:
+        for seq in self.rows:
+            seq.free()
+        self.rows = []
+
+    def __deepcopy__(self, memo: dict) -> KvrsPagedCache:
+        """A cache on the same pool whose rows are forks of these (blocks shared)."""
+        copy = KvrsPagedCache(self.pool)
+        copy.rows = [seq.fork() for seq in self.rows]
+        for mine, theirs in zip(copy.layers, self.layers, strict=True):
+            if theirs.is_initialized:
+                mine.dtype, mine.device, mine.is_initialized = theirs.dtype, theirs.device, True
+        return copy
