@@ -224,7 +224,8 @@ class KvrsPagedCache(Cache):
     def __init__(self, pool: kvrs.BlockPool):
         self.pool = pool
         self.rows: list[kvrs.Sequence] = []
-        super().__init__(layers=[KvrsPagedLayer(self, i) for i in range(pool.num_layers)])
+        self.paged_layers = [KvrsPagedLayer(self, i) for i in range(pool.num_layers)]
+        super().__init__(layers=list(self.paged_layers))
 
     @classmethod
     def from_config(
@@ -311,7 +312,7 @@ class KvrsPagedCache(Cache):
         """A cache on the same pool whose rows are forks of these (blocks shared)."""
         copy = KvrsPagedCache(self.pool)
         copy.rows = [seq.fork() for seq in self.rows]
-        for mine, theirs in zip(copy.layers, self.layers, strict=True):
+        for mine, theirs in zip(copy.paged_layers, self.paged_layers, strict=True):
             if theirs.is_initialized:
                 mine.dtype, mine.device, mine.is_initialized = theirs.dtype, theirs.device, True
         return copy
