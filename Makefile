@@ -55,8 +55,9 @@ fmt: .stamp-install ## format Rust and Python sources
 	cargo fmt --all
 	$(VENV)/bin/ruff format python tests benches
 
-bench: .stamp-install ## Python benchmarks against NumPy and vLLM-style peers (ratios, one process each)
-	$(PIP) install --quiet 'xxhash>=3.4'
+bench: .stamp-install ## kvrs against its peers: benches/compare.py (table and benches/compare.png), then each bench in detail
+	$(PIP) install --quiet -r benches/requirements.txt
+	$(PY) benches/compare.py
 	$(PY) benches/bench_contiguous.py
 	$(PY) benches/bench_paged.py
 	$(PY) benches/bench_prefix.py
