@@ -58,6 +58,25 @@ impl CacheShape {
     }
 }
 
+/// The committed length after committing `n` more tokens to a cache whose layers hold
+/// `layer_len` positions and whose committed length is `seq_len`; every layer must
+/// already hold the tokens being committed.
+pub fn commit_target(seq_len: usize, layer_len: &[usize], n: i64) -> Result<usize> {
+    let n = check_count("n", n)?;
+    let target = seq_len + n;
+    if let Some((layer, &held)) = layer_len.iter().enumerate().find(|(_, &l)| l < target) {
+        return Err(KvError::InvalidArgument {
+            name: "n",
+            value: n.to_string(),
+            reason: format!(
+                "committing to seq_len {target} needs every layer to hold {target} positions, \
+                 but layer {layer} holds {held}; append to it first"
+            ),
+        });
+    }
+    Ok(target)
+}
+
 /// A contiguous KV cache for one sequence.
 ///
 /// Storage order is `[layer][K|V][head][position][dim]`. Each layer keeps its own fill
@@ -243,19 +262,7 @@ impl KVCache {
 
     /// Commits `n` tokens (`seq_len += n`); every layer must already hold them.
     pub fn advance(&mut self, n: i64) -> Result<()> {
-        let n = check_count("n", n)?;
-        let target = self.seq_len + n;
-        if let Some((layer, &held)) = self.layer_len.iter().enumerate().find(|(_, &l)| l < target) {
-            return Err(KvError::InvalidArgument {
-                name: "n",
-                value: n.to_string(),
-                reason: format!(
-                    "committing to seq_len {target} needs every layer to hold {target} positions, \
-                     but layer {layer} holds {held}; append to it first"
-                ),
-            });
-        }
-        self.seq_len = target;
+        self.seq_len = commit_target(self.seq_len, &self.layer_len, n)?;
         Ok(())
     }
 

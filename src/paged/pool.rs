@@ -10,7 +10,7 @@ use super::allocator::{BlockAllocator, BlockId};
 use super::layout::PagedShape;
 use crate::dtype::DType;
 use crate::error::{check_count, check_index, check_positive, KvError, Result};
-use crate::kv_cache::{KVCache, Kv};
+use crate::kv_cache::{commit_target, KVCache, Kv};
 use crate::prefix::{BlockHash, HashKind, PrefixCounters, PrefixEvent, PrefixIndex};
 use crate::rope::Rope;
 use crate::storage::{allocate, Device, Storage};
@@ -732,19 +732,9 @@ impl BlockPool {
     /// Commits `n` tokens of sequence `id` (every layer must already hold them), with
     /// their token ids when given; then caches the blocks they complete.
     pub fn advance(&mut self, id: SeqId, n: i64, tokens: Option<&[u32]>) -> Result<()> {
-        let n = check_count("n", n)?;
         let s = self.seq(id)?;
-        let target = s.seq_len + n;
-        if let Some((layer, &held)) = s.layer_len.iter().enumerate().find(|(_, &l)| l < target) {
-            return Err(KvError::InvalidArgument {
-                name: "n",
-                value: n.to_string(),
-                reason: format!(
-                    "committing to seq_len {target} needs every layer to hold {target} positions, \
-                     but layer {layer} holds {held}; append to it first"
-                ),
-            });
-        }
+        let target = commit_target(s.seq_len, &s.layer_len, n)?;
+        let n = target - s.seq_len;
         if let Some(t) = tokens {
             if t.len() != n {
                 return Err(KvError::InvalidArgument {
