@@ -6,10 +6,15 @@
 //! `free + used == total`; `tokens_stored` equals the number of distinct (block, offset)
 //! slots that some sequence holds, and `fragmentation_tokens` the rest of the used blocks.
 //! A refused operation (`CacheFull`, bad arguments) must leave pool and reference alike.
+//!
+//! The same runs with a full and a sliding-window (or chunked) layer check what each layer
+//! must still hold: the reference tracks the first position each layer keeps, so a
+//! released block, a window that cannot be resumed and the bounded memory of windowed
+//! layers are all checked.
 
 use std::collections::HashSet;
 
-use kvrs::paged::{BlockPool, KvLayout, PagedShape, SeqId};
+use kvrs::paged::{Attention, BlockPool, KvLayout, LayerKind, PagedShape, SeqId, Table, NO_BLOCK};
 use kvrs::rope::{Rope, RopeStyle};
 use kvrs::{DType, Device, KvError, TensorRef};
 use proptest::prelude::*;
@@ -20,6 +25,9 @@ const D: usize = 2;
 const BS: usize = 4;
 const BLOCKS: usize = 14;
 const TOKEN: usize = H * D;
+const WINDOW: usize = 5;
+const CHUNK: usize = 6;
+const SWA_MEMORY: usize = 2;
 
 /// The reference: per layer, the K and V vectors of every held position.
 #[derive(Clone, Debug, PartialEq)]
@@ -27,6 +35,8 @@ struct RefSeq {
     k: Vec<Vec<Vec<f32>>>,
     v: Vec<Vec<Vec<f32>>>,
     seq_len: usize,
+    /// First position each layer holds.
+    start: Vec<usize>,
 }
 
 impl RefSeq {
@@ -35,6 +45,7 @@ impl RefSeq {
             k: vec![Vec::new(); L],
             v: vec![Vec::new(); L],
             seq_len: 0,
+            start: vec![0; L],
         }
     }
     fn held(&self) -> usize {
@@ -45,6 +56,7 @@ impl RefSeq {
         for l in 0..L {
             self.k[l].truncate(n);
             self.v[l].truncate(n);
+            self.start[l] = self.start[l].min(self.k[l].len());
         }
     }
     fn uniform(&self) -> bool {
@@ -120,6 +132,7 @@ fn tokens(seed: u32, n: usize) -> (Vec<f32>, Vec<Vec<f32>>) {
 
 struct World {
     pool: BlockPool,
+    attention: Attention,
     live: Vec<(SeqId, RefSeq)>,
     /// The pool's rotary embedding (middle removals re-rotate keys) and storage dtype.
     rope: Option<Rope>,
@@ -133,6 +146,13 @@ impl World {
         let rope = self.rope.expect("a pool with a RoPE");
         let shift = end - begin;
         for l in 0..L {
+            let new_start = if r.start[l] < begin {
+                r.start[l]
+            } else {
+                r.start[l].max(end) - shift
+            };
+            let new_len = if r.k[l].len() > end { r.k[l].len() - shift } else { r.k[l].len().min(begin) };
+            r.start[l] = new_start.min(new_len);
             let len = r.k[l].len();
             if len > end {
                 let mut tail: Vec<Vec<f32>> = r.k[l][end..].to_vec();
@@ -166,17 +186,50 @@ impl World {
         (!self.live.is_empty()).then(|| i % self.live.len())
     }
 
-    /// Blocks a write of `start..end` needs: new ones plus copies of shared ones.
-    fn blocks_needed(&self, id: SeqId, start: usize, end: usize) -> usize {
+    fn table(&self, id: SeqId, layer: usize) -> &Table {
+        &self.pool.seq(id).unwrap().tables[self.pool.groups().group_of[layer]]
+    }
+
+    /// Blocks a write of `start..end` into `table` needs: new ones (past the table or in
+    /// released entries) plus copies of shared ones.
+    fn table_needs(&self, table: &Table, start: usize, end: usize) -> usize {
         if start >= end {
             return 0;
         }
-        let table = &self.pool.seq(id).unwrap().blocks;
-        let grow = end.div_ceil(BS).saturating_sub(table.len());
-        let shared = (start / BS..end.div_ceil(BS).min(table.len()))
-            .filter(|&b| self.pool.refcount(table[b]) > 1)
+        let t = &table.blocks;
+        let grow = end.div_ceil(BS).saturating_sub(t.len());
+        let fix = (start / BS..end.div_ceil(BS).min(t.len()))
+            .filter(|&b| t[b] == NO_BLOCK || self.pool.refcount(t[b]) > 1)
             .count();
-        grow + shared
+        grow + fix
+    }
+
+    /// Blocks a write of `start..end` into every layer needs.
+    fn blocks_needed(&self, id: SeqId, start: usize, end: usize) -> usize {
+        let groups = self.pool.groups().groups.len();
+        (0..groups)
+            .map(|g| self.table_needs(&self.pool.seq(id).unwrap().tables[g], start, end))
+            .sum()
+    }
+
+    /// The reference's commit: windowed layers release whole blocks that no future
+    /// token sees.
+    fn committed(&self, r: &mut RefSeq) {
+        for l in 0..L {
+            let kind = self.attention.kinds[l];
+            if kind != LayerKind::Full {
+                let keep = self.attention.keep_from(kind, r.seq_len) / BS * BS;
+                r.start[l] = r.start[l].max(keep).min(r.k[l].len());
+            }
+        }
+    }
+
+    /// Whether every layer holds what a token at `pos` sees before itself.
+    fn window_held(&self, r: &RefSeq, pos: usize) -> bool {
+        (0..L).all(|l| {
+            let first = self.attention.first_visible(self.attention.kinds[l], pos);
+            first >= pos || r.start[l] <= first
+        })
     }
 
     fn apply(&mut self, op: &Op) {
@@ -220,6 +273,7 @@ impl World {
                 let mut r = self.live[a].1.clone();
                 r.cut(*n);
                 r.seq_len = *n;
+                self.committed(&mut r);
                 self.live[b].1 = r;
             }
             Op::Append {
@@ -231,7 +285,7 @@ impl World {
                 let Some(i) = self.pick(*seq) else { return };
                 let id = self.live[i].0;
                 let start = self.live[i].1.k[*layer].len();
-                let needed = self.blocks_needed(id, start, start + n);
+                let needed = self.table_needs(self.table(id, *layer), start, start + n);
                 let free = self.pool.num_free_blocks();
                 let (k, kt) = tokens(*seed, *n);
                 let (v, vt) = tokens(seed ^ 0xabcd, *n);
@@ -255,7 +309,10 @@ impl World {
                 let ok = *n >= 0 && r.k.iter().all(|x| x.len() >= r.seq_len + *n as usize);
                 assert_eq!(self.pool.advance(self.live[i].0, *n, None).is_ok(), ok);
                 if ok {
-                    self.live[i].1.seq_len += *n as usize;
+                    let mut r = self.live[i].1.clone();
+                    r.seq_len += *n as usize;
+                    self.committed(&mut r);
+                    self.live[i].1 = r;
                 }
             }
             Op::Truncate(i, n) => {
@@ -269,9 +326,22 @@ impl World {
                 let Some(i) = self.pick(*i) else { return };
                 let held = self.live[i].1.held();
                 let end = e.unwrap_or(usize::MAX);
-                // A middle removal first copies the shared blocks its moved positions land in.
+                // A middle removal first copies the shared blocks its moved positions land
+                // in (and fills released entries there).
                 let needed = if *b < end && end < held {
-                    self.blocks_needed(self.live[i].0, *b, held - (end - *b))
+                    let shift = end - *b;
+                    let (id, r) = (self.live[i].0, &self.live[i].1);
+                    let groups = &self.pool.groups().groups;
+                    groups
+                        .iter()
+                        .enumerate()
+                        .map(|(g, grp)| {
+                            let t = &self.pool.seq(id).unwrap().tables[g];
+                            let len = grp.layers.iter().map(|&l| r.k[l].len()).max().unwrap();
+                            let new_len = if len > end { len - shift } else { len.min(*b) };
+                            self.table_needs(t, t.start.max(end) - shift, new_len)
+                        })
+                        .sum()
                 } else {
                     0
                 };
@@ -335,6 +405,7 @@ impl World {
             .sum();
         let free = self.pool.num_free_blocks();
         let res = self.pool.reserve(&ids, &counts);
+        let groups = self.pool.groups().groups.len();
         if !uniform {
             assert!(
                 matches!(res, Err(KvError::InvalidArgument { .. })),
@@ -348,8 +419,9 @@ impl World {
         }
         let slots = res.unwrap();
         let n: usize = counts.iter().sum::<i64>() as usize;
-        assert_eq!(slots.len(), n);
+        assert_eq!(slots.len(), n * groups);
         for layer in 0..L {
+            let g = self.pool.groups().group_of[layer];
             let (k, kt) = tokens(seed.wrapping_add(layer as u32), n);
             let (v, vt) = tokens(seed ^ 0x5555 ^ layer as u32, n);
             self.pool
@@ -357,7 +429,7 @@ impl World {
                     layer as i64,
                     &tensor(&k, &[n, H, D]),
                     &tensor(&v, &[n, H, D]),
-                    &slots,
+                    &slots[g * n..(g + 1) * n],
                 )
                 .unwrap();
             let mut t = 0;
@@ -399,14 +471,18 @@ impl World {
             })
             .sum();
         let free = self.pool.num_free_blocks();
+        let resumable = chosen
+            .iter()
+            .all(|&(i, _)| self.window_held(&self.live[i].1, self.live[i].1.held()));
         let res = self.pool.start_forward(&token_seqs, Some(&positions), None);
-        if !uniform || needed > free {
+        if !uniform || needed > free || !resumable {
             assert!(res.is_err());
             return;
         }
         let plan = res.unwrap();
         let n = order.len();
         for layer in 0..L {
+            let g = self.pool.groups().group_of[layer];
             let (k, kt) = tokens(seed.wrapping_add(7 * layer as u32), n);
             let (v, vt) = tokens(seed ^ 0x7777 ^ layer as u32, n);
             self.pool
@@ -414,7 +490,7 @@ impl World {
                     layer as i64,
                     &tensor(&k, &[n, H, D]),
                     &tensor(&v, &[n, H, D]),
-                    &plan.slots,
+                    plan.group_slots(g),
                 )
                 .unwrap();
             for (t, &(_, i, _)) in order.iter().enumerate() {
@@ -423,8 +499,9 @@ impl World {
             }
         }
         // The history and mask.
-        let hist = plan.history_len();
         for layer in 0..L {
+            let hist = self.pool.forward_history_len(&plan, layer as i64).unwrap();
+            let kind = self.attention.kinds[layer];
             let (mut ko, mut vo, mut mask) = (
                 vec![0f32; H * hist * D],
                 vec![0f32; H * hist * D],
@@ -443,20 +520,25 @@ impl World {
             let mut offsets = vec![];
             for &(i, _) in &chosen {
                 let r = &self.live[i].1;
-                for p in 0..r.k[layer].len() {
+                let first = r.start[layer];
+                for p in first..r.k[layer].len() {
+                    let c = off + p - first;
                     for h in 0..H {
                         for d in 0..D {
-                            assert_eq!(ko[(h * hist + off + p) * D + d], r.k[layer][p][h * D + d]);
-                            assert_eq!(vo[(h * hist + off + p) * D + d], r.v[layer][p][h * D + d]);
+                            assert_eq!(ko[(h * hist + c) * D + d], r.k[layer][p][h * D + d]);
+                            assert_eq!(vo[(h * hist + c) * D + d], r.v[layer][p][h * D + d]);
                         }
                     }
                 }
-                offsets.push(off);
-                off += r.k[layer].len();
+                offsets.push((off, first));
+                off += r.k[layer].len() - first;
             }
+            assert_eq!(off, hist);
             for (t, &(j, _, pos)) in order.iter().enumerate() {
+                let (o, first) = offsets[j];
+                let lo = self.attention.first_visible(kind, pos).max(first);
                 for c in 0..hist {
-                    let visible = c >= offsets[j] && c <= offsets[j] + pos;
+                    let visible = c >= o + lo - first && c <= o + pos - first;
                     assert_eq!(mask[t * hist + c] == 0.0, visible, "token {t} history {c}");
                     assert!(mask[t * hist + c] == 0.0 || mask[t * hist + c] == f32::NEG_INFINITY);
                 }
@@ -465,7 +547,10 @@ impl World {
         if commit {
             self.pool.finish_forward(&plan).unwrap();
             for &(i, _) in &chosen {
-                self.live[i].1.seq_len = self.live[i].1.held();
+                let mut r = self.live[i].1.clone();
+                r.seq_len = r.held();
+                self.committed(&mut r);
+                self.live[i].1 = r;
             }
         } else {
             self.pool.cancel_forward(&plan);
@@ -485,6 +570,7 @@ impl World {
             assert_eq!(s.seq_len, r.seq_len);
             for l in 0..L {
                 let len = r.k[l].len();
+                let first = r.start[l];
                 assert_eq!(s.layer_len[l], len);
                 let cap = len.max(1);
                 let (mut ko, mut vo) = (vec![f32::NAN; H * cap * D], vec![f32::NAN; H * cap * D]);
@@ -497,22 +583,31 @@ impl World {
                         &tensor_mut(&mut vo, &[H, cap, D]),
                     )
                     .unwrap();
-                assert_eq!(got, len);
-                for p in 0..len {
+                assert_eq!(got, (first, len - first), "seq {id} layer {l}");
+                for p in first..len {
+                    let c = p - first;
                     for h in 0..H {
                         for d in 0..D {
                             assert_eq!(
-                                ko[(h * cap + p) * D + d],
+                                ko[(h * cap + c) * D + d],
                                 r.k[l][p][h * D + d],
                                 "seq {id} layer {l} pos {p}"
                             );
-                            assert_eq!(vo[(h * cap + p) * D + d], r.v[l][p][h * D + d]);
+                            assert_eq!(vo[(h * cap + c) * D + d], r.v[l][p][h * D + d]);
                         }
                     }
                 }
-            }
-            for p in 0..r.held() {
-                slots.insert((s.blocks[p / BS], p % BS));
+                // A windowed layer holds at most its window, its memory, one partial
+                // block and what is not committed yet.
+                let kind = self.attention.kinds[l];
+                if kind != LayerKind::Full && first == self.attention.keep_from(kind, r.seq_len) / BS * BS {
+                    let bound = (len - r.seq_len) + WINDOW.max(CHUNK) + SWA_MEMORY + BS;
+                    assert!(len - first <= bound, "layer {l} holds {first}..{len}");
+                }
+                let t = self.table(*id, l);
+                for p in first..len {
+                    slots.insert((t.blocks[p / BS], p % BS));
+                }
             }
         }
         let st = self.pool.stats();
@@ -523,7 +618,7 @@ impl World {
     }
 }
 
-fn run(layout: KvLayout, dtype: DType, ops: &[Op]) {
+fn run(layout: KvLayout, dtype: DType, kinds: [LayerKind; L], ops: &[Op]) {
     let shape = PagedShape {
         num_layers: L,
         num_kv_heads: H,
@@ -539,12 +634,20 @@ fn run(layout: KvLayout, dtype: DType, ops: &[Op]) {
         style: RopeStyle::Gptj,
         linear_factor: 1.0,
     });
-    let mut pool = BlockPool::new(shape, dtype, Device::Cpu, None).unwrap();
+    let attention = Attention {
+        kinds: kinds.to_vec(),
+        sliding_window: Some(WINDOW),
+        chunk_size: Some(CHUNK),
+        swa_memory: if kinds.contains(&LayerKind::Sliding) { SWA_MEMORY } else { 0 },
+    };
+    let mut pool =
+        BlockPool::with_attention(shape, attention.clone(), dtype, Device::Cpu, None).unwrap();
     if let Some(r) = rope {
         pool = pool.with_rope(r).unwrap();
     }
     let mut w = World {
         pool,
+        attention,
         live: Vec::new(),
         rope,
         dtype,
@@ -560,11 +663,21 @@ proptest! {
 
     #[test]
     fn nhd_float32_pool_matches_reference(ops in prop::collection::vec(op(), 1..60)) {
-        run(KvLayout::Nhd, DType::F32, &ops);
+        run(KvLayout::Nhd, DType::F32, [LayerKind::Full; L], &ops);
     }
 
     #[test]
     fn hnd_bfloat16_pool_matches_reference(ops in prop::collection::vec(op(), 1..60)) {
-        run(KvLayout::Hnd, DType::BF16, &ops);
+        run(KvLayout::Hnd, DType::BF16, [LayerKind::Full; L], &ops);
+    }
+
+    #[test]
+    fn full_and_sliding_bfloat16_pool_matches_reference(ops in prop::collection::vec(op(), 1..80)) {
+        run(KvLayout::Nhd, DType::BF16, [LayerKind::Full, LayerKind::Sliding], &ops);
+    }
+
+    #[test]
+    fn chunked_and_full_float32_pool_matches_reference(ops in prop::collection::vec(op(), 1..80)) {
+        run(KvLayout::Hnd, DType::F32, [LayerKind::Chunked, LayerKind::Full], &ops);
     }
 }

@@ -17,20 +17,22 @@ pub struct ForwardPlan {
     pub token_seq: Vec<usize>,
     /// For each token, its position in its sequence.
     pub positions: Vec<usize>,
-    /// For each token, its slot in the pool.
+    /// Each token's slot in the pool: one run of `n_tokens` slots per layer group.
     pub slots: Vec<i64>,
     /// For each token, its token id, when the caller gave them.
     pub tokens: Option<Vec<u32>>,
 }
 
 impl ForwardPlan {
-    /// Positions of history that [`BlockPool::forward_get`] returns: every sequence of
-    /// the batch, old and new tokens, concatenated in `seqs` order.
-    pub fn history_len(&self) -> usize {
-        self.seqs
-            .iter()
-            .map(|&(_, start, count)| start + count)
-            .sum()
+    /// Tokens in the batch.
+    pub fn num_tokens(&self) -> usize {
+        self.token_seq.len()
+    }
+
+    /// The tokens' slots in layer group `g`.
+    pub fn group_slots(&self, g: usize) -> &[i64] {
+        let n = self.num_tokens();
+        &self.slots[g * n..(g + 1) * n]
     }
 }
 
@@ -91,23 +93,43 @@ impl BlockPool {
                 Self::check_tokens(self.seq(id)?, id, start, &tokens_of(t, &token_seq, k))?;
             }
         }
+        for &(id, start, _) in &seqs {
+            let s = self.seq(id)?;
+            for (g, t) in self.groups.groups.iter().zip(&s.tables) {
+                if !self.window_held(g.kind, t, start) {
+                    return Err(KvError::InvalidArgument {
+                        name: "seqs",
+                        value: format!("sequence {id}"),
+                        reason: format!(
+                            "cannot continue at position {start}: its {} layers hold positions from {} only, \
+                             but a token there sees from {} (check can_resume(); recompute from an earlier position)",
+                            g.kind,
+                            t.start,
+                            self.groups.attention.first_visible(g.kind, start)
+                        ),
+                    });
+                }
+            }
+        }
         let ids: Vec<SeqId> = seqs.iter().map(|s| s.0).collect();
         let counts: Vec<i64> = seqs.iter().map(|s| s.2 as i64).collect();
         let by_seq = self.reserve(&ids, &counts)?;
-        // `by_seq` lists each sequence's slots in turn; hand them out in token order.
-        let mut next: Vec<usize> = Vec::with_capacity(seqs.len());
+        // `by_seq` lists, per group, each sequence's slots in turn; hand them out in token order.
+        let n = token_seq.len();
+        let mut first: Vec<usize> = Vec::with_capacity(seqs.len());
         let mut acc = 0;
         for s in &seqs {
-            next.push(acc);
+            first.push(acc);
             acc += s.2;
         }
-        let slots = token_seq
-            .iter()
-            .map(|&k| {
+        let mut slots = Vec::with_capacity(by_seq.len());
+        for row in by_seq.chunks_exact(n.max(1)) {
+            let mut next = first.clone();
+            slots.extend(token_seq.iter().map(|&k| {
                 next[k] += 1;
-                by_seq[next[k] - 1]
-            })
-            .collect();
+                row[next[k] - 1]
+            }));
+        }
         Ok(ForwardPlan {
             seqs,
             token_seq,
@@ -117,9 +139,22 @@ impl BlockPool {
         })
     }
 
+    /// Positions of `layer`'s history that [`Self::forward_get`] returns: what each
+    /// sequence of the batch holds in that layer, old and new tokens, concatenated in
+    /// `seqs` order.
+    pub fn forward_history_len(&self, plan: &ForwardPlan, layer: i64) -> Result<usize> {
+        let layer = crate::error::check_index("layer", layer, self.shape().num_layers)?;
+        let g = self.groups.group_of[layer];
+        plan.seqs
+            .iter()
+            .map(|&(id, start, count)| Ok((start + count).saturating_sub(self.seq(id)?.tables[g].start)))
+            .sum()
+    }
+
     /// Reads `layer`'s history for a placed batch into `k_out`, `v_out`
     /// (`[heads, history_len, head_dim]`) and `mask` (`[n_tokens, history_len]`, 0 where
-    /// a token may attend, `-inf` elsewhere).
+    /// a token may attend under the layer's rule (causal, window or chunk), `-inf`
+    /// elsewhere).
     pub fn forward_get(
         &self,
         plan: &ForwardPlan,
@@ -129,16 +164,17 @@ impl BlockPool {
         mask: &mut [f32],
     ) -> Result<()> {
         let sh = self.shape();
-        let layer = crate::error::check_index("layer", layer, sh.num_layers)?;
-        let history = plan.history_len();
+        let history = self.forward_history_len(plan, layer)?;
+        let layer = layer as usize;
+        let (g, kind) = (self.groups.group_of[layer], self.groups.kind(layer));
         for (name, out) in [("k_out", k_out), ("v_out", v_out)] {
             out.expect_shape(name, &[sh.num_kv_heads, history, sh.head_dim])?;
         }
-        if mask.len() != plan.slots.len() * history {
+        if mask.len() != plan.num_tokens() * history {
             return Err(KvError::Shape {
                 name: "mask",
                 got: vec![mask.len()],
-                expected: format!("[{} * {history}]", plan.slots.len()),
+                expected: format!("[{} * {history}]", plan.num_tokens()),
             });
         }
         let mut offsets = Vec::with_capacity(plan.seqs.len());
@@ -155,22 +191,25 @@ impl BlockPool {
                     ),
                 });
             }
-            let len = start + count;
+            let t = &s.tables[g];
+            let len = start + count - t.start;
             self.read_positions(
-                &s.blocks,
+                &t.blocks,
                 layer,
-                0,
+                t.start,
                 len,
                 &k_out.slice(1, off, len),
                 &v_out.slice(1, off, len),
             )?;
-            offsets.push(off);
+            offsets.push((off, t.start));
             off += len;
         }
         mask.fill(f32::NEG_INFINITY);
         for (t, (&k, &pos)) in plan.token_seq.iter().zip(&plan.positions).enumerate() {
+            let (off, held_from) = offsets[k];
+            let lo = self.groups.attention.first_visible(kind, pos).max(held_from);
             let row = &mut mask[t * history..(t + 1) * history];
-            row[offsets[k]..offsets[k] + pos + 1].fill(0.0);
+            row[off + lo - held_from..off + pos - held_from + 1].fill(0.0);
         }
         Ok(())
     }

@@ -42,8 +42,9 @@ impl fmt::Display for KvLayout {
     }
 }
 
-/// The sizes of a paged pool; storage is `[num_layers][num_blocks][K|V][...]`, each
-/// layer one contiguous FlashInfer cache tensor.
+/// The sizes of a paged pool; storage is `[tensors][num_blocks][K|V][...]`, each tensor
+/// one contiguous FlashInfer cache tensor (a layer's, or shared by one layer of each
+/// layer group: see [`super::groups`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PagedShape {
     /// Transformer layers.
@@ -66,34 +67,35 @@ impl PagedShape {
         2 * self.block_size * self.num_kv_heads * self.head_dim
     }
 
-    /// Elements of one layer's cache tensor.
+    /// Elements of one cache tensor.
     pub fn layer_elems(&self) -> usize {
         self.num_blocks * self.block_elems()
     }
 
-    /// Elements of the whole pool, or `None` on overflow.
-    pub fn total_elems(&self) -> Option<usize> {
-        self.num_layers
+    /// Elements of a pool of `tensors` cache tensors, or `None` on overflow.
+    pub fn total_elems(&self, tensors: usize) -> Option<usize> {
+        tensors
             .checked_mul(self.num_blocks)?
             .checked_mul(self.block_elems())
     }
 
-    /// Element offset of `block` in `layer`.
-    pub fn block_offset(&self, layer: usize, block: BlockId) -> usize {
-        layer * self.layer_elems() + block as usize * self.block_elems()
+    /// Element offset of `block` in cache tensor `tensor`.
+    pub fn block_offset(&self, tensor: usize, block: BlockId) -> usize {
+        tensor * self.layer_elems() + block as usize * self.block_elems()
     }
 
-    /// Positions `offset..offset + n` of `block`'s K or V in `layer`, as `[n, heads, head_dim]`.
+    /// Positions `offset..offset + n` of `block`'s K or V in cache tensor `tensor`, as
+    /// `[n, heads, head_dim]`.
     pub fn positions(
         &self,
-        layer: usize,
+        tensor: usize,
         kv: Kv,
         block: BlockId,
         offset: usize,
         n: usize,
     ) -> Region {
         let (h, d, bs) = (self.num_kv_heads, self.head_dim, self.block_size);
-        let base = self.block_offset(layer, block) + kv as usize * bs * h * d;
+        let base = self.block_offset(tensor, block) + kv as usize * bs * h * d;
         let (pos_stride, head_stride) = match self.layout {
             KvLayout::Nhd => (h * d, d),
             KvLayout::Hnd => (d, bs * d),
@@ -105,16 +107,16 @@ impl PagedShape {
         }
     }
 
-    /// All of `block` in `layer` (K and V) as one contiguous run.
-    pub fn whole_block(&self, layer: usize, block: BlockId) -> Region {
+    /// All of `block` in cache tensor `tensor` (K and V) as one contiguous run.
+    pub fn whole_block(&self, tensor: usize, block: BlockId) -> Region {
         Region {
-            offset: self.block_offset(layer, block),
+            offset: self.block_offset(tensor, block),
             shape: [1, 1, self.block_elems()],
             strides: [0, 0, 1],
         }
     }
 
-    /// Shape of one layer's cache tensor, as FlashInfer expects it.
+    /// Shape of one cache tensor, as FlashInfer expects it.
     pub fn layer_tensor_shape(&self) -> [usize; 5] {
         let (n, bs, h, d) = (
             self.num_blocks,

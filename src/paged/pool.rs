@@ -1,17 +1,18 @@
 //! The paged block pool: one preallocated storage of fixed-size blocks shared by many
-//! sequences, with reference counting, copy-on-write forks, slot reservation, page
-//! tables and (optionally) prefix caching with LRU eviction.
-
-use std::sync::Arc;
+//! sequences, with reference counting, copy-on-write forks, per-group block tables
+//! (sliding-window and chunked layers release what no window sees) and, optionally,
+//! prefix caching with LRU eviction ([`super::caching`]).
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::allocator::{BlockAllocator, BlockId};
+use super::groups::{Attention, LayerGroups, LayerKind};
 use super::layout::PagedShape;
+use super::seq::{SeqState, Table, NO_BLOCK};
 use crate::dtype::DType;
 use crate::error::{check_count, check_index, check_positive, KvError, Result};
 use crate::kv_cache::{commit_target, KVCache, Kv};
-use crate::prefix::{BlockHash, HashKind, PrefixCounters, PrefixEvent, PrefixIndex};
+use crate::prefix::{PrefixCounters, PrefixIndex};
 use crate::rope::Rope;
 use crate::storage::{allocate, Device, Storage};
 use crate::tensor::{expect_block_pair, TensorRef};
@@ -19,63 +20,32 @@ use crate::tensor::{expect_block_pair, TensorRef};
 /// Handle of a sequence in a pool (never reused within one pool).
 pub type SeqId = u64;
 
-/// A prefix match: the cached whole blocks with their hashes, then the best partial
-/// match of the next block (source block, matching tokens).
-type PrefixMatch = (Vec<(BlockId, BlockHash)>, Option<(BlockId, usize)>);
-
-/// What one sequence holds: its block table, fill lengths and (when it tracks them)
-/// token ids.
-///
-/// Positions `0..held()` live in `blocks` (`blocks.len() == ceil(held / block_size)`);
-/// each layer has its own fill length, and `seq_len` is the committed length, never above
-/// any layer's. `tokens` are the known token ids (the prompt may run ahead of `held`);
-/// `hashes` are the chained hashes of the first full, committed blocks.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SeqState {
-    /// Block ids, in position order.
-    pub blocks: Vec<BlockId>,
-    /// Positions written per layer.
-    pub layer_len: Vec<usize>,
-    /// Committed positions.
-    pub seq_len: usize,
-    /// Known token ids, from position 0.
-    pub tokens: Vec<u32>,
-    /// Chained hashes of blocks `0..hashes.len()`.
-    pub hashes: Vec<BlockHash>,
-    /// Root of the sequence's hash chain (its namespace).
-    pub root: BlockHash,
-    /// Mixed into every block hash (LoRA adapter, multimodal inputs).
-    pub extra: Arc<[u8]>,
-    /// Prompt tokens served from the prefix cache when the sequence started.
-    pub num_cached_tokens: usize,
-    /// Blocks at or past this position are never cached: their K/V were moved by a
-    /// middle removal and no longer match what the model computes for the tokens.
-    pub cache_limit: usize,
-}
-
-impl SeqState {
-    /// Positions the block table covers: the longest layer.
-    pub fn held(&self) -> usize {
-        self.layer_len.iter().copied().max().unwrap_or(0)
-    }
-
-    fn uniform_len(&self) -> Option<usize> {
-        let first = self.layer_len[0];
-        self.layer_len.iter().all(|&l| l == first).then_some(first)
-    }
-}
-
 /// How a pool caches prefixes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PrefixConfig {
     /// Hash function of the chains.
-    pub hash: HashKind,
+    pub hash: crate::prefix::HashKind,
     /// Seed of every chain root.
     pub seed: u128,
     /// Whether prompts may match the beginning of a cached block.
     pub partial_hits: bool,
     /// Whether stored and removed blocks are recorded for [`BlockPool::drain_events`].
     pub events: bool,
+}
+
+/// Memory held by the layers of one kind (see [`BlockPool::stats`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KindStats {
+    /// The kind.
+    pub kind: LayerKind,
+    /// Layers of that kind.
+    pub layers: usize,
+    /// Blocks its groups' tables hold (a shared block counts once).
+    pub used_blocks: usize,
+    /// Bytes of those blocks.
+    pub bytes_used: usize,
+    /// Distinct positions those blocks hold.
+    pub tokens_stored: usize,
 }
 
 /// Occupancy of the pool (see [`BlockPool::stats`]).
@@ -107,27 +77,42 @@ pub struct PoolStats {
     pub evictable_blocks: usize,
     /// Query and eviction counters.
     pub prefix: PrefixCounters,
+    /// Blocks and positions held by sequences, per layer kind present.
+    pub by_kind: Vec<KindStats>,
 }
 
-/// A pool of `num_blocks` blocks of `block_size` positions for every layer, shared by
-/// sequences.
+/// A pool of `num_blocks` blocks of `block_size` positions for every layer of a group,
+/// shared by sequences.
 #[derive(Debug)]
 pub struct BlockPool {
-    shape: PagedShape,
-    storage: Box<dyn Storage>,
-    alloc: BlockAllocator,
-    prefix: Option<PrefixIndex>,
-    pins: FxHashMap<BlockId, u32>,
-    rope: Option<Rope>,
-    seqs: FxHashMap<SeqId, SeqState>,
+    pub(crate) shape: PagedShape,
+    pub(crate) groups: LayerGroups,
+    pub(crate) storage: Box<dyn Storage>,
+    pub(crate) alloc: BlockAllocator,
+    pub(crate) prefix: Option<PrefixIndex>,
+    pub(crate) pins: FxHashMap<BlockId, u32>,
+    pub(crate) rope: Option<Rope>,
+    pub(crate) seqs: FxHashMap<SeqId, SeqState>,
     next_id: SeqId,
 }
 
 impl BlockPool {
-    /// Allocates the whole pool, zero-filled, on `device`; caches prefixes when `prefix`
-    /// is given.
+    /// Allocates the whole pool (every layer full attention), zero-filled, on `device`;
+    /// caches prefixes when `prefix` is given.
     pub fn new(
         shape: PagedShape,
+        dtype: DType,
+        device: Device,
+        prefix: Option<PrefixConfig>,
+    ) -> Result<Self> {
+        Self::with_attention(shape, Attention::full(shape.num_layers), dtype, device, prefix)
+    }
+
+    /// Allocates the whole pool for layers of the kinds in `attention`, zero-filled, on
+    /// `device`; caches prefixes when `prefix` is given.
+    pub fn with_attention(
+        shape: PagedShape,
+        attention: Attention,
         dtype: DType,
         device: Device,
         prefix: Option<PrefixConfig>,
@@ -139,6 +124,8 @@ impl BlockPool {
             ("block_size", shape.block_size),
             ("num_blocks", shape.num_blocks),
         ])?;
+        attention.validate(shape.num_layers)?;
+        let groups = LayerGroups::new(attention);
         if shape.num_blocks > i32::MAX as usize / shape.block_size {
             return Err(KvError::InvalidArgument {
                 name: "num_blocks",
@@ -150,7 +137,7 @@ impl BlockPool {
             });
         }
         let numel = shape
-            .total_elems()
+            .total_elems(groups.per_block)
             .filter(|&n| {
                 n.checked_mul(dtype.size())
                     .is_some_and(|b| b <= isize::MAX as usize)
@@ -161,11 +148,12 @@ impl BlockPool {
                 reason: "the pool would exceed the address space".into(),
             })?;
         let storage = allocate(device, dtype, numel)?;
+        let partial_ok = groups.all_full();
         let prefix = prefix.map(|p| {
             PrefixIndex::new(
                 p.hash,
                 p.seed,
-                p.partial_hits,
+                p.partial_hits && partial_ok,
                 p.events,
                 shape.num_blocks,
                 shape.block_size,
@@ -173,6 +161,7 @@ impl BlockPool {
         });
         Ok(BlockPool {
             shape,
+            groups,
             storage,
             alloc: BlockAllocator::new(shape.num_blocks),
             prefix,
@@ -199,6 +188,11 @@ impl BlockPool {
     /// The pool's sizes and layout.
     pub fn shape(&self) -> PagedShape {
         self.shape
+    }
+
+    /// The layer kinds and how layers are grouped.
+    pub fn groups(&self) -> &LayerGroups {
+        &self.groups
     }
 
     /// Storage dtype.
@@ -236,9 +230,9 @@ impl BlockPool {
         self.prefix.as_ref()
     }
 
-    /// Bytes of one block across all layers.
+    /// Bytes of one block id: one block of each layer of a group.
     pub fn bytes_per_block(&self) -> usize {
-        self.shape.num_layers * self.shape.block_elems() * self.dtype().size()
+        self.groups.per_block * self.shape.block_elems() * self.dtype().size()
     }
 
     /// Blocks that allocation can hand out: free ones plus evictable cached ones.
@@ -256,6 +250,28 @@ impl BlockPool {
         self.prefix
             .as_ref()
             .is_some_and(|p| p.meta(block).is_some())
+    }
+
+    /// The storage tensor of `layer`.
+    pub fn tensor_of(&self, layer: usize) -> usize {
+        self.groups.tensor_of[layer]
+    }
+
+    /// The group (block table) of a layer; with `None`, the only group of a pool whose
+    /// layers are all full attention.
+    pub fn group_for(&self, layer: Option<i64>) -> Result<usize> {
+        match layer {
+            Some(l) => Ok(self.groups.group_of[check_index("layer", l, self.shape.num_layers)?]),
+            None if self.groups.groups.len() == 1 => Ok(0),
+            None => Err(KvError::InvalidArgument {
+                name: "layer",
+                value: "None".into(),
+                reason: format!(
+                    "this pool's layers have {} block tables (layer groups); name the layer",
+                    self.groups.groups.len()
+                ),
+            }),
+        }
     }
 
     // ----- block life cycle -------------------------------------------------------------
@@ -306,17 +322,32 @@ impl BlockPool {
     }
 
     /// Releases blocks last first, so a freed prompt's end is evicted before its start.
-    fn release_all(&mut self, blocks: &[BlockId]) {
-        for &b in blocks.iter().rev() {
-            self.release_block(b);
+    pub(crate) fn release_all(&mut self, blocks: impl DoubleEndedIterator<Item = BlockId>) {
+        for b in blocks.rev() {
+            if b != NO_BLOCK {
+                self.release_block(b);
+            }
+        }
+    }
+
+    /// Copies block `src` onto block `dst` in every storage tensor.
+    pub(crate) fn copy_block(&mut self, src: BlockId, dst: BlockId) {
+        for t in 0..self.groups.per_block {
+            self.storage
+                .copy_within(self.shape.whole_block(t, src), self.shape.whole_block(t, dst))
+                .expect("blocks of one pool");
         }
     }
 
     // ----- sequences --------------------------------------------------------------------
 
-    fn empty_state(&self, root: BlockHash, extra: Arc<[u8]>) -> SeqState {
+    pub(crate) fn empty_state(
+        &self,
+        root: crate::prefix::BlockHash,
+        extra: std::sync::Arc<[u8]>,
+    ) -> SeqState {
         SeqState {
-            blocks: Vec::new(),
+            tables: vec![Table::default(); self.groups.groups.len()],
             layer_len: vec![0; self.shape.num_layers],
             seq_len: 0,
             tokens: Vec::new(),
@@ -328,7 +359,7 @@ impl BlockPool {
         }
     }
 
-    fn insert(&mut self, s: SeqState) -> SeqId {
+    pub(crate) fn insert(&mut self, s: SeqState) -> SeqId {
         let id = self.next_id;
         self.next_id += 1;
         self.seqs.insert(id, s);
@@ -338,131 +369,8 @@ impl BlockPool {
     /// Starts an empty sequence that tracks no tokens.
     pub fn new_sequence(&mut self) -> SeqId {
         let root = self.prefix.as_ref().map_or(0, |p| p.root(b""));
-        let s = self.empty_state(root, Arc::from(&[][..]));
+        let s = self.empty_state(root, std::sync::Arc::from(&[][..]));
         self.insert(s)
-    }
-
-    /// Starts a sequence whose token ids begin with `tokens` (the prompt). With prefix
-    /// caching on, the longest cached prefix is attached (no copy for full blocks; a
-    /// fresh copy of the matching beginning of a block for a partial hit) and reported
-    /// as `num_cached_tokens`; at least one prompt token is always left to compute.
-    pub fn new_sequence_with(&mut self, tokens: &[u32], namespace: &[u8], extra: &[u8]) -> SeqId {
-        let bs = self.shape.block_size;
-        let root = self.prefix.as_ref().map_or(0, |p| p.root(namespace));
-        let mut s = self.empty_state(root, Arc::from(extra));
-        s.tokens = tokens.to_vec();
-        let limit = tokens.len().saturating_sub(1);
-        let (full, partial) = self.match_blocks(root, tokens, extra, limit);
-        for &(b, h) in &full {
-            self.hold_block(b);
-            s.blocks.push(b);
-            s.hashes.push(h);
-        }
-        let mut cached = full.len() * bs;
-        if let Some((src, n)) = partial {
-            // Hold the source so allocating the copy cannot evict it (holding may take it
-            // out of the eviction order, so room is counted afterwards).
-            self.hold_block(src);
-            if self.num_free_blocks() > 0 {
-                let b = self.take_block();
-                self.copy_block(src, b);
-                s.blocks.push(b);
-                cached += n;
-            }
-            self.release_block(src);
-        }
-        s.layer_len.fill(cached);
-        s.seq_len = cached;
-        s.num_cached_tokens = cached;
-        if let Some(p) = self.prefix.as_mut() {
-            p.counters.queries += 1;
-            p.counters.query_tokens += tokens.len() as u64;
-            p.counters.hit_tokens += cached as u64;
-        }
-        self.insert(s)
-    }
-
-    /// The cached blocks matching `tokens` from `root`: whole blocks (with their hashes),
-    /// then the best partial match of the next block, covering at most `limit` tokens.
-    fn match_blocks(
-        &self,
-        root: BlockHash,
-        tokens: &[u32],
-        extra: &[u8],
-        limit: usize,
-    ) -> PrefixMatch {
-        let Some(p) = self.prefix.as_ref() else {
-            return (Vec::new(), None);
-        };
-        let bs = self.shape.block_size;
-        let mut full = Vec::new();
-        let mut parent = root;
-        let mut buf = Vec::with_capacity(16 + 4 * bs + extra.len());
-        while (full.len() + 1) * bs <= limit {
-            let start = full.len() * bs;
-            let h = p
-                .kind
-                .block_with(&mut buf, parent, &tokens[start..start + bs], extra);
-            match p.lookup(h) {
-                Some(b) => {
-                    full.push((b, h));
-                    parent = h;
-                }
-                None => break,
-            }
-        }
-        let mut partial = None;
-        if p.partial_hits {
-            let start = full.len() * bs;
-            let want = &tokens[start..limit.min(start + bs).max(start)];
-            let mut best = 0;
-            for &c in p.children(parent) {
-                // A child's hash also covers the extra key: only same-key children match.
-                if p.kind.block(parent, p.block_tokens(c), extra)
-                    != p.meta(c).expect("indexed").hash
-                {
-                    continue;
-                }
-                let lcp = p
-                    .block_tokens(c)
-                    .iter()
-                    .zip(want)
-                    .take_while(|(a, b)| a == b)
-                    .count();
-                if lcp > best {
-                    best = lcp;
-                    partial = Some((c, lcp));
-                }
-            }
-        }
-        (full, partial)
-    }
-
-    /// Tokens of `tokens` (in `namespace`, with `extra`) that a new sequence would find
-    /// cached, without attaching anything or counting a query.
-    pub fn match_prefix(&self, tokens: &[u32], namespace: &[u8], extra: &[u8]) -> usize {
-        let Some(p) = self.prefix.as_ref() else {
-            return 0;
-        };
-        let (full, partial) = self.match_blocks(
-            p.root(namespace),
-            tokens,
-            extra,
-            tokens.len().saturating_sub(1),
-        );
-        full.len() * self.shape.block_size + partial.map_or(0, |(_, n)| n)
-    }
-
-    /// Copies every layer of block `src` onto block `dst`.
-    fn copy_block(&mut self, src: BlockId, dst: BlockId) {
-        for layer in 0..self.shape.num_layers {
-            self.storage
-                .copy_within(
-                    self.shape.whole_block(layer, src),
-                    self.shape.whole_block(layer, dst),
-                )
-                .expect("blocks of one pool");
-        }
     }
 
     /// The state of a live sequence.
@@ -470,7 +378,7 @@ impl BlockPool {
         self.seqs.get(&id).ok_or_else(|| freed(id))
     }
 
-    fn seq_mut(&mut self, id: SeqId) -> &mut SeqState {
+    pub(crate) fn seq_mut(&mut self, id: SeqId) -> &mut SeqState {
         self.seqs.get_mut(&id).expect("checked live")
     }
 
@@ -487,7 +395,9 @@ impl BlockPool {
     /// Releases a sequence's blocks (last first) and forgets it.
     pub fn free_sequence(&mut self, id: SeqId) -> Result<()> {
         let s = self.seqs.remove(&id).ok_or_else(|| freed(id))?;
-        self.release_all(&s.blocks);
+        for t in &s.tables {
+            self.release_all(t.blocks.iter().copied());
+        }
         Ok(())
     }
 
@@ -513,7 +423,7 @@ impl BlockPool {
     pub fn fork(&mut self, id: SeqId) -> Result<SeqId> {
         let mut s = self.seq(id)?.clone();
         s.num_cached_tokens = 0;
-        for &b in &s.blocks {
+        for b in s.all_blocks().collect::<Vec<_>>() {
             self.hold_block(b);
         }
         Ok(self.insert(s))
@@ -541,18 +451,82 @@ impl BlockPool {
         }
         let bs = self.shape.block_size;
         let mut copy = s.clone();
-        copy.blocks.truncate(n.div_ceil(bs));
         copy.hashes.truncate(n / bs);
         copy.tokens.truncate(n);
         copy.layer_len.fill(n);
         copy.seq_len = n;
         copy.num_cached_tokens = 0;
-        for &b in &copy.blocks {
+        for t in &mut copy.tables {
+            t.start = t.start.min(n);
+            let start = t.start;
+            cut_table(t, start, n, bs);
+        }
+        for b in copy.all_blocks().collect::<Vec<_>>() {
             self.hold_block(b);
         }
         let old = std::mem::replace(self.seq_mut(dst), copy);
-        self.release_all(&old.blocks);
+        for t in &old.tables {
+            self.release_all(t.blocks.iter().copied());
+        }
+        self.trim(dst);
         Ok(())
+    }
+
+    /// Sets every entry of `g`'s table that covers none of its held positions to
+    /// [`NO_BLOCK`] and drops entries past them, releasing those blocks.
+    pub(crate) fn normalize_table(&mut self, id: SeqId, g: usize) {
+        let bs = self.shape.block_size;
+        let held = self
+            .seq(id)
+            .expect("checked live")
+            .held_by(&self.groups.groups[g].layers);
+        let t = &mut self.seq_mut(id).tables[g];
+        t.start = t.start.min(held);
+        let start = t.start;
+        let dropped = cut_table(t, start, held, bs);
+        self.release_all(dropped.into_iter());
+    }
+
+    /// Releases the blocks of sliding and chunked groups that no future token of `id`
+    /// sees (and that lie behind the sliding layers' `swa_memory`).
+    pub(crate) fn trim(&mut self, id: SeqId) {
+        let bs = self.shape.block_size;
+        for g in 0..self.groups.groups.len() {
+            let kind = self.groups.groups[g].kind;
+            if kind == LayerKind::Full {
+                continue;
+            }
+            let keep = self
+                .groups
+                .attention
+                .keep_from(kind, self.seq(id).expect("checked live").seq_len);
+            let t = &mut self.seq_mut(id).tables[g];
+            t.start = t.start.max(keep / bs * bs);
+            self.normalize_table(id, g);
+        }
+    }
+
+    /// Whether the cache holds everything needed to continue sequence `id` at `pos`
+    /// (after dropping the positions from `pos` on), for every layer (ollama's `CanResume`).
+    pub fn can_resume(&self, id: SeqId, pos: i64) -> Result<bool> {
+        let pos = check_count("pos", pos)?;
+        let s = self.seq(id)?;
+        if pos > s.seq_len {
+            return Ok(false);
+        }
+        Ok(self
+            .groups
+            .groups
+            .iter()
+            .zip(&s.tables)
+            .all(|(g, t)| self.window_held(g.kind, t, pos)))
+    }
+
+    /// Whether a table starting at `t.start` holds what a token at `pos` of `kind` sees
+    /// before itself.
+    pub(crate) fn window_held(&self, kind: LayerKind, t: &Table, pos: usize) -> bool {
+        let first = self.groups.attention.first_visible(kind, pos);
+        first >= pos || t.start <= first
     }
 
     // ----- writing ----------------------------------------------------------------------
@@ -563,33 +537,44 @@ impl BlockPool {
         self.alloc.refcount(b) > 1 || self.is_cached(b)
     }
 
-    /// Blocks that writing positions `start..end` of `s` would take: new blocks past the
-    /// table, plus copies of shared or cached blocks in the range.
-    fn blocks_needed(&self, s: &SeqState, start: usize, end: usize) -> usize {
+    /// Blocks that writing positions `start..end` of group `g` of `s` would take: new
+    /// blocks past the table or in released entries, plus copies of shared or cached
+    /// blocks in the range.
+    pub(crate) fn group_blocks_needed(&self, s: &SeqState, g: usize, start: usize, end: usize) -> usize {
         if start >= end {
             return 0;
         }
         let bs = self.shape.block_size;
-        let grow = end.div_ceil(bs).saturating_sub(s.blocks.len());
-        let last_existing = end.div_ceil(bs).min(s.blocks.len());
-        let copies = (start / bs..last_existing)
-            .filter(|&i| self.needs_copy(s.blocks[i]))
+        let t = &s.tables[g];
+        let grow = end.div_ceil(bs).saturating_sub(t.blocks.len());
+        let last_existing = end.div_ceil(bs).min(t.blocks.len());
+        let fixes = (start / bs..last_existing)
+            .filter(|&i| t.blocks[i] == NO_BLOCK || self.needs_copy(t.blocks[i]))
             .count();
-        grow + copies
+        grow + fixes
     }
 
-    /// Makes positions `start..end` of sequence `id` writable: copies shared or cached
-    /// blocks in the range (copy-on-write, all layers) and appends new blocks. The caller
-    /// has checked with [`Self::blocks_needed`] that enough blocks are available.
-    fn prepare_write(&mut self, id: SeqId, start: usize, end: usize) {
+    /// [`Self::group_blocks_needed`] summed over every group.
+    pub(crate) fn blocks_needed(&self, s: &SeqState, start: usize, end: usize) -> usize {
+        (0..self.groups.groups.len())
+            .map(|g| self.group_blocks_needed(s, g, start, end))
+            .sum()
+    }
+
+    /// Makes positions `start..end` of group `g` of sequence `id` writable: copies shared
+    /// or cached blocks (copy-on-write), fills released entries and appends new blocks.
+    /// The caller has checked with [`Self::group_blocks_needed`] that blocks suffice.
+    pub(crate) fn prepare_group(&mut self, id: SeqId, g: usize, start: usize, end: usize) {
         if start >= end {
             return;
         }
         let bs = self.shape.block_size;
-        let mut blocks = std::mem::take(&mut self.seq_mut(id).blocks);
+        let mut blocks = std::mem::take(&mut self.seq_mut(id).tables[g].blocks);
         for i in start / bs..end.div_ceil(bs).min(blocks.len()) {
             let old = blocks[i];
-            if self.needs_copy(old) {
+            if old == NO_BLOCK {
+                blocks[i] = self.take_block();
+            } else if self.needs_copy(old) {
                 let new = self.take_block();
                 self.copy_block(old, new);
                 self.release_block(old);
@@ -599,10 +584,17 @@ impl BlockPool {
         while blocks.len() < end.div_ceil(bs) {
             blocks.push(self.take_block());
         }
-        self.seq_mut(id).blocks = blocks;
+        self.seq_mut(id).tables[g].blocks = blocks;
     }
 
-    fn ensure_room(&self, needed: usize, what: impl FnOnce() -> String) -> Result<()> {
+    /// [`Self::prepare_group`] for every group.
+    pub(crate) fn prepare_write(&mut self, id: SeqId, start: usize, end: usize) {
+        for g in 0..self.groups.groups.len() {
+            self.prepare_group(id, g, start, end);
+        }
+    }
+
+    pub(crate) fn ensure_room(&self, needed: usize, what: impl FnOnce() -> String) -> Result<()> {
         if needed > self.num_free_blocks() {
             return Err(KvError::CacheFull {
                 what: format!("{} (blocks)", what()),
@@ -621,19 +613,20 @@ impl BlockPool {
         let layer = check_index("layer", layer, sh.num_layers)?;
         let n = token_count("k", k, sh)?;
         v.expect_shape("v", &[n, sh.num_kv_heads, sh.head_dim])?;
+        let g = self.groups.group_of[layer];
         let s = self.seq(id)?;
         let start = s.layer_len[layer];
-        self.ensure_room(self.blocks_needed(s, start, start + n), || {
+        self.ensure_room(self.group_blocks_needed(s, g, start, start + n), || {
             format!("appending {n} tokens to layer {layer} at position {start}")
         })?;
-        self.prepare_write(id, start, start + n);
+        self.prepare_group(id, g, start, start + n);
         self.write_seq(id, layer, start, k, v)?;
         self.seq_mut(id).layer_len[layer] = start + n;
         Ok(start)
     }
 
-    /// Writes `k`, `v` (`[n, H, D]`) at positions `start..start + n` of sequence `id`,
-    /// whose blocks there are writable ([`Self::prepare_write`]).
+    /// Writes `k`, `v` (`[n, H, D]`) at positions `start..start + n` of `layer` of sequence
+    /// `id`, whose blocks there are writable ([`Self::prepare_group`]).
     fn write_seq(
         &mut self,
         id: SeqId,
@@ -642,9 +635,10 @@ impl BlockPool {
         k: &TensorRef,
         v: &TensorRef,
     ) -> Result<()> {
-        let blocks = std::mem::take(&mut self.seq_mut(id).blocks);
+        let g = self.groups.group_of[layer];
+        let blocks = std::mem::take(&mut self.seq_mut(id).tables[g].blocks);
         let written = self.write_positions(&blocks, layer, start, k, v);
-        self.seq_mut(id).blocks = blocks;
+        self.seq_mut(id).tables[g].blocks = blocks;
         written
     }
 
@@ -665,8 +659,9 @@ impl BlockPool {
         Ok((layer, start, n))
     }
 
-    /// Writes `k`, `v` (`[n, H, D]`) at positions `start..start + n` of a block table.
-    fn write_positions(
+    /// Writes `k`, `v` (`[n, H, D]`) at positions `start..start + n` of `layer` through
+    /// its group's block table.
+    pub(crate) fn write_positions(
         &mut self,
         blocks: &[BlockId],
         layer: usize,
@@ -675,6 +670,7 @@ impl BlockPool {
         v: &TensorRef,
     ) -> Result<()> {
         let bs = self.shape.block_size;
+        let tensor = self.tensor_of(layer);
         let n = k.shape3()[0];
         let mut t = 0;
         while t < n {
@@ -683,7 +679,7 @@ impl BlockPool {
             let block = blocks[pos / bs];
             for (kv, src) in [(Kv::Key, k), (Kv::Value, v)] {
                 self.storage.write(
-                    self.shape.positions(layer, kv, block, pos % bs, run),
+                    self.shape.positions(tensor, kv, block, pos % bs, run),
                     &src.slice(0, t, run),
                 )?;
             }
@@ -730,7 +726,8 @@ impl BlockPool {
     }
 
     /// Commits `n` tokens of sequence `id` (every layer must already hold them), with
-    /// their token ids when given; then caches the blocks they complete.
+    /// their token ids when given; then caches the blocks they complete and releases the
+    /// blocks that sliding and chunked layers no longer need.
     pub fn advance(&mut self, id: SeqId, n: i64, tokens: Option<&[u32]>) -> Result<()> {
         let s = self.seq(id)?;
         let target = commit_target(s.seq_len, &s.layer_len, n)?;
@@ -751,26 +748,8 @@ impl BlockPool {
         }
         self.seq_mut(id).seq_len = target;
         self.register_blocks(id);
+        self.trim(id);
         Ok(())
-    }
-
-    /// Caches every full, committed block of `id` whose token ids are known.
-    fn register_blocks(&mut self, id: SeqId) {
-        let bs = self.shape.block_size;
-        let Some(p) = self.prefix.as_mut() else {
-            return;
-        };
-        let s = self.seqs.get_mut(&id).expect("checked live");
-        while s.hashes.len() < s.seq_len.min(s.tokens.len()).min(s.cache_limit) / bs {
-            let i = s.hashes.len();
-            let parent = if i == 0 { s.root } else { s.hashes[i - 1] };
-            let toks = &s.tokens[i * bs..(i + 1) * bs];
-            let h = p.kind.block(parent, toks, &s.extra);
-            s.hashes.push(h);
-            // A block already cached under another hash, or a hash already cached in
-            // another block, stays as it is: the first copy wins.
-            p.register(s.blocks[i], h, parent, i == 0, toks);
-        }
     }
 
     /// Cuts sequence `id` to its first `len` positions in every layer (and the committed
@@ -784,9 +763,9 @@ impl BlockPool {
         if cut_tokens {
             s.tokens.truncate(len);
         }
-        let keep = s.held().div_ceil(bs);
-        let dropped: Vec<BlockId> = s.blocks.drain(keep..).collect();
-        self.release_all(&dropped);
+        for g in 0..self.groups.groups.len() {
+            self.normalize_table(id, g);
+        }
     }
 
     /// Drops positions `>= n`; a no-op when `n >= seq_len` (as [`crate::KVCache::truncate`]).
@@ -795,87 +774,6 @@ impl BlockPool {
         if n < self.seq(id)?.seq_len {
             self.cut_to(id, n, true);
         }
-        Ok(())
-    }
-
-    /// llama.cpp's `seq_rm`: removes positions `[begin, end)` (`end = None`: to the end).
-    /// Removing a tail cuts the sequence; removing a span in the middle needs positions
-    /// to be shifted and keys re-rotated, which this pool cannot do: `NotSupported`.
-    pub fn remove(&mut self, id: SeqId, begin: i64, end: Option<i64>) -> Result<()> {
-        let begin = check_count("begin", begin)?;
-        let end = match end {
-            None => usize::MAX,
-            Some(e) => check_count("end", e)?,
-        };
-        let held = self.seq(id)?.held();
-        if begin >= end || begin >= held {
-            return Ok(());
-        }
-        if end < held {
-            let rope = self.rope.ok_or_else(|| {
-                KvError::NotSupported(format!(
-                    "removing positions [{begin}, {end}) from the middle of a sequence of {held} needs later \
-                     keys re-rotated: give the pool its rotary embedding (BlockPool(..., rope=kvrs.RoPE(...))) \
-                     or remove a tail (end=None)"
-                ))
-            })?;
-            return self.remove_span(id, begin, end, rope);
-        }
-        self.cut_to(id, begin, true);
-        Ok(())
-    }
-
-    /// Removes positions `[begin, end)` from the middle of sequence `id`: later positions
-    /// move down by `end - begin` and their keys are re-rotated by that much (values are
-    /// unchanged). Shared or cached blocks are copied before they change.
-    fn remove_span(&mut self, id: SeqId, begin: usize, end: usize, rope: Rope) -> Result<()> {
-        let sh = self.shape;
-        let (bs, h, d) = (sh.block_size, sh.num_kv_heads, sh.head_dim);
-        let shift = end - begin;
-        let s = self.seq(id)?;
-        let new_held = s.held() - shift;
-        self.ensure_room(self.blocks_needed(s, begin, new_held), || {
-            format!("removing positions [{begin}, {end}) of sequence {id}")
-        })?;
-        self.prepare_write(id, begin, new_held);
-        let blocks = self.seq(id)?.blocks.clone();
-        for layer in 0..sh.num_layers {
-            let len = self.seq(id)?.layer_len[layer];
-            if len <= end {
-                continue;
-            }
-            // One layer's moved tail at a time, through float32.
-            let n = len - end;
-            let (mut k, mut v) = (vec![0f32; h * n * d], vec![0f32; h * n * d]);
-            let kt = unsafe {
-                TensorRef::contiguous(k.as_mut_ptr() as *const u8, DType::F32, &[h, n, d])?
-            };
-            let vt = unsafe {
-                TensorRef::contiguous(v.as_mut_ptr() as *const u8, DType::F32, &[h, n, d])?
-            };
-            self.read_positions(&blocks, layer, end, n, &kt, &vt)?;
-            rope.rotate(d, &mut k, -(shift as f64))?;
-            self.write_positions(
-                &blocks,
-                layer,
-                begin,
-                &kt.transposed(0, 1),
-                &vt.transposed(0, 1),
-            )?;
-        }
-        let moved = |l: usize| if l > end { l - shift } else { l.min(begin) };
-        let s = self.seq_mut(id);
-        s.layer_len.iter_mut().for_each(|l| *l = moved(*l));
-        s.seq_len = moved(s.seq_len);
-        if s.tokens.len() > begin {
-            let stop = end.min(s.tokens.len());
-            s.tokens.drain(begin..stop);
-        }
-        s.hashes.truncate(begin / bs);
-        s.cache_limit = s.cache_limit.min(begin);
-        let keep = s.held().div_ceil(bs);
-        let dropped: Vec<BlockId> = s.blocks.drain(keep..).collect();
-        self.release_all(&dropped);
         Ok(())
     }
 
@@ -900,6 +798,7 @@ impl BlockPool {
         s.seq_len = n;
         s.hashes.truncate(n / bs);
         self.register_blocks(id);
+        self.trim(id);
         Ok(())
     }
 
@@ -917,11 +816,22 @@ impl BlockPool {
         values: &TensorRef,
     ) -> Result<()> {
         let (layer, start, n) = self.block_args(layer, start_pos, block_size, keys, values)?;
+        let g = self.groups.group_of[layer];
         let s = self.seq(id)?;
-        self.ensure_room(self.blocks_needed(s, start, start + n), || {
+        let held_from = s.tables[g].start;
+        if start + n < held_from {
+            return Err(KvError::InvalidArgument {
+                name: "start_pos",
+                value: start.to_string(),
+                reason: format!(
+                    "layer {layer} holds positions from {held_from}; a block must reach them (end >= {held_from})"
+                ),
+            });
+        }
+        self.ensure_room(self.group_blocks_needed(s, g, start, start + n), || {
             format!("injecting {n} positions at {start}")
         })?;
-        self.prepare_write(id, start, start + n);
+        self.prepare_group(id, g, start, start + n);
         self.write_seq(
             id,
             layer,
@@ -931,6 +841,8 @@ impl BlockPool {
         )?;
         let s = self.seq_mut(id);
         s.layer_len[layer] = s.layer_len[layer].max(start + n);
+        let t = &mut s.tables[g];
+        t.start = t.start.min(start);
         Ok(())
     }
 
@@ -947,13 +859,15 @@ impl BlockPool {
     ) -> Result<()> {
         let (layer, start, n) = self.block_args(layer, start_pos, block_size, keys, values)?;
         let s = self.seq(id)?;
-        let inside = s.layer_len[layer].saturating_sub(start).min(n);
-        if inside > 0 {
-            self.read_positions(&s.blocks, layer, start, inside, keys, values)?;
-        }
+        let t = &s.tables[self.groups.group_of[layer]];
+        let (lo, hi) = (t.start.max(start), s.layer_len[layer].min(start + n));
         for out in [keys, values] {
-            // SAFETY: the tail positions of the caller's [H, n, D] tensor.
-            unsafe { out.slice(1, inside, n - inside).fill_zero() };
+            // SAFETY: the caller's [H, n, D] tensor, filled before the held part is read.
+            unsafe { out.fill_zero() };
+        }
+        if lo < hi {
+            let at = |o: &TensorRef| o.slice(1, lo - start, hi - lo);
+            self.read_positions(&t.blocks, layer, lo, hi - lo, &at(keys), &at(values))?;
         }
         Ok(())
     }
@@ -971,22 +885,25 @@ impl BlockPool {
                 reason: format!("must be empty, but holds {} positions", s.held()),
             });
         }
-        let held = (0..sh.num_layers)
-            .map(|l| cache.layer_len(l))
-            .max()
-            .unwrap_or(0);
-        self.ensure_room(held.div_ceil(sh.block_size), || {
-            format!("copying {held} positions from a KVCache")
-        })?;
-        self.prepare_write(id, 0, held);
-        let blocks = self.seq(id)?.blocks.clone();
+        let held = |layers: &[usize]| layers.iter().map(|&l| cache.layer_len(l)).max().unwrap_or(0);
+        let needed: usize = self
+            .groups
+            .groups
+            .iter()
+            .map(|g| held(&g.layers).div_ceil(sh.block_size))
+            .sum();
+        self.ensure_room(needed, || "copying a KVCache".to_string())?;
+        for g in 0..self.groups.groups.len() {
+            let end = held(&self.groups.groups[g].layers);
+            self.prepare_group(id, g, 0, end);
+        }
         for layer in 0..sh.num_layers {
             let len = cache.layer_len(layer);
             let (k, v) = (
                 cache.host_tensor(layer, Kv::Key, len)?,
                 cache.host_tensor(layer, Kv::Value, len)?,
             );
-            self.write_positions(&blocks, layer, 0, &k.transposed(0, 1), &v.transposed(0, 1))?;
+            self.write_seq(id, layer, 0, &k.transposed(0, 1), &v.transposed(0, 1))?;
         }
         let s = self.seq_mut(id);
         for layer in 0..sh.num_layers {
@@ -994,11 +911,12 @@ impl BlockPool {
         }
         s.seq_len = cache.seq_len();
         self.register_blocks(id);
+        self.trim(id);
         Ok(())
     }
 
     /// Copies sequence `id` into `cache`, replacing its content: every layer's positions
-    /// and lengths, and the committed length.
+    /// and lengths, and the committed length. Every layer must still hold position 0.
     pub fn copy_to_cache(&self, id: SeqId, cache: &mut KVCache) -> Result<()> {
         let sh = self.shape;
         check_same_shape(sh, cache)?;
@@ -1011,13 +929,21 @@ impl BlockPool {
                 capacity: max,
             });
         }
+        if let Some((g, t)) = s.tables.iter().enumerate().find(|(_, t)| t.start > 0) {
+            return Err(KvError::NotSupported(format!(
+                "sequence {id} no longer holds positions 0..{} of its {} layers {:?} (released \
+                 out of the window); a KVCache needs every position",
+                t.start, self.groups.groups[g].kind, self.groups.groups[g].layers
+            )));
+        }
         for layer in 0..sh.num_layers {
             let len = s.layer_len[layer];
             let (k, v) = (
                 cache.host_tensor(layer, Kv::Key, len)?,
                 cache.host_tensor(layer, Kv::Value, len)?,
             );
-            self.read_positions(&s.blocks, layer, 0, len, &k, &v)?;
+            let t = &s.tables[self.groups.group_of[layer]];
+            self.read_positions(&t.blocks, layer, 0, len, &k, &v)?;
         }
         cache.set_lengths(s.seq_len, &s.layer_len);
         Ok(())
@@ -1025,19 +951,28 @@ impl BlockPool {
 
     // ----- reading ----------------------------------------------------------------------
 
-    /// Gathers sequence `id`'s `layer` into `k_out`, `v_out` (`[heads, >= len, head_dim]`)
-    /// and returns `len`, the positions that layer holds.
+    /// Positions `layer` of sequence `id` holds: `(first, end)`.
+    pub fn layer_span(&self, id: SeqId, layer: usize) -> Result<(usize, usize)> {
+        let s = self.seq(id)?;
+        Ok((
+            s.tables[self.groups.group_of[layer]].start,
+            s.layer_len[layer],
+        ))
+    }
+
+    /// Gathers the positions sequence `id`'s `layer` holds into `k_out`, `v_out`
+    /// (`[heads, >= n, head_dim]`) and returns `(first, n)`: positions `first..first + n`.
     pub fn gather(
         &self,
         id: SeqId,
         layer: i64,
         k_out: &TensorRef,
         v_out: &TensorRef,
-    ) -> Result<usize> {
+    ) -> Result<(usize, usize)> {
         let sh = self.shape;
         let layer = check_index("layer", layer, sh.num_layers)?;
-        let s = self.seq(id)?;
-        let len = s.layer_len[layer];
+        let (first, end) = self.layer_span(id, layer)?;
+        let len = end - first;
         for (name, out) in [("k_out", k_out), ("v_out", v_out)] {
             let o = out.shape();
             if o.len() != 3 || o[0] != sh.num_kv_heads || o[1] < len || o[2] != sh.head_dim {
@@ -1048,11 +983,13 @@ impl BlockPool {
                 });
             }
         }
-        self.read_positions(&s.blocks, layer, 0, len, k_out, v_out)?;
-        Ok(len)
+        let t = &self.seq(id)?.tables[self.groups.group_of[layer]];
+        self.read_positions(&t.blocks, layer, first, len, k_out, v_out)?;
+        Ok((first, len))
     }
 
-    /// Reads positions `start..start + n` of a block table into `[H, >= n, D]` outputs.
+    /// Reads positions `start..start + n` of `layer` through its group's block table into
+    /// `[H, >= n, D]` outputs.
     pub(crate) fn read_positions(
         &self,
         blocks: &[BlockId],
@@ -1063,6 +1000,7 @@ impl BlockPool {
         v_out: &TensorRef,
     ) -> Result<()> {
         let bs = self.shape.block_size;
+        let tensor = self.tensor_of(layer);
         let mut t = 0;
         while t < n {
             let pos = start + t;
@@ -1071,272 +1009,34 @@ impl BlockPool {
             for (kv, out) in [(Kv::Key, k_out), (Kv::Value, v_out)] {
                 let dst = out.slice(1, t, run).transposed(0, 1);
                 self.storage
-                    .read(self.shape.positions(layer, kv, block, pos % bs, run), &dst)?;
+                    .read(self.shape.positions(tensor, kv, block, pos % bs, run), &dst)?;
             }
             t += run;
         }
         Ok(())
-    }
-
-    // ----- batches ----------------------------------------------------------------------
-
-    /// Reserves positions for `counts[i]` new tokens at the end of each sequence, all or
-    /// nothing, and returns their slots (`block * block_size + offset`), in order. The
-    /// positions become part of every layer (fill them with [`Self::write`]) and are
-    /// committed with [`Self::advance`].
-    pub fn reserve(&mut self, ids: &[SeqId], counts: &[i64]) -> Result<Vec<i64>> {
-        if ids.len() != counts.len() {
-            return Err(KvError::InvalidArgument {
-                name: "counts",
-                value: format!("{} entries", counts.len()),
-                reason: format!("needs one count per sequence ({})", ids.len()),
-            });
-        }
-        let mut needed = 0;
-        let mut plan = Vec::with_capacity(ids.len());
-        let mut seen = FxHashSet::with_capacity_and_hasher(ids.len(), Default::default());
-        for (&id, &c) in ids.iter().zip(counts) {
-            let c = check_count("counts", c)?;
-            if !seen.insert(id) {
-                return Err(KvError::InvalidArgument {
-                    name: "seqs",
-                    value: format!("sequence {id}"),
-                    reason: "appears twice; give each sequence once with its total count".into(),
-                });
-            }
-            let s = self.seq(id)?;
-            let start = s.uniform_len().ok_or_else(|| KvError::InvalidArgument {
-                name: "seqs",
-                value: format!("sequence {id}"),
-                reason: format!("its layers hold different lengths {:?}; finish or truncate the partial append first", s.layer_len),
-            })?;
-            needed += self.blocks_needed(s, start, start + c);
-            plan.push((id, start, c));
-        }
-        let total: usize = plan.iter().map(|p| p.2).sum();
-        self.ensure_room(needed, || {
-            format!("reserving {total} tokens for {} sequences", ids.len())
-        })?;
-        let bs = self.shape.block_size;
-        let mut slots = Vec::with_capacity(total);
-        for (id, start, c) in plan {
-            self.prepare_write(id, start, start + c);
-            let s = self.seq_mut(id);
-            s.layer_len.fill(start + c);
-            slots.extend(
-                (start..start + c).map(|p| (s.blocks[p / bs] as usize * bs + p % bs) as i64),
-            );
-        }
-        Ok(slots)
-    }
-
-    /// Scatters `k`, `v` (`[n_tokens, heads, head_dim]`) into `slots` (vLLM's
-    /// `reshape_and_cache`; slot `-1` skips the token). Every slot must lie in a block
-    /// that exactly one sequence holds and that is not cached (reserve positions first).
-    pub fn write(&mut self, layer: i64, k: &TensorRef, v: &TensorRef, slots: &[i64]) -> Result<()> {
-        let sh = self.shape;
-        let layer = check_index("layer", layer, sh.num_layers)?;
-        let n = token_count("k", k, sh)?;
-        v.expect_shape("v", &[n, sh.num_kv_heads, sh.head_dim])?;
-        if slots.len() != n {
-            return Err(KvError::Shape {
-                name: "slot_mapping",
-                got: vec![slots.len()],
-                expected: format!("[{n}] (one per token)"),
-            });
-        }
-        let limit = sh.num_blocks * sh.block_size;
-        for &slot in slots {
-            if slot == -1 {
-                continue;
-            }
-            let b = (check_index("slot_mapping", slot, limit)? / sh.block_size) as BlockId;
-            let refs = self.alloc.refcount(b);
-            let reason = if refs == 0 {
-                format!("block {b} is not held by any sequence; reserve() the positions first")
-            } else if refs > 1 {
-                format!("block {b} is shared by {refs} holders; reserve() the positions first (copy-on-write)")
-            } else if self.is_cached(b) {
-                format!(
-                    "block {b} is in the prefix cache and immutable; reserve() the positions first"
-                )
-            } else {
-                continue;
-            };
-            return Err(KvError::InvalidArgument {
-                name: "slot_mapping",
-                value: slot.to_string(),
-                reason,
-            });
-        }
-        let mut t = 0;
-        while t < n {
-            if slots[t] == -1 {
-                t += 1;
-                continue;
-            }
-            let (b, off) = (
-                (slots[t] as usize / sh.block_size) as BlockId,
-                slots[t] as usize % sh.block_size,
-            );
-            // Consecutive slots within one block are written as one run.
-            let mut run = 1;
-            while t + run < n
-                && off + run < sh.block_size
-                && slots[t + run] == slots[t] + run as i64
-            {
-                run += 1;
-            }
-            for (kv, src) in [(Kv::Key, k), (Kv::Value, v)] {
-                self.storage
-                    .write(sh.positions(layer, kv, b, off, run), &src.slice(0, t, run))?;
-            }
-            t += run;
-        }
-        Ok(())
-    }
-
-    /// FlashInfer's page table for `ids`: `(indptr [B+1], indices, last_page_len [B])`,
-    /// over the positions each sequence holds (an empty sequence has no page and
-    /// `last_page_len` 0).
-    pub fn page_table(&self, ids: &[SeqId]) -> Result<(Vec<i32>, Vec<i32>, Vec<i32>)> {
-        let bs = self.shape.block_size;
-        let mut indptr = Vec::with_capacity(ids.len() + 1);
-        let mut indices = Vec::new();
-        let mut last = Vec::with_capacity(ids.len());
-        indptr.push(0);
-        for &id in ids {
-            let s = self.seq(id)?;
-            indices.extend(s.blocks.iter().map(|&b| b as i32));
-            indptr.push(indices.len() as i32);
-            let held = s.held();
-            last.push(if held == 0 { 0 } else { (held - 1) % bs + 1 } as i32);
-        }
-        Ok((indptr, indices, last))
-    }
-
-    /// Block tables of `ids` as rows of a `[batch, max_blocks]` matrix padded with `pad`.
-    pub fn block_tables(&self, ids: &[SeqId], pad: i32) -> Result<(Vec<i32>, usize)> {
-        let states: Vec<&SeqState> = ids.iter().map(|&id| self.seq(id)).collect::<Result<_>>()?;
-        let width = states.iter().map(|s| s.blocks.len()).max().unwrap_or(0);
-        let mut out = vec![pad; width * ids.len()];
-        for (row, s) in states.iter().enumerate() {
-            for (j, &b) in s.blocks.iter().enumerate() {
-                out[row * width + j] = b as i32;
-            }
-        }
-        Ok((out, width))
-    }
-
-    // ----- the prefix cache -------------------------------------------------------------
-
-    fn prefix_or_err(&self) -> Result<&PrefixIndex> {
-        self.prefix.as_ref().ok_or_else(|| {
-            KvError::NotSupported(
-                "prefix caching is off for this pool (prefix_caching=False)".into(),
-            )
-        })
-    }
-
-    /// The cached full blocks of `tokens` (in `namespace`, with `extra`), in order.
-    fn cached_chain(&self, tokens: &[u32], namespace: &[u8], extra: &[u8]) -> Result<Vec<BlockId>> {
-        let p = self.prefix_or_err()?;
-        let (full, _) = self.match_blocks(p.root(namespace), tokens, extra, tokens.len());
-        Ok(full.into_iter().map(|(b, _)| b).collect())
-    }
-
-    /// Keeps the cached full blocks of `tokens` from eviction until [`Self::unpin`];
-    /// returns the tokens pinned.
-    pub fn pin(&mut self, tokens: &[u32], namespace: &[u8], extra: &[u8]) -> Result<usize> {
-        let chain = self.cached_chain(tokens, namespace, extra)?;
-        for &b in &chain {
-            self.hold_block(b);
-            *self.pins.entry(b).or_insert(0) += 1;
-        }
-        Ok(chain.len() * self.shape.block_size)
-    }
-
-    /// Undoes one [`Self::pin`] of the same prefix; returns the tokens unpinned.
-    pub fn unpin(&mut self, tokens: &[u32], namespace: &[u8], extra: &[u8]) -> Result<usize> {
-        let chain = self.cached_chain(tokens, namespace, extra)?;
-        let pinned: Vec<BlockId> = chain
-            .into_iter()
-            .take_while(|b| self.pins.contains_key(b))
-            .collect();
-        for &b in pinned.iter().rev() {
-            let c = self.pins.get_mut(&b).expect("checked");
-            *c -= 1;
-            if *c == 0 {
-                self.pins.remove(&b);
-            }
-            self.release_block(b);
-        }
-        Ok(pinned.len() * self.shape.block_size)
-    }
-
-    /// Drops every cached block no sequence holds; returns how many.
-    pub fn evict_all(&mut self) -> usize {
-        let Some(p) = self.prefix.as_mut() else {
-            return 0;
-        };
-        let mut n = 0;
-        while let Some(b) = p.lru.pop_front() {
-            p.unregister(b);
-            p.counters.evictions += 1;
-            self.alloc.push_free(b);
-            n += 1;
-        }
-        n
-    }
-
-    /// Blocks stored in and removed from the prefix index since the last call.
-    pub fn drain_events(&mut self) -> Result<Vec<PrefixEvent>> {
-        self.prefix
-            .as_mut()
-            .and_then(PrefixIndex::drain_events)
-            .ok_or_else(|| {
-                KvError::NotSupported(
-                    "events are not recorded: create the pool with events=True".into(),
-                )
-            })
-    }
-
-    /// Caches `tokens`' block `b` under `hash` (from a saved cache) as evictable, most
-    /// recently used. For loading; `b` must be unreferenced and uncached.
-    pub(crate) fn adopt_cached(
-        &mut self,
-        b: BlockId,
-        hash: BlockHash,
-        parent: BlockHash,
-        first: bool,
-        tokens: &[u32],
-    ) -> bool {
-        let p = self.prefix.as_mut().expect("prefix caching on");
-        if !p.register(b, hash, parent, first, tokens) {
-            return false;
-        }
-        p.lru.push_back(b);
-        true
-    }
-
-    /// Takes a free block (not an evictable one) for loading, or `None`.
-    pub(crate) fn take_free_block(&mut self) -> Option<BlockId> {
-        let b = self.alloc.allocate()?;
-        assert!(self.alloc.release(b));
-        Some(b)
     }
 
     // ----- accounting -------------------------------------------------------------------
 
-    /// Occupancy: blocks, bytes, exact token counts and prefix-cache counters.
+    /// Occupancy: blocks, bytes, exact token counts, prefix-cache counters, and the
+    /// blocks each layer kind holds.
     pub fn stats(&self) -> PoolStats {
         let bs = self.shape.block_size;
-        // A block's filled positions: the most any sequence holding it has written there.
+        // A block's filled positions: the most any table holding it covers there.
         let mut fill = vec![0usize; self.shape.num_blocks];
+        let mut kind_of = vec![None; self.shape.num_blocks];
         for s in self.seqs.values() {
-            let held = s.held();
-            for (i, &b) in s.blocks.iter().enumerate() {
-                fill[b as usize] = fill[b as usize].max(held.saturating_sub(i * bs).min(bs));
+            for (g, t) in self.groups.groups.iter().zip(&s.tables) {
+                let held = s.held_by(&g.layers);
+                for (i, &b) in t.blocks.iter().enumerate() {
+                    if b == NO_BLOCK {
+                        continue;
+                    }
+                    let lo = (i * bs).max(t.start);
+                    let n = held.min((i + 1) * bs).saturating_sub(lo);
+                    fill[b as usize] = fill[b as usize].max(n);
+                    kind_of[b as usize] = Some(g.kind);
+                }
             }
         }
         for &b in self.pins.keys() {
@@ -1345,6 +1045,27 @@ impl BlockPool {
         let free = self.num_free_blocks();
         let used = self.shape.num_blocks - free;
         let tokens: usize = fill.iter().sum();
+        let by_kind = [LayerKind::Full, LayerKind::Sliding, LayerKind::Chunked]
+            .into_iter()
+            .filter(|k| self.groups.attention.kinds.contains(k))
+            .map(|kind| {
+                let mine = (0..self.shape.num_blocks).filter(|&b| kind_of[b] == Some(kind));
+                let used_blocks = mine.clone().count();
+                KindStats {
+                    kind,
+                    layers: self
+                        .groups
+                        .attention
+                        .kinds
+                        .iter()
+                        .filter(|&&k| k == kind)
+                        .count(),
+                    used_blocks,
+                    bytes_used: used_blocks * self.bytes_per_block(),
+                    tokens_stored: mine.map(|b| fill[b]).sum(),
+                }
+            })
+            .collect();
         PoolStats {
             num_blocks: self.shape.num_blocks,
             free_blocks: free,
@@ -1362,14 +1083,16 @@ impl BlockPool {
                 .prefix
                 .as_ref()
                 .map_or_else(PrefixCounters::default, |p| p.counters),
+            by_kind,
         }
     }
 
     /// Checks every invariant: reference counts equal block-table occurrences plus pins,
     /// the free list and the eviction order are exact, the prefix index is consistent,
-    /// tables cover exactly the held positions, `seq_len` never exceeds a layer's length.
-    /// For tests; O(blocks + sequences).
+    /// each table holds a block exactly where it covers a held position, full groups
+    /// start at 0, `seq_len` never exceeds a layer's length. For tests; O(blocks + sequences).
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        let bs = self.shape.block_size;
         let evictable = self.prefix.as_ref().map_or(0, |p| p.lru.len());
         self.alloc.check(evictable)?;
         if let Some(p) = &self.prefix {
@@ -1380,12 +1103,26 @@ impl BlockPool {
             refs[b as usize] += c;
         }
         for (id, s) in &self.seqs {
-            if s.blocks.len() != s.held().div_ceil(self.shape.block_size) {
-                return Err(format!(
-                    "sequence {id} holds {} positions in {} blocks",
-                    s.held(),
-                    s.blocks.len()
-                ));
+            for (g, (group, t)) in self.groups.groups.iter().zip(&s.tables).enumerate() {
+                let held = s.held_by(&group.layers);
+                if t.blocks.len() != held.div_ceil(bs) || t.start > held {
+                    return Err(format!(
+                        "sequence {id} group {g} holds {}..{held} in {} entries",
+                        t.start,
+                        t.blocks.len()
+                    ));
+                }
+                if group.kind == LayerKind::Full && t.start != 0 {
+                    return Err(format!("sequence {id} full group {g} starts at {}", t.start));
+                }
+                for (i, &b) in t.blocks.iter().enumerate() {
+                    let covers = (i * bs).max(t.start) < ((i + 1) * bs).min(held);
+                    if covers != (b != NO_BLOCK) {
+                        return Err(format!(
+                            "sequence {id} group {g} entry {i} is {b} but covers held positions: {covers}"
+                        ));
+                    }
+                }
             }
             if s.layer_len.iter().any(|&l| l < s.seq_len) {
                 return Err(format!(
@@ -1393,7 +1130,7 @@ impl BlockPool {
                     s.seq_len, s.layer_len
                 ));
             }
-            s.blocks.iter().for_each(|&b| refs[b as usize] += 1);
+            s.all_blocks().for_each(|b| refs[b as usize] += 1);
         }
         for (b, &r) in refs.iter().enumerate() {
             if r != self.alloc.refcount(b as BlockId) {
@@ -1407,7 +1144,20 @@ impl BlockPool {
     }
 }
 
-fn freed(id: SeqId) -> KvError {
+/// Cuts table `t` to the entries covering held positions `start..held`: later entries are
+/// dropped and earlier ones become [`NO_BLOCK`]; returns the blocks taken out.
+pub(crate) fn cut_table(t: &mut Table, start: usize, held: usize, bs: usize) -> Vec<BlockId> {
+    let mut out: Vec<BlockId> = t.blocks.drain(held.div_ceil(bs).min(t.blocks.len())..).collect();
+    for i in 0..t.blocks.len() {
+        if (i * bs).max(start) >= ((i + 1) * bs).min(held) && t.blocks[i] != NO_BLOCK {
+            out.push(std::mem::replace(&mut t.blocks[i], NO_BLOCK));
+        }
+    }
+    out.retain(|&b| b != NO_BLOCK);
+    out
+}
+
+pub(crate) fn freed(id: SeqId) -> KvError {
     KvError::InvalidArgument {
         name: "seq",
         value: format!("sequence {id}"),

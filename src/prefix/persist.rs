@@ -2,8 +2,8 @@
 //!
 //! Tensors: `tokens` (u32 `[n, block_size]`), `hashes` and `parents` (u8 `[n, 16]`,
 //! little-endian 128-bit), `first` (u8 `[n]`: 1 when the parent is a chain root) and
-//! `kv.{layer}` (`[n, block_elems]` of the storage dtype: K then V of each block, in the
-//! pool's layout). Blocks are stored least recently used first. The header's metadata
+//! `kv.{tensor}` (`[n, block_elems]` of the storage dtype: K then V of each block in each
+//! cache tensor, in the pool's layout). Blocks are stored least recently used first. The header's metadata
 //! records the pool configuration and a BLAKE3 checksum of every tensor's bytes, so a
 //! truncated, corrupted or mismatched file is refused before anything is loaded.
 
@@ -63,6 +63,7 @@ fn expected_metadata(pool: &BlockPool) -> Vec<(&'static str, String)> {
         ("format", FORMAT.into()),
         ("version", VERSION.into()),
         ("num_layers", sh.num_layers.to_string()),
+        ("layer_types", layer_types(pool)),
         ("num_kv_heads", sh.num_kv_heads.to_string()),
         ("head_dim", sh.head_dim.to_string()),
         ("block_size", sh.block_size.to_string()),
@@ -71,6 +72,18 @@ fn expected_metadata(pool: &BlockPool) -> Vec<(&'static str, String)> {
         ("hash", p.kind.to_string()),
         ("seed", format!("{:032x}", p.seed)),
     ]
+}
+
+/// The pool's layer kinds, window and chunk size, as one string.
+fn layer_types(pool: &BlockPool) -> String {
+    let a = &pool.groups().attention;
+    let kinds: Vec<&str> = a.kinds.iter().map(|k| k.name()).collect();
+    format!(
+        "{} window={:?} chunk={:?}",
+        kinds.join(","),
+        a.sliding_window,
+        a.chunk_size
+    )
 }
 
 /// BLAKE3 over the tensors' names and bytes, in name order.
@@ -114,8 +127,9 @@ impl BlockPool {
         }
         let es = self.dtype().size();
         let block_bytes = sh.block_elems() * es;
-        let mut kv: Vec<Vec<u8>> = Vec::with_capacity(sh.num_layers);
-        for layer in 0..sh.num_layers {
+        let tensors = self.groups().per_block;
+        let mut kv: Vec<Vec<u8>> = Vec::with_capacity(tensors);
+        for layer in 0..tensors {
             let mut buf = vec![0u8; n * block_bytes];
             for (i, &b) in order.iter().enumerate() {
                 let dst = unsafe {
@@ -129,7 +143,7 @@ impl BlockPool {
             }
             kv.push(buf);
         }
-        let names: Vec<String> = (0..sh.num_layers).map(|l| format!("kv.{l}")).collect();
+        let names: Vec<String> = (0..tensors).map(|l| format!("kv.{l}")).collect();
         let mut views: Vec<(String, TensorView<'_>)> = vec![
             (
                 "tokens".into(),
@@ -223,7 +237,7 @@ impl BlockPool {
         let names: Vec<String> = ["tokens", "hashes", "parents", "first"]
             .into_iter()
             .map(String::from)
-            .chain((0..sh.num_layers).map(|l| format!("kv.{l}")))
+            .chain((0..self.groups().per_block).map(|l| format!("kv.{l}")))
             .collect();
         let mut tensors = Vec::with_capacity(names.len());
         for name in &names {
@@ -249,7 +263,7 @@ impl BlockPool {
             (Dtype::U8, vec![n]),
         ]
         .into_iter()
-        .chain((0..sh.num_layers).map(|_| (st_dtype(self.dtype()), vec![n, sh.block_elems()])))
+        .chain((0..self.groups().per_block).map(|_| (st_dtype(self.dtype()), vec![n, sh.block_elems()])))
         .collect();
         for ((name, t), (dtype, shape)) in names.iter().zip(&tensors).zip(&expect) {
             if t.shape() != shape.as_slice() || t.dtype() != *dtype {
@@ -306,7 +320,7 @@ impl BlockPool {
         let block_bytes = sh.block_elems() * es;
         for &i in &keep {
             let b = self.take_free_block().expect("room counted above");
-            for layer in 0..sh.num_layers {
+            for layer in 0..self.groups().per_block {
                 let data = &tensors[4 + layer].data()[i * block_bytes..(i + 1) * block_bytes];
                 let src = unsafe {
                     TensorRef::contiguous(data.as_ptr(), self.dtype(), &[1, 1, sh.block_elems()])?

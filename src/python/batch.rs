@@ -8,7 +8,7 @@ use pyo3::types::PyTuple;
 
 use super::copying;
 use super::input::read_tensor;
-use super::pool::PyBlockPool;
+use super::pool::{slot_array, PyBlockPool};
 use super::views::new_array;
 use crate::paged::ForwardPlan;
 use crate::tensor::TensorRef;
@@ -47,13 +47,16 @@ impl PyForwardBatch {
     /// Tokens in the batch.
     #[getter]
     fn num_tokens(&self) -> usize {
-        self.plan.slots.len()
+        self.plan.num_tokens()
     }
 
-    /// Each token's slot (int64, vLLM's convention), for kernels that write K/V themselves.
+    /// Each token's slot (int64, vLLM's convention), for kernels that write K/V
+    /// themselves: [n_tokens], or [num_layer_groups, n_tokens] when the pool's layers
+    /// have several block tables (row pool.layer_group(layer) serves that layer).
     #[getter]
-    fn slot_mapping<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
-        PyArray1::from_slice(py, &self.plan.slots)
+    fn slot_mapping<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let groups = self.pool.get().inner.lock().groups().groups.len();
+        slot_array(py, self.plan.slots.clone(), groups)
     }
 
     /// Each token's position in its sequence.
@@ -62,10 +65,11 @@ impl PyForwardBatch {
         PyArray1::from_iter(py, self.plan.positions.iter().map(|&p| p as i64))
     }
 
-    /// Positions of history that get() returns (all sequences of the batch, concatenated).
-    #[getter]
-    fn history_len(&self) -> usize {
-        self.plan.history_len()
+    /// Positions of history that get(layer) returns: what each sequence of the batch
+    /// holds in that layer, concatenated.
+    #[pyo3(signature = (layer = 0))]
+    fn history_len(&self, layer: i64) -> PyResult<usize> {
+        Ok(self.pool.get().inner.lock().forward_history_len(&self.plan, layer)?)
     }
 
     /// Writes this layer's K and V for the batch's tokens ([n_tokens, heads, head_dim]).
@@ -81,7 +85,9 @@ impl PyForwardBatch {
         let (kt, vt) = (*k.tensor(), *v.tensor());
         let pool = self.pool.get();
         copying(py, kt.nbytes() + vt.nbytes(), || {
-            pool.inner.lock().write(layer, &kt, &vt, &self.plan.slots)
+            let mut p = pool.inner.lock();
+            let g = p.group_for(Some(layer))?;
+            p.write(layer, &kt, &vt, self.plan.group_slots(g))
         })?;
         Ok(())
     }
@@ -96,8 +102,8 @@ impl PyForwardBatch {
         let (h, d, hist, n) = (
             pool.shape.num_kv_heads,
             pool.shape.head_dim,
-            self.plan.history_len(),
-            self.plan.slots.len(),
+            self.history_len(layer)?,
+            self.plan.num_tokens(),
         );
         let (k, kp) = new_array(py, pool.dtype, &[h, hist, d])?;
         let (v, vp) = new_array(py, pool.dtype, &[h, hist, d])?;
@@ -158,7 +164,7 @@ impl PyForwardBatch {
     fn __repr__(&self) -> String {
         format!(
             "ForwardBatch(num_tokens={}, sequences={}, state={})",
-            self.plan.slots.len(),
+            self.plan.num_tokens(),
             self.plan.seqs.len(),
             self.closed.lock().unwrap_or("open")
         )

@@ -17,7 +17,9 @@ use crate::bytes::parse_size;
 use crate::dtype::DType;
 use crate::error::{check_size, KvError};
 use crate::kv_cache::Kv;
-use crate::paged::{BlockPool, KvLayout, PagedShape, PrefixConfig, SeqId};
+use crate::paged::{
+    Attention, BlockPool, KvLayout, LayerGroups, LayerKind, PagedShape, PrefixConfig, SeqId, NO_BLOCK,
+};
 use crate::prefix::HashKind;
 use crate::storage::Device;
 
@@ -119,9 +121,9 @@ fn i32_array<'py>(py: Python<'py>, v: Vec<i32>) -> Bound<'py, PyArray1<i32>> {
 #[pymethods]
 impl PyBlockPool {
     #[new]
-    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, *, block_size = 16, num_blocks = None, memory_bytes = None, dtype = None, device = None, layout = "NHD", prefix_caching = true, hash = "blake3", seed = None, partial_hits = true, events = false, rope = None))]
+    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, *, block_size = 16, num_blocks = None, memory_bytes = None, dtype = None, device = None, layout = "NHD", prefix_caching = true, hash = "blake3", seed = None, partial_hits = true, events = false, rope = None, layer_types = None, sliding_window = None, chunk_size = None, swa_memory = 0))]
     #[pyo3(
-        text_signature = "(num_layers, num_kv_heads, head_dim, *, block_size=16, num_blocks=None, memory_bytes=None, dtype='float16', device='cpu', layout='NHD', prefix_caching=True, hash='blake3', seed=None, partial_hits=True, events=False, rope=None)"
+        text_signature = "(num_layers, num_kv_heads, head_dim, *, block_size=16, num_blocks=None, memory_bytes=None, dtype='float16', device='cpu', layout='NHD', prefix_caching=True, hash='blake3', seed=None, partial_hits=True, events=False, rope=None, layer_types=None, sliding_window=None, chunk_size=None, swa_memory=0)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -140,6 +142,10 @@ impl PyBlockPool {
         partial_hits: bool,
         events: bool,
         rope: Option<&Bound<'_, PyRope>>,
+        layer_types: Option<Vec<String>>,
+        sliding_window: Option<i64>,
+        chunk_size: Option<i64>,
+        swa_memory: i64,
     ) -> PyResult<Self> {
         let dtype = dtype.map(parse_dtype).transpose()?.unwrap_or(DType::F16);
         let device = device.map(parse_device).transpose()?.unwrap_or(Device::Cpu);
@@ -151,7 +157,24 @@ impl PyBlockPool {
             num_blocks: 0,
             layout: layout.parse::<KvLayout>()?,
         };
-        let per_block = shape.num_layers
+        let attention = Attention {
+            kinds: match layer_types {
+                None => vec![LayerKind::Full; shape.num_layers],
+                Some(names) => names
+                    .iter()
+                    .map(|n| n.parse::<LayerKind>())
+                    .collect::<Result<_, _>>()?,
+            },
+            sliding_window: sliding_window
+                .map(|w| check_size("sliding_window", w))
+                .transpose()?,
+            chunk_size: chunk_size
+                .map(|c| check_size("chunk_size", c))
+                .transpose()?,
+            swa_memory: crate::error::check_count("swa_memory", swa_memory)?,
+        };
+        attention.validate(shape.num_layers)?;
+        let per_block = LayerGroups::new(attention.clone()).per_block
             * 2
             * shape.block_size
             * shape.num_kv_heads
@@ -177,7 +200,7 @@ impl PyBlockPool {
                         name: "memory_bytes",
                         value: bytes.to_string(),
                         reason: format!(
-                            "holds no block: one block of every layer takes {per_block} bytes"
+                            "holds no block: one block id (a block of each layer of a group) takes {per_block} bytes"
                         ),
                     }
                     .into());
@@ -212,7 +235,8 @@ impl PyBlockPool {
                 events,
             })
         });
-        let mut pool = BlockPool::new(shape, dtype, device, prefix.transpose()?)?;
+        let mut pool =
+            BlockPool::with_attention(shape, attention, dtype, device, prefix.transpose()?)?;
         if let Some(r) = rope {
             pool = pool.with_rope(r.get().rope)?;
         }
@@ -311,16 +335,53 @@ impl PyBlockPool {
         self.inner.lock().prefix().map(|p| p.seed)
     }
 
+    /// Kind of each layer: "full", "sliding" or "chunked".
+    #[getter]
+    fn layer_types(&self) -> Vec<&'static str> {
+        let pool = self.inner.lock();
+        pool.groups().attention.kinds.iter().map(|k| k.name()).collect()
+    }
+
+    /// Window of the sliding layers (positions seen, the token included), or None.
+    #[getter]
+    fn sliding_window(&self) -> Option<usize> {
+        self.inner.lock().groups().attention.sliding_window
+    }
+
+    /// Chunk size of the chunked layers, or None.
+    #[getter]
+    fn chunk_size(&self) -> Option<usize> {
+        self.inner.lock().groups().attention.chunk_size
+    }
+
+    /// Extra positions sliding layers keep behind their window.
+    #[getter]
+    fn swa_memory(&self) -> usize {
+        self.inner.lock().groups().attention.swa_memory
+    }
+
+    /// Block tables each sequence has: one per group of equally many layers of one kind.
+    #[getter]
+    fn num_layer_groups(&self) -> usize {
+        self.inner.lock().groups().groups.len()
+    }
+
+    /// The group (row of reserve()'s slot mapping, block table) of `layer`.
+    fn layer_group(&self, layer: i64) -> PyResult<usize> {
+        Ok(self.inner.lock().group_for(Some(layer))?)
+    }
+
     /// Zero-copy writable view of one layer's cache tensor, in FlashInfer's paged layout.
     fn kv_cache<'py>(slf: &Bound<'py, Self>, layer: i64) -> PyResult<Bound<'py, PyAny>> {
         let sh = slf.get().shape;
         let layer = crate::error::check_index("layer", layer, sh.num_layers)?;
+        let tensor = slf.get().inner.lock().tensor_of(layer);
         let dims = sh.layer_tensor_shape();
         let mut strides = [1usize; 5];
         for i in (0..4).rev() {
             strides[i] = strides[i + 1] * dims[i + 1];
         }
-        Self::view(slf, sh.block_offset(layer, 0), &dims, &strides, true)
+        Self::view(slf, sh.block_offset(tensor, 0), &dims, &strides, true)
     }
 
     /// Occupancy as a dict (blocks, bytes, exact token counts).
@@ -349,6 +410,16 @@ impl PyBlockPool {
         };
         d.set_item("hit_rate", rate)?;
         d.set_item("evictions", s.prefix.evictions)?;
+        let kinds = PyDict::new(py);
+        for k in &s.by_kind {
+            let e = PyDict::new(py);
+            e.set_item("layers", k.layers)?;
+            e.set_item("used_blocks", k.used_blocks)?;
+            e.set_item("bytes_used", k.bytes_used)?;
+            e.set_item("tokens_stored", k.tokens_stored)?;
+            kinds.set_item(k.kind.name(), e)?;
+        }
+        d.set_item("by_layer_type", kinds)?;
         Ok(d)
     }
 
@@ -492,11 +563,12 @@ impl PyBlockPool {
         slf: &Bound<'py, Self>,
         seqs: &Bound<'py, PyAny>,
         counts: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+    ) -> PyResult<Bound<'py, PyAny>> {
         let ids = Self::ids(slf, seqs, "seqs")?;
         let counts = read_ints(counts, "counts")?;
-        let slots = slf.get().inner.lock().reserve(&ids, &counts)?;
-        Ok(PyArray1::from_vec(slf.py(), slots))
+        let mut pool = slf.get().inner.lock();
+        let slots = pool.reserve(&ids, &counts)?;
+        slot_array(slf.py(), slots, pool.groups().groups.len())
     }
 
     /// Scatters k, v [n_tokens, num_kv_heads, head_dim] into slot_mapping (-1 skips).
@@ -518,12 +590,15 @@ impl PyBlockPool {
     }
 
     /// FlashInfer's int32 page table (indptr, indices, last_page_len) of `seqs`.
+    #[pyo3(signature = (seqs, layer = None))]
     fn page_table<'py>(
         slf: &Bound<'py, Self>,
         seqs: &Bound<'py, PyAny>,
+        layer: Option<i64>,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let ids = Self::ids(slf, seqs, "seqs")?;
-        let (indptr, indices, last) = slf.get().inner.lock().page_table(&ids)?;
+        let pool = slf.get().inner.lock();
+        let (indptr, indices, last) = pool.page_table(&ids, pool.group_for(layer)?)?;
         let py = slf.py();
         PyTuple::new(
             py,
@@ -536,15 +611,17 @@ impl PyBlockPool {
     }
 
     /// Block tables of `seqs` as an int32 [batch, max_blocks] array padded with `pad`.
-    #[pyo3(signature = (seqs, pad = -1))]
-    #[pyo3(text_signature = "($self, seqs, pad=-1)")]
+    #[pyo3(signature = (seqs, pad = -1, layer = None))]
+    #[pyo3(text_signature = "($self, seqs, pad=-1, layer=None)")]
     fn block_tables<'py>(
         slf: &Bound<'py, Self>,
         seqs: &Bound<'py, PyAny>,
         pad: i32,
+        layer: Option<i64>,
     ) -> PyResult<Bound<'py, PyArray2<i32>>> {
         let ids = Self::ids(slf, seqs, "seqs")?;
-        let (flat, width) = slf.get().inner.lock().block_tables(&ids, pad)?;
+        let pool = slf.get().inner.lock();
+        let (flat, width) = pool.block_tables(&ids, pool.group_for(layer)?, pad)?;
         PyArray1::from_vec(slf.py(), flat).reshape([ids.len(), width])
     }
 
@@ -613,23 +690,61 @@ impl PySequence {
         self.with(|s, _| s.seq_len)
     }
 
-    /// Blocks in the block table.
+    /// Blocks the sequence holds (every layer group).
     #[getter]
     fn num_blocks(&self) -> PyResult<usize> {
-        self.with(|s, _| s.blocks.len())
+        self.with(|s, _| s.all_blocks().count())
     }
 
-    /// The block ids, in position order (an int32 copy).
+    /// The block ids, in position order (an int32 copy), of a pool with one layer group.
     #[getter]
     fn block_table<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i32>>> {
-        let blocks = self.with(|s, _| s.blocks.iter().map(|&b| b as i32).collect::<Vec<_>>())?;
+        let blocks = self.with(|s, p| {
+            p.group_for(None)
+                .map(|g| s.tables[g].blocks.iter().map(|&b| b as i32).collect::<Vec<_>>())
+        })??;
         Ok(i32_array(py, blocks))
     }
 
-    /// Lowest position held (-1 when empty).
+    /// `layer`'s block table (int32): entry i covers positions i * block_size.., -1 where
+    /// the block was released (out of a sliding or chunked layer's reach).
+    fn layer_blocks<'py>(&self, py: Python<'py>, layer: i64) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let blocks = self.with(|s, p| {
+            p.group_for(Some(layer)).map(|g| {
+                s.tables[g]
+                    .blocks
+                    .iter()
+                    .map(|&b| if b == NO_BLOCK { -1 } else { b as i32 })
+                    .collect::<Vec<_>>()
+            })
+        })??;
+        Ok(i32_array(py, blocks))
+    }
+
+    /// Lowest position every layer holds (-1 when empty): 0 unless sliding or chunked
+    /// layers released their beginning.
     #[getter]
     fn pos_min(&self) -> PyResult<i64> {
-        self.with(|s, _| if s.seq_len == 0 { -1 } else { 0 })
+        self.with(|s, _| {
+            let first = s.tables.iter().map(|t| t.start).max().unwrap_or(0);
+            if s.seq_len == 0 || first >= s.seq_len {
+                -1
+            } else {
+                first as i64
+            }
+        })
+    }
+
+    /// First position `layer` holds (get() returns positions layer_start..layer_len).
+    fn layer_start(&self, layer: i64) -> PyResult<usize> {
+        let layer = crate::error::check_index("layer", layer, self.pool_ref().shape.num_layers)?;
+        Ok(self.with(|_, p| p.layer_span(self.id, layer))??.0)
+    }
+
+    /// Whether the cache still holds everything needed to continue at `pos` (after
+    /// truncating to it), for every layer kind (ollama's CanResume).
+    fn can_resume(&self, pos: i64) -> PyResult<bool> {
+        Ok(self.pool_ref().inner.lock().can_resume(self.id, pos)?)
     }
 
     /// Highest committed position (-1 when empty).
@@ -652,7 +767,7 @@ impl PySequence {
 
     /// Bytes of the blocks this sequence holds (shared blocks count in full).
     fn memory_bytes(&self) -> PyResult<usize> {
-        self.with(|s, p| s.blocks.len() * p.bytes_per_block())
+        self.with(|s, p| s.all_blocks().count() * p.bytes_per_block())
     }
 
     /// Appends k, v [n_tokens, num_kv_heads, head_dim] at the layer's next free
@@ -802,7 +917,7 @@ impl PySequence {
                 (k, v)
             }
             None => {
-                let len = self.layer_len(layer)?;
+                let len = self.layer_len(layer)? - self.layer_start(layer)?;
                 let shape = [pool.shape.num_kv_heads, len, pool.shape.head_dim];
                 (
                     new_array(py, pool.dtype, &shape)?.0,
@@ -814,7 +929,7 @@ impl PySequence {
         let vt = writable(&v_arr, "out[1]")?;
         let (kt_ref, vt_ref) = (*kt.tensor(), *vt.tensor());
         let bytes = kt_ref.nbytes() + vt_ref.nbytes();
-        let len = copying(py, bytes, || {
+        let (_, len) = copying(py, bytes, || {
             pool.inner.lock().gather(self.id, layer, &kt_ref, &vt_ref)
         })?;
         let cut = (
@@ -830,29 +945,35 @@ impl PySequence {
         let pool_obj = self.pool.bind(py);
         let sh = self.pool_ref().shape;
         let layer = crate::error::check_index("layer", layer, sh.num_layers)?;
-        let (blocks, len) = self.with(|s, _| (s.blocks.clone(), s.layer_len[layer]))?;
+        let (blocks, first, len, tensor) = self.with(|s, p| {
+            let t = &s.tables[p.groups().group_of[layer]];
+            (t.blocks.clone(), t.start, s.layer_len[layer], p.tensor_of(layer))
+        })?;
         let out = PyList::empty(py);
         let (h, d, bs) = (sh.num_kv_heads, sh.head_dim, sh.block_size);
         for (i, &b) in blocks.iter().enumerate() {
-            let start = i * bs;
+            let start = (i * bs).max(first);
             if start >= len {
                 break;
             }
-            let n = (len - start).min(bs);
+            if b == NO_BLOCK {
+                continue;
+            }
+            let n = ((i + 1) * bs).min(len) - start;
             let (shape, strides) = match sh.layout {
                 KvLayout::Nhd => ([n, h, d], [h * d, d, 1]),
                 KvLayout::Hnd => ([h, n, d], [bs * d, d, 1]),
             };
             let k = PyBlockPool::view(
                 pool_obj,
-                sh.positions(layer, Kv::Key, b, 0, 1).offset,
+                sh.positions(tensor, Kv::Key, b, start % bs, 1).offset,
                 &shape,
                 &strides,
                 false,
             )?;
             let v = PyBlockPool::view(
                 pool_obj,
-                sh.positions(layer, Kv::Value, b, 0, 1).offset,
+                sh.positions(tensor, Kv::Value, b, start % bs, 1).offset,
                 &shape,
                 &strides,
                 false,
@@ -884,6 +1005,15 @@ impl PySequence {
         Ok(self.pool_ref().inner.lock().remove(self.id, begin, end)?)
     }
 
+    /// llama.cpp's seq_add over a tail: positions p0.. move down by -delta (delta < 0),
+    /// replacing those they land on; positions that would fall below 0 are removed; keys
+    /// are re-rotated with the pool's `rope`. Equals remove(max(0, p0 + delta),
+    /// max(p0, -delta)). A shift up or of a middle span raises kvrs.NotSupportedError.
+    #[pyo3(signature = (p0, p1, delta))]
+    fn shift(&self, p0: i64, p1: Option<i64>, delta: i64) -> PyResult<()> {
+        Ok(self.pool_ref().inner.lock().shift(self.id, p0, p1, delta)?)
+    }
+
     /// Returns every block to the pool; the sequence cannot be used afterwards.
     fn free(&self) -> PyResult<()> {
         Ok(self.pool_ref().inner.lock().free_sequence(self.id)?)
@@ -899,13 +1029,24 @@ impl PySequence {
     }
 
     fn __repr__(&self) -> String {
-        match self.with(|s, _| (s.seq_len, s.blocks.len())) {
+        match self.with(|s, _| (s.seq_len, s.all_blocks().count())) {
             Ok((len, blocks)) => format!(
                 "Sequence(id={}, seq_len={len}, num_blocks={blocks})",
                 self.id
             ),
             Err(_) => format!("Sequence(id={}, freed)", self.id),
         }
+    }
+}
+
+/// Slots as an int64 array: `[n]` for one layer group, `[groups, n]` for several.
+pub(crate) fn slot_array(py: Python<'_>, slots: Vec<i64>, groups: usize) -> PyResult<Bound<'_, PyAny>> {
+    let n = slots.len() / groups;
+    let arr = PyArray1::from_vec(py, slots);
+    if groups == 1 {
+        Ok(arr.into_any())
+    } else {
+        Ok(arr.reshape([groups, n])?.into_any())
     }
 }
 

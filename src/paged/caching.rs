@@ -1,0 +1,334 @@
+//! Prefix caching on a pool: matching a prompt against cached blocks (left to right for
+//! full-attention groups, then right to left for sliding and chunked ones, which need
+//! only the blocks their window sees), attaching a hit, caching committed blocks,
+//! pinning, eviction and events.
+
+use std::sync::Arc;
+
+use super::allocator::BlockId;
+use super::groups::LayerKind;
+use super::pool::{BlockPool, SeqId};
+use super::seq::{Table, NO_BLOCK};
+use crate::error::{KvError, Result};
+use crate::prefix::{BlockHash, PrefixEvent, PrefixIndex};
+
+/// The key of block hash `h` in group `g`'s part of the index: group 0 uses the chain
+/// hash itself, other groups a fixed per-group mask of it (a collision between groups
+/// is as unlikely as one between hashes).
+pub(crate) fn group_key(h: BlockHash, g: usize) -> BlockHash {
+    const MASK: BlockHash = 0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835;
+    h ^ MASK.wrapping_mul(g as BlockHash)
+}
+
+/// What a prompt finds cached: the chain hashes of its first `hashes.len()` whole
+/// blocks, the table each group attaches over them, and (pools whose layers are all
+/// full) the best partial match of the next block (source block, matching tokens).
+pub(crate) struct Hit {
+    pub hashes: Vec<BlockHash>,
+    pub tables: Vec<Table>,
+    pub partial: Option<(BlockId, usize)>,
+}
+
+impl Hit {
+    /// Positions the hit covers.
+    pub fn tokens(&self, block_size: usize) -> usize {
+        self.hashes.len() * block_size + self.partial.map_or(0, |(_, n)| n)
+    }
+
+    fn blocks(&self) -> impl Iterator<Item = BlockId> + '_ {
+        self.tables.iter().flat_map(Table::held_blocks)
+    }
+}
+
+impl BlockPool {
+    /// Starts a sequence whose token ids begin with `tokens` (the prompt). With prefix
+    /// caching on, the longest cached prefix is attached (no copy for whole blocks; a
+    /// fresh copy of the matching beginning of a block for a partial hit) and reported
+    /// as `num_cached_tokens`; at least one prompt token is always left to compute.
+    pub fn new_sequence_with(&mut self, tokens: &[u32], namespace: &[u8], extra: &[u8]) -> SeqId {
+        let root = self.prefix.as_ref().map_or(0, |p| p.root(namespace));
+        let mut s = self.empty_state(root, Arc::from(extra));
+        s.tokens = tokens.to_vec();
+        let hit = self.match_blocks(root, tokens, extra, tokens.len().saturating_sub(1));
+        for b in hit.blocks().collect::<Vec<_>>() {
+            self.hold_block(b);
+        }
+        let mut cached = hit.hashes.len() * self.shape.block_size;
+        s.tables = hit.tables;
+        s.hashes = hit.hashes;
+        if let Some((src, n)) = hit.partial {
+            // Hold the source so allocating the copy cannot evict it (holding may take it
+            // out of the eviction order, so room is counted afterwards).
+            self.hold_block(src);
+            if self.num_free_blocks() > 0 {
+                let b = self.take_block();
+                self.copy_block(src, b);
+                s.tables[0].blocks.push(b);
+                cached += n;
+            }
+            self.release_block(src);
+        }
+        s.layer_len.fill(cached);
+        s.seq_len = cached;
+        s.num_cached_tokens = cached;
+        if let Some(p) = self.prefix.as_mut() {
+            p.counters.queries += 1;
+            p.counters.query_tokens += tokens.len() as u64;
+            p.counters.hit_tokens += cached as u64;
+        }
+        let id = self.insert(s);
+        self.trim(id);
+        id
+    }
+
+    /// What `tokens` from `root` find cached, covering at most `limit` tokens. Full groups
+    /// need every block of the prefix; sliding and chunked groups only the blocks a token
+    /// right after it sees, so the hit is the longest prefix at which every group has what
+    /// it needs (searched right to left, as vLLM does for sliding windows).
+    pub(crate) fn match_blocks(
+        &self,
+        root: BlockHash,
+        tokens: &[u32],
+        extra: &[u8],
+        limit: usize,
+    ) -> Hit {
+        let ng = self.groups.groups.len();
+        let mut hit = Hit {
+            hashes: Vec::new(),
+            tables: vec![Table::default(); ng],
+            partial: None,
+        };
+        let Some(p) = self.prefix.as_ref() else {
+            return hit;
+        };
+        let bs = self.shape.block_size;
+        let kinds: Vec<LayerKind> = self.groups.groups.iter().map(|g| g.kind).collect();
+        let full: Vec<usize> = (0..ng).filter(|&g| kinds[g] == LayerKind::Full).collect();
+        let mut parent = root;
+        let mut buf = Vec::with_capacity(16 + 4 * bs + extra.len());
+        while (hit.hashes.len() + 1) * bs <= limit {
+            let start = hit.hashes.len() * bs;
+            let h = p
+                .kind
+                .block_with(&mut buf, parent, &tokens[start..start + bs], extra);
+            if full.iter().any(|&g| p.lookup(group_key(h, g)).is_none()) {
+                break;
+            }
+            hit.hashes.push(h);
+            parent = h;
+        }
+        // For each other group, the last block before k that is not cached.
+        let windowed: Vec<usize> = (0..ng).filter(|&g| kinds[g] != LayerKind::Full).collect();
+        let missing_before: Vec<Vec<Option<usize>>> = windowed
+            .iter()
+            .map(|&g| {
+                let mut last = None;
+                let mut out = vec![None; hit.hashes.len() + 1];
+                for (i, &h) in hit.hashes.iter().enumerate() {
+                    if p.lookup(group_key(h, g)).is_none() {
+                        last = Some(i);
+                    }
+                    out[i + 1] = last;
+                }
+                out
+            })
+            .collect();
+        let mut k = hit.hashes.len();
+        let needs_from = |g: usize, k: usize| self.groups.attention.first_visible(kinds[g], k * bs) / bs;
+        while k > 0
+            && windowed
+                .iter()
+                .zip(&missing_before)
+                .any(|(&g, miss)| miss[k].is_some_and(|m| m >= needs_from(g, k)))
+        {
+            k -= 1;
+        }
+        hit.hashes.truncate(k);
+        for g in 0..ng {
+            let from = if kinds[g] == LayerKind::Full { 0 } else { needs_from(g, k) };
+            let t = &mut hit.tables[g];
+            t.start = from * bs;
+            t.blocks = (0..k)
+                .map(|i| {
+                    if i < from {
+                        NO_BLOCK
+                    } else {
+                        p.lookup(group_key(hit.hashes[i], g)).expect("checked cached")
+                    }
+                })
+                .collect();
+        }
+        if p.partial_hits {
+            hit.partial = self.partial_match(p, hit.hashes.last().copied().unwrap_or(root), tokens, extra, k * bs, limit);
+        }
+        hit
+    }
+
+    /// The cached child of `parent` whose tokens share the longest beginning with
+    /// `tokens[start..limit]` (pools whose layers are all full: one group).
+    fn partial_match(
+        &self,
+        p: &PrefixIndex,
+        parent: BlockHash,
+        tokens: &[u32],
+        extra: &[u8],
+        start: usize,
+        limit: usize,
+    ) -> Option<(BlockId, usize)> {
+        let want = &tokens[start..limit.min(start + self.shape.block_size).max(start)];
+        let mut best = None;
+        let mut best_len = 0;
+        for &c in p.children(parent) {
+            // A child's hash also covers the extra key: only same-key children match.
+            if p.kind.block(parent, p.block_tokens(c), extra) != p.meta(c).expect("indexed").hash {
+                continue;
+            }
+            let lcp = p
+                .block_tokens(c)
+                .iter()
+                .zip(want)
+                .take_while(|(a, b)| a == b)
+                .count();
+            if lcp > best_len {
+                best_len = lcp;
+                best = Some((c, lcp));
+            }
+        }
+        best
+    }
+
+    /// Tokens of `tokens` (in `namespace`, with `extra`) that a new sequence would find
+    /// cached, without attaching anything or counting a query.
+    pub fn match_prefix(&self, tokens: &[u32], namespace: &[u8], extra: &[u8]) -> usize {
+        let Some(p) = self.prefix.as_ref() else {
+            return 0;
+        };
+        self.match_blocks(p.root(namespace), tokens, extra, tokens.len().saturating_sub(1))
+            .tokens(self.shape.block_size)
+    }
+
+    /// Caches every full, committed block of `id` whose token ids are known, in every
+    /// group that still holds it.
+    pub(crate) fn register_blocks(&mut self, id: SeqId) {
+        let bs = self.shape.block_size;
+        let Some(p) = self.prefix.as_mut() else {
+            return;
+        };
+        let s = self.seqs.get_mut(&id).expect("checked live");
+        while s.hashes.len() < s.seq_len.min(s.tokens.len()).min(s.cache_limit) / bs {
+            let i = s.hashes.len();
+            let parent = if i == 0 { s.root } else { s.hashes[i - 1] };
+            let toks = &s.tokens[i * bs..(i + 1) * bs];
+            let h = p.kind.block(parent, toks, &s.extra);
+            s.hashes.push(h);
+            for (g, t) in s.tables.iter().enumerate() {
+                if let Some(&b) = t.blocks.get(i).filter(|&&b| b != NO_BLOCK) {
+                    // A block already cached under another hash, or a hash already cached
+                    // in another block, stays as it is: the first copy wins.
+                    p.register(b, group_key(h, g), group_key(parent, g), i == 0, toks);
+                }
+            }
+        }
+    }
+
+    fn prefix_or_err(&self) -> Result<&PrefixIndex> {
+        self.prefix.as_ref().ok_or_else(|| {
+            KvError::NotSupported(
+                "prefix caching is off for this pool (prefix_caching=False)".into(),
+            )
+        })
+    }
+
+    /// The cached blocks a sequence starting with all of `tokens` would attach, and the
+    /// tokens they cover.
+    fn cached_hit(&self, tokens: &[u32], namespace: &[u8], extra: &[u8]) -> Result<(Vec<BlockId>, usize)> {
+        let p = self.prefix_or_err()?;
+        let mut hit = self.match_blocks(p.root(namespace), tokens, extra, tokens.len());
+        hit.partial = None;
+        Ok((hit.blocks().collect(), hit.tokens(self.shape.block_size)))
+    }
+
+    /// Keeps the cached blocks of `tokens`' prefix hit (whole blocks) from eviction until
+    /// [`Self::unpin`]; returns the tokens pinned.
+    pub fn pin(&mut self, tokens: &[u32], namespace: &[u8], extra: &[u8]) -> Result<usize> {
+        let (blocks, covered) = self.cached_hit(tokens, namespace, extra)?;
+        for &b in &blocks {
+            self.hold_block(b);
+            *self.pins.entry(b).or_insert(0) += 1;
+        }
+        Ok(covered)
+    }
+
+    /// Undoes one [`Self::pin`] of the same prefix; returns the tokens unpinned.
+    pub fn unpin(&mut self, tokens: &[u32], namespace: &[u8], extra: &[u8]) -> Result<usize> {
+        let (blocks, covered) = self.cached_hit(tokens, namespace, extra)?;
+        let pinned: Vec<BlockId> = blocks
+            .into_iter()
+            .filter(|b| self.pins.contains_key(b))
+            .collect();
+        if pinned.is_empty() {
+            return Ok(0);
+        }
+        for &b in pinned.iter().rev() {
+            let c = self.pins.get_mut(&b).expect("checked");
+            *c -= 1;
+            if *c == 0 {
+                self.pins.remove(&b);
+            }
+            self.release_block(b);
+        }
+        Ok(covered)
+    }
+
+    /// Drops every cached block no sequence holds; returns how many.
+    pub fn evict_all(&mut self) -> usize {
+        let Some(p) = self.prefix.as_mut() else {
+            return 0;
+        };
+        let mut n = 0;
+        while let Some(b) = p.lru.pop_front() {
+            p.unregister(b);
+            p.counters.evictions += 1;
+            self.alloc.push_free(b);
+            n += 1;
+        }
+        n
+    }
+
+    /// Blocks stored in and removed from the prefix index since the last call.
+    pub fn drain_events(&mut self) -> Result<Vec<PrefixEvent>> {
+        self.prefix
+            .as_mut()
+            .and_then(PrefixIndex::drain_events)
+            .ok_or_else(|| {
+                KvError::NotSupported(
+                    "events are not recorded: create the pool with events=True".into(),
+                )
+            })
+    }
+
+    /// Caches `tokens`' block `b` under `hash` (from a saved cache) as evictable, most
+    /// recently used. For loading; `b` must be unreferenced and uncached.
+    pub(crate) fn adopt_cached(
+        &mut self,
+        b: BlockId,
+        hash: BlockHash,
+        parent: BlockHash,
+        first: bool,
+        tokens: &[u32],
+    ) -> bool {
+        let p = self.prefix.as_mut().expect("prefix caching on");
+        if !p.register(b, hash, parent, first, tokens) {
+            return false;
+        }
+        p.lru.push_back(b);
+        true
+    }
+
+    /// Takes a free block (not an evictable one) for loading, or `None`.
+    pub(crate) fn take_free_block(&mut self) -> Option<BlockId> {
+        let b = self.alloc.allocate()?;
+        assert!(self.alloc.release(b));
+        Some(b)
+    }
+}

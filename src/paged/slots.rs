@@ -1,0 +1,180 @@
+//! What a kernel needs from a pool: reserved slots (vLLM's slot mapping), the scatter
+//! into slots, FlashInfer's page table and padded block tables, per layer group.
+
+use rustc_hash::FxHashSet;
+
+use super::allocator::BlockId;
+use super::pool::{token_count, BlockPool, SeqId};
+use super::seq::{SeqState, NO_BLOCK};
+use crate::error::{check_count, check_index, KvError, Result};
+use crate::kv_cache::Kv;
+use crate::tensor::TensorRef;
+
+impl BlockPool {
+    /// Reserves positions for `counts[i]` new tokens at the end of each sequence, all or
+    /// nothing, and returns their slots (`block * block_size + offset`): one run of
+    /// `sum(counts)` slots per layer group, groups in order, tokens in sequence order.
+    /// The positions become part of every layer (fill them with [`Self::write`]) and are
+    /// committed with [`Self::advance`].
+    pub fn reserve(&mut self, ids: &[SeqId], counts: &[i64]) -> Result<Vec<i64>> {
+        if ids.len() != counts.len() {
+            return Err(KvError::InvalidArgument {
+                name: "counts",
+                value: format!("{} entries", counts.len()),
+                reason: format!("needs one count per sequence ({})", ids.len()),
+            });
+        }
+        let mut needed = 0;
+        let mut plan = Vec::with_capacity(ids.len());
+        let mut seen = FxHashSet::with_capacity_and_hasher(ids.len(), Default::default());
+        for (&id, &c) in ids.iter().zip(counts) {
+            let c = check_count("counts", c)?;
+            if !seen.insert(id) {
+                return Err(KvError::InvalidArgument {
+                    name: "seqs",
+                    value: format!("sequence {id}"),
+                    reason: "appears twice; give each sequence once with its total count".into(),
+                });
+            }
+            let s = self.seq(id)?;
+            let start = s.uniform_len().ok_or_else(|| KvError::InvalidArgument {
+                name: "seqs",
+                value: format!("sequence {id}"),
+                reason: format!("its layers hold different lengths {:?}; finish or truncate the partial append first", s.layer_len),
+            })?;
+            needed += self.blocks_needed(s, start, start + c);
+            plan.push((id, start, c));
+        }
+        let total: usize = plan.iter().map(|p| p.2).sum();
+        self.ensure_room(needed, || {
+            format!("reserving {total} tokens for {} sequences", ids.len())
+        })?;
+        let (ng, bs) = (self.groups.groups.len(), self.shape.block_size);
+        let mut slots = vec![0i64; ng * total];
+        let mut at = 0;
+        for (id, start, c) in plan {
+            self.prepare_write(id, start, start + c);
+            let s = self.seq_mut(id);
+            s.layer_len.fill(start + c);
+            for (g, row) in slots.chunks_exact_mut(total.max(1)).enumerate().take(ng) {
+                let blocks = &s.tables[g].blocks;
+                for (j, p) in (start..start + c).enumerate() {
+                    row[at + j] = slot(blocks[p / bs], p, bs);
+                }
+            }
+            at += c;
+        }
+        Ok(slots)
+    }
+
+    /// Scatters `k`, `v` (`[n_tokens, heads, head_dim]`) into `slots` of `layer`'s group
+    /// (vLLM's `reshape_and_cache`; slot `-1` skips the token). Every slot must lie in a
+    /// block that exactly one sequence holds and that is not cached (reserve positions
+    /// first).
+    pub fn write(&mut self, layer: i64, k: &TensorRef, v: &TensorRef, slots: &[i64]) -> Result<()> {
+        let sh = self.shape;
+        let layer = check_index("layer", layer, sh.num_layers)?;
+        let n = token_count("k", k, sh)?;
+        v.expect_shape("v", &[n, sh.num_kv_heads, sh.head_dim])?;
+        if slots.len() != n {
+            return Err(KvError::Shape {
+                name: "slot_mapping",
+                got: vec![slots.len()],
+                expected: format!("[{n}] (one per token)"),
+            });
+        }
+        let limit = sh.num_blocks * sh.block_size;
+        for &slot in slots {
+            if slot == -1 {
+                continue;
+            }
+            let b = (check_index("slot_mapping", slot, limit)? / sh.block_size) as BlockId;
+            let refs = self.alloc.refcount(b);
+            let reason = if refs == 0 {
+                format!("block {b} is not held by any sequence; reserve() the positions first")
+            } else if refs > 1 {
+                format!("block {b} is shared by {refs} holders; reserve() the positions first (copy-on-write)")
+            } else if self.is_cached(b) {
+                format!(
+                    "block {b} is in the prefix cache and immutable; reserve() the positions first"
+                )
+            } else {
+                continue;
+            };
+            return Err(KvError::InvalidArgument {
+                name: "slot_mapping",
+                value: slot.to_string(),
+                reason,
+            });
+        }
+        let tensor = self.tensor_of(layer);
+        let mut t = 0;
+        while t < n {
+            if slots[t] == -1 {
+                t += 1;
+                continue;
+            }
+            let (b, off) = (
+                (slots[t] as usize / sh.block_size) as BlockId,
+                slots[t] as usize % sh.block_size,
+            );
+            // Consecutive slots within one block are written as one run.
+            let mut run = 1;
+            while t + run < n
+                && off + run < sh.block_size
+                && slots[t + run] == slots[t] + run as i64
+            {
+                run += 1;
+            }
+            for (kv, src) in [(Kv::Key, k), (Kv::Value, v)] {
+                self.storage
+                    .write(sh.positions(tensor, kv, b, off, run), &src.slice(0, t, run))?;
+            }
+            t += run;
+        }
+        Ok(())
+    }
+
+    /// FlashInfer's page table of group `g` for `ids`: `(indptr [B+1], indices,
+    /// last_page_len [B])` over the blocks each sequence holds there (a sliding group's
+    /// pages start at its first held block; a sequence with no page has `last_page_len` 0).
+    pub fn page_table(&self, ids: &[SeqId], g: usize) -> Result<(Vec<i32>, Vec<i32>, Vec<i32>)> {
+        let bs = self.shape.block_size;
+        let layers = &self.groups.groups[g].layers;
+        let mut indptr = Vec::with_capacity(ids.len() + 1);
+        let mut indices = Vec::new();
+        let mut last = Vec::with_capacity(ids.len());
+        indptr.push(0);
+        for &id in ids {
+            let s = self.seq(id)?;
+            let t = &s.tables[g];
+            let first = indices.len();
+            indices.extend(t.held_blocks().map(|b| b as i32));
+            indptr.push(indices.len() as i32);
+            let held = s.held_by(layers);
+            last.push(if indices.len() == first { 0 } else { (held - 1) % bs + 1 } as i32);
+        }
+        Ok((indptr, indices, last))
+    }
+
+    /// Block tables of group `g` for `ids` as rows of a `[batch, max_blocks]` matrix,
+    /// entry `i` covering positions `i * block_size..`, padded (and released entries
+    /// filled) with `pad`.
+    pub fn block_tables(&self, ids: &[SeqId], g: usize, pad: i32) -> Result<(Vec<i32>, usize)> {
+        let states: Vec<&SeqState> = ids.iter().map(|&id| self.seq(id)).collect::<Result<_>>()?;
+        let width = states.iter().map(|s| s.tables[g].blocks.len()).max().unwrap_or(0);
+        let mut out = vec![pad; width * ids.len()];
+        for (row, s) in states.iter().enumerate() {
+            for (j, &b) in s.tables[g].blocks.iter().enumerate() {
+                if b != NO_BLOCK {
+                    out[row * width + j] = b as i32;
+                }
+            }
+        }
+        Ok((out, width))
+    }
+}
+
+fn slot(block: BlockId, pos: usize, block_size: usize) -> i64 {
+    (block as usize * block_size + pos % block_size) as i64
+}
