@@ -105,6 +105,7 @@ impl BlockPool {
         device: Device,
         prefix: Option<PrefixConfig>,
     ) -> Result<Self> {
+        check_layer_count(shape.num_layers)?;
         Self::with_attention(shape, Attention::full(shape.num_layers), dtype, device, prefix)
     }
 
@@ -124,6 +125,7 @@ impl BlockPool {
             ("block_size", shape.block_size),
             ("num_blocks", shape.num_blocks),
         ])?;
+        check_layer_count(shape.num_layers)?;
         attention.validate(shape.num_layers)?;
         let groups = LayerGroups::new(attention);
         if shape.num_blocks > i32::MAX as usize / shape.block_size {
@@ -1155,6 +1157,22 @@ pub(crate) fn cut_table(t: &mut Table, start: usize, held: usize, bs: usize) -> 
     }
     out.retain(|&b| b != NO_BLOCK);
     out
+}
+
+/// Layers a pool may have: far more than any model, few enough that per-layer
+/// bookkeeping is always allocatable.
+pub const MAX_LAYERS: usize = 1 << 16;
+
+/// Checks that `num_layers` is at most [`MAX_LAYERS`].
+pub fn check_layer_count(num_layers: usize) -> Result<()> {
+    if num_layers > MAX_LAYERS {
+        return Err(KvError::InvalidArgument {
+            name: "num_layers",
+            value: num_layers.to_string(),
+            reason: format!("must be <= {MAX_LAYERS}"),
+        });
+    }
+    Ok(())
 }
 
 pub(crate) fn freed(id: SeqId) -> KvError {

@@ -157,6 +157,7 @@ impl PyBlockPool {
             num_blocks: 0,
             layout: layout.parse::<KvLayout>()?,
         };
+        crate::paged::pool::check_layer_count(shape.num_layers)?;
         let attention = Attention {
             kinds: match layer_types {
                 None => vec![LayerKind::Full; shape.num_layers],

@@ -200,7 +200,7 @@ def test_batch_masks_for_two_sequences():
     fill(a, 3)
     fill(b, 1, start=20)
     batch = p.start_forward([a, b, a], [3, 1, 4])
-    assert batch.num_tokens == 3 and batch.history_len == 5 + 2
+    assert batch.num_tokens == 3 and batch.history_len(0) == 5 + 2
     new = toks(3, start=40)
     for layer in range(L):
         batch.put(layer, new, -new)

@@ -5,6 +5,11 @@ truncate, remove, free and batched forwards under memory pressure (a small pool)
 every step: every live sequence's K/V equals its reference, block tables and reference
 counts are consistent (check_invariants), free + used == total, and tokens_stored /
 fragmentation_tokens equal the distinct (block, offset) slots the sequences hold.
+
+The mixed machines rerun all of it on pools whose layers are full, sliding-window or
+chunked: the reference also tracks the first position each layer must still hold, so
+each layer's contents, the released blocks, the window masks, which batches may continue
+(can_resume) and the bounded memory of windowed layers are checked after every step.
 """
 
 from __future__ import annotations
@@ -16,22 +21,24 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import kvrs
 
-L, H, D, BS, BLOCKS = 2, 2, 2, 4, 12
-TOKEN = H * D
+H, D, BS = 2, 2, 4
 
 
 class Ref:
-    """A sequence's reference: per layer, the list of [H, D] tokens it holds."""
+    """A sequence's reference: per layer, the list of [H, D] tokens of every position it
+    wrote, and the first position the layer still holds."""
 
-    def __init__(self):
-        self.k = [[] for _ in range(L)]
-        self.v = [[] for _ in range(L)]
+    def __init__(self, num_layers):
+        self.k = [[] for _ in range(num_layers)]
+        self.v = [[] for _ in range(num_layers)]
+        self.start = [0] * num_layers
         self.seq_len = 0
 
     def copy(self):
-        r = Ref()
+        r = Ref(len(self.k))
         r.k = [list(x) for x in self.k]
         r.v = [list(x) for x in self.v]
+        r.start = list(self.start)
         r.seq_len = self.seq_len
         return r
 
@@ -40,9 +47,10 @@ class Ref:
 
     def cut(self, n):
         self.seq_len = min(self.seq_len, n)
-        for layer in range(L):
+        for layer in range(len(self.k)):
             del self.k[layer][n:]
             del self.v[layer][n:]
+            self.start[layer] = min(self.start[layer], len(self.k[layer]))
 
     def uniform(self):
         return len({len(x) for x in self.k}) == 1
@@ -56,33 +64,81 @@ def tokens(seed, n):
 class PoolMachine(RuleBasedStateMachine):
     layout = "NHD"
     dtype = "float16"
+    layer_types = ["full", "full"]
+    window, chunk, swa_memory = None, None, 0
+    blocks = 12
 
     def __init__(self):
         super().__init__()
         self.pool = kvrs.BlockPool(
-            L, H, D, block_size=BS, num_blocks=BLOCKS, dtype=self.dtype, layout=self.layout
+            len(self.layer_types),
+            H,
+            D,
+            block_size=BS,
+            num_blocks=self.blocks,
+            dtype=self.dtype,
+            layout=self.layout,
+            layer_types=self.layer_types,
+            sliding_window=self.window,
+            chunk_size=self.chunk,
+            swa_memory=self.swa_memory,
         )
+        self.L = len(self.layer_types)
+        # One layer per block table.
+        self.group_layers = {self.pool.layer_group(i): i for i in reversed(range(self.L))}
         self.live: list[tuple[kvrs.Sequence, Ref]] = []
 
     def pick(self, i):
         return self.live[i % len(self.live)]
 
-    def needed(self, seq, start, end):
-        """Blocks a write of positions start..end takes: new ones plus copies of shared ones."""
+    def first_visible(self, layer, pos):
+        kind = self.layer_types[layer]
+        if kind == "sliding":
+            return max(0, pos + 1 - self.window)
+        if kind == "chunked":
+            return pos // self.chunk * self.chunk
+        return 0
+
+    def committed(self, ref):
+        """Windowed layers release the whole blocks no future token sees."""
+        for layer, kind in enumerate(self.layer_types):
+            if kind != "full":
+                keep = self.first_visible(layer, ref.seq_len)
+                if kind == "sliding":
+                    keep = max(0, keep - self.swa_memory)
+                ref.start[layer] = min(max(ref.start[layer], keep // BS * BS), len(ref.k[layer]))
+
+    def resumable(self, ref, pos):
+        return all(
+            self.first_visible(layer, pos) >= pos or ref.start[layer] <= self.first_visible(layer, pos)
+            for layer in range(self.L)
+        )
+
+    def needed(self, seq, start, end, layers=None):
+        """Blocks a write of positions start..end of `layers` (default: all) takes: new ones
+        (past a table or where a block was released) plus copies of shared ones."""
         if start >= end:
             return 0
-        table = list(seq.block_table)
-        grow = max(0, -(-end // BS) - len(table))
         refs = {}
         for s, _ in self.live:
-            for b in s.block_table:
-                refs[b] = refs.get(b, 0) + 1
-        shared = sum(1 for i in range(start // BS, min(-(-end // BS), len(table))) if refs[table[i]] > 1)
-        return grow + shared
+            for g, rep in self.group_layers.items():
+                for b in s.layer_blocks(rep):
+                    refs[int(b)] = refs.get(int(b), 0) + 1
+        groups = {self.pool.layer_group(i) for i in (range(self.L) if layers is None else layers)}
+        total = 0
+        for g in groups:
+            table = list(seq.layer_blocks(self.group_layers[g]))
+            total += max(0, -(-end // BS) - len(table))
+            total += sum(
+                1
+                for i in range(start // BS, min(-(-end // BS), len(table)))
+                if table[i] == -1 or refs[table[i]] > 1
+            )
+        return total
 
     @rule()
     def new(self):
-        self.live.append((self.pool.new_sequence(), Ref()))
+        self.live.append((self.pool.new_sequence(), Ref(self.L)))
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 20))
@@ -110,15 +166,17 @@ class PoolMachine(RuleBasedStateMachine):
         r = ra.copy()
         r.cut(n)
         r.seq_len = n
+        self.committed(r)
         self.live[[s for s, _ in self.live].index(b)] = (b, r)
 
     @precondition(lambda self: self.live)
-    @rule(i=st.integers(0, 20), layer=st.integers(0, L - 1), n=st.integers(0, 6), seed=st.integers(0, 999))
+    @rule(i=st.integers(0, 20), layer=st.integers(0, 7), n=st.integers(0, 6), seed=st.integers(0, 999))
     def append(self, i, layer, n, seed):
         seq, ref = self.pick(i)
+        layer %= self.L
         start = len(ref.k[layer])
         k, v = tokens(seed, n), tokens(seed + 1, n)
-        if self.needed(seq, start, start + n) > self.pool.free_blocks:
+        if self.needed(seq, start, start + n, [layer]) > self.pool.free_blocks:
             try:
                 seq.append(layer, k, v)
             except kvrs.CacheFullError:
@@ -135,6 +193,7 @@ class PoolMachine(RuleBasedStateMachine):
         if all(len(x) >= ref.seq_len + n for x in ref.k):
             seq.advance(n)
             ref.seq_len += n
+            self.committed(ref)
         else:
             try:
                 seq.advance(n)
@@ -174,6 +233,8 @@ class PoolMachine(RuleBasedStateMachine):
                 chosen.append((seq, ref, c))
         needed = sum(self.needed(s, r.held(), r.held() + c) for s, r, c in chosen)
         ok = all(r.uniform() for _, r, _ in chosen) and needed <= self.pool.free_blocks
+        if forward:
+            ok = ok and all(self.resumable(r, r.held()) for _, r, _ in chosen)
         order = [(s, r, r.held() + j) for s, r, c in chosen for j in range(c)]
         n = len(order)
         try:
@@ -186,36 +247,48 @@ class PoolMachine(RuleBasedStateMachine):
             assert not ok
             return
         assert ok
-        for layer in range(L):
+        for layer in range(self.L):
             k, v = tokens(seed + layer, n), tokens(seed + 7 + layer, n)
             if forward:
                 batch.put(layer, k, v)
             else:
-                self.pool.write(layer, k, v, slots)
+                row = slots if slots.ndim == 1 else slots[self.pool.layer_group(layer)]
+                self.pool.write(layer, k, v, row)
             for t, (_, r, _) in enumerate(order):
                 r.k[layer].append(k[t])
                 r.v[layer].append(v[t])
         if forward:
-            K, _, mask = batch.get(L - 1)
-            offsets, off = {}, 0
-            for s, r, _ in chosen:
-                offsets[id(s)] = off
-                np.testing.assert_array_equal(
-                    K[:, off : off + r.held()].astype(np.float32), np.array(r.k[L - 1]).transpose(1, 0, 2)
-                )
-                off += r.held()
-            for t, (s, _, pos) in enumerate(order):
-                visible = np.zeros(off, bool)
-                visible[offsets[id(s)] : offsets[id(s)] + pos + 1] = True
-                assert ((mask[t] == 0) == visible).all()
+            for layer in range(self.L):
+                self.check_batch_get(batch, layer, chosen, order)
             if commit:
                 batch.finish()
                 for _, r, _ in chosen:
                     r.seq_len = r.held()
+                    self.committed(r)
             else:
                 batch.cancel()
                 for _, r, c in chosen:
                     r.cut(r.held() - c)
+
+    def check_batch_get(self, batch, layer, chosen, order):
+        """batch.get(layer): each sequence's held positions, and the layer's mask rule."""
+        K, _, mask = batch.get(layer)
+        offsets, off = {}, 0
+        for s, r, _ in chosen:
+            first = r.start[layer]
+            offsets[id(s)] = (off, first)
+            np.testing.assert_array_equal(
+                K[:, off : off + r.held() - first].astype(np.float32),
+                np.array(r.k[layer][first:]).transpose(1, 0, 2),
+            )
+            off += r.held() - first
+        assert batch.history_len(layer) == off
+        for t, (s, _, pos) in enumerate(order):
+            o, first = offsets[id(s)]
+            lo = max(self.first_visible(layer, pos), first)
+            visible = np.zeros(off, bool)
+            visible[o + lo - first : o + pos - first + 1] = True
+            assert ((mask[t] == 0) == visible).all()
 
     @invariant()
     def matches_reference(self):
@@ -223,20 +296,30 @@ class PoolMachine(RuleBasedStateMachine):
         slots = set()
         for seq, ref in self.live:
             assert seq.seq_len == ref.seq_len
-            for layer in range(L):
-                assert seq.layer_len(layer) == len(ref.k[layer])
+            for layer in range(self.L):
+                first, length = ref.start[layer], len(ref.k[layer])
+                assert seq.layer_len(layer) == length
+                assert seq.layer_start(layer) == first
                 K, V = seq.get(layer)
-                if ref.k[layer]:
+                assert K.shape[1] == length - first
+                if length > first:
                     np.testing.assert_array_equal(
-                        K.astype(np.float32), np.array(ref.k[layer]).transpose(1, 0, 2)
+                        K.astype(np.float32), np.array(ref.k[layer][first:]).transpose(1, 0, 2)
                     )
                     np.testing.assert_array_equal(
-                        V.astype(np.float32), np.array(ref.v[layer]).transpose(1, 0, 2)
+                        V.astype(np.float32), np.array(ref.v[layer][first:]).transpose(1, 0, 2)
                     )
-            table = seq.block_table
-            slots.update((int(table[p // BS]), p % BS) for p in range(ref.held()))
+                table = seq.layer_blocks(layer)
+                slots.update((int(table[p // BS]), p % BS) for p in range(first, length))
+                kind = self.layer_types[layer]
+                if kind != "full" and ref.seq_len == seq.seq_len and first > 0:
+                    # Windowed layers stay bounded: window (or chunk), memory, a block, and
+                    # what is not committed yet.
+                    span = max(self.window or 0, self.chunk or 0) + self.swa_memory + BS
+                    assert length - first <= span + (length - ref.seq_len)
+            assert seq.can_resume(ref.seq_len) == self.resumable(ref, ref.seq_len)
         s = self.pool.stats()
-        assert s["free_blocks"] + s["used_blocks"] == BLOCKS
+        assert s["free_blocks"] + s["used_blocks"] == self.blocks
         assert s["tokens_stored"] == len(slots)
         assert s["fragmentation_tokens"] == s["used_blocks"] * BS - len(slots)
 
@@ -246,8 +329,30 @@ class HndFloat32Machine(PoolMachine):
     dtype = "float32"
 
 
+class SlidingMachine(PoolMachine):
+    """Two block tables, each block id holding one block of two layers."""
+
+    layer_types = ["sliding", "full", "sliding", "full"]
+    window, swa_memory = 3, 1
+    blocks = 16
+
+
+class ChunkedMachine(PoolMachine):
+    """Three block tables (two chunked layers, one full), HND."""
+
+    layout = "HND"
+    dtype = "float32"
+    layer_types = ["chunked", "full", "chunked"]
+    chunk = 4
+    blocks = 18
+
+
 SETTINGS = settings(max_examples=80, stateful_step_count=40, deadline=None)
 TestNhdFloat16Pool = PoolMachine.TestCase
 TestNhdFloat16Pool.settings = SETTINGS
 TestHndFloat32Pool = HndFloat32Machine.TestCase
 TestHndFloat32Pool.settings = SETTINGS
+TestSlidingPool = SlidingMachine.TestCase
+TestSlidingPool.settings = SETTINGS
+TestChunkedPool = ChunkedMachine.TestCase
+TestChunkedPool.settings = SETTINGS
