@@ -40,7 +40,7 @@ fn schedule(c: &mut Criterion) {
             |(pool, ids)| {
                 for _ in 0..64 {
                     let slots = pool.reserve(ids, &[1; 256]).unwrap();
-                    let table = pool.page_table(ids).unwrap();
+                    let table = pool.page_table(ids, 0).unwrap();
                     std::hint::black_box((slots, table));
                 }
             },

@@ -151,7 +151,11 @@ impl World {
             } else {
                 r.start[l].max(end) - shift
             };
-            let new_len = if r.k[l].len() > end { r.k[l].len() - shift } else { r.k[l].len().min(begin) };
+            let new_len = if r.k[l].len() > end {
+                r.k[l].len() - shift
+            } else {
+                r.k[l].len().min(begin)
+            };
             r.start[l] = new_start.min(new_len);
             let len = r.k[l].len();
             if len > end {
@@ -600,7 +604,9 @@ impl World {
                 // A windowed layer holds at most its window, its memory, one partial
                 // block and what is not committed yet.
                 let kind = self.attention.kinds[l];
-                if kind != LayerKind::Full && first == self.attention.keep_from(kind, r.seq_len) / BS * BS {
+                if kind != LayerKind::Full
+                    && first == self.attention.keep_from(kind, r.seq_len) / BS * BS
+                {
                     let bound = (len - r.seq_len) + WINDOW.max(CHUNK) + SWA_MEMORY + BS;
                     assert!(len - first <= bound, "layer {l} holds {first}..{len}");
                 }
@@ -638,7 +644,11 @@ fn run(layout: KvLayout, dtype: DType, kinds: [LayerKind; L], ops: &[Op]) {
         kinds: kinds.to_vec(),
         sliding_window: Some(WINDOW),
         chunk_size: Some(CHUNK),
-        swa_memory: if kinds.contains(&LayerKind::Sliding) { SWA_MEMORY } else { 0 },
+        swa_memory: if kinds.contains(&LayerKind::Sliding) {
+            SWA_MEMORY
+        } else {
+            0
+        },
     };
     let mut pool =
         BlockPool::with_attention(shape, attention.clone(), dtype, Device::Cpu, None).unwrap();

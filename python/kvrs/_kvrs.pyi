@@ -2,6 +2,7 @@
 
 import os
 from collections.abc import Iterable
+from collections.abc import Sequence as Sequence_
 from types import TracebackType
 from typing import Any, final
 
@@ -145,6 +146,10 @@ class BlockPool:
         partial_hits: bool = True,
         events: bool = False,
         rope: RoPE | None = None,
+        layer_types: Sequence_[str] | None = None,
+        sliding_window: int | None = None,
+        chunk_size: int | None = None,
+        swa_memory: int = 0,
     ) -> BlockPool: ...
     @property
     def num_layers(self) -> int:
@@ -172,7 +177,7 @@ class BlockPool:
         """'NHD' or 'HND'."""
     @property
     def bytes_per_block(self) -> int:
-        """Bytes of one block across all layers (K and V)."""
+        """Bytes of one block id: a block (K and V) of each layer of a layer group."""
     @property
     def free_blocks(self) -> int:
         """Blocks no sequence holds."""
@@ -188,6 +193,23 @@ class BlockPool:
     @property
     def seed(self) -> int | None:
         """The seed of every hash chain, or None without prefix caching."""
+    @property
+    def layer_types(self) -> list[str]:
+        """Kind of each layer: 'full', 'sliding' or 'chunked'."""
+    @property
+    def sliding_window(self) -> int | None:
+        """Window of the sliding layers (positions seen, the token included), or None."""
+    @property
+    def chunk_size(self) -> int | None:
+        """Chunk size of the chunked layers, or None."""
+    @property
+    def swa_memory(self) -> int:
+        """Extra positions sliding layers keep behind their window."""
+    @property
+    def num_layer_groups(self) -> int:
+        """Block tables each sequence has: one per group of equally many layers of one kind."""
+    def layer_group(self, layer: int) -> int:
+        """The group (row of reserve()'s slot mapping, block table) of `layer`."""
     def kv_cache(self, layer: int) -> npt.NDArray[Any]:
         """Zero-copy writable view of one layer's cache tensor, in FlashInfer's paged layout."""
     def stats(self) -> dict[str, Any]:
@@ -215,15 +237,18 @@ class BlockPool:
     def keep(self, seqs: Iterable[Sequence]) -> None:
         """Frees every sequence of the pool not in `seqs`."""
     def reserve(self, seqs: Iterable[Sequence], counts: _IntsLike) -> npt.NDArray[np.int64]:
-        """Reserves room for counts[i] new tokens in each sequence; returns the int64 slot mapping."""
+        """Reserves room for counts[i] new tokens in each sequence; returns the int64 slot mapping
+        ([n], or [num_layer_groups, n] when layers have several block tables)."""
     def write(self, layer: int, k: _ArrayLike, v: _ArrayLike, slot_mapping: _IntsLike) -> None:
         """Scatters k, v [n_tokens, num_kv_heads, head_dim] into slot_mapping (-1 skips)."""
     def page_table(
-        self, seqs: Iterable[Sequence]
+        self, seqs: Iterable[Sequence], layer: int | None = None
     ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32], npt.NDArray[np.int32]]:
-        """FlashInfer's int32 page table (indptr, indices, last_page_len) of `seqs`."""
-    def block_tables(self, seqs: Iterable[Sequence], pad: int = -1) -> npt.NDArray[np.int32]:
-        """Block tables of `seqs` as an int32 [batch, max_blocks] array padded with `pad`."""
+        """FlashInfer's int32 page table (indptr, indices, last_page_len) of `seqs` for `layer`'s group."""
+    def block_tables(
+        self, seqs: Iterable[Sequence], pad: int = -1, layer: int | None = None
+    ) -> npt.NDArray[np.int32]:
+        """Block tables of `seqs` (`layer`'s group) as int32 [batch, max_blocks], padded with `pad`."""
     def start_forward(
         self, seqs: Iterable[Sequence], positions: _IntsLike | None = None, tokens: _IntsLike | None = None
     ) -> ForwardBatch:
@@ -243,13 +268,19 @@ class Sequence:
         """Committed length."""
     @property
     def num_blocks(self) -> int:
-        """Blocks in the block table."""
+        """Blocks the sequence holds (every layer group)."""
     @property
     def block_table(self) -> npt.NDArray[np.int32]:
-        """The block ids, in position order (an int32 copy)."""
+        """The block ids, in position order (an int32 copy), of a pool with one layer group."""
+    def layer_blocks(self, layer: int) -> npt.NDArray[np.int32]:
+        """`layer`'s block table: entry i covers positions i * block_size..; -1 where released."""
     @property
     def pos_min(self) -> int:
-        """Lowest position held (-1 when empty)."""
+        """Lowest position every layer holds (-1 when empty)."""
+    def layer_start(self, layer: int) -> int:
+        """First position `layer` holds (get() returns positions layer_start..layer_len)."""
+    def can_resume(self, pos: int) -> bool:
+        """Whether the cache still holds everything needed to continue at `pos`, for every layer."""
     @property
     def pos_max(self) -> int:
         """Highest committed position (-1 when empty)."""
@@ -295,7 +326,9 @@ class Sequence:
     def truncate(self, n: int) -> None:
         """Drops positions >= n, returning freed blocks; a no-op when n >= seq_len."""
     def remove(self, begin: int, end: int | None = None) -> None:
-        """llama.cpp's seq_rm: removes positions [begin, end); a middle span raises NotSupportedError."""
+        """llama.cpp's seq_rm: removes positions [begin, end); a middle span needs the pool's rope."""
+    def shift(self, p0: int, p1: int | None, delta: int) -> None:
+        """llama.cpp's seq_add over a tail: positions p0.. move down by -delta, keys re-rotated."""
     def free(self) -> None:
         """Returns every block to the pool; the sequence cannot be used afterwards."""
     def __enter__(self) -> Sequence: ...
@@ -310,13 +343,12 @@ class ForwardBatch:
         """Tokens in the batch."""
     @property
     def slot_mapping(self) -> npt.NDArray[np.int64]:
-        """Each token's slot (int64, vLLM's convention)."""
+        """Each token's slot (int64, vLLM's convention): [n_tokens], or [num_layer_groups, n_tokens]."""
     @property
     def positions(self) -> npt.NDArray[np.int64]:
         """Each token's position in its sequence."""
-    @property
-    def history_len(self) -> int:
-        """Positions of history that get() returns."""
+    def history_len(self, layer: int = 0) -> int:
+        """Positions of history that get(layer) returns."""
     def put(self, layer: int, k: _ArrayLike, v: _ArrayLike) -> None:
         """Writes this layer's K and V for the batch's tokens ([n_tokens, heads, head_dim])."""
     def get(self, layer: int) -> tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[np.float32]]:

@@ -134,7 +134,8 @@ impl BlockPool {
             })
             .collect();
         let mut k = hit.hashes.len();
-        let needs_from = |g: usize, k: usize| self.groups.attention.first_visible(kinds[g], k * bs) / bs;
+        let needs_from =
+            |g: usize, k: usize| self.groups.attention.first_visible(kinds[g], k * bs) / bs;
         while k > 0
             && windowed
                 .iter()
@@ -144,22 +145,33 @@ impl BlockPool {
             k -= 1;
         }
         hit.hashes.truncate(k);
-        for g in 0..ng {
-            let from = if kinds[g] == LayerKind::Full { 0 } else { needs_from(g, k) };
-            let t = &mut hit.tables[g];
+        for (g, t) in hit.tables.iter_mut().enumerate() {
+            let from = if kinds[g] == LayerKind::Full {
+                0
+            } else {
+                needs_from(g, k)
+            };
             t.start = from * bs;
             t.blocks = (0..k)
                 .map(|i| {
                     if i < from {
                         NO_BLOCK
                     } else {
-                        p.lookup(group_key(hit.hashes[i], g)).expect("checked cached")
+                        p.lookup(group_key(hit.hashes[i], g))
+                            .expect("checked cached")
                     }
                 })
                 .collect();
         }
         if p.partial_hits {
-            hit.partial = self.partial_match(p, hit.hashes.last().copied().unwrap_or(root), tokens, extra, k * bs, limit);
+            hit.partial = self.partial_match(
+                p,
+                hit.hashes.last().copied().unwrap_or(root),
+                tokens,
+                extra,
+                k * bs,
+                limit,
+            );
         }
         hit
     }
@@ -203,8 +215,13 @@ impl BlockPool {
         let Some(p) = self.prefix.as_ref() else {
             return 0;
         };
-        self.match_blocks(p.root(namespace), tokens, extra, tokens.len().saturating_sub(1))
-            .tokens(self.shape.block_size)
+        self.match_blocks(
+            p.root(namespace),
+            tokens,
+            extra,
+            tokens.len().saturating_sub(1),
+        )
+        .tokens(self.shape.block_size)
     }
 
     /// Caches every full, committed block of `id` whose token ids are known, in every
@@ -241,7 +258,12 @@ impl BlockPool {
 
     /// The cached blocks a sequence starting with all of `tokens` would attach, and the
     /// tokens they cover.
-    fn cached_hit(&self, tokens: &[u32], namespace: &[u8], extra: &[u8]) -> Result<(Vec<BlockId>, usize)> {
+    fn cached_hit(
+        &self,
+        tokens: &[u32],
+        namespace: &[u8],
+        extra: &[u8],
+    ) -> Result<(Vec<BlockId>, usize)> {
         let p = self.prefix_or_err()?;
         let mut hit = self.match_blocks(p.root(namespace), tokens, extra, tokens.len());
         hit.partial = None;

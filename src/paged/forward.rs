@@ -147,7 +147,9 @@ impl BlockPool {
         let g = self.groups.group_of[layer];
         plan.seqs
             .iter()
-            .map(|&(id, start, count)| Ok((start + count).saturating_sub(self.seq(id)?.tables[g].start)))
+            .map(|&(id, start, count)| {
+                Ok((start + count).saturating_sub(self.seq(id)?.tables[g].start))
+            })
             .sum()
     }
 
@@ -207,7 +209,11 @@ impl BlockPool {
         mask.fill(f32::NEG_INFINITY);
         for (t, (&k, &pos)) in plan.token_seq.iter().zip(&plan.positions).enumerate() {
             let (off, held_from) = offsets[k];
-            let lo = self.groups.attention.first_visible(kind, pos).max(held_from);
+            let lo = self
+                .groups
+                .attention
+                .first_visible(kind, pos)
+                .max(held_from);
             let row = &mut mask[t * history..(t + 1) * history];
             row[off + lo - held_from..off + pos - held_from + 1].fill(0.0);
         }

@@ -106,7 +106,13 @@ impl BlockPool {
         prefix: Option<PrefixConfig>,
     ) -> Result<Self> {
         check_layer_count(shape.num_layers)?;
-        Self::with_attention(shape, Attention::full(shape.num_layers), dtype, device, prefix)
+        Self::with_attention(
+            shape,
+            Attention::full(shape.num_layers),
+            dtype,
+            device,
+            prefix,
+        )
     }
 
     /// Allocates the whole pool for layers of the kinds in `attention`, zero-filled, on
@@ -336,7 +342,10 @@ impl BlockPool {
     pub(crate) fn copy_block(&mut self, src: BlockId, dst: BlockId) {
         for t in 0..self.groups.per_block {
             self.storage
-                .copy_within(self.shape.whole_block(t, src), self.shape.whole_block(t, dst))
+                .copy_within(
+                    self.shape.whole_block(t, src),
+                    self.shape.whole_block(t, dst),
+                )
                 .expect("blocks of one pool");
         }
     }
@@ -542,7 +551,13 @@ impl BlockPool {
     /// Blocks that writing positions `start..end` of group `g` of `s` would take: new
     /// blocks past the table or in released entries, plus copies of shared or cached
     /// blocks in the range.
-    pub(crate) fn group_blocks_needed(&self, s: &SeqState, g: usize, start: usize, end: usize) -> usize {
+    pub(crate) fn group_blocks_needed(
+        &self,
+        s: &SeqState,
+        g: usize,
+        start: usize,
+        end: usize,
+    ) -> usize {
         if start >= end {
             return 0;
         }
@@ -887,7 +902,13 @@ impl BlockPool {
                 reason: format!("must be empty, but holds {} positions", s.held()),
             });
         }
-        let held = |layers: &[usize]| layers.iter().map(|&l| cache.layer_len(l)).max().unwrap_or(0);
+        let held = |layers: &[usize]| {
+            layers
+                .iter()
+                .map(|&l| cache.layer_len(l))
+                .max()
+                .unwrap_or(0)
+        };
         let needed: usize = self
             .groups
             .groups
@@ -1115,7 +1136,10 @@ impl BlockPool {
                     ));
                 }
                 if group.kind == LayerKind::Full && t.start != 0 {
-                    return Err(format!("sequence {id} full group {g} starts at {}", t.start));
+                    return Err(format!(
+                        "sequence {id} full group {g} starts at {}",
+                        t.start
+                    ));
                 }
                 for (i, &b) in t.blocks.iter().enumerate() {
                     let covers = (i * bs).max(t.start) < ((i + 1) * bs).min(held);
@@ -1149,7 +1173,10 @@ impl BlockPool {
 /// Cuts table `t` to the entries covering held positions `start..held`: later entries are
 /// dropped and earlier ones become [`NO_BLOCK`]; returns the blocks taken out.
 pub(crate) fn cut_table(t: &mut Table, start: usize, held: usize, bs: usize) -> Vec<BlockId> {
-    let mut out: Vec<BlockId> = t.blocks.drain(held.div_ceil(bs).min(t.blocks.len())..).collect();
+    let mut out: Vec<BlockId> = t
+        .blocks
+        .drain(held.div_ceil(bs).min(t.blocks.len())..)
+        .collect();
     for i in 0..t.blocks.len() {
         if (i * bs).max(start) >= ((i + 1) * bs).min(held) && t.blocks[i] != NO_BLOCK {
             out.push(std::mem::replace(&mut t.blocks[i], NO_BLOCK));

@@ -24,7 +24,9 @@ impl BlockPool {
         }
         if end < held {
             let rope = self.rope_for(|| {
-                format!("removing positions [{begin}, {end}) from the middle of a sequence of {held}")
+                format!(
+                    "removing positions [{begin}, {end}) from the middle of a sequence of {held}"
+                )
             })?;
             return self.remove_span(id, begin, end, rope);
         }
@@ -123,12 +125,22 @@ impl BlockPool {
             let n = len - src;
             let (mut k, mut v) = (vec![0f32; h * n * d], vec![0f32; h * n * d]);
             // SAFETY: the buffers above hold exactly [h, n, d] float32 and outlive the views.
-            let kt = unsafe { TensorRef::contiguous(k.as_mut_ptr() as *const u8, DType::F32, &[h, n, d])? };
-            let vt = unsafe { TensorRef::contiguous(v.as_mut_ptr() as *const u8, DType::F32, &[h, n, d])? };
+            let kt = unsafe {
+                TensorRef::contiguous(k.as_mut_ptr() as *const u8, DType::F32, &[h, n, d])?
+            };
+            let vt = unsafe {
+                TensorRef::contiguous(v.as_mut_ptr() as *const u8, DType::F32, &[h, n, d])?
+            };
             let blocks = self.seq(id)?.tables[g].blocks.clone();
             self.read_positions(&blocks, layer, src, n, &kt, &vt)?;
             rope.rotate(d, &mut k, -(shift as f64))?;
-            self.write_positions(&blocks, layer, src - shift, &kt.transposed(0, 1), &vt.transposed(0, 1))?;
+            self.write_positions(
+                &blocks,
+                layer,
+                src - shift,
+                &kt.transposed(0, 1),
+                &vt.transposed(0, 1),
+            )?;
         }
         let s = self.seq_mut(id);
         s.layer_len.iter_mut().for_each(|l| *l = moved(*l));

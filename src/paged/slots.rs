@@ -152,7 +152,11 @@ impl BlockPool {
             indices.extend(t.held_blocks().map(|b| b as i32));
             indptr.push(indices.len() as i32);
             let held = s.held_by(layers);
-            last.push(if indices.len() == first { 0 } else { (held - 1) % bs + 1 } as i32);
+            last.push(if indices.len() == first {
+                0
+            } else {
+                (held - 1) % bs + 1
+            } as i32);
         }
         Ok((indptr, indices, last))
     }
@@ -162,7 +166,11 @@ impl BlockPool {
     /// filled) with `pad`.
     pub fn block_tables(&self, ids: &[SeqId], g: usize, pad: i32) -> Result<(Vec<i32>, usize)> {
         let states: Vec<&SeqState> = ids.iter().map(|&id| self.seq(id)).collect::<Result<_>>()?;
-        let width = states.iter().map(|s| s.tables[g].blocks.len()).max().unwrap_or(0);
+        let width = states
+            .iter()
+            .map(|s| s.tables[g].blocks.len())
+            .max()
+            .unwrap_or(0);
         let mut out = vec![pad; width * ids.len()];
         for (row, s) in states.iter().enumerate() {
             for (j, &b) in s.tables[g].blocks.iter().enumerate() {

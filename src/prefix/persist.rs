@@ -263,7 +263,10 @@ impl BlockPool {
             (Dtype::U8, vec![n]),
         ]
         .into_iter()
-        .chain((0..self.groups().per_block).map(|_| (st_dtype(self.dtype()), vec![n, sh.block_elems()])))
+        .chain(
+            (0..self.groups().per_block)
+                .map(|_| (st_dtype(self.dtype()), vec![n, sh.block_elems()])),
+        )
         .collect();
         for ((name, t), (dtype, shape)) in names.iter().zip(&tensors).zip(&expect) {
             if t.shape() != shape.as_slice() || t.dtype() != *dtype {

@@ -69,7 +69,12 @@ impl PyForwardBatch {
     /// holds in that layer, concatenated.
     #[pyo3(signature = (layer = 0))]
     fn history_len(&self, layer: i64) -> PyResult<usize> {
-        Ok(self.pool.get().inner.lock().forward_history_len(&self.plan, layer)?)
+        Ok(self
+            .pool
+            .get()
+            .inner
+            .lock()
+            .forward_history_len(&self.plan, layer)?)
     }
 
     /// Writes this layer's K and V for the batch's tokens ([n_tokens, heads, head_dim]).

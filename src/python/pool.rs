@@ -18,7 +18,8 @@ use crate::dtype::DType;
 use crate::error::{check_size, KvError};
 use crate::kv_cache::Kv;
 use crate::paged::{
-    Attention, BlockPool, KvLayout, LayerGroups, LayerKind, PagedShape, PrefixConfig, SeqId, NO_BLOCK,
+    Attention, BlockPool, KvLayout, LayerGroups, LayerKind, PagedShape, PrefixConfig, SeqId,
+    NO_BLOCK,
 };
 use crate::prefix::HashKind;
 use crate::storage::Device;
@@ -340,7 +341,12 @@ impl PyBlockPool {
     #[getter]
     fn layer_types(&self) -> Vec<&'static str> {
         let pool = self.inner.lock();
-        pool.groups().attention.kinds.iter().map(|k| k.name()).collect()
+        pool.groups()
+            .attention
+            .kinds
+            .iter()
+            .map(|k| k.name())
+            .collect()
     }
 
     /// Window of the sliding layers (positions seen, the token included), or None.
@@ -701,15 +707,24 @@ impl PySequence {
     #[getter]
     fn block_table<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let blocks = self.with(|s, p| {
-            p.group_for(None)
-                .map(|g| s.tables[g].blocks.iter().map(|&b| b as i32).collect::<Vec<_>>())
+            p.group_for(None).map(|g| {
+                s.tables[g]
+                    .blocks
+                    .iter()
+                    .map(|&b| b as i32)
+                    .collect::<Vec<_>>()
+            })
         })??;
         Ok(i32_array(py, blocks))
     }
 
     /// `layer`'s block table (int32): entry i covers positions i * block_size.., -1 where
     /// the block was released (out of a sliding or chunked layer's reach).
-    fn layer_blocks<'py>(&self, py: Python<'py>, layer: i64) -> PyResult<Bound<'py, PyArray1<i32>>> {
+    fn layer_blocks<'py>(
+        &self,
+        py: Python<'py>,
+        layer: i64,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let blocks = self.with(|s, p| {
             p.group_for(Some(layer)).map(|g| {
                 s.tables[g]
@@ -948,7 +963,12 @@ impl PySequence {
         let layer = crate::error::check_index("layer", layer, sh.num_layers)?;
         let (blocks, first, len, tensor) = self.with(|s, p| {
             let t = &s.tables[p.groups().group_of[layer]];
-            (t.blocks.clone(), t.start, s.layer_len[layer], p.tensor_of(layer))
+            (
+                t.blocks.clone(),
+                t.start,
+                s.layer_len[layer],
+                p.tensor_of(layer),
+            )
         })?;
         let out = PyList::empty(py);
         let (h, d, bs) = (sh.num_kv_heads, sh.head_dim, sh.block_size);
@@ -1041,7 +1061,11 @@ impl PySequence {
 }
 
 /// Slots as an int64 array: `[n]` for one layer group, `[groups, n]` for several.
-pub(crate) fn slot_array(py: Python<'_>, slots: Vec<i64>, groups: usize) -> PyResult<Bound<'_, PyAny>> {
+pub(crate) fn slot_array(
+    py: Python<'_>,
+    slots: Vec<i64>,
+    groups: usize,
+) -> PyResult<Bound<'_, PyAny>> {
     let n = slots.len() / groups;
     let arr = PyArray1::from_vec(py, slots);
     if groups == 1 {

@@ -64,7 +64,7 @@ def tokens(seed, n):
 class PoolMachine(RuleBasedStateMachine):
     layout = "NHD"
     dtype = "float16"
-    layer_types = ["full", "full"]
+    layer_types = ("full", "full")
     window, chunk, swa_memory = None, None, 0
     blocks = 12
 
@@ -78,7 +78,7 @@ class PoolMachine(RuleBasedStateMachine):
             num_blocks=self.blocks,
             dtype=self.dtype,
             layout=self.layout,
-            layer_types=self.layer_types,
+            layer_types=list(self.layer_types),
             sliding_window=self.window,
             chunk_size=self.chunk,
             swa_memory=self.swa_memory,
@@ -121,7 +121,7 @@ class PoolMachine(RuleBasedStateMachine):
             return 0
         refs = {}
         for s, _ in self.live:
-            for g, rep in self.group_layers.items():
+            for rep in self.group_layers.values():
                 for b in s.layer_blocks(rep):
                     refs[int(b)] = refs.get(int(b), 0) + 1
         groups = {self.pool.layer_group(i) for i in (range(self.L) if layers is None else layers)}
@@ -332,7 +332,7 @@ class HndFloat32Machine(PoolMachine):
 class SlidingMachine(PoolMachine):
     """Two block tables, each block id holding one block of two layers."""
 
-    layer_types = ["sliding", "full", "sliding", "full"]
+    layer_types = ("sliding", "full", "sliding", "full")
     window, swa_memory = 3, 1
     blocks = 16
 
@@ -342,7 +342,7 @@ class ChunkedMachine(PoolMachine):
 
     layout = "HND"
     dtype = "float32"
-    layer_types = ["chunked", "full", "chunked"]
+    layer_types = ("chunked", "full", "chunked")
     chunk = 4
     blocks = 18
 
