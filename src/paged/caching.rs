@@ -25,7 +25,7 @@ pub(crate) fn group_key(h: BlockHash, g: usize) -> BlockHash {
 /// full) the best partial match of the next block (source block, matching tokens).
 pub(crate) struct Hit {
     pub hashes: Vec<BlockHash>,
-    pub tables: Vec<Table>,
+    pub tables: smallvec::SmallVec<[Table; 2]>,
     pub partial: Option<(BlockId, usize)>,
 }
 
@@ -95,7 +95,7 @@ impl BlockPool {
         let ng = self.groups.groups.len();
         let mut hit = Hit {
             hashes: Vec::new(),
-            tables: vec![Table::default(); ng],
+            tables: smallvec::smallvec![Table::default(); ng],
             partial: None,
         };
         let Some(p) = self.prefix.as_ref() else {

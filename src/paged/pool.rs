@@ -358,7 +358,7 @@ impl BlockPool {
         extra: std::sync::Arc<[u8]>,
     ) -> SeqState {
         SeqState {
-            tables: vec![Table::default(); self.groups.groups.len()],
+            tables: smallvec::smallvec![Table::default(); self.groups.groups.len()],
             layer_len: vec![0; self.shape.num_layers],
             seq_len: 0,
             tokens: Vec::new(),

@@ -3,6 +3,8 @@
 
 use std::sync::Arc;
 
+use smallvec::SmallVec;
+
 use super::allocator::BlockId;
 use crate::prefix::BlockHash;
 
@@ -43,8 +45,9 @@ impl Table {
 /// held positions); `hashes` are the chained hashes of the first full, committed blocks.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SeqState {
-    /// One block table per layer group.
-    pub tables: Vec<Table>,
+    /// One block table per layer group (inline for up to two groups: one less pointer
+    /// to follow on every scheduling step).
+    pub tables: SmallVec<[Table; 2]>,
     /// Positions written per layer.
     pub layer_len: Vec<usize>,
     /// Committed positions.

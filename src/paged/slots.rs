@@ -56,10 +56,10 @@ impl BlockPool {
             self.prepare_write(id, start, start + c);
             let s = self.seq_mut(id);
             s.layer_len.fill(start + c);
-            for (g, row) in slots.chunks_exact_mut(total.max(1)).enumerate().take(ng) {
-                let blocks = &s.tables[g].blocks;
-                for (j, p) in (start..start + c).enumerate() {
-                    row[at + j] = slot(blocks[p / bs], p, bs);
+            for (g, t) in s.tables.iter().enumerate() {
+                let row = &mut slots[g * total + at..g * total + at + c];
+                for (out, p) in row.iter_mut().zip(start..) {
+                    *out = slot(t.blocks[p / bs], p, bs);
                 }
             }
             at += c;
@@ -148,15 +148,15 @@ impl BlockPool {
         for &id in ids {
             let s = self.seq(id)?;
             let t = &s.tables[g];
-            let first = indices.len();
-            indices.extend(t.held_blocks().map(|b| b as i32));
-            indptr.push(indices.len() as i32);
             let held = s.held_by(layers);
-            last.push(if indices.len() == first {
-                0
+            // Every entry from the first held position's block on holds a block.
+            if t.start < held {
+                indices.extend(t.blocks[t.first_entry(bs)..].iter().map(|&b| b as i32));
+                last.push(((held - 1) % bs + 1) as i32);
             } else {
-                (held - 1) % bs + 1
-            } as i32);
+                last.push(0);
+            }
+            indptr.push(indices.len() as i32);
         }
         Ok((indptr, indices, last))
     }
