@@ -1,12 +1,18 @@
-"""A Hugging Face ``transformers`` cache backed by kvrs.
+"""A Hugging Face ``transformers`` cache backed by kvrs, and continuous batching of a
+transformers model over a :class:`kvrs.BlockPool`.
 
 ``KvrsCache`` subclasses ``transformers.Cache`` with one :class:`KvrsLayer` per model
 layer. Each layer keeps its keys and values in a :class:`kvrs.KVCache` allocated once, on
 first use, for the batch it sees: ``batch * num_kv_heads`` heads of ``max_seq_len``
 positions, so the tensors handed back to the model are zero-copy views of kvrs's memory
 (``[batch, heads, seq_len, head_dim]``), cast to the model's dtype only when the storage
-dtype differs. Works with ``model.generate(..., past_key_values=cache)`` and with manual
-forward loops (greedy, sampling, beam search, cropping).
+dtype differs. ``KvrsPagedCache`` keeps one pool sequence per batch row instead, and
+releases what sliding-window layers no longer see. Both work with
+``model.generate(..., past_key_values=cache)`` and with manual forward loops (greedy,
+sampling, beam search, assisted decoding, cropping).
+
+``use_paged_attention`` and ``forward_batch`` (from :mod:`kvrs.integrations.paged_attention`)
+run ragged batches of many sequences through one forward pass.
 
 Needs ``torch`` and ``transformers`` (5.x); importing this module without them raises an
 ``ImportError`` that says what to install.
@@ -14,32 +20,42 @@ Needs ``torch`` and ``transformers`` (5.x); importing this module without them r
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
-import numpy as np
-
 import kvrs
+from kvrs.integrations._torch import (
+    STORAGE_DTYPES,
+    as_torch,
+    block_pool_from_config,
+    text_config,
+    torch,
+)
+from kvrs.integrations.paged_attention import ATTN_IMPLEMENTATION, forward_batch, use_paged_attention
 
-try:
-    import torch
-    from transformers.cache_utils import Cache, CacheLayerMixin
-except ImportError as e:  # pragma: no cover - exercised in environments without torch
-    raise ImportError(
-        "kvrs.integrations.transformers needs torch and transformers: pip install torch transformers"
-    ) from e
+from transformers.cache_utils import Cache, CacheLayerMixin  # isort: skip
 
-_STORAGE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "KvrsCache",
+    "KvrsLayer",
+    "KvrsPagedCache",
+    "KvrsPagedLayer",
+    "block_pool_from_config",
+    "forward_batch",
+    "use_paged_attention",
+]
 
 
-def _as_torch(view: np.ndarray) -> torch.Tensor:
-    """A torch tensor over a kvrs view, without a copy."""
-    if view.dtype.name == "bfloat16":
-        # NumPy cannot export bfloat16 through DLPack: reinterpret its bits.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # the view is read-only; torch only reads it
-            return torch.from_numpy(view.view(np.uint16)).view(torch.bfloat16)
-    return torch.from_dlpack(view)
+def _check_device(device: str) -> None:
+    """Raises kvrs.DeviceError now, rather than at the first forward, for a device kvrs
+    cannot store on."""
+    kvrs.KVCache(1, 1, 1, 1, device=device)
+
+
+def _check_same_device(tensor: torch.Tensor, device: str, what: str) -> None:
+    """The model's tensors must live where the cache stores (no silent copies)."""
+    if torch.device(tensor.device) != torch.device(device):
+        raise kvrs.DeviceError(f"{what} stores on {device}; got key_states on {tensor.device}")
 
 
 class KvrsLayer(CacheLayerMixin):
@@ -48,10 +64,11 @@ class KvrsLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = True
 
-    def __init__(self, max_seq_len: int, dtype: str | None = None):
+    def __init__(self, max_seq_len: int, dtype: str | None = None, device: str = "cpu"):
         super().__init__()
         self.max_seq_len = max_seq_len
         self.storage_dtype = dtype
+        self.storage_device = device
         self.cache: kvrs.KVCache | None = None
         self.batch = self.heads = self.head_dim = 0
 
@@ -63,19 +80,18 @@ class KvrsLayer(CacheLayerMixin):
         return self.cache
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        _check_same_device(key_states, self.storage_device, "KvrsCache")
         self.dtype, self.device = key_states.dtype, key_states.device
-        if self.device.type != "cpu":
-            raise kvrs.DeviceError(
-                f"KvrsCache keeps its storage on the host for now; got tensors on {self.device}"
-            )
         batch, heads, _, head_dim = key_states.shape
         self._allocate(batch, heads, head_dim)
         self.is_initialized = True
 
     def _allocate(self, batch: int, heads: int, head_dim: int) -> None:
         self.batch, self.heads, self.head_dim = batch, heads, head_dim
-        dtype = self.storage_dtype or _STORAGE_DTYPES.get(self.dtype, "float32")
-        self.cache = kvrs.KVCache(1, batch * heads, head_dim, self.max_seq_len, dtype=dtype)
+        dtype = self.storage_dtype or STORAGE_DTYPES.get(self.dtype, "float32")
+        self.cache = kvrs.KVCache(
+            1, batch * heads, head_dim, self.max_seq_len, dtype=dtype, device=self.storage_device
+        )
 
     @staticmethod
     def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -87,7 +103,7 @@ class KvrsLayer(CacheLayerMixin):
         keys, values = self.store.get(0)
         out = []
         for view in (keys, values):
-            t = _as_torch(view).view(self.batch, self.heads, view.shape[1], self.head_dim)
+            t = as_torch(view).view(self.batch, self.heads, view.shape[1], self.head_dim)
             out.append(t if t.dtype == self.dtype else t.to(self.dtype))
         return out[0], out[1]
 
@@ -138,7 +154,7 @@ class KvrsLayer(CacheLayerMixin):
 
     def __deepcopy__(self, memo: dict) -> KvrsLayer:
         """A copy with its own storage (for reusing a prompt cache across calls)."""
-        copy = KvrsLayer(self.max_seq_len, self.storage_dtype)
+        copy = KvrsLayer(self.max_seq_len, self.storage_dtype, self.storage_device)
         if self.is_initialized:
             copy.dtype, copy.device, copy.is_initialized = self.dtype, self.device, True
             copy._rewrite(*self._tensors())
@@ -147,7 +163,8 @@ class KvrsLayer(CacheLayerMixin):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.get_seq_length() > 0:
             keys, values = self._tensors()
-            self._rewrite(keys.index_select(0, beam_idx.cpu()), values.index_select(0, beam_idx.cpu()))
+            idx = beam_idx.to(keys.device)
+            self._rewrite(keys.index_select(0, idx), values.index_select(0, idx))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.cache is not None:
@@ -161,38 +178,41 @@ class KvrsLayer(CacheLayerMixin):
 
 
 class KvrsCache(Cache):
-    """A ``transformers`` cache whose keys and values live in kvrs (one KVCache per layer)."""
+    """A ``transformers`` cache whose keys and values live in kvrs (one KVCache per layer).
 
-    def __init__(self, num_layers: int, max_seq_len: int, dtype: str | None = None):
+    Every layer stores all ``max_seq_len`` positions, sliding-window layers included (the
+    model's mask restricts what they see); :class:`KvrsPagedCache` releases what windows
+    no longer see."""
+
+    def __init__(self, num_layers: int, max_seq_len: int, dtype: str | None = None, device: str = "cpu"):
         if max_seq_len < 1:
             raise ValueError(f"max_seq_len={max_seq_len}: must be >= 1")
-        super().__init__(layers=[KvrsLayer(max_seq_len, dtype) for _ in range(num_layers)])
+        _check_device(device)
+        super().__init__(layers=[KvrsLayer(max_seq_len, dtype, device) for _ in range(num_layers)])
 
     @classmethod
-    def from_config(cls, config: Any, max_seq_len: int, dtype: str | None = None) -> KvrsCache:
+    def from_config(
+        cls, config: Any, max_seq_len: int, dtype: str | None = None, device: str = "cpu"
+    ) -> KvrsCache:
         """A cache for a model config (its `num_hidden_layers`), `max_seq_len` positions per layer,
-        stored in `dtype` ('float32', 'float16', 'bfloat16'; default: the model's dtype)."""
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        return cls(text.num_hidden_layers, max_seq_len, dtype)
+        stored in `dtype` ('float32', 'float16', 'bfloat16'; default: the model's dtype) on `device`."""
+        return cls(text_config(config).num_hidden_layers, max_seq_len, dtype, device)
 
 
 class KvrsPagedLayer(CacheLayerMixin):
     """One model layer of a :class:`KvrsPagedCache`: its keys and values live in the
     cache's pool, in the sequences of the batch rows."""
 
-    is_sliding = False
     is_croppable = True
 
     def __init__(self, owner: KvrsPagedCache, layer: int):
         super().__init__()
         self.owner, self.layer = owner, layer
+        self.is_sliding = owner.pool.layer_types[layer] != "full"
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        _check_same_device(key_states, self.owner.pool.device, "KvrsPagedCache")
         self.dtype, self.device = key_states.dtype, key_states.device
-        if self.device.type != "cpu":
-            raise kvrs.DeviceError(
-                f"KvrsPagedCache keeps its storage on the host for now; got tensors on {self.device}"
-            )
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
@@ -202,7 +222,10 @@ class KvrsPagedLayer(CacheLayerMixin):
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
+        """The keys `update` returns: from the first position this layer holds (past a
+        sliding window's released blocks) through the new tokens."""
+        start = self.owner.layer_start(self.layer)
+        return self.get_seq_length() - start + query_length, start
 
     def get_seq_length(self) -> int:
         return self.owner.seq_len()
@@ -215,10 +238,11 @@ class KvrsPagedCache(Cache):
     """A ``transformers`` cache whose keys and values live in a :class:`kvrs.BlockPool`,
     one pool sequence per batch row.
 
-    Blocks are allocated as sequences grow. Beam search reorders rows by forking
-    sequences (blocks are shared, copied on write), and ``copy.deepcopy`` forks every
-    row, so a reused prompt cache shares its blocks. The attended K/V are gathered from
-    the pool's blocks at every step (one copy per layer and step).
+    Blocks are allocated as sequences grow; sliding-window layers release the blocks their
+    window has left. Beam search reorders rows by forking sequences (blocks are shared,
+    copied on write), and ``copy.deepcopy`` forks every row, so a reused prompt cache
+    shares its blocks. The attended K/V are gathered from the pool's blocks at every step
+    (one copy per layer and step).
     """
 
     def __init__(self, pool: kvrs.BlockPool):
@@ -232,23 +256,37 @@ class KvrsPagedCache(Cache):
         cls,
         config: Any,
         *,
+        max_seq_len: int | None = None,
+        max_batch_size: int = 1,
         num_blocks: int | None = None,
         memory_bytes: int | str | None = None,
         block_size: int = 16,
-        dtype: str = "float32",
+        dtype: str | None = None,
+        device: str = "cpu",
+        swa_memory: int = 0,
     ) -> KvrsPagedCache:
-        """A cache with a new pool sized for the model config (give `num_blocks` or `memory_bytes`)."""
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        pool = kvrs.BlockPool(
-            text.num_hidden_layers,
-            heads,
-            head_dim,
-            block_size=block_size,
+        """A cache with a new pool shaped for the model config (its layer types included):
+        room for `max_batch_size` rows of `max_seq_len` positions, or exactly `num_blocks`
+        blocks or `memory_bytes` bytes. `dtype` defaults to the model's. `swa_memory`
+        positions are kept beyond sliding windows so that `crop` (assisted decoding) can
+        roll back that far."""
+        if num_blocks is None and memory_bytes is None:
+            if max_seq_len is None:
+                raise ValueError("give max_seq_len (with max_batch_size), num_blocks or memory_bytes")
+            if max_seq_len < 1 or max_batch_size < 1:
+                raise ValueError(
+                    f"max_seq_len={max_seq_len}, max_batch_size={max_batch_size}: both must be >= 1"
+                )
+            num_blocks = max_batch_size * -(-max_seq_len // block_size)
+        pool = block_pool_from_config(
+            config,
             num_blocks=num_blocks,
             memory_bytes=memory_bytes,
+            block_size=block_size,
             dtype=dtype,
+            device=device,
+            swa_memory=swa_memory,
+            prefix_caching=False,
         )
         return cls(pool)
 
@@ -256,8 +294,12 @@ class KvrsPagedCache(Cache):
         """Committed positions (the same for every row)."""
         return self.rows[0].seq_len if self.rows else 0
 
+    def layer_start(self, layer: int) -> int:
+        """The first position `layer` holds (the same for every row)."""
+        return self.rows[0].layer_start(layer) if self.rows else 0
+
     def write(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor, dtype: torch.dtype):
-        """Appends one layer's new K/V for every row; returns the layer's whole K/V as
+        """Appends one layer's new K/V for every row; returns the layer's held K/V as
         [batch, heads, len, head_dim]. The last layer commits the step."""
         batch, _, q, _ = key_states.shape
         if not self.rows:
@@ -270,8 +312,8 @@ class KvrsPagedCache(Cache):
                 layer, key_states[row].detach().transpose(0, 1), value_states[row].detach().transpose(0, 1)
             )
             k, v = seq.get(layer)
-            keys.append(_as_torch(k))
-            values.append(_as_torch(v))
+            keys.append(as_torch(k))
+            values.append(as_torch(v))
         if layer == self.pool.num_layers - 1:
             for seq in self.rows:
                 seq.advance(q)
@@ -297,11 +339,22 @@ class KvrsPagedCache(Cache):
             self._replace_rows([int(i) for i in torch.as_tensor(indices).flatten()])
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Removes the last `-tokens_to_remove` positions (transformers >= 5.15 semantics)."""
+        """Removes the last `-tokens_to_remove` positions (transformers >= 5.15 semantics).
+        Sliding-window layers must still hold what the next token sees: the pool keeps
+        `swa_memory` positions beyond the window for this."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop({tokens_to_remove}): pass a negative count of tokens to remove")
+        if tokens_to_remove == 0 or not self.rows:
+            return
+        n = max(0, self.seq_len() + tokens_to_remove)
+        if not all(seq.can_resume(n) for seq in self.rows):
+            raise ValueError(
+                f"crop({tokens_to_remove}): the sliding-window layers no longer hold what position {n} "
+                f"sees; create the cache with swa_memory >= {-tokens_to_remove} "
+                f"(this pool keeps swa_memory={self.pool.swa_memory})"
+            )
         for seq in self.rows:
-            seq.truncate(max(0, seq.seq_len + tokens_to_remove))
+            seq.truncate(n)
 
     def reset(self) -> None:
         for seq in self.rows:

@@ -1,0 +1,97 @@
+"""What the transformers integrations share: the import guard (torch and transformers),
+zero-copy views, and reading a model config's attention layout."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+
+import kvrs
+
+try:
+    import torch
+    import transformers  # noqa: F401  (every user of this module needs it)
+except ImportError as e:  # pragma: no cover - exercised in environments without torch
+    raise ImportError(
+        "kvrs.integrations.transformers needs torch and transformers: pip install torch transformers"
+    ) from e
+
+STORAGE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+"""The torch dtypes kvrs stores, by their kvrs names."""
+
+
+def as_torch(view: np.ndarray) -> torch.Tensor:
+    """A torch tensor over a kvrs array, without a copy."""
+    if view.dtype.name == "bfloat16":
+        # NumPy cannot export bfloat16 through DLPack: reinterpret its bits.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only views; torch only reads them
+            return torch.from_numpy(view.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_dlpack(view)
+
+
+def text_config(config: Any) -> Any:
+    """The decoder's config (`config.get_text_config()` for multimodal models)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def model_dtype(config: Any) -> str:
+    """The kvrs name of the config's dtype, float32 when it has none kvrs stores."""
+    dtype = getattr(text_config(config), "dtype", None)
+    return STORAGE_DTYPES.get(dtype, "float32") if isinstance(dtype, torch.dtype) else "float32"
+
+
+def attention_layout(config: Any) -> dict[str, Any]:
+    """The BlockPool arguments that describe a model's layers: `layer_types` (from the
+    config's `layer_types`, else every layer sliding when it sets `sliding_window`, chunked
+    when it sets `attention_chunk_size`, full otherwise), `sliding_window`, `chunk_size`."""
+    text = text_config(config)
+    window = getattr(text, "sliding_window", None)
+    chunk = getattr(text, "attention_chunk_size", None)
+    types = getattr(text, "layer_types", None)
+    if types is None:
+        kind = "sliding" if window is not None else "chunked" if chunk is not None else "full"
+        types = [kind] * text.num_hidden_layers
+    kinds = {kvrs_kind(t) for t in types}
+    return {
+        "layer_types": [kvrs_kind(t) for t in types],
+        "sliding_window": window if "sliding" in kinds else None,
+        "chunk_size": chunk if "chunked" in kinds else None,
+    }
+
+
+def kvrs_kind(layer_type: str) -> str:
+    """kvrs's name for a Hugging Face layer type ('sliding_attention' -> 'sliding')."""
+    return layer_type.removesuffix("_attention")
+
+
+def block_pool_from_config(
+    config: Any,
+    *,
+    num_blocks: int | None = None,
+    memory_bytes: int | str | None = None,
+    block_size: int = 16,
+    dtype: str | None = None,
+    device: str = "cpu",
+    **pool_kwargs: Any,
+) -> kvrs.BlockPool:
+    """A BlockPool shaped for a transformers model config: its layers (and their kinds),
+    KV heads and head dim; `dtype` defaults to the model's. Give `num_blocks` or
+    `memory_bytes`; other keywords (prefix_caching, swa_memory, ...) go to BlockPool."""
+    text = text_config(config)
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return kvrs.BlockPool(
+        text.num_hidden_layers,
+        heads,
+        head_dim,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        memory_bytes=memory_bytes,
+        dtype=dtype or model_dtype(config),
+        device=device,
+        **attention_layout(config),
+        **pool_kwargs,
+    )

@@ -1,0 +1,137 @@
+"""Continuous batching of transformers models over a BlockPool (`forward_batch`): ragged
+batches of several sequences in one forward pass give each sequence the logits it gets
+alone with DynamicCache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from transformers import (  # noqa: E402
+    DynamicCache,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+)
+
+import kvrs  # noqa: E402
+from kvrs.integrations.transformers import (  # noqa: E402
+    block_pool_from_config,
+    forward_batch,
+    use_paged_attention,
+)
+
+SIZES = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
+def make(cls, config):
+    torch.manual_seed(0)
+    return use_paged_attention(cls(config).eval())
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        (LlamaConfig(**SIZES), LlamaForCausalLM),
+        (MistralConfig(**SIZES, sliding_window=6), MistralForCausalLM),
+    ],
+    ids=["llama", "mistral-sliding"],
+)
+def model(request):
+    return make(request.param[1], request.param[0])
+
+
+def reference_logits(model, tokens: list[int], prompt_len: int) -> torch.Tensor:
+    """Logits of the prompt's last token and of every later token, run alone with
+    DynamicCache (prefill, then one token per step)."""
+    cache = DynamicCache(config=model.config)
+    out = [model(torch.tensor([tokens[:prompt_len]]), past_key_values=cache, use_cache=True).logits[0, -1]]
+    for t in tokens[prompt_len:-1]:
+        out.append(model(torch.tensor([[t]]), past_key_values=cache, use_cache=True).logits[0, -1])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_ragged_batches_match_each_sequence_alone(model, dtype):
+    pool = block_pool_from_config(model.config, num_blocks=64, block_size=4, dtype=dtype)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 128, n).tolist() for n in (9, 3, 14)]
+    seqs = [pool.new_sequence(tokens=p) for p in prompts]
+    tokens = [list(p) for p in prompts]
+    got: list[list[torch.Tensor]] = [[], [], []]
+    with torch.no_grad():
+        for step in range(10):
+            # The third request arrives at step 3: its prefill runs beside the others' decode.
+            live = [i for i in range(3) if i < 2 or step >= 3]
+            batch_seqs, ids, last = [], [], []
+            for i in live:
+                todo = tokens[i][seqs[i].seq_len :]
+                batch_seqs += [seqs[i]] * len(todo)
+                ids += todo
+                last.append(len(ids) - 1)
+            with pool.start_forward(batch_seqs, tokens=ids) as batch:
+                logits = forward_batch(model, batch, ids)
+            assert logits.shape == (len(ids), 128)
+            for i, row in zip(live, last, strict=True):
+                got[i].append(logits[row])
+                tokens[i].append(int(logits[row].argmax()))
+    pool.check_invariants()
+    tol = 1e-5 if dtype == "float32" else 5e-2
+    with torch.no_grad():
+        for i in range(3):
+            expected = reference_logits(model, tokens[i], len(prompts[i]))
+            assert torch.allclose(torch.stack(got[i]), expected, atol=tol), i
+    if pool.sliding_window is not None:  # windows released what they left
+        assert all(s.layer_start(0) > 0 for s in seqs)
+
+
+def test_the_model_still_generates_without_a_batch(model):
+    ids = torch.tensor([[5, 9, 17, 3, 44]])
+    with torch.no_grad():
+        ours = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        model.set_attn_implementation("sdpa")
+        try:
+            theirs = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        finally:
+            use_paged_attention(model)
+    assert torch.equal(ours, theirs)
+
+
+def test_bad_calls_raise_and_change_nothing(model):
+    pool = block_pool_from_config(model.config, num_blocks=16, block_size=4)
+    seq = pool.new_sequence()
+    with torch.no_grad(), pool.start_forward([seq, seq], tokens=[1, 2]) as batch:
+        with pytest.raises(ValueError, match="token_ids has 3 tokens; the batch has 2"):
+            forward_batch(model, batch, [1, 2, 3])
+        batch.cancel()
+    assert seq.seq_len == 0 and pool.stats()["used_blocks"] == 0
+    plain = LlamaForCausalLM(LlamaConfig(**SIZES)).eval()
+    with pool.start_forward([seq], tokens=[1]) as batch:
+        with pytest.raises(ValueError, match="use_paged_attention"):
+            forward_batch(plain, batch, [1])
+        batch.cancel()
+
+
+def test_soft_capped_attention_is_refused():
+    gemma = make(Gemma2ForCausalLM, Gemma2Config(**SIZES, head_dim=16, sliding_window=6))
+    pool = block_pool_from_config(gemma.config, num_blocks=16, block_size=4)
+    seq = pool.new_sequence()
+    with torch.no_grad(), pool.start_forward([seq], tokens=[1]) as batch:
+        with pytest.raises(kvrs.NotSupportedError, match="soft-capping"):
+            forward_batch(gemma, batch, [1])
+        batch.cancel()
+    assert pool.stats()["used_blocks"] == 0
