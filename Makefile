@@ -19,12 +19,12 @@ $(VENV)/bin/activate:
 
 .stamp-install: $(VENV)/bin/activate $(SOURCES)
 	$(PIP) install --quiet maturin==1.16.0
-	$(PIP) install --quiet --no-build-isolation -e '.[test,hf]'
+	$(PIP) install --quiet --no-build-isolation -e '.[test,demo]'
 	@touch $@
 
-install: .stamp-install ## build the extension (release) into .venv with the test and hf (torch, transformers) extras
+install: .stamp-install ## build the extension (release) into .venv with the test and demo (torch, transformers, matplotlib, tqdm) extras
 
-demo: .stamp-install ## run the main job: python -m kvrs demo
+demo: .stamp-install ## run the main job: python -m kvrs demo (chat serving on a transformers model, plot in kvrs-demo.png)
 	$(PY) -m kvrs demo
 
 test: test-rust test-python stubtest check-ptx ## build and run every test (Rust, Python, stub check, PTX check)

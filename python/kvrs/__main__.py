@@ -10,29 +10,56 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvrs", description="kvrs command line")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
-        "demo", help="generate with a small random-weight model through a KVCache and check it"
+        "demo",
+        help="serve chat requests with a transformers model through a BlockPool, checked",
+        description=(
+            "Chat requests sharing a system prompt, arriving at different times, served by a "
+            "random-weight Llama-architecture transformers model with continuous batching through "
+            "a kvrs BlockPool with prefix caching; then run one at a time with DynamicCache. "
+            "Exits with 1 if any request's tokens differ."
+        ),
     )
-    demo.add_argument("--prompt-len", type=int, default=96, help="prompt tokens (default 96)")
-    demo.add_argument("--new-tokens", type=int, default=160, help="tokens to generate (default 160)")
+    demo.add_argument("--requests", type=int, default=24, help="chat requests (default 24)")
     demo.add_argument(
-        "--dtype",
-        default="float16",
-        choices=["float32", "float16", "bfloat16"],
-        help="cache storage dtype (default float16)",
+        "--system-len", type=int, default=1024, help="tokens of their shared system prompt (default 1024)"
     )
-    demo.add_argument("--seed", type=int, default=0, help="weights and prompt seed (default 0)")
-    demo.add_argument("--requests", type=int, default=8, help="chat requests in the serving part (default 8)")
     demo.add_argument(
-        "--system-len", type=int, default=64, help="tokens of their shared system prompt (default 64)"
+        "--new-tokens", type=int, default=64, help="most tokens a request generates (default 64)"
     )
+    demo.add_argument("--layers", type=int, default=8, help="model layers (default 8)")
+    demo.add_argument(
+        "--pool-blocks", type=int, default=128, help="blocks of 16 tokens in the pool (default 128)"
+    )
+    demo.add_argument("--device", default="cpu", help="where the model and the pool live (default cpu)")
+    demo.add_argument(
+        "--plot", default="kvrs-demo.png", help="PNG of pool occupancy per step (default kvrs-demo.png)"
+    )
+    demo.add_argument("--no-plot", action="store_true", help="do not write the plot")
+    demo.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    demo.add_argument("--seed", type=int, default=0, help="weights and prompts seed (default 0)")
     args = parser.parse_args(argv)
+    for name in ("requests", "system_len", "new_tokens", "layers", "pool_blocks"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.new_tokens < 2:
+        parser.error("--new-tokens must be >= 2")
 
-    from kvrs import demo as demo_module
-    from kvrs import serving
-
-    single = demo_module.run(args.prompt_len, args.new_tokens, args.dtype, args.seed)
-    batched = serving.run(args.requests, args.system_len, args.new_tokens // 5, args.dtype, args.seed)
-    return max(single, batched)
+    try:
+        from kvrs import demo as demo_module
+    except ImportError as e:  # torch, transformers, matplotlib or tqdm missing
+        print(f"kvrs demo needs the demo extra: pip install 'kvrs[demo]' ({e})", file=sys.stderr)
+        return 2
+    return demo_module.run(
+        requests_n=args.requests,
+        system_len=args.system_len,
+        new_tokens=args.new_tokens,
+        layers=args.layers,
+        pool_blocks=args.pool_blocks,
+        device=args.device,
+        plot_path=None if args.no_plot else args.plot,
+        seed=args.seed,
+        progress_bar=not args.no_progress,
+    )
 
 
 if __name__ == "__main__":

@@ -45,8 +45,9 @@ def paged_attention(
             "kvrs's paged attention computes plain softmax attention"
         )
     # query [1, heads, n, d]; key, value [1, kv_heads, n, d]; the pool takes [n, kv_heads, d].
-    batch.put(module.layer_idx, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    keys, values, mask = batch.get(module.layer_idx)
+    layer = int(module.layer_idx)  # type: ignore[arg-type]  # an int on every attention module
+    batch.put(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    keys, values, mask = batch.get(layer)
     out = torch.nn.functional.scaled_dot_product_attention(
         query,
         as_torch(keys)[None].to(query.dtype),
