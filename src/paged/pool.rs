@@ -3,6 +3,7 @@
 //! (sliding-window and chunked layers release what no window sees) and, optionally,
 //! prefix caching with LRU eviction ([`super::caching`]).
 
+use rayon::prelude::*;
 use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::allocator::{BlockAllocator, BlockId};
@@ -1006,8 +1007,20 @@ impl BlockPool {
                 });
             }
         }
-        let t = &self.seq(id)?.tables[self.groups.group_of[layer]];
-        self.read_positions(&t.blocks, layer, first, len, k_out, v_out)?;
+        let blocks = &self.seq(id)?.tables[self.groups.group_of[layer]].blocks;
+        let bytes = 2 * len * sh.num_kv_heads * sh.head_dim * self.storage.dtype().size();
+        if bytes < PARALLEL_GATHER_BYTES || rayon::current_num_threads() < 2 {
+            self.read_positions(blocks, layer, first, len, k_out, v_out)?;
+        } else {
+            // Whole blocks per task, a few tasks per thread; each writes its own positions.
+            let per_task = len.div_ceil(4 * rayon::current_num_threads());
+            let chunk = per_task.div_ceil(sh.block_size) * sh.block_size;
+            (0..len).into_par_iter().step_by(chunk).try_for_each(|t| {
+                let n = chunk.min(len - t);
+                let (k, v) = (k_out.slice(1, t, n), v_out.slice(1, t, n));
+                self.read_positions(blocks, layer, first + t, n, &k, &v)
+            })?;
+        }
         Ok((first, len))
     }
 
@@ -1189,6 +1202,10 @@ pub(crate) fn cut_table(t: &mut Table, start: usize, held: usize, bs: usize) -> 
 /// Layers a pool may have: far more than any model, few enough that per-layer
 /// bookkeeping is always allocatable.
 pub const MAX_LAYERS: usize = 1 << 16;
+
+/// Gathers of at least this many bytes are split across rayon's threads, as torch splits
+/// its large copies: one thread rarely saturates memory bandwidth.
+const PARALLEL_GATHER_BYTES: usize = 1 << 20;
 
 /// Checks that `num_layers` is at most [`MAX_LAYERS`].
 pub fn check_layer_count(num_layers: usize) -> Result<()> {

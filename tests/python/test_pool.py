@@ -73,6 +73,28 @@ def test_append_get_and_out():
     assert s.memory_bytes() == 2 * p.bytes_per_block
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("kinds", [["full"], ["sliding"]])
+def test_large_gathers_split_across_threads_are_exact(layout, kinds):
+    # 8 heads x 64 x float32, K and V: 4 KiB per position, so 1003 positions (a partial
+    # last block) take the multi-threaded path (>= 1 MiB); a sliding layer starts past 0.
+    p = kvrs.BlockPool(
+        1, 8, 64, block_size=16, num_blocks=80, dtype="float32", layout=layout,
+        layer_types=kinds, sliding_window=700 if kinds == ["sliding"] else None,
+    )  # fmt: skip
+    s = p.new_sequence()
+    k = np.random.default_rng(5).standard_normal((1003, 8, 64), dtype=np.float32)
+    s.append(0, k, -k)
+    s.advance(1003)
+    first = s.layer_start(0)
+    assert first == (0 if kinds == ["full"] else 1003 - 700 + 1 - (1003 - 700 + 1) % 16)
+    out = (np.full((8, 1100, 64), np.nan, np.float32), np.full((8, 1100, 64), np.nan, np.float32))
+    K, V = s.get(0, out=out)
+    np.testing.assert_array_equal(K, k[first:].transpose(1, 0, 2))
+    np.testing.assert_array_equal(V, -k[first:].transpose(1, 0, 2))
+    assert np.isnan(out[0][:, 1003 - first :]).all()  # nothing written past the history
+
+
 def test_views_are_per_block_and_zero_copy():
     p = pool()
     s = p.new_sequence()
