@@ -634,10 +634,14 @@ impl BlockPool {
         let g = self.groups.group_of[layer];
         let s = self.seq(id)?;
         let start = s.layer_len[layer];
-        self.ensure_room(self.group_blocks_needed(s, g, start, start + n), || {
+        let needed = self.group_blocks_needed(s, g, start, start + n);
+        self.ensure_room(needed, || {
             format!("appending {n} tokens to layer {layer} at position {start}")
         })?;
-        self.prepare_group(id, g, start, start + n);
+        if needed > 0 {
+            // Otherwise the table already holds writable blocks there (most decode steps).
+            self.prepare_group(id, g, start, start + n);
+        }
         self.write_seq(id, layer, start, k, v)?;
         self.seq_mut(id).layer_len[layer] = start + n;
         Ok(start)

@@ -42,8 +42,9 @@ impl BlockPool {
                 value: format!("sequence {id}"),
                 reason: format!("its layers hold different lengths {:?}; finish or truncate the partial append first", s.layer_len),
             })?;
-            needed += self.blocks_needed(s, start, start + c);
-            plan.push((id, start, c));
+            let blocks = self.blocks_needed(s, start, start + c);
+            needed += blocks;
+            plan.push((id, start, c, blocks));
         }
         let total: usize = plan.iter().map(|p| p.2).sum();
         self.ensure_room(needed, || {
@@ -52,8 +53,11 @@ impl BlockPool {
         let (ng, bs) = (self.groups.groups.len(), self.shape.block_size);
         let mut slots = vec![0i64; ng * total];
         let mut at = 0;
-        for (id, start, c) in plan {
-            self.prepare_write(id, start, start + c);
+        for (id, start, c, blocks) in plan {
+            if blocks > 0 {
+                // Otherwise the tables already hold writable blocks there (most decode steps).
+                self.prepare_write(id, start, start + c);
+            }
             let s = self.seq_mut(id);
             s.layer_len.fill(start + c);
             for (g, t) in s.tables.iter().enumerate() {

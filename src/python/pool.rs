@@ -56,6 +56,10 @@ impl PyBlockPool {
         seqs: &Bound<'_, PyAny>,
         name: &'static str,
     ) -> PyResult<Vec<SeqId>> {
+        if let Ok(list) = seqs.cast::<PyList>() {
+            // The common case, without the generic iterator protocol.
+            return list.iter().map(|s| Self::id_of(slf, &s, name)).collect();
+        }
         let mut ids = Vec::new();
         for item in seqs.try_iter()? {
             ids.push(Self::id_of(slf, &item?, name)?);
