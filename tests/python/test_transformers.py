@@ -188,3 +188,15 @@ def test_kvrs_imports_without_transformers():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "pip install torch transformers" in out
+
+
+def test_unsupported_transformers_versions_are_refused_at_import():
+    code = (
+        "import transformers; transformers.__version__ = '4.57.1'\n"
+        "try:\n"
+        "    import kvrs.integrations.transformers\n"
+        "except ImportError as e:\n"
+        "    print('ImportError:', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "supports transformers >=5.15,<6" in out and "found 4.57.1" in out

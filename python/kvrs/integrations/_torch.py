@@ -12,11 +12,23 @@ import kvrs
 
 try:
     import torch
-    import transformers  # noqa: F401  (every user of this module needs it)
+    import transformers
+    from packaging.specifiers import SpecifierSet  # a dependency of transformers
+    from packaging.version import Version
 except ImportError as e:  # pragma: no cover - exercised in environments without torch
     raise ImportError(
         "kvrs.integrations.transformers needs torch and transformers: pip install torch transformers"
     ) from e
+
+SUPPORTED_TRANSFORMERS = ">=5.15,<6"
+"""The transformers versions whose cache contract the integration follows (5.15 made
+`crop(n)` take a negative count; 5.23.0 is the version tested)."""
+
+if not SpecifierSet(SUPPORTED_TRANSFORMERS).contains(Version(transformers.__version__)):
+    raise ImportError(
+        f"kvrs.integrations.transformers supports transformers {SUPPORTED_TRANSFORMERS} "
+        f"(5.23.0 tested); found {transformers.__version__}: pip install 'transformers==5.23.0'"
+    )
 
 STORAGE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 """The torch dtypes kvrs stores, by their kvrs names."""
