@@ -6,9 +6,9 @@ and may refuse more, changing nothing), beam reorders and deep copies, on a tiny
 sliding-window Mistral (window 6) and a Llama, for both the contiguous and the paged
 cache. The reference is each row's token history: after every forward, the new tokens'
 logits equal those of the whole history run through the model without a cache (within
-1e-5). (DynamicCache is no reference here: its sliding layers lose count of their length
-on a second crop in a row.) After every step the lengths agree and the pool's invariants
-hold.
+1e-5). (DynamicCache is no reference here: once its sliding layers have been trimmed to
+the window, cropping below the window miscounts their length.) After every step the
+lengths agree and the pool's invariants hold.
 """
 
 from __future__ import annotations
