@@ -150,7 +150,7 @@ def test_crop_past_released_positions_is_refused_and_changes_nothing(model):
     with torch.no_grad():
         model(prompts(batch=1, length=30), past_key_values=cache, use_cache=True)
     before = cache.pool.stats()
-    with pytest.raises(ValueError, match="swa_memory >= 10"):
+    with pytest.raises(ValueError, match="larger swa_memory"):
         cache.crop(-10)
     assert cache.get_seq_length() == 30 and cache.pool.stats() == before
     cache.crop(-1)  # the window still holds what position 29 sees

@@ -1,8 +1,8 @@
 """Hypothesis state machine: kvrs's transformers caches against recomputation.
 
 Random interleavings of forward passes of 1 to 6 tokens, crops (assisted decoding's
-rollback; the paged sliding cache must allow swa_memory tokens since the last forward,
-and may refuse more, changing nothing), beam reorders and deep copies, on a tiny
+rollback; the paged sliding cache must allow a crop to the longest length reached minus
+swa_memory, and may refuse a deeper one, changing nothing), beam reorders and deep copies, on a tiny
 sliding-window Mistral (window 6) and a Llama, for both the contiguous and the paged
 cache. The reference is each row's token history: after every forward, the new tokens'
 logits equal those of the whole history run through the model without a cache (within
@@ -63,7 +63,7 @@ def machine(model_name: str, paged: bool):
             else:
                 self.cache = KvrsCache.from_config(model.config, max_seq_len=MAX_LEN)
             self.tokens = torch.zeros(ROWS, 0, dtype=torch.long)  # each row's history
-            self.rolled_back = 0  # tokens cropped since the last forward
+            self.longest = 0  # the longest length reached: released blocks do not come back
 
         @property
         def length(self):
@@ -74,7 +74,7 @@ def machine(model_name: str, paged: bool):
         def forward(self, n, seed):
             ids = torch.randint(0, 64, (ROWS, n), generator=torch.Generator().manual_seed(seed))
             self.tokens = torch.cat([self.tokens, ids], dim=1)
-            self.rolled_back = 0
+            self.longest = max(self.longest, self.length)
             with torch.no_grad():
                 ours = model(ids, past_key_values=self.cache, use_cache=True).logits
                 theirs = model(self.tokens, use_cache=False).logits[:, -n:]
@@ -87,13 +87,12 @@ def machine(model_name: str, paged: bool):
             try:
                 self.cache.crop(-k)
             except ValueError as e:
-                # Only a paged sliding cache refuses, and only past swa_memory since the
-                # last forward (the window's rounding to blocks may keep more).
-                assert paged and model_name == "mistral" and self.rolled_back + k > MAX_CROP, e
+                # Only a paged sliding cache refuses, and only a crop below the longest
+                # length reached minus swa_memory (rounding to blocks may keep more).
+                assert paged and model_name == "mistral" and self.length - k < self.longest - MAX_CROP, e
                 assert self.cache.get_seq_length() == self.length
                 return
             self.tokens = self.tokens[:, : self.length - k]
-            self.rolled_back += k
 
         @precondition(lambda self: self.length > 0)
         @rule(beams=st.lists(st.integers(0, ROWS - 1), min_size=ROWS, max_size=ROWS))

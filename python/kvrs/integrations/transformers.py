@@ -269,7 +269,7 @@ class KvrsPagedCache(Cache):
         room for `max_batch_size` rows of `max_seq_len` positions, or exactly `num_blocks`
         blocks or `memory_bytes` bytes. `dtype` defaults to the model's. `swa_memory`
         positions are kept beyond sliding windows so that `crop` (assisted decoding) can
-        roll back that far."""
+        roll back that far from the longest length reached."""
         if num_blocks is None and memory_bytes is None:
             if max_seq_len is None:
                 raise ValueError("give max_seq_len (with max_batch_size), num_blocks or memory_bytes")
@@ -341,7 +341,9 @@ class KvrsPagedCache(Cache):
     def crop(self, tokens_to_remove: int) -> None:
         """Removes the last `-tokens_to_remove` positions (transformers >= 5.15 semantics).
         Sliding-window layers must still hold what the next token sees: the pool keeps
-        `swa_memory` positions beyond the window for this."""
+        `swa_memory` positions beyond the window of the longest length reached (released
+        blocks do not come back), so a crop to that length minus `swa_memory` or later
+        always succeeds."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop({tokens_to_remove}): pass a negative count of tokens to remove")
         if tokens_to_remove == 0 or not self.rows:
@@ -349,9 +351,9 @@ class KvrsPagedCache(Cache):
         n = max(0, self.seq_len() + tokens_to_remove)
         if not all(seq.can_resume(n) for seq in self.rows):
             raise ValueError(
-                f"crop({tokens_to_remove}): the sliding-window layers no longer hold what position {n} "
-                f"sees; create the cache with swa_memory >= {-tokens_to_remove} "
-                f"(this pool keeps swa_memory={self.pool.swa_memory})"
+                f"crop({tokens_to_remove}): the sliding-window layers released positions that "
+                f"position {n} sees; a crop may go back swa_memory={self.pool.swa_memory} positions "
+                "from the longest length the cache reached: make the cache with a larger swa_memory"
             )
         for seq in self.rows:
             seq.truncate(n)
