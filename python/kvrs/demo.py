@@ -305,7 +305,7 @@ def run(
             f"{prompt_tokens:,} of {prompt_tokens:,}",
         ),
         (
-            "peak KV memory",
+            "peak KV memory held",
             mib(trace.peak_used_bytes),
             f"{mib(trace.peak_dynamic_bytes)} (one cache per running request)",
         ),
