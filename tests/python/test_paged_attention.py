@@ -115,8 +115,12 @@ def test_bad_calls_raise_and_change_nothing(model):
     pool = block_pool_from_config(model.config, num_blocks=16, block_size=4)
     seq = pool.new_sequence()
     with torch.no_grad(), pool.start_forward([seq, seq], tokens=[1, 2]) as batch:
-        with pytest.raises(ValueError, match="token_ids has 3 tokens; the batch has 2"):
+        with pytest.raises(ValueError, match=r"token_ids has shape \(3,\); the batch needs \[2\]"):
             forward_batch(model, batch, [1, 2, 3])
+        with pytest.raises(ValueError, match=r"shape \(1, 2\)"):
+            forward_batch(model, batch, [[1, 2]])
+        with pytest.raises(ValueError, match=r"\[0, 128\) \(the model's vocab_size\)"):
+            forward_batch(model, batch, [1, 128])
         batch.cancel()
     assert seq.seq_len == 0 and pool.stats()["used_blocks"] == 0
     plain = LlamaForCausalLM(LlamaConfig(**SIZES)).eval()

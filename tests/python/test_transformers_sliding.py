@@ -155,3 +155,12 @@ def test_crop_past_released_positions_is_refused_and_changes_nothing(model):
     assert cache.get_seq_length() == 30 and cache.pool.stats() == before
     cache.crop(-1)  # the window still holds what position 29 sees
     assert cache.get_seq_length() == 29
+
+
+def test_paged_from_config_wants_exactly_one_size(model):
+    for kw in ({}, {"max_seq_len": 16, "num_blocks": 8}, {"num_blocks": 8, "memory_bytes": "1MiB"}):
+        with pytest.raises(ValueError, match="exactly one of max_seq_len"):
+            KvrsPagedCache.from_config(model.config, **kw)
+    with pytest.raises(ValueError, match="block_size=0: each must be >= 1"):
+        KvrsPagedCache.from_config(model.config, max_seq_len=16, block_size=0)
+    assert KvrsPagedCache.from_config(model.config, num_blocks=8).pool.num_blocks == 8

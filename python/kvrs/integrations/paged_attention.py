@@ -78,9 +78,15 @@ def forward_batch(model: Any, batch: kvrs.ForwardBatch, token_ids: Any) -> torch
             f"model uses attn_implementation={model.config._attn_implementation!r}; "
             "call kvrs.integrations.transformers.use_paged_attention(model) first"
         )
-    ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(1, -1)
-    if ids.shape[1] != batch.num_tokens:
-        raise ValueError(f"token_ids has {ids.shape[1]} tokens; the batch has {batch.num_tokens}")
+    ids = torch.as_tensor(token_ids, dtype=torch.long)
+    if ids.ndim != 1 or ids.shape[0] != batch.num_tokens:
+        raise ValueError(
+            f"token_ids has shape {tuple(ids.shape)}; the batch needs [{batch.num_tokens}] (1-D)"
+        )
+    vocab = model.config.get_text_config().vocab_size
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(f"token_ids must lie in [0, {vocab}) (the model's vocab_size)")
+    ids = ids.reshape(1, -1)
     positions = torch.from_numpy(batch.positions).reshape(1, -1)
     out = model(input_ids=ids, position_ids=positions, kvrs_batch=batch, use_cache=False)
     return out.logits[0]

@@ -270,12 +270,18 @@ class KvrsPagedCache(Cache):
         blocks or `memory_bytes` bytes. `dtype` defaults to the model's. `swa_memory`
         positions are kept beyond sliding windows so that `crop` (assisted decoding) can
         roll back that far from the longest length reached."""
-        if num_blocks is None and memory_bytes is None:
-            if max_seq_len is None:
-                raise ValueError("give max_seq_len (with max_batch_size), num_blocks or memory_bytes")
-            if max_seq_len < 1 or max_batch_size < 1:
+        given = [n for n, v in (("max_seq_len", max_seq_len), ("num_blocks", num_blocks),
+                                 ("memory_bytes", memory_bytes)) if v is not None]  # fmt: skip
+        if len(given) != 1:
+            raise ValueError(
+                f"give exactly one of max_seq_len (with max_batch_size), num_blocks or memory_bytes; "
+                f"got {given or 'none'}"
+            )
+        if max_seq_len is not None:
+            if max_seq_len < 1 or max_batch_size < 1 or block_size < 1:
                 raise ValueError(
-                    f"max_seq_len={max_seq_len}, max_batch_size={max_batch_size}: both must be >= 1"
+                    f"max_seq_len={max_seq_len}, max_batch_size={max_batch_size}, "
+                    f"block_size={block_size}: each must be >= 1"
                 )
             num_blocks = max_batch_size * -(-max_seq_len // block_size)
         pool = block_pool_from_config(
