@@ -35,10 +35,28 @@ __device__ __forceinline__ int64_t paged_offset(int64_t block, int kv, int64_t o
     return hnd ? base + (head * bs + off) * head_dim + dim : base + (off * heads + head) * head_dim + dim;
 }
 
+// Whether two types are one (std::is_same, without the header NVRTC may lack).
+template <typename A, typename B> struct same { static constexpr bool value = false; };
+template <typename A> struct same<A, A> { static constexpr bool value = true; };
+
+// Input element conversion; a same-type copy moves the bits unchanged (NaN payloads too).
+template <typename S, typename T> __device__ __forceinline__ T convert(S x) {
+    if constexpr (same<S, T>::value) {
+        return x;
+    } else {
+        return from_f32<T>(to_f32(x));
+    }
+}
+
+// Element strides of one [tokens, heads, head_dim] input (head_dim contiguous).
+struct TokenStrides {
+    int64_t tok, head;
+};
+
 // vLLM's reshape_and_cache. Grid (tokens, layers); threads stride over heads * head_dim.
 template <typename S, typename T>
 __device__ void scatter(const S* const* k, const S* const* v, T* const* cache, const int64_t* slots,
-                        int64_t tok_stride, int64_t head_stride, int bs, int heads, int head_dim, int hnd) {
+                        TokenStrides ks, TokenStrides vs, int bs, int heads, int head_dim, int hnd) {
     const int64_t t = blockIdx.x;
     const int layer = blockIdx.y;
     const int64_t slot = slots[t];
@@ -46,25 +64,55 @@ __device__ void scatter(const S* const* k, const S* const* v, T* const* cache, c
     const int64_t block = slot / bs, off = slot % bs;
     for (int i = threadIdx.x; i < heads * head_dim; i += blockDim.x) {
         const int h = i / head_dim, d = i % head_dim;
-        const int64_t src = t * tok_stride + h * head_stride + d;
-        cache[layer][paged_offset(block, 0, off, h, d, bs, heads, head_dim, hnd)] = from_f32<T>(to_f32(k[layer][src]));
-        cache[layer][paged_offset(block, 1, off, h, d, bs, heads, head_dim, hnd)] = from_f32<T>(to_f32(v[layer][src]));
+        cache[layer][paged_offset(block, 0, off, h, d, bs, heads, head_dim, hnd)] =
+            convert<S, T>(k[layer][t * ks.tok + h * ks.head + d]);
+        cache[layer][paged_offset(block, 1, off, h, d, bs, heads, head_dim, hnd)] =
+            convert<S, T>(v[layer][t * vs.tok + h * vs.head + d]);
     }
 }
 
-// A sequence's positions 0..len gathered into contiguous K/V [heads, cap, head_dim].
-// Grid (len, layers); threads stride over heads * head_dim.
+// Element strides of one [heads, positions, head_dim] output (head_dim contiguous).
+struct HeadStrides {
+    int64_t head, pos;
+};
+
+// Positions start..start+n of a block table gathered into K/V [heads, >= n, head_dim]
+// (output position 0 is position start). Grid (n, layers); threads stride over
+// heads * head_dim.
 template <typename T>
-__device__ void gather(const T* const* cache, const int32_t* table, int64_t cap, T* const* out_k, T* const* out_v,
-                       int bs, int heads, int head_dim, int hnd) {
-    const int64_t p = blockIdx.x;
+__device__ void gather(const T* const* cache, const int32_t* table, int64_t start, T* const* out_k,
+                       T* const* out_v, HeadStrides ks, HeadStrides vs, int bs, int heads, int head_dim,
+                       int hnd) {
+    const int64_t t = blockIdx.x, p = start + t;
     const int layer = blockIdx.y;
     const int64_t block = table[p / bs], off = p % bs;
     for (int i = threadIdx.x; i < heads * head_dim; i += blockDim.x) {
         const int h = i / head_dim, d = i % head_dim;
-        const int64_t dst = (h * cap + p) * head_dim + d;
-        out_k[layer][dst] = cache[layer][paged_offset(block, 0, off, h, d, bs, heads, head_dim, hnd)];
-        out_v[layer][dst] = cache[layer][paged_offset(block, 1, off, h, d, bs, heads, head_dim, hnd)];
+        out_k[layer][h * ks.head + t * ks.pos + d] = cache[layer][paged_offset(block, 0, off, h, d, bs, heads, head_dim, hnd)];
+        out_v[layer][h * vs.head + t * vs.pos + d] = cache[layer][paged_offset(block, 1, off, h, d, bs, heads, head_dim, hnd)];
+    }
+}
+
+// dst[i][j][k] = src[i][j][k] over a rank-3 shape with element strides (the source's may
+// be negative): every region read or write of the storage interface. A 1-D grid-stride
+// loop over the elements.
+template <typename S, typename T>
+__device__ void copy3(T* dst, int64_t d0, int64_t d1, int64_t d2, const S* src, int64_t s0, int64_t s1,
+                      int64_t s2, int64_t n0, int64_t n1, int64_t n2) {
+    const int64_t total = n0 * n1 * n2;
+    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t k = e % n2, j = (e / n2) % n1, i = e / (n1 * n2);
+        dst[i * d0 + j * d1 + k * d2] = convert<S, T>(src[i * s0 + j * s1 + k * s2]);
+    }
+}
+
+// Zeroes a rank-3 strided region of elements of W bytes (the type only sets the width).
+template <typename W>
+__device__ void zero3(W* dst, int64_t d0, int64_t d1, int64_t d2, int64_t n0, int64_t n1, int64_t n2) {
+    const int64_t total = n0 * n1 * n2;
+    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t k = e % n2, j = (e / n2) % n1, i = e / (n1 * n2);
+        dst[i * d0 + j * d1 + k * d2] = W(0);
     }
 }
 
@@ -93,18 +141,17 @@ __device__ void rope_rotate(T* const* cache, const int32_t* table, int64_t start
 // before launching). Grid (tokens, layers); threads stride over heads * head_dim.
 template <typename S, typename T>
 __device__ void append_contiguous(const S* const* k, const S* const* v, T* const* cache_k, T* const* cache_v,
-                                  const int64_t* position, int64_t tok_stride, int64_t head_stride,
-                                  int64_t max_seq_len, int heads, int head_dim) {
+                                  const int64_t* position, TokenStrides ks, TokenStrides vs, int64_t max_seq_len,
+                                  int heads, int head_dim) {
     const int64_t t = blockIdx.x;
     const int layer = blockIdx.y;
     const int64_t p = *position + t;
     if (p >= max_seq_len) return;
     for (int i = threadIdx.x; i < heads * head_dim; i += blockDim.x) {
         const int h = i / head_dim, d = i % head_dim;
-        const int64_t src = t * tok_stride + h * head_stride + d;
         const int64_t dst = (h * max_seq_len + p) * head_dim + d;
-        cache_k[layer][dst] = from_f32<T>(to_f32(k[layer][src]));
-        cache_v[layer][dst] = from_f32<T>(to_f32(v[layer][src]));
+        cache_k[layer][dst] = convert<S, T>(k[layer][t * ks.tok + h * ks.head + d]);
+        cache_v[layer][dst] = convert<S, T>(v[layer][t * vs.tok + h * vs.head + d]);
     }
 }
 
@@ -125,17 +172,24 @@ extern "C" __global__ void kvrs_advance_counter(int64_t* position, int64_t n) {
 
 #define KVRS_SCATTER(NAME, S, T)                                                                              \
     extern "C" __global__ void kvrs_scatter_##NAME(const S* const* k, const S* const* v, T* const* cache,     \
-                                                   const int64_t* slots, int64_t tok_stride,                   \
-                                                   int64_t head_stride, int bs, int heads, int head_dim,       \
-                                                   int hnd) {                                                   \
-        scatter<S, T>(k, v, cache, slots, tok_stride, head_stride, bs, heads, head_dim, hnd);                 \
+                                                   const int64_t* slots, int64_t k_tok, int64_t k_head,        \
+                                                   int64_t v_tok, int64_t v_head, int bs, int heads,           \
+                                                   int head_dim, int hnd) {                                     \
+        scatter<S, T>(k, v, cache, slots, {k_tok, k_head}, {v_tok, v_head}, bs, heads, head_dim, hnd);       \
     }
 #define KVRS_APPEND(NAME, S, T)                                                                               \
     extern "C" __global__ void kvrs_append_contiguous_##NAME(                                                 \
         const S* const* k, const S* const* v, T* const* cache_k, T* const* cache_v, const int64_t* position,  \
-        int64_t tok_stride, int64_t head_stride, int64_t max_seq_len, int heads, int head_dim) {              \
-        append_contiguous<S, T>(k, v, cache_k, cache_v, position, tok_stride, head_stride, max_seq_len, heads, \
-                                head_dim);                                                                     \
+        int64_t k_tok, int64_t k_head, int64_t v_tok, int64_t v_head, int64_t max_seq_len, int heads,         \
+        int head_dim) {                                                                                        \
+        append_contiguous<S, T>(k, v, cache_k, cache_v, position, {k_tok, k_head}, {v_tok, v_head},          \
+                                max_seq_len, heads, head_dim);                                                 \
+    }
+#define KVRS_COPY3(NAME, S, T)                                                                                \
+    extern "C" __global__ void kvrs_copy3_##NAME(T* dst, int64_t d0, int64_t d1, int64_t d2, const S* src,    \
+                                                 int64_t s0, int64_t s1, int64_t s2, int64_t n0, int64_t n1,  \
+                                                 int64_t n2) {                                                \
+        copy3<S, T>(dst, d0, d1, d2, src, s0, s1, s2, n0, n1, n2);                                            \
     }
 #define KVRS_FOR_INPUTS(MACRO, T, TN) \
     MACRO(f32_##TN, float, T)         \
@@ -144,10 +198,13 @@ extern "C" __global__ void kvrs_advance_counter(int64_t* position, int64_t n) {
 #define KVRS_PER_STORAGE(T, TN)                                                                               \
     KVRS_FOR_INPUTS(KVRS_SCATTER, T, TN)                                                                      \
     KVRS_FOR_INPUTS(KVRS_APPEND, T, TN)                                                                       \
-    extern "C" __global__ void kvrs_gather_##TN(const T* const* cache, const int32_t* table, int64_t cap,     \
-                                                T* const* out_k, T* const* out_v, int bs, int heads,          \
-                                                int head_dim, int hnd) {                                       \
-        gather<T>(cache, table, cap, out_k, out_v, bs, heads, head_dim, hnd);                                 \
+    KVRS_FOR_INPUTS(KVRS_COPY3, T, TN)                                                                        \
+    extern "C" __global__ void kvrs_gather_##TN(const T* const* cache, const int32_t* table, int64_t start,   \
+                                                T* const* out_k, T* const* out_v, int64_t k_head,             \
+                                                int64_t k_pos, int64_t v_head, int64_t v_pos, int bs,         \
+                                                int heads, int head_dim, int hnd) {                           \
+        gather<T>(cache, table, start, out_k, out_v, {k_head, k_pos}, {v_head, v_pos}, bs, heads, head_dim,   \
+                  hnd);                                                                                        \
     }                                                                                                          \
     extern "C" __global__ void kvrs_rope_rotate_##TN(T* const* cache, const int32_t* table, int64_t start,    \
                                                      const float* cos_t, const float* sin_t, int rotary_dim,  \
@@ -158,3 +215,13 @@ extern "C" __global__ void kvrs_advance_counter(int64_t* position, int64_t n) {
 KVRS_PER_STORAGE(float, f32)
 KVRS_PER_STORAGE(__half, f16)
 KVRS_PER_STORAGE(__nv_bfloat16, bf16)
+
+// Zeroing by element width: 2 bytes (float16, bfloat16) or 4 (float32).
+extern "C" __global__ void kvrs_zero3_b16(uint16_t* dst, int64_t d0, int64_t d1, int64_t d2, int64_t n0, int64_t n1,
+                                          int64_t n2) {
+    zero3<uint16_t>(dst, d0, d1, d2, n0, n1, n2);
+}
+extern "C" __global__ void kvrs_zero3_b32(uint32_t* dst, int64_t d0, int64_t d1, int64_t d2, int64_t n0, int64_t n1,
+                                          int64_t n2) {
+    zero3<uint32_t>(dst, d0, d1, d2, n0, n1, n2);
+}

@@ -310,8 +310,7 @@ impl KVCache {
                 &out.slice(1, 0, inside),
             )?;
             // Positions past max_seq_len read as zeros.
-            // SAFETY: the tail positions of the caller's [H, bs, D] tensor.
-            unsafe { out.slice(1, inside, bs - inside).fill_zero() };
+            self.storage.zero(&out.slice(1, inside, bs - inside))?;
         }
         Ok(())
     }

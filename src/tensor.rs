@@ -3,19 +3,22 @@
 
 use crate::dtype::{convert_contiguous, read_f32, write_f32, DType};
 use crate::error::{KvError, Result};
+use crate::storage::Device;
 
 /// Highest rank kvrs reads or writes; lower ranks are padded with leading 1s.
 pub const MAX_RANK: usize = 3;
 
-/// A borrowed, strided view of host memory: what a caller hands the core to read from
-/// (`TensorRef`) or to write into (through [`TensorRef::as_mut_ptr`]).
+/// A borrowed, strided view of host or device memory: what a caller hands the core to
+/// read from (`TensorRef`) or to write into (through [`TensorRef::as_mut_ptr`]).
 ///
 /// Strides are in elements and may be negative (a reversed NumPy view). The core never
-/// keeps a `TensorRef` past the call that received it.
+/// keeps a `TensorRef` past the call that received it. Tensors are on the host unless
+/// built with [`TensorRef::on`]; only a storage of the same device reads device tensors.
 #[derive(Clone, Copy, Debug)]
 pub struct TensorRef {
     ptr: *const u8,
     dtype: DType,
+    device: Device,
     ndim: usize,
     shape: [usize; MAX_RANK],
     strides: [isize; MAX_RANK],
@@ -53,6 +56,7 @@ impl TensorRef {
         Ok(TensorRef {
             ptr,
             dtype,
+            device: Device::Cpu,
             ndim: shape.len(),
             shape: s,
             strides: st,
@@ -74,6 +78,17 @@ impl TensorRef {
             acc *= shape[i] as isize;
         }
         Self::new(ptr, dtype, shape, &strides[..shape.len()])
+    }
+
+    /// The same tensor, said to live on `device` (its pointer is then a device address).
+    pub fn on(mut self, device: Device) -> Self {
+        self.device = device;
+        self
+    }
+
+    /// Where the memory lives.
+    pub fn device(&self) -> Device {
+        self.device
     }
 
     /// The element type.

@@ -89,12 +89,21 @@ fn values(seed: u32, n: usize) -> Vec<f32> {
         .collect()
 }
 
+thread_local! {
+    /// The device of the run in progress: the test's tensors are said to live there (on
+    /// the simulated CUDA device, host memory is device memory).
+    static DEVICE: std::cell::Cell<Device> = const { std::cell::Cell::new(Device::Cpu) };
+}
+
 fn tensor(v: &[f32], shape: &[usize]) -> TensorRef {
-    unsafe { TensorRef::contiguous(v.as_ptr() as *const u8, DType::F32, shape).unwrap() }
+    let t = unsafe { TensorRef::contiguous(v.as_ptr() as *const u8, DType::F32, shape).unwrap() };
+    t.on(DEVICE.get())
 }
 
 fn tensor_mut(v: &mut [f32], shape: &[usize]) -> TensorRef {
-    unsafe { TensorRef::contiguous(v.as_mut_ptr() as *const u8, DType::F32, shape).unwrap() }
+    let t =
+        unsafe { TensorRef::contiguous(v.as_mut_ptr() as *const u8, DType::F32, shape).unwrap() };
+    t.on(DEVICE.get())
 }
 
 fn snapshot(c: &KVCache) -> Model {
@@ -297,14 +306,15 @@ fn apply_cache(c: &mut KVCache, m: &Model, op: &Op) -> Result<(), KvError> {
     }
 }
 
-fn run(dtype: DType, ops: &[Op]) {
+fn run(device: Device, dtype: DType, ops: &[Op]) {
+    DEVICE.set(device);
     let shape = CacheShape {
         num_layers: L,
         num_kv_heads: H,
         head_dim: D,
         max_seq_len: MAX,
     };
-    let mut cache = KVCache::new(shape, dtype, Device::Cpu).unwrap();
+    let mut cache = KVCache::new(shape, dtype, device).unwrap();
     let mut model = Model::new();
     for op in ops {
         let before = model.clone();
@@ -322,16 +332,37 @@ proptest! {
 
     #[test]
     fn float32_cache_matches_model(ops in prop::collection::vec(op(), 1..40)) {
-        run(DType::F32, &ops);
+        run(Device::Cpu, DType::F32, &ops);
     }
 
     #[test]
     fn float16_cache_matches_model(ops in prop::collection::vec(op(), 1..40)) {
-        run(DType::F16, &ops);
+        run(Device::Cpu, DType::F16, &ops);
     }
 
     #[test]
     fn bfloat16_cache_matches_model(ops in prop::collection::vec(op(), 1..40)) {
-        run(DType::BF16, &ops);
+        run(Device::Cpu, DType::BF16, &ops);
+    }
+}
+
+// The same runs on the simulated CUDA device (`cargo test --features cuda-sim`).
+#[cfg(feature = "cuda-sim")]
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 150, ..ProptestConfig::default() })]
+
+    #[test]
+    fn float32_cache_on_cuda_matches_model(ops in prop::collection::vec(op(), 1..40)) {
+        run(Device::Cuda(0), DType::F32, &ops);
+    }
+
+    #[test]
+    fn float16_cache_on_cuda_matches_model(ops in prop::collection::vec(op(), 1..40)) {
+        run(Device::Cuda(0), DType::F16, &ops);
+    }
+
+    #[test]
+    fn bfloat16_cache_on_cuda_matches_model(ops in prop::collection::vec(op(), 1..40)) {
+        run(Device::Cuda(0), DType::BF16, &ops);
     }
 }

@@ -115,12 +115,21 @@ fn values(seed: u32, n: usize) -> Vec<f32> {
         .collect()
 }
 
+thread_local! {
+    /// The device of the run in progress: the test's tensors are said to live there (on
+    /// the simulated CUDA device, host memory is device memory).
+    static DEVICE: std::cell::Cell<Device> = const { std::cell::Cell::new(Device::Cpu) };
+}
+
 fn tensor(v: &[f32], shape: &[usize]) -> TensorRef {
-    unsafe { TensorRef::contiguous(v.as_ptr() as *const u8, DType::F32, shape).unwrap() }
+    let t = unsafe { TensorRef::contiguous(v.as_ptr() as *const u8, DType::F32, shape).unwrap() };
+    t.on(DEVICE.get())
 }
 
 fn tensor_mut(v: &mut [f32], shape: &[usize]) -> TensorRef {
-    unsafe { TensorRef::contiguous(v.as_mut_ptr() as *const u8, DType::F32, shape).unwrap() }
+    let t =
+        unsafe { TensorRef::contiguous(v.as_mut_ptr() as *const u8, DType::F32, shape).unwrap() };
+    t.on(DEVICE.get())
 }
 
 /// Tokens `[n, H, D]` from a seed, and the same split per token.
@@ -624,7 +633,8 @@ impl World {
     }
 }
 
-fn run(layout: KvLayout, dtype: DType, kinds: [LayerKind; L], ops: &[Op]) {
+fn run(device: Device, layout: KvLayout, dtype: DType, kinds: [LayerKind; L], ops: &[Op]) {
+    DEVICE.set(device);
     let shape = PagedShape {
         num_layers: L,
         num_kv_heads: H,
@@ -651,7 +661,7 @@ fn run(layout: KvLayout, dtype: DType, kinds: [LayerKind; L], ops: &[Op]) {
         },
     };
     let mut pool =
-        BlockPool::with_attention(shape, attention.clone(), dtype, Device::Cpu, None).unwrap();
+        BlockPool::with_attention(shape, attention.clone(), dtype, device, None).unwrap();
     if let Some(r) = rope {
         pool = pool.with_rope(r).unwrap();
     }
@@ -673,21 +683,48 @@ proptest! {
 
     #[test]
     fn nhd_float32_pool_matches_reference(ops in prop::collection::vec(op(), 1..60)) {
-        run(KvLayout::Nhd, DType::F32, [LayerKind::Full; L], &ops);
+        run(Device::Cpu, KvLayout::Nhd, DType::F32, [LayerKind::Full; L], &ops);
     }
 
     #[test]
     fn hnd_bfloat16_pool_matches_reference(ops in prop::collection::vec(op(), 1..60)) {
-        run(KvLayout::Hnd, DType::BF16, [LayerKind::Full; L], &ops);
+        run(Device::Cpu, KvLayout::Hnd, DType::BF16, [LayerKind::Full; L], &ops);
     }
 
     #[test]
     fn full_and_sliding_bfloat16_pool_matches_reference(ops in prop::collection::vec(op(), 1..80)) {
-        run(KvLayout::Nhd, DType::BF16, [LayerKind::Full, LayerKind::Sliding], &ops);
+        run(Device::Cpu, KvLayout::Nhd, DType::BF16, [LayerKind::Full, LayerKind::Sliding], &ops);
     }
 
     #[test]
     fn chunked_and_full_float32_pool_matches_reference(ops in prop::collection::vec(op(), 1..80)) {
-        run(KvLayout::Hnd, DType::F32, [LayerKind::Chunked, LayerKind::Full], &ops);
+        run(Device::Cpu, KvLayout::Hnd, DType::F32, [LayerKind::Chunked, LayerKind::Full], &ops);
+    }
+}
+
+// The same runs on the simulated CUDA device (`cargo test --features cuda-sim`): the CUDA
+// storage and its kernels, compiled for the host, against the same reference.
+#[cfg(feature = "cuda-sim")]
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 120, ..ProptestConfig::default() })]
+
+    #[test]
+    fn nhd_float32_pool_on_cuda_matches_reference(ops in prop::collection::vec(op(), 1..60)) {
+        run(Device::Cuda(0), KvLayout::Nhd, DType::F32, [LayerKind::Full; L], &ops);
+    }
+
+    #[test]
+    fn hnd_bfloat16_pool_on_cuda_matches_reference(ops in prop::collection::vec(op(), 1..60)) {
+        run(Device::Cuda(0), KvLayout::Hnd, DType::BF16, [LayerKind::Full; L], &ops);
+    }
+
+    #[test]
+    fn full_and_sliding_float32_pool_on_cuda_matches_reference(ops in prop::collection::vec(op(), 1..80)) {
+        run(Device::Cuda(0), KvLayout::Nhd, DType::F32, [LayerKind::Full, LayerKind::Sliding], &ops);
+    }
+
+    #[test]
+    fn chunked_and_full_float32_pool_on_cuda_matches_reference(ops in prop::collection::vec(op(), 1..80)) {
+        run(Device::Cuda(0), KvLayout::Hnd, DType::F32, [LayerKind::Chunked, LayerKind::Full], &ops);
     }
 }

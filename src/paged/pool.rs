@@ -15,7 +15,7 @@ use crate::error::{check_count, check_index, check_positive, KvError, Result};
 use crate::kv_cache::{commit_target, KVCache, Kv};
 use crate::prefix::{PrefixCounters, PrefixIndex};
 use crate::rope::Rope;
-use crate::storage::{allocate, Device, Storage};
+use crate::storage::{allocate, Device, PagedTensor, Storage};
 use crate::tensor::{expect_block_pair, TensorRef};
 
 /// Handle of a sequence in a pool (never reused within one pool).
@@ -339,16 +339,13 @@ impl BlockPool {
         }
     }
 
-    /// Copies block `src` onto block `dst` in every storage tensor.
+    /// Copies block `src` onto block `dst` in every storage tensor. Both are the pool's
+    /// own blocks, so this fails only when the device itself has failed (a CUDA context
+    /// that can no longer launch), which no state of the pool can recover from.
     pub(crate) fn copy_block(&mut self, src: BlockId, dst: BlockId) {
-        for t in 0..self.groups.per_block {
-            self.storage
-                .copy_within(
-                    self.shape.whole_block(t, src),
-                    self.shape.whole_block(t, dst),
-                )
-                .expect("blocks of one pool");
-        }
+        self.storage
+            .copy_blocks(self.shape, self.groups.per_block, &[(src, dst)])
+            .expect("copying blocks within the pool's storage: the device failed");
     }
 
     // ----- sequences --------------------------------------------------------------------
@@ -691,23 +688,16 @@ impl BlockPool {
         k: &TensorRef,
         v: &TensorRef,
     ) -> Result<()> {
-        let bs = self.shape.block_size;
-        let tensor = self.tensor_of(layer);
-        let n = k.shape3()[0];
-        let mut t = 0;
-        while t < n {
-            let pos = start + t;
-            let run = (bs - pos % bs).min(n - t);
-            let block = blocks[pos / bs];
-            for (kv, src) in [(Kv::Key, k), (Kv::Value, v)] {
-                self.storage.write(
-                    self.shape.positions(tensor, kv, block, pos % bs, run),
-                    &src.slice(0, t, run),
-                )?;
-            }
-            t += run;
+        let t = self.paged_tensor(layer);
+        self.storage.write_positions(t, blocks, start, k, v)
+    }
+
+    /// Layer `layer`'s cache tensor, as the storage's paged operations take it.
+    pub(crate) fn paged_tensor(&self, layer: usize) -> PagedTensor {
+        PagedTensor {
+            shape: self.shape,
+            index: self.tensor_of(layer),
         }
-        Ok(())
     }
 
     /// Checks that `new` token ids can be recorded at positions `start..` of `s`: its known
@@ -884,8 +874,8 @@ impl BlockPool {
         let t = &s.tables[self.groups.group_of[layer]];
         let (lo, hi) = (t.start.max(start), s.layer_len[layer].min(start + n));
         for out in [keys, values] {
-            // SAFETY: the caller's [H, n, D] tensor, filled before the held part is read.
-            unsafe { out.fill_zero() };
+            // The caller's [H, n, D] tensor, zeroed before the held part is read.
+            self.storage.zero(out)?;
         }
         if lo < hi {
             let at = |o: &TensorRef| o.slice(1, lo - start, hi - lo);
@@ -1013,7 +1003,8 @@ impl BlockPool {
         }
         let blocks = &self.seq(id)?.tables[self.groups.group_of[layer]].blocks;
         let bytes = 2 * len * sh.num_kv_heads * sh.head_dim * self.storage.dtype().size();
-        if bytes < PARALLEL_GATHER_BYTES || rayon::current_num_threads() < 2 {
+        let on_host = self.device() == Device::Cpu;
+        if !on_host || bytes < PARALLEL_GATHER_BYTES || rayon::current_num_threads() < 2 {
             self.read_positions(blocks, layer, first, len, k_out, v_out)?;
         } else {
             // Whole blocks per task, a few tasks per thread; each writes its own positions.
@@ -1039,21 +1030,9 @@ impl BlockPool {
         k_out: &TensorRef,
         v_out: &TensorRef,
     ) -> Result<()> {
-        let bs = self.shape.block_size;
-        let tensor = self.tensor_of(layer);
-        let mut t = 0;
-        while t < n {
-            let pos = start + t;
-            let run = (bs - pos % bs).min(n - t);
-            let block = blocks[pos / bs];
-            for (kv, out) in [(Kv::Key, k_out), (Kv::Value, v_out)] {
-                let dst = out.slice(1, t, run).transposed(0, 1);
-                self.storage
-                    .read(self.shape.positions(tensor, kv, block, pos % bs, run), &dst)?;
-            }
-            t += run;
-        }
-        Ok(())
+        let t = self.paged_tensor(layer);
+        self.storage
+            .read_positions(t, blocks, start, n, k_out, v_out)
     }
 
     // ----- accounting -------------------------------------------------------------------

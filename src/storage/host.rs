@@ -61,6 +61,17 @@ impl HostStorage {
     }
 }
 
+/// Fails unless `t` is host memory: a device tensor cannot be read from the host.
+fn on_host(name: &str, t: &TensorRef) -> Result<()> {
+    if t.device() != Device::Cpu {
+        return Err(KvError::Device(format!(
+            "{name} lives on {}; this cache lives on the host, so pass a CPU tensor",
+            t.device()
+        )));
+    }
+    Ok(())
+}
+
 fn too_large(numel: usize, dtype: DType) -> KvError {
     KvError::InvalidArgument {
         name: "size",
@@ -95,6 +106,7 @@ impl Storage for HostStorage {
 
     fn write(&mut self, dst: Region, src: &TensorRef) -> Result<()> {
         self.check(&dst);
+        on_host("the source", src)?;
         debug_assert_eq!(dst.shape, src.shape3());
         // SAFETY: dst checked above; src validity is the TensorRef's contract.
         unsafe {
@@ -113,6 +125,7 @@ impl Storage for HostStorage {
 
     fn read(&self, src: Region, dst: &TensorRef) -> Result<()> {
         self.check(&src);
+        on_host("the destination", dst)?;
         debug_assert_eq!(src.shape, dst.shape3());
         // SAFETY: as in `write`, with the roles swapped.
         unsafe {
@@ -167,6 +180,13 @@ impl Storage for HostStorage {
             )?
             .fill_zero()
         };
+        Ok(())
+    }
+
+    fn zero(&self, t: &TensorRef) -> Result<()> {
+        on_host("the output", t)?;
+        // SAFETY: the caller's tensor is valid for writes (the TensorRef contract).
+        unsafe { t.fill_zero() };
         Ok(())
     }
 }

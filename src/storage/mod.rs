@@ -1,17 +1,22 @@
 //! The storage interface: one region of device or host memory, allocated once, that
 //! caches address through strided [`Region`]s. The host backend lives in [`host`]; the
-//! CUDA backend implements the same trait, so the caches never look at the device.
+//! CUDA backend ([`cuda`]) implements the same trait, so the caches never look at the
+//! device. The paged pool's bulk operations have region-by-region defaults
+//! ([`paged_ops`]) that a device backend replaces with one kernel launch each.
 
 pub mod cuda;
 mod host;
+pub mod paged_ops;
 
 pub use host::HostStorage;
+pub use paged_ops::PagedTensor;
 
 use std::fmt;
 use std::str::FromStr;
 
 use crate::dtype::DType;
 use crate::error::{KvError, Result};
+use crate::paged::{BlockId, PagedShape};
 use crate::tensor::{TensorRef, MAX_RANK};
 
 /// Where a storage lives.
@@ -104,16 +109,68 @@ pub trait Storage: Send + Sync + fmt::Debug {
     fn numel(&self) -> usize;
     /// Address of element 0 (a host pointer, or a device address for device storages).
     fn data_ptr(&self) -> *mut u8;
-    /// Writes `src` (host memory, any supported dtype) into `dst`, converting to the
-    /// storage dtype. `src` must have `dst`'s shape.
+    /// Writes `src` (host memory, or memory on this storage's device; any supported
+    /// dtype) into `dst`, converting to the storage dtype. `src` must have `dst`'s shape.
     fn write(&mut self, dst: Region, src: &TensorRef) -> Result<()>;
-    /// Reads `src` into `dst` (host memory of the storage dtype, `src`'s shape).
+    /// Reads `src` into `dst` (host memory, or memory on this storage's device; any
+    /// supported dtype), converting from the storage dtype. `dst` has `src`'s shape.
     fn read(&self, src: Region, dst: &TensorRef) -> Result<()>;
     /// Copies region `src` onto region `dst` of the same storage (same shape; the two
     /// must not overlap): copy-on-write and forks.
     fn copy_within(&mut self, src: Region, dst: Region) -> Result<()>;
     /// Sets every element of `dst` to zero.
     fn fill_zero(&mut self, dst: Region) -> Result<()>;
+    /// Sets every element of a caller's tensor to zero (host memory, or memory on this
+    /// storage's device).
+    fn zero(&self, t: &TensorRef) -> Result<()>;
+
+    /// Writes `k`, `v` (`[n, H, D]`) at paged `slots` (`block * block_size + offset`; -1
+    /// skips) of cache tensor `t`.
+    fn write_slots(
+        &mut self,
+        t: PagedTensor,
+        slots: &[i64],
+        k: &TensorRef,
+        v: &TensorRef,
+    ) -> Result<()> {
+        paged_ops::write_slots(self, t, slots, k, v)
+    }
+    /// Writes `k`, `v` (`[n, H, D]`) at positions `start..start + n` of cache tensor `t`
+    /// through the block table `blocks`.
+    fn write_positions(
+        &mut self,
+        t: PagedTensor,
+        blocks: &[BlockId],
+        start: usize,
+        k: &TensorRef,
+        v: &TensorRef,
+    ) -> Result<()> {
+        paged_ops::write_positions(self, t, blocks, start, k, v)
+    }
+    /// Reads positions `start..start + n` of cache tensor `t` through the block table
+    /// `blocks` into `[H, >= n, D]` outputs.
+    #[allow(clippy::too_many_arguments)]
+    fn read_positions(
+        &self,
+        t: PagedTensor,
+        blocks: &[BlockId],
+        start: usize,
+        n: usize,
+        k_out: &TensorRef,
+        v_out: &TensorRef,
+    ) -> Result<()> {
+        paged_ops::read_positions(self, t, blocks, start, n, k_out, v_out)
+    }
+    /// Copies whole blocks `(src, dst)` in cache tensors `0..tensors` (copy-on-write and
+    /// forks).
+    fn copy_blocks(
+        &mut self,
+        shape: PagedShape,
+        tensors: usize,
+        pairs: &[(BlockId, BlockId)],
+    ) -> Result<()> {
+        paged_ops::copy_blocks(self, shape, tensors, pairs)
+    }
 
     /// Size in bytes.
     fn nbytes(&self) -> usize {
@@ -125,18 +182,7 @@ pub trait Storage: Send + Sync + fmt::Debug {
 pub fn allocate(device: Device, dtype: DType, numel: usize) -> Result<Box<dyn Storage>> {
     match device {
         Device::Cpu => Ok(Box::new(HostStorage::zeroed(dtype, numel)?)),
-        Device::Cuda(ordinal) => {
-            let count = cuda::device_count()
-                .map_err(|why| KvError::Device(format!("device={device}: {why}")))?;
-            if ordinal >= count {
-                return Err(KvError::Device(format!(
-                    "device={device} does not exist: this machine has {count} CUDA devices"
-                )));
-            }
-            Err(KvError::Device(format!(
-                "device={device}: CUDA storage is not implemented in this version of kvrs yet; use device='cpu'"
-            )))
-        }
+        Device::Cuda(ordinal) => Ok(Box::new(cuda::CudaStorage::zeroed(ordinal, dtype, numel)?)),
     }
 }
 
@@ -172,10 +218,11 @@ mod tests {
     }
 
     #[test]
-    fn cuda_is_a_device_error_without_the_backend() {
-        assert!(matches!(
-            allocate(Device::Cuda(0), DType::F16, 4),
-            Err(KvError::Device(_))
-        ));
+    #[cfg(not(feature = "cuda-sim"))]
+    fn cuda_is_a_device_error_or_a_device_storage() {
+        match allocate(Device::Cuda(0), DType::F16, 4) {
+            Ok(s) => assert_eq!(s.device(), Device::Cuda(0)),
+            Err(e) => assert!(matches!(e, KvError::Device(_)), "{e}"),
+        }
     }
 }

@@ -1,0 +1,25 @@
+//! With the `cuda-sim` feature, compiles the CUDA kernels for the host (the simulated
+//! device that tests the CUDA backend without a GPU). Otherwise does nothing.
+
+fn main() {
+    println!("cargo:rerun-if-changed=build.rs");
+    if std::env::var_os("CARGO_FEATURE_CUDA_SIM").is_none() {
+        return;
+    }
+    for f in [
+        "kernels/kvrs.cu",
+        "kernels/sim/sim.cpp",
+        "kernels/sim/cuda_fp16.h",
+        "kernels/sim/cuda_bf16.h",
+    ] {
+        println!("cargo:rerun-if-changed={f}");
+    }
+    #[cfg(feature = "cuda-sim")]
+    cc::Build::new()
+        .cpp(true)
+        .std("c++17")
+        .include("kernels/sim")
+        .file("kernels/sim/sim.cpp")
+        .warnings(true)
+        .compile("kvrs_sim");
+}

@@ -1,0 +1,255 @@
+//! The device operations on the CUDA driver (cudarc's raw API, libcuda loaded at run
+//! time): the device's primary context (PyTorch's, so addresses are valid in both), the
+//! kernels' module loaded from the embedded PTX (or compiled with NVRTC when the driver
+//! refuses that PTX), and kvrs's own stream.
+
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::result as cu;
+use cudarc::driver::sys;
+use parking_lot::Mutex;
+
+use super::gpu::{Args, DevicePtr, Gpu, StreamHandle};
+use crate::error::{KvError, Result};
+
+/// The kernels, compiled to PTX for compute_80 by `make ptx`.
+const PTX: &str = include_str!("../../../kernels/kvrs.ptx");
+/// Their source, for NVRTC when the driver cannot load the PTX.
+const SOURCE: &str = include_str!("../../../kernels/kvrs.cu");
+
+/// One CUDA device, driven through its primary context.
+#[derive(Debug)]
+pub struct DriverGpu {
+    ordinal: usize,
+    ctx: sys::CUcontext,
+    module: sys::CUmodule,
+    functions: Mutex<HashMap<String, sys::CUfunction>>,
+    stream: sys::CUstream,
+}
+
+// SAFETY: the context, module, functions and stream are driver handles, usable from any
+// thread once the context is current there (every method makes it current first).
+unsafe impl Send for DriverGpu {}
+unsafe impl Sync for DriverGpu {}
+
+fn driver_error(what: &str, e: cu::DriverError) -> KvError {
+    KvError::Device(format!("{what}: {e:?}"))
+}
+
+impl DriverGpu {
+    /// The device `ordinal` (which must exist), set up once per process.
+    pub fn shared(ordinal: usize) -> Result<Arc<dyn Gpu>> {
+        static DEVICES: OnceLock<Mutex<HashMap<usize, Arc<DriverGpu>>>> = OnceLock::new();
+        let mut devices = DEVICES.get_or_init(Default::default).lock();
+        if let Some(g) = devices.get(&ordinal) {
+            return Ok(g.clone());
+        }
+        let g = Arc::new(Self::open(ordinal)?);
+        devices.insert(ordinal, g.clone());
+        Ok(g)
+    }
+
+    fn open(ordinal: usize) -> Result<Self> {
+        let what = |s: &str| format!("cuda:{ordinal}: {s}");
+        let dev = cu::device::get(ordinal as i32)
+            .map_err(|e| driver_error(&what("no such device"), e))?;
+        // SAFETY: `dev` came from device::get.
+        let ctx = unsafe { cu::primary_ctx::retain(dev) }
+            .map_err(|e| driver_error(&what("cannot retain the primary context"), e))?;
+        // SAFETY: a context just retained.
+        unsafe { cu::ctx::set_current(ctx) }.map_err(|e| driver_error(&what("set_current"), e))?;
+        let module = load_module().map_err(|why| KvError::Device(what(&why)))?;
+        let stream = cu::stream::create(cu::stream::StreamKind::Default)
+            .map_err(|e| driver_error(&what("cannot create a stream"), e))?;
+        Ok(DriverGpu {
+            ordinal,
+            ctx,
+            module,
+            functions: Mutex::new(HashMap::new()),
+            stream,
+        })
+    }
+
+    fn current(&self) -> Result<()> {
+        // SAFETY: the primary context is retained for the process's life.
+        unsafe { cu::ctx::set_current(self.ctx) }.map_err(|e| driver_error("set_current", e))
+    }
+
+    fn function(&self, name: &str) -> Result<sys::CUfunction> {
+        let mut fns = self.functions.lock();
+        if let Some(&f) = fns.get(name) {
+            return Ok(f);
+        }
+        let c = CString::new(name).expect("kernel names have no NUL");
+        // SAFETY: the module stays loaded for the process's life.
+        let f = unsafe { cu::module::get_function(self.module, c) }
+            .map_err(|e| driver_error(&format!("kernel {name}"), e))?;
+        fns.insert(name.to_owned(), f);
+        Ok(f)
+    }
+}
+
+/// Loads the embedded PTX; when the driver refuses it (a driver older than the PTX),
+/// compiles the embedded source with NVRTC.
+fn load_module() -> std::result::Result<sys::CUmodule, String> {
+    let ptx = CString::new(PTX).expect("PTX has no NUL");
+    // SAFETY: a NUL-terminated PTX image.
+    match unsafe { cu::module::load_data(ptx.as_ptr() as *const c_void) } {
+        Ok(m) => Ok(m),
+        Err(refused) => {
+            let compiled = compile_with_nvrtc().map_err(|why| {
+                format!(
+                    "the driver refused kvrs's PTX ({refused:?}) and NVRTC could not compile the kernels: {why}. \
+                     Update the NVIDIA driver, or install NVRTC (pip install nvidia-cuda-nvrtc, which PyTorch brings)"
+                )
+            })?;
+            // SAFETY: NUL-terminated PTX from NVRTC.
+            unsafe { cu::module::load_data(compiled.as_ptr() as *const c_void) }
+                .map_err(|e| format!("the driver refused the PTX NVRTC made: {e:?}"))
+        }
+    }
+}
+
+/// The kernels compiled by NVRTC for compute_80, as NUL-terminated PTX.
+fn compile_with_nvrtc() -> std::result::Result<Vec<std::ffi::c_char>, String> {
+    use cudarc::nvrtc::result as rtc;
+    // SAFETY: only tries to open the library.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err("libnvrtc was not found".into());
+    }
+    let src = CString::new(SOURCE).expect("source has no NUL");
+    let prog = rtc::create_program(&src, None).map_err(|e| format!("{e:?}"))?;
+    let mut options = vec![
+        "--gpu-architecture=compute_80".to_string(),
+        "-std=c++17".into(),
+    ];
+    for dir in include_dirs() {
+        options.push(format!("--include-path={dir}"));
+    }
+    // SAFETY: `prog` was created above and is destroyed once, below.
+    unsafe {
+        let compiled = rtc::compile_program(prog, &options);
+        let out = match compiled {
+            Ok(()) => rtc::get_ptx(prog).map_err(|e| format!("{e:?}")),
+            Err(e) => {
+                let log = rtc::get_program_log(prog).unwrap_or_default();
+                let log: Vec<u8> = log
+                    .iter()
+                    .map(|&c| c as u8)
+                    .take_while(|&c| c != 0)
+                    .collect();
+                Err(format!("{e:?}: {}", String::from_utf8_lossy(&log)))
+            }
+        };
+        let _ = rtc::destroy_program(prog);
+        out
+    }
+}
+
+/// Where cuda_fp16.h and cuda_bf16.h may be: `$CUDA_HOME/include`, `$CUDA_PATH/include`
+/// and `/usr/local/cuda/include` (NVRTC also has them built in from CUDA 12.8).
+fn include_dirs() -> Vec<String> {
+    let mut dirs: Vec<String> = ["CUDA_HOME", "CUDA_PATH"]
+        .iter()
+        .filter_map(|v| std::env::var(v).ok())
+        .map(|root| format!("{root}/include"))
+        .collect();
+    dirs.push("/usr/local/cuda/include".into());
+    dirs.retain(|d| std::path::Path::new(d).join("cuda_fp16.h").exists());
+    dirs
+}
+
+impl Gpu for DriverGpu {
+    fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    fn default_stream(&self) -> StreamHandle {
+        self.stream as StreamHandle
+    }
+
+    fn alloc_zeroed(&self, bytes: usize) -> Result<DevicePtr> {
+        self.current()?;
+        // SAFETY: plain device allocation (never managed memory), zeroed before use.
+        unsafe {
+            let p = cu::malloc_sync(bytes.max(1)).map_err(|e| {
+                driver_error(
+                    &format!("cannot allocate {bytes} bytes on cuda:{}", self.ordinal),
+                    e,
+                )
+            })?;
+            if let Err(e) = cu::memset_d8_sync(p, 0, bytes.max(1)) {
+                let _ = cu::free_sync(p);
+                return Err(driver_error("memset", e));
+            }
+            Ok(p)
+        }
+    }
+
+    unsafe fn free(&self, ptr: DevicePtr) {
+        if self.current().is_ok() {
+            // Work still queued may use the memory: wait for it (freeing is rare).
+            let _ = cu::ctx::synchronize();
+            let _ = cu::free_sync(ptr);
+        }
+    }
+
+    unsafe fn htod(
+        &self,
+        dst: DevicePtr,
+        src: *const u8,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        self.current()?;
+        // From pageable memory the copy returns once `src` has been staged.
+        let src = std::slice::from_raw_parts(src, bytes);
+        cu::memcpy_htod_async(dst, src, stream as sys::CUstream)
+            .map_err(|e| driver_error("htod", e))
+    }
+
+    unsafe fn dtoh(
+        &self,
+        dst: *mut u8,
+        src: DevicePtr,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        self.current()?;
+        let dst = std::slice::from_raw_parts_mut(dst, bytes);
+        cu::memcpy_dtoh_async(dst, src, stream as sys::CUstream)
+            .map_err(|e| driver_error("dtoh", e))?;
+        self.synchronize(stream)
+    }
+
+    unsafe fn launch(
+        &self,
+        name: &str,
+        grid: [u32; 3],
+        block: [u32; 3],
+        args: &Args,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        self.current()?;
+        let f = self.function(name)?;
+        let mut params = args.params();
+        cu::launch_kernel(
+            f,
+            (grid[0], grid[1], grid[2]),
+            (block[0], block[1], block[2]),
+            0,
+            stream as sys::CUstream,
+            &mut params,
+        )
+        .map_err(|e| driver_error(&format!("launching {name}"), e))
+    }
+
+    fn synchronize(&self, stream: StreamHandle) -> Result<()> {
+        self.current()?;
+        // SAFETY: a stream handle of this context (or 0, the legacy default stream).
+        unsafe { cu::stream::synchronize(stream as sys::CUstream) }
+            .map_err(|e| driver_error("stream synchronize", e))
+    }
+}

@@ -1,0 +1,131 @@
+//! The device operations the CUDA storage needs, behind one trait so that the same
+//! storage code runs on the driver and on the host simulator; and kernel arguments, packed
+//! the way `cuLaunchKernel` takes them.
+
+use std::ffi::c_void;
+use std::fmt;
+
+use smallvec::SmallVec;
+
+use crate::error::Result;
+
+/// A device address.
+pub type DevicePtr = u64;
+
+/// A CUDA stream handle as an integer (0: the legacy default stream), as PyTorch's
+/// `torch.cuda.current_stream().cuda_stream` and CuPy's `Stream.ptr` give it.
+pub type StreamHandle = u64;
+
+/// Threads per block of the element-wise kernels.
+pub const THREADS: u32 = 256;
+
+/// Device memory, copies and kernel launches on one CUDA device.
+///
+/// Every launch and copy is ordered on the stream it is given. Copies from the host
+/// return once the host memory may be reused; copies to the host return once the data
+/// is there.
+pub trait Gpu: Send + Sync + fmt::Debug {
+    /// The device ordinal.
+    fn ordinal(&self) -> usize;
+    /// The stream kvrs uses when a caller names none.
+    fn default_stream(&self) -> StreamHandle;
+    /// `bytes` of zeroed device memory.
+    fn alloc_zeroed(&self, bytes: usize) -> Result<DevicePtr>;
+    /// Frees memory from [`Gpu::alloc_zeroed`], after the work queued on every stream.
+    ///
+    /// # Safety
+    /// `ptr` came from this device's `alloc_zeroed` and is freed once.
+    unsafe fn free(&self, ptr: DevicePtr);
+    /// Copies `bytes` from host memory `src` to `dst`.
+    ///
+    /// # Safety
+    /// Both ranges are valid.
+    unsafe fn htod(
+        &self,
+        dst: DevicePtr,
+        src: *const u8,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<()>;
+    /// Copies `bytes` from `src` to host memory `dst`, waiting for them.
+    ///
+    /// # Safety
+    /// Both ranges are valid.
+    unsafe fn dtoh(
+        &self,
+        dst: *mut u8,
+        src: DevicePtr,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<()>;
+    /// Launches kernel `name` of `kernels/kvrs.cu`.
+    ///
+    /// # Safety
+    /// `args` match the kernel's parameters and every address they hold is valid for
+    /// what the kernel does with it.
+    unsafe fn launch(
+        &self,
+        name: &str,
+        grid: [u32; 3],
+        block: [u32; 3],
+        args: &Args,
+        stream: StreamHandle,
+    ) -> Result<()>;
+    /// Waits for the work queued on `stream`.
+    fn synchronize(&self, stream: StreamHandle) -> Result<()>;
+}
+
+/// Kernel arguments, each held in 8 bytes; the kernels read 4-byte ones from the low
+/// half (every supported platform is little-endian).
+#[derive(Default, Debug)]
+pub struct Args {
+    values: SmallVec<[u64; 16]>,
+}
+
+impl Args {
+    /// No arguments yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A pointer or 64-bit integer argument.
+    pub fn u64(mut self, v: u64) -> Self {
+        self.values.push(v);
+        self
+    }
+
+    /// A 64-bit signed integer argument.
+    pub fn i64(self, v: i64) -> Self {
+        self.u64(v as u64)
+    }
+
+    /// A 32-bit `int` argument.
+    pub fn i32(self, v: i32) -> Self {
+        self.u64(v as u32 as u64)
+    }
+
+    /// The parameter array `cuLaunchKernel` takes: one pointer per argument, valid
+    /// while `self` is.
+    pub fn params(&self) -> SmallVec<[*mut c_void; 16]> {
+        self.values
+            .iter()
+            .map(|v| v as *const u64 as *mut c_void)
+            .collect()
+    }
+}
+
+/// Blocks of [`THREADS`] for a grid-stride loop over `n` elements (at least one block;
+/// at most 65535, after which each thread takes several elements).
+pub fn blocks_for(n: usize) -> u32 {
+    n.div_ceil(THREADS as usize).clamp(1, 65535) as u32
+}
+
+/// The kernel-name suffix of a dtype (`f32`, `f16`, `bf16`).
+pub fn suffix(dtype: crate::dtype::DType) -> &'static str {
+    use crate::dtype::DType;
+    match dtype {
+        DType::F32 => "f32",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+    }
+}

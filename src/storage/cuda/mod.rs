@@ -1,0 +1,52 @@
+//! The CUDA backend: device memory allocated once in the device's primary context (the
+//! one PyTorch uses, so pointers are valid in both), written and read by the kernels of
+//! `kernels/kvrs.cu` (PTX embedded in the library).
+//!
+//! - [`detect`]: finds the driver without touching it when it is absent;
+//! - [`gpu`]: the few device operations the storage needs, and kernel arguments;
+//! - `driver`: those operations on the CUDA driver (cudarc, loaded at run time);
+//! - `sim`: the same on the host, running the kernels compiled for the CPU (feature
+//!   `cuda-sim`, for testing on machines without a GPU);
+//! - [`storage`]: [`CudaStorage`], the [`super::Storage`] on a device.
+
+pub mod detect;
+#[cfg(all(feature = "cuda", not(feature = "cuda-sim")))]
+mod driver;
+pub mod gpu;
+#[cfg(feature = "cuda-sim")]
+mod sim;
+pub mod storage;
+
+pub use detect::device_count;
+pub use storage::CudaStorage;
+
+use std::sync::Arc;
+
+#[cfg(not(feature = "cuda-sim"))]
+use crate::error::KvError;
+use crate::error::Result;
+use gpu::Gpu;
+
+/// The device operations for CUDA device `ordinal`, shared by every storage on it.
+pub fn gpu_for(ordinal: usize) -> Result<Arc<dyn Gpu>> {
+    #[cfg(feature = "cuda-sim")]
+    {
+        Ok(sim::SimGpu::shared(ordinal))
+    }
+    #[cfg(all(feature = "cuda", not(feature = "cuda-sim")))]
+    {
+        let count = device_count()
+            .map_err(|why| KvError::Device(format!("device=cuda:{ordinal}: {why}")))?;
+        if ordinal >= count {
+            return Err(KvError::Device(format!(
+                "device=cuda:{ordinal} does not exist: this machine has {count} CUDA devices"
+            )));
+        }
+        driver::DriverGpu::shared(ordinal)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let why = device_count().expect_err("no CUDA support in this build");
+        Err(KvError::Device(format!("device=cuda:{ordinal}: {why}")))
+    }
+}

@@ -1,0 +1,131 @@
+//! A simulated CUDA device for tests on machines without a GPU (feature `cuda-sim`):
+//! device memory is host memory and a launch runs `kernels/kvrs.cu` compiled for the host
+//! (`kernels/sim/sim.cpp`, built by `build.rs`), block after block. The storage code
+//! above it is the one that runs on a GPU; only the driver calls differ.
+
+use std::alloc::{alloc_zeroed, dealloc, Layout};
+use std::collections::HashMap;
+use std::ffi::{c_char, c_int, c_void, CString};
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::Mutex;
+
+use super::gpu::{Args, DevicePtr, Gpu, StreamHandle};
+use crate::error::{KvError, Result};
+
+extern "C" {
+    fn kvrs_sim_launch(
+        name: *const c_char,
+        grid: *const u32,
+        block: *const u32,
+        params: *mut *mut c_void,
+    ) -> c_int;
+}
+
+/// Alignment of simulated device allocations (cudaMalloc's is 256 bytes).
+const ALIGN: usize = 256;
+
+/// One simulated device.
+#[derive(Debug)]
+pub struct SimGpu {
+    ordinal: usize,
+    allocations: Mutex<HashMap<DevicePtr, Layout>>,
+}
+
+impl SimGpu {
+    /// The simulated device `ordinal`, one per process.
+    pub fn shared(ordinal: usize) -> Arc<dyn Gpu> {
+        static DEVICES: OnceLock<Mutex<HashMap<usize, Arc<SimGpu>>>> = OnceLock::new();
+        let mut devices = DEVICES.get_or_init(Default::default).lock();
+        devices
+            .entry(ordinal)
+            .or_insert_with(|| {
+                Arc::new(SimGpu {
+                    ordinal,
+                    allocations: Mutex::new(HashMap::new()),
+                })
+            })
+            .clone()
+    }
+}
+
+impl Gpu for SimGpu {
+    fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    fn default_stream(&self) -> StreamHandle {
+        0
+    }
+
+    fn alloc_zeroed(&self, bytes: usize) -> Result<DevicePtr> {
+        let layout = Layout::from_size_align(bytes.max(1), ALIGN)
+            .map_err(|e| KvError::Device(format!("cannot allocate {bytes} bytes: {e}")))?;
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { alloc_zeroed(layout) };
+        if ptr.is_null() {
+            return Err(KvError::Device(format!(
+                "cannot allocate {bytes} bytes of (simulated) device memory"
+            )));
+        }
+        self.allocations.lock().insert(ptr as DevicePtr, layout);
+        Ok(ptr as DevicePtr)
+    }
+
+    unsafe fn free(&self, ptr: DevicePtr) {
+        let layout = self
+            .allocations
+            .lock()
+            .remove(&ptr)
+            .expect("freeing memory this device did not allocate");
+        dealloc(ptr as *mut u8, layout);
+    }
+
+    unsafe fn htod(
+        &self,
+        dst: DevicePtr,
+        src: *const u8,
+        bytes: usize,
+        _stream: StreamHandle,
+    ) -> Result<()> {
+        std::ptr::copy_nonoverlapping(src, dst as *mut u8, bytes);
+        Ok(())
+    }
+
+    unsafe fn dtoh(
+        &self,
+        dst: *mut u8,
+        src: DevicePtr,
+        bytes: usize,
+        _stream: StreamHandle,
+    ) -> Result<()> {
+        std::ptr::copy_nonoverlapping(src as *const u8, dst, bytes);
+        Ok(())
+    }
+
+    unsafe fn launch(
+        &self,
+        name: &str,
+        grid: [u32; 3],
+        block: [u32; 3],
+        args: &Args,
+        _stream: StreamHandle,
+    ) -> Result<()> {
+        let c = CString::new(name).expect("kernel names have no NUL");
+        let mut params = args.params();
+        if kvrs_sim_launch(
+            c.as_ptr(),
+            grid.as_ptr(),
+            block.as_ptr(),
+            params.as_mut_ptr(),
+        ) != 0
+        {
+            return Err(KvError::Device(format!("no kernel named {name}")));
+        }
+        Ok(())
+    }
+
+    fn synchronize(&self, _stream: StreamHandle) -> Result<()> {
+        Ok(())
+    }
+}

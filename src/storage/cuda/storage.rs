@@ -1,0 +1,566 @@
+//! [`CudaStorage`]: keys and values in device memory, read and written by the kernels of
+//! `kernels/kvrs.cu`. Tensors on the same device are read and written in place; host
+//! tensors (kvrs's own transfers: persistence, rotations, extraction to NumPy) go through
+//! a device staging buffer. The paged pool's bulk operations are one launch each.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use super::gpu::{blocks_for, suffix, Args, DevicePtr, Gpu, StreamHandle, THREADS};
+use crate::dtype::DType;
+use crate::error::{KvError, Result};
+use crate::paged::BlockId;
+use crate::storage::{paged_ops, Device, PagedTensor, Region, Storage};
+use crate::tensor::{copy_strided, TensorRef, MAX_RANK};
+
+/// Keys and values in the memory of one CUDA device.
+#[derive(Debug)]
+pub struct CudaStorage {
+    gpu: Arc<dyn Gpu>,
+    ptr: DevicePtr,
+    dtype: DType,
+    numel: usize,
+    /// The stream launches go to (see [`CudaStorage::set_stream`]).
+    stream: AtomicU64,
+    staging: Mutex<Staging>,
+}
+
+/// Device memory for a launch's small arguments (pointer arrays, slots, block tables)
+/// and for host transfers; grown when a call needs more, never per call.
+#[derive(Debug)]
+struct Staging {
+    ptr: DevicePtr,
+    bytes: usize,
+    /// The stream the last upload was queued on: before another stream may overwrite
+    /// the buffer, that one is waited for.
+    stream: StreamHandle,
+}
+
+/// Smallest staging buffer.
+const MIN_STAGING: usize = 64 << 10;
+
+impl CudaStorage {
+    /// `numel` zeroed elements of `dtype` on CUDA device `ordinal`.
+    pub fn zeroed(ordinal: usize, dtype: DType, numel: usize) -> Result<Self> {
+        Self::on(super::gpu_for(ordinal)?, dtype, numel)
+    }
+
+    /// `numel` zeroed elements of `dtype` on `gpu`.
+    pub fn on(gpu: Arc<dyn Gpu>, dtype: DType, numel: usize) -> Result<Self> {
+        let bytes = numel
+            .checked_mul(dtype.size())
+            .ok_or_else(|| KvError::InvalidArgument {
+                name: "size",
+                value: format!("{numel} {dtype} elements"),
+                reason: "exceeds the address space".into(),
+            })?;
+        let ptr = gpu.alloc_zeroed(bytes)?;
+        let stream = gpu.default_stream();
+        let staging = match gpu.alloc_zeroed(MIN_STAGING) {
+            Ok(p) => p,
+            Err(e) => {
+                // SAFETY: allocated just above, freed once.
+                unsafe { gpu.free(ptr) };
+                return Err(e);
+            }
+        };
+        Ok(CudaStorage {
+            gpu,
+            ptr,
+            dtype,
+            numel,
+            stream: AtomicU64::new(stream),
+            staging: Mutex::new(Staging {
+                ptr: staging,
+                bytes: MIN_STAGING,
+                stream,
+            }),
+        })
+    }
+
+    /// Sends later launches to `stream` (`None`: kvrs's own stream of the device).
+    pub fn set_stream(&self, stream: Option<StreamHandle>) {
+        let s = stream.unwrap_or_else(|| self.gpu.default_stream());
+        self.stream.store(s, Ordering::Relaxed);
+    }
+
+    /// The stream launches go to now.
+    pub fn stream(&self) -> StreamHandle {
+        self.stream.load(Ordering::Relaxed)
+    }
+
+    /// The device operations behind this storage.
+    pub fn gpu(&self) -> &Arc<dyn Gpu> {
+        &self.gpu
+    }
+
+    fn device_addr(&self, offset: usize) -> DevicePtr {
+        self.ptr + (offset * self.dtype.size()) as u64
+    }
+
+    fn check(&self, r: &Region) {
+        // As in the host storage: a region past the allocation is a bug in kvrs.
+        assert!(
+            r.end() <= self.numel,
+            "region {r:?} exceeds storage of {} elements",
+            self.numel
+        );
+    }
+
+    /// Whether `t` lives on this storage's device; an error naming `name` when it lives on
+    /// another device.
+    fn is_local(&self, name: &str, t: &TensorRef) -> Result<bool> {
+        match t.device() {
+            Device::Cpu => Ok(false),
+            d if d == self.device() => Ok(true),
+            d => Err(KvError::Device(format!(
+                "{name} lives on {d}; this cache lives on {}: copy it there first",
+                self.device()
+            ))),
+        }
+    }
+
+    /// Uploads `words` to the staging buffer and runs `f` with its address while the
+    /// buffer is held, so `f` can queue the kernels that read it.
+    fn with_upload<R>(&self, words: &[u64], f: impl FnOnce(DevicePtr) -> Result<R>) -> Result<R> {
+        let stream = self.stream();
+        let bytes = std::mem::size_of_val(words);
+        let mut st = self.staging.lock();
+        self.reserve_staging(&mut st, bytes, stream)?;
+        // SAFETY: the staging buffer holds at least `bytes`; `words` is host memory.
+        unsafe {
+            self.gpu
+                .htod(st.ptr, words.as_ptr() as *const u8, bytes, stream)?
+        };
+        f(st.ptr)
+    }
+
+    /// Makes the staging buffer at least `bytes` long and safe to overwrite on `stream`.
+    fn reserve_staging(&self, st: &mut Staging, bytes: usize, stream: StreamHandle) -> Result<()> {
+        if st.stream != stream {
+            self.gpu.synchronize(st.stream)?;
+            st.stream = stream;
+        }
+        if bytes > st.bytes {
+            let size = bytes.max(2 * st.bytes);
+            let fresh = self.gpu.alloc_zeroed(size)?;
+            // SAFETY: the old buffer came from alloc_zeroed; free waits for queued work.
+            unsafe { self.gpu.free(st.ptr) };
+            st.ptr = fresh;
+            st.bytes = size;
+        }
+        Ok(())
+    }
+
+    /// Launches the strided copy with conversion: `dst[i, j, k] = src[i, j, k]`.
+    #[allow(clippy::too_many_arguments)]
+    fn copy3(
+        &self,
+        dst: DevicePtr,
+        dst_dtype: DType,
+        dst_strides: [isize; MAX_RANK],
+        src: DevicePtr,
+        src_dtype: DType,
+        src_strides: [isize; MAX_RANK],
+        shape: [usize; MAX_RANK],
+    ) -> Result<()> {
+        let n: usize = shape.iter().product();
+        if n == 0 {
+            return Ok(());
+        }
+        let mut args = Args::new().u64(dst);
+        for s in dst_strides {
+            args = args.i64(s as i64);
+        }
+        args = args.u64(src);
+        for s in src_strides {
+            args = args.i64(s as i64);
+        }
+        for d in shape {
+            args = args.i64(d as i64);
+        }
+        let name = format!("kvrs_copy3_{}_{}", suffix(src_dtype), suffix(dst_dtype));
+        // SAFETY: both ranges were checked by the callers (regions against the storage,
+        // tensors by their TensorRef contract).
+        unsafe {
+            self.gpu.launch(
+                &name,
+                [blocks_for(n), 1, 1],
+                [THREADS, 1, 1],
+                &args,
+                self.stream(),
+            )
+        }
+    }
+
+    /// Launches the zeroing of a strided rank-3 range of `dtype` elements.
+    fn zero3(
+        &self,
+        dst: DevicePtr,
+        dtype: DType,
+        strides: [isize; MAX_RANK],
+        shape: [usize; MAX_RANK],
+    ) -> Result<()> {
+        let n: usize = shape.iter().product();
+        if n == 0 {
+            return Ok(());
+        }
+        let mut args = Args::new().u64(dst);
+        for s in strides {
+            args = args.i64(s as i64);
+        }
+        for d in shape {
+            args = args.i64(d as i64);
+        }
+        let name = if dtype.size() == 2 {
+            "kvrs_zero3_b16"
+        } else {
+            "kvrs_zero3_b32"
+        };
+        // SAFETY: the range was checked by the caller.
+        unsafe {
+            self.gpu.launch(
+                name,
+                [blocks_for(n), 1, 1],
+                [THREADS, 1, 1],
+                &args,
+                self.stream(),
+            )
+        }
+    }
+
+    /// Threads per block for kernels striding over `heads * head_dim` elements.
+    fn row_threads(elems: usize) -> u32 {
+        (elems.div_ceil(32) * 32).clamp(32, THREADS as usize) as u32
+    }
+}
+
+/// C-order element strides of `shape`.
+fn contiguous(shape: [usize; MAX_RANK]) -> [isize; MAX_RANK] {
+    [(shape[1] * shape[2]) as isize, shape[2] as isize, 1]
+}
+
+/// A host tensor's elements packed into 8-byte words (C order, its own dtype).
+fn pack(t: &TensorRef) -> Vec<u64> {
+    let shape = t.shape3();
+    let mut words = vec![0u64; t.nbytes().div_ceil(8)];
+    // SAFETY: `words` holds the packed bytes; `t` is readable (its contract).
+    unsafe {
+        copy_strided(
+            words.as_mut_ptr() as *mut u8,
+            t.dtype(),
+            contiguous(shape),
+            t.as_ptr(),
+            t.dtype(),
+            t.strides3(),
+            shape,
+        )
+    };
+    words
+}
+
+impl Drop for CudaStorage {
+    fn drop(&mut self) {
+        // SAFETY: both allocations came from this gpu's alloc_zeroed and are freed once.
+        unsafe {
+            self.gpu.free(self.staging.get_mut().ptr);
+            self.gpu.free(self.ptr);
+        }
+    }
+}
+
+impl Storage for CudaStorage {
+    fn device(&self) -> Device {
+        Device::Cuda(self.gpu.ordinal())
+    }
+
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    fn numel(&self) -> usize {
+        self.numel
+    }
+
+    fn data_ptr(&self) -> *mut u8 {
+        self.ptr as *mut u8
+    }
+
+    fn write(&mut self, dst: Region, src: &TensorRef) -> Result<()> {
+        self.check(&dst);
+        let to = (
+            self.device_addr(dst.offset),
+            self.dtype,
+            dst.signed_strides(),
+        );
+        if self.is_local("the source", src)? {
+            return self.copy3(
+                to.0,
+                to.1,
+                to.2,
+                src.as_ptr() as DevicePtr,
+                src.dtype(),
+                src.strides3(),
+                dst.shape,
+            );
+        }
+        let words = pack(src);
+        self.with_upload(&words, |staged| {
+            self.copy3(
+                to.0,
+                to.1,
+                to.2,
+                staged,
+                src.dtype(),
+                contiguous(dst.shape),
+                dst.shape,
+            )
+        })
+    }
+
+    fn read(&self, src: Region, dst: &TensorRef) -> Result<()> {
+        self.check(&src);
+        let from = self.device_addr(src.offset);
+        if self.is_local("the destination", dst)? {
+            return self.copy3(
+                dst.as_ptr() as DevicePtr,
+                dst.dtype(),
+                dst.strides3(),
+                from,
+                self.dtype,
+                src.signed_strides(),
+                src.shape,
+            );
+        }
+        let bytes = src.numel() * self.dtype.size();
+        let mut host = vec![0u64; bytes.div_ceil(8)];
+        let stream = self.stream();
+        let mut st = self.staging.lock();
+        self.reserve_staging(&mut st, bytes, stream)?;
+        self.copy3(
+            st.ptr,
+            self.dtype,
+            contiguous(src.shape),
+            from,
+            self.dtype,
+            src.signed_strides(),
+            src.shape,
+        )?;
+        // SAFETY: `host` holds `bytes`; the staging buffer holds the packed region.
+        unsafe {
+            self.gpu
+                .dtoh(host.as_mut_ptr() as *mut u8, st.ptr, bytes, stream)?;
+            copy_strided(
+                dst.as_mut_ptr(),
+                dst.dtype(),
+                dst.strides3(),
+                host.as_ptr() as *const u8,
+                self.dtype,
+                contiguous(src.shape),
+                src.shape,
+            );
+        }
+        Ok(())
+    }
+
+    fn copy_within(&mut self, src: Region, dst: Region) -> Result<()> {
+        self.check(&src);
+        self.check(&dst);
+        assert!(
+            src.end() <= dst.offset || dst.end() <= src.offset,
+            "overlapping copy {src:?} -> {dst:?}"
+        );
+        assert_eq!(
+            src.shape, dst.shape,
+            "copy between regions of different shapes"
+        );
+        self.copy3(
+            self.device_addr(dst.offset),
+            self.dtype,
+            dst.signed_strides(),
+            self.device_addr(src.offset),
+            self.dtype,
+            src.signed_strides(),
+            src.shape,
+        )
+    }
+
+    fn fill_zero(&mut self, dst: Region) -> Result<()> {
+        self.check(&dst);
+        self.zero3(
+            self.device_addr(dst.offset),
+            self.dtype,
+            dst.signed_strides(),
+            dst.shape,
+        )
+    }
+
+    fn zero(&self, t: &TensorRef) -> Result<()> {
+        if self.is_local("the output", t)? {
+            return self.zero3(t.as_ptr() as DevicePtr, t.dtype(), t.strides3(), t.shape3());
+        }
+        // SAFETY: a host tensor valid for writes (its contract).
+        unsafe { t.fill_zero() };
+        Ok(())
+    }
+
+    fn write_slots(
+        &mut self,
+        t: PagedTensor,
+        slots: &[i64],
+        k: &TensorRef,
+        v: &TensorRef,
+    ) -> Result<()> {
+        let local = self.is_local("k", k)? && self.is_local("v", v)?;
+        if !local || k.strides3()[2] != 1 || v.strides3()[2] != 1 {
+            return paged_ops::write_slots(self, t, slots, k, v);
+        }
+        if slots.is_empty() {
+            return Ok(());
+        }
+        let sh = t.shape;
+        let cache = self.device_addr(sh.block_offset(t.index, 0));
+        let mut words = vec![k.as_ptr() as u64, v.as_ptr() as u64, cache];
+        words.extend(slots.iter().map(|&s| s as u64));
+        let (ks, vs) = (k.strides3(), v.strides3());
+        let name = format!("kvrs_scatter_{}_{}", suffix(k.dtype()), suffix(self.dtype));
+        if k.dtype() != v.dtype() {
+            return paged_ops::write_slots(self, t, slots, k, v);
+        }
+        self.with_upload(&words, |base| {
+            let args = Args::new()
+                .u64(base)
+                .u64(base + 8)
+                .u64(base + 16)
+                .u64(base + 24)
+                .i64(ks[0] as i64)
+                .i64(ks[1] as i64)
+                .i64(vs[0] as i64)
+                .i64(vs[1] as i64)
+                .i32(sh.block_size as i32)
+                .i32(sh.num_kv_heads as i32)
+                .i32(sh.head_dim as i32)
+                .i32(i32::from(sh.layout == crate::paged::KvLayout::Hnd));
+            let threads = Self::row_threads(sh.num_kv_heads * sh.head_dim);
+            // SAFETY: slots were validated against the pool by the caller; k and v are
+            // [n, H, D] device tensors (their contract).
+            unsafe {
+                self.gpu.launch(
+                    &name,
+                    [slots.len() as u32, 1, 1],
+                    [threads, 1, 1],
+                    &args,
+                    self.stream(),
+                )
+            }
+        })
+    }
+
+    fn write_positions(
+        &mut self,
+        t: PagedTensor,
+        blocks: &[BlockId],
+        start: usize,
+        k: &TensorRef,
+        v: &TensorRef,
+    ) -> Result<()> {
+        let bs = t.shape.block_size;
+        let slots: Vec<i64> = (start..start + k.shape3()[0])
+            .map(|p| (blocks[p / bs] as usize * bs + p % bs) as i64)
+            .collect();
+        self.write_slots(t, &slots, k, v)
+    }
+
+    fn read_positions(
+        &self,
+        t: PagedTensor,
+        blocks: &[BlockId],
+        start: usize,
+        n: usize,
+        k_out: &TensorRef,
+        v_out: &TensorRef,
+    ) -> Result<()> {
+        let local = self.is_local("k_out", k_out)? && self.is_local("v_out", v_out)?;
+        let same_dtype = k_out.dtype() == self.dtype && v_out.dtype() == self.dtype;
+        if !local || !same_dtype || k_out.strides3()[2] != 1 || v_out.strides3()[2] != 1 {
+            return paged_ops::read_positions(self, t, blocks, start, n, k_out, v_out);
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let sh = t.shape;
+        let cache = self.device_addr(sh.block_offset(t.index, 0));
+        let mut words = vec![cache, k_out.as_ptr() as u64, v_out.as_ptr() as u64];
+        // The table as int32 pairs packed into words.
+        let table: Vec<i32> = blocks.iter().map(|&b| b as i32).collect();
+        words.extend(
+            table
+                .chunks(2)
+                .map(|c| (c[0] as u32 as u64) | ((*c.get(1).unwrap_or(&0) as u32 as u64) << 32)),
+        );
+        let (ks, vs) = (k_out.strides3(), v_out.strides3());
+        let name = format!("kvrs_gather_{}", suffix(self.dtype));
+        self.with_upload(&words, |base| {
+            let args = Args::new()
+                .u64(base)
+                .u64(base + 24)
+                .i64(start as i64)
+                .u64(base + 8)
+                .u64(base + 16)
+                .i64(ks[0] as i64)
+                .i64(ks[1] as i64)
+                .i64(vs[0] as i64)
+                .i64(vs[1] as i64)
+                .i32(sh.block_size as i32)
+                .i32(sh.num_kv_heads as i32)
+                .i32(sh.head_dim as i32)
+                .i32(i32::from(sh.layout == crate::paged::KvLayout::Hnd));
+            let threads = Self::row_threads(sh.num_kv_heads * sh.head_dim);
+            // SAFETY: the positions are held by the table (checked by the pool); the
+            // outputs are [H, >= n, D] device tensors (checked by the pool).
+            unsafe {
+                self.gpu.launch(
+                    &name,
+                    [n as u32, 1, 1],
+                    [threads, 1, 1],
+                    &args,
+                    self.stream(),
+                )
+            }
+        })
+    }
+
+    fn copy_blocks(
+        &mut self,
+        shape: crate::paged::PagedShape,
+        tensors: usize,
+        pairs: &[(BlockId, BlockId)],
+    ) -> Result<()> {
+        if pairs.is_empty() || tensors == 0 {
+            return Ok(());
+        }
+        let mut words: Vec<u64> = (0..tensors)
+            .map(|t| self.device_addr(shape.block_offset(t, 0)))
+            .collect();
+        words.extend(pairs.iter().flat_map(|&(s, d)| [s as u64, d as u64]));
+        let block_words = (shape.block_elems() * self.dtype.size() / 4) as i64;
+        self.with_upload(&words, |base| {
+            let args = Args::new()
+                .u64(base)
+                .u64(base + 8 * tensors as u64)
+                .i64(block_words);
+            // SAFETY: block ids come from the pool's allocator, inside every tensor.
+            unsafe {
+                self.gpu.launch(
+                    "kvrs_copy_blocks",
+                    [pairs.len() as u32, tensors as u32, 1],
+                    [THREADS, 1, 1],
+                    &args,
+                    self.stream(),
+                )
+            }
+        })
+    }
+}
