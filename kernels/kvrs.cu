@@ -8,8 +8,8 @@
 // - contiguous cache, per layer: K and V each [heads, max_seq_len, head_dim].
 // - token inputs: [n_tokens, heads, head_dim] with element strides (token, head), last
 //   dimension contiguous.
-// Every kernel with a `layers` grid dimension takes arrays of per-layer pointers, so one
-// launch covers all layers of a step.
+// The paged kernels with a `layers` grid dimension take arrays of per-layer pointers, so
+// one launch covers all layers of a step; the contiguous append takes a layer stride.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -137,21 +137,28 @@ __device__ void rope_rotate(T* const* cache, const int32_t* table, int64_t start
 }
 
 // The contiguous cache's append, reading the write position from a device-resident
-// counter (so a decode loop can be captured in a CUDA graph; the host checks capacity
-// before launching). Grid (tokens, layers); threads stride over heads * head_dim.
+// counter, so a decode loop can be captured in a CUDA graph: the arguments are plain
+// values (no staged arrays) and the host checks nothing per token. Inputs are
+// [layers, tokens, heads, head_dim] with element strides (head_dim contiguous); `cache` is
+// the first layer's K, each layer [K|V][heads][max_seq_len][head_dim]. Positions past
+// max_seq_len are dropped (the host reports it when it reads the counter back).
+// Grid (tokens, layers); threads stride over heads * head_dim.
 template <typename S, typename T>
-__device__ void append_contiguous(const S* const* k, const S* const* v, T* const* cache_k, T* const* cache_v,
-                                  const int64_t* position, TokenStrides ks, TokenStrides vs, int64_t max_seq_len,
+__device__ void append_contiguous(const S* k, const S* v, TokenStrides ks, TokenStrides vs, int64_t k_layer,
+                                  int64_t v_layer, T* cache, const int64_t* position, int64_t max_seq_len,
                                   int heads, int head_dim) {
     const int64_t t = blockIdx.x;
-    const int layer = blockIdx.y;
+    const int64_t layer = blockIdx.y;
     const int64_t p = *position + t;
     if (p >= max_seq_len) return;
+    const int64_t plane = (int64_t)heads * max_seq_len * head_dim;
+    T* ck = cache + layer * 2 * plane;
+    T* cv = ck + plane;
     for (int i = threadIdx.x; i < heads * head_dim; i += blockDim.x) {
         const int h = i / head_dim, d = i % head_dim;
         const int64_t dst = (h * max_seq_len + p) * head_dim + d;
-        cache_k[layer][dst] = convert<S, T>(k[layer][t * ks.tok + h * ks.head + d]);
-        cache_v[layer][dst] = convert<S, T>(v[layer][t * vs.tok + h * vs.head + d]);
+        ck[dst] = convert<S, T>(k[layer * k_layer + t * ks.tok + h * ks.head + d]);
+        cv[dst] = convert<S, T>(v[layer * v_layer + t * vs.tok + h * vs.head + d]);
     }
 }
 
@@ -179,10 +186,9 @@ extern "C" __global__ void kvrs_advance_counter(int64_t* position, int64_t n) {
     }
 #define KVRS_APPEND(NAME, S, T)                                                                               \
     extern "C" __global__ void kvrs_append_contiguous_##NAME(                                                 \
-        const S* const* k, const S* const* v, T* const* cache_k, T* const* cache_v, const int64_t* position,  \
-        int64_t k_tok, int64_t k_head, int64_t v_tok, int64_t v_head, int64_t max_seq_len, int heads,         \
-        int head_dim) {                                                                                        \
-        append_contiguous<S, T>(k, v, cache_k, cache_v, position, {k_tok, k_head}, {v_tok, v_head},          \
+        const S* k, const S* v, int64_t k_tok, int64_t k_head, int64_t v_tok, int64_t v_head, int64_t k_layer, \
+        int64_t v_layer, T* cache, const int64_t* position, int64_t max_seq_len, int heads, int head_dim) {    \
+        append_contiguous<S, T>(k, v, {k_tok, k_head}, {v_tok, v_head}, k_layer, v_layer, cache, position,     \
                                 max_seq_len, heads, head_dim);                                                 \
     }
 #define KVRS_COPY3(NAME, S, T)                                                                                \

@@ -337,6 +337,62 @@ impl KVCache {
         Ok(())
     }
 
+    /// The CUDA storage, or why there is none.
+    fn cuda(&self, what: &str) -> Result<&crate::storage::cuda::CudaStorage> {
+        self.storage.as_cuda().ok_or_else(|| {
+            KvError::NotSupported(format!(
+                "{what} needs a cache on a CUDA device; this one is on {}",
+                self.device()
+            ))
+        })
+    }
+
+    /// The address of the device-resident position counter (CUDA caches), set to
+    /// `seq_len` now: call it before capturing a decode loop in a CUDA graph.
+    pub fn gpu_counter_ptr(&self) -> Result<u64> {
+        let c = self.cuda("gpu_counter_ptr")?;
+        c.write_counter(self.seq_len as i64)?;
+        c.counter()
+    }
+
+    /// Appends `k`, `v` (`[n, H, D]`, on the cache's device) to `layer` at the position
+    /// the device counter holds, with no host bookkeeping: the step of a captured decode
+    /// loop. Lengths on the host move at [`KVCache::sync_counter_from_gpu`].
+    pub fn append_at_counter(&self, layer: i64, k: &TensorRef, v: &TensorRef) -> Result<()> {
+        let s = self.shape;
+        let layer = self.check_layer(layer)?;
+        let n = k.shape().first().copied().unwrap_or(0);
+        let expected = [n, s.num_kv_heads, s.head_dim];
+        k.expect_shape("k", &expected)?;
+        v.expect_shape("v", &expected)?;
+        let c = self.cuda("append_at_counter")?;
+        c.append_at_counter(self.offset(layer, Kv::Key, 0, 0), s.max_seq_len, k, v)
+    }
+
+    /// Launches `counter += n` on the device: the end of a captured decode step.
+    pub fn advance_counter(&self, n: i64) -> Result<()> {
+        self.cuda("advance_counter")?.advance_counter(n)
+    }
+
+    /// Waits for the device, reads the counter and makes it the committed length of
+    /// every layer. A counter past `max_seq_len` (appends the kernel dropped) is a
+    /// `CacheFull` error and leaves the host lengths as they were.
+    pub fn sync_counter_from_gpu(&mut self) -> Result<usize> {
+        let value = self.cuda("sync_counter_from_gpu")?.read_counter()?;
+        let max = self.shape.max_seq_len;
+        if value < 0 || value as usize > max {
+            return Err(KvError::CacheFull {
+                what: format!("the device counter reached {value}"),
+                needed: value.max(0) as usize,
+                capacity: max,
+            });
+        }
+        let n = value as usize;
+        self.seq_len = n;
+        self.layer_len.iter_mut().for_each(|l| *l = n);
+        Ok(n)
+    }
+
     fn check_position(&self, name: &'static str, pos: i64) -> Result<usize> {
         let max = self.shape.max_seq_len;
         if pos >= 0 && pos as u64 >= max as u64 {

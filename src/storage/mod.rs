@@ -172,6 +172,12 @@ pub trait Storage: Send + Sync + fmt::Debug {
         paged_ops::copy_blocks(self, shape, tensors, pairs)
     }
 
+    /// This storage as the CUDA backend, for what only a device does (the captured
+    /// decode loop's position counter, streams); `None` on the host.
+    fn as_cuda(&self) -> Option<&cuda::CudaStorage> {
+        None
+    }
+
     /// Size in bytes.
     fn nbytes(&self) -> usize {
         self.numel() * self.dtype().size()

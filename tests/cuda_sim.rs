@@ -1,0 +1,161 @@
+//! The CUDA backend on the simulated device (`cargo test --features cuda-sim`): the
+//! kernels compiled for the host, driven by the same storage code that drives a GPU.
+#![cfg(feature = "cuda-sim")]
+
+use kvrs::storage::cuda::gpu::Args;
+use kvrs::storage::cuda::gpu_for;
+use kvrs::{CacheShape, DType, Device, KVCache, KvError, TensorRef};
+
+fn values(seed: usize, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| ((seed * 7919 + i * 104_729) % 97) as f32 / 8.0 - 6.0)
+        .collect()
+}
+
+fn on(v: &[f32], shape: &[usize], device: Device) -> TensorRef {
+    let t = unsafe { TensorRef::contiguous(v.as_ptr() as *const u8, DType::F32, shape).unwrap() };
+    t.on(device)
+}
+
+/// Keys and values of positions `0..n` of `layer`, read into host float32.
+fn contents(c: &KVCache, layer: i64, n: usize) -> (Vec<f32>, Vec<f32>) {
+    let s = c.shape();
+    let len = s.num_kv_heads * n * s.head_dim;
+    let (mut k, mut v) = (vec![0f32; len], vec![0f32; len]);
+    let shape = [s.num_kv_heads, n, s.head_dim];
+    let tk =
+        unsafe { TensorRef::contiguous(k.as_mut_ptr() as *const u8, DType::F32, &shape).unwrap() };
+    let tv =
+        unsafe { TensorRef::contiguous(v.as_mut_ptr() as *const u8, DType::F32, &shape).unwrap() };
+    c.extract_block(layer, 0, n as i64, &tk, &tv).unwrap();
+    (k, v)
+}
+
+#[test]
+fn every_kernel_in_the_ptx_is_simulated() {
+    let gpu = gpu_for(0).unwrap();
+    let ptx = include_str!("../kernels/kvrs.ptx");
+    let names: Vec<&str> = ptx
+        .lines()
+        .filter_map(|l| l.strip_prefix(".visible .entry "))
+        .map(|l| l.split('(').next().unwrap())
+        .collect();
+    assert!(names.len() > 30, "{names:?}");
+    for name in names {
+        // An empty grid runs nothing but finds the kernel.
+        unsafe { gpu.launch(name, [0, 1, 1], [1, 1, 1], &Args::new(), 0) }
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+    }
+    assert!(unsafe { gpu.launch("kvrs_nope", [0, 1, 1], [1, 1, 1], &Args::new(), 0) }.is_err());
+}
+
+/// A decode loop as a CUDA graph would replay it: per step, every layer appends at the
+/// device counter, then the counter moves; the host learns the length only at the end.
+#[test]
+fn captured_decode_loop_equals_host_appends() {
+    let (layers, heads, dim, max) = (3, 2, 5, 16);
+    let shape = CacheShape {
+        num_layers: layers,
+        num_kv_heads: heads,
+        head_dim: dim,
+        max_seq_len: max,
+    };
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let mut gpu = KVCache::new(shape, dtype, Device::Cuda(0)).unwrap();
+        let mut host = KVCache::new(shape, dtype, Device::Cpu).unwrap();
+        // A prefill through the ordinary path first.
+        let pre = values(1, 4 * heads * dim);
+        for l in 0..layers as i64 {
+            let t = on(&pre, &[4, heads, dim], Device::Cuda(0));
+            gpu.append(l, &t, &t).unwrap();
+            let t = on(&pre, &[4, heads, dim], Device::Cpu);
+            host.append(l, &t, &t).unwrap();
+        }
+        gpu.advance(4).unwrap();
+        host.advance(4).unwrap();
+        assert_ne!(gpu.gpu_counter_ptr().unwrap(), 0);
+        for step in 0..6 {
+            for l in 0..layers {
+                let k = values(10 * step + l, heads * dim);
+                let v = values(100 + 10 * step + l, heads * dim);
+                gpu.append_at_counter(
+                    l as i64,
+                    &on(&k, &[1, heads, dim], Device::Cuda(0)),
+                    &on(&v, &[1, heads, dim], Device::Cuda(0)),
+                )
+                .unwrap();
+                host.append(
+                    l as i64,
+                    &on(&k, &[1, heads, dim], Device::Cpu),
+                    &on(&v, &[1, heads, dim], Device::Cpu),
+                )
+                .unwrap();
+            }
+            gpu.advance_counter(1).unwrap();
+            host.advance(1).unwrap();
+        }
+        assert_eq!(gpu.seq_len(), 4, "the host length moves only at the sync");
+        assert_eq!(gpu.sync_counter_from_gpu().unwrap(), 10);
+        assert_eq!(gpu.seq_len(), host.seq_len());
+        for l in 0..layers as i64 {
+            assert_eq!(
+                contents(&gpu, l, 10),
+                contents(&host, l, 10),
+                "{dtype} layer {l}"
+            );
+        }
+    }
+}
+
+#[test]
+fn counter_past_capacity_is_cache_full_and_changes_nothing() {
+    let shape = CacheShape {
+        num_layers: 1,
+        num_kv_heads: 1,
+        head_dim: 4,
+        max_seq_len: 2,
+    };
+    let mut c = KVCache::new(shape, DType::F32, Device::Cuda(0)).unwrap();
+    c.gpu_counter_ptr().unwrap();
+    let k = values(3, 4);
+    for _ in 0..3 {
+        c.append_at_counter(
+            0,
+            &on(&k, &[1, 1, 4], Device::Cuda(0)),
+            &on(&k, &[1, 1, 4], Device::Cuda(0)),
+        )
+        .unwrap();
+        c.advance_counter(1).unwrap();
+    }
+    assert!(matches!(
+        c.sync_counter_from_gpu(),
+        Err(KvError::CacheFull { .. })
+    ));
+    assert_eq!(c.seq_len(), 0);
+}
+
+#[test]
+fn counter_methods_need_a_cuda_cache() {
+    let shape = CacheShape {
+        num_layers: 1,
+        num_kv_heads: 1,
+        head_dim: 4,
+        max_seq_len: 2,
+    };
+    let c = KVCache::new(shape, DType::F32, Device::Cpu).unwrap();
+    assert!(matches!(c.gpu_counter_ptr(), Err(KvError::NotSupported(_))));
+}
+
+#[test]
+fn a_host_cache_refuses_device_tensors() {
+    let shape = CacheShape {
+        num_layers: 1,
+        num_kv_heads: 1,
+        head_dim: 4,
+        max_seq_len: 2,
+    };
+    let mut c = KVCache::new(shape, DType::F32, Device::Cpu).unwrap();
+    let k = values(3, 4);
+    let t = on(&k, &[1, 1, 4], Device::Cuda(0));
+    assert!(matches!(c.append(0, &t, &t), Err(KvError::Device(_))));
+}
