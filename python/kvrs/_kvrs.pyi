@@ -13,6 +13,7 @@ __all__ = [
     "BlockPool",
     "CacheFullError",
     "DeviceError",
+    "DeviceTensor",
     "EncoderCache",
     "ForwardBatch",
     "KVCache",
@@ -52,6 +53,37 @@ class NotSupportedError(KvrsError):
 
 class DeviceError(KvrsError):
     """A device is unknown, unavailable or unusable."""
+
+@final
+class DeviceTensor:
+    """A tensor in CUDA device memory, exported through DLPack without a copy."""
+
+    def __dlpack__(
+        self,
+        *,
+        stream: int | None = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> Any:
+        """DLPack export; kvrs's queued work finishes before `stream` may read."""
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """(2, ordinal): CUDA and the device ordinal."""
+    @property
+    def shape(self) -> list[int]:
+        """The shape."""
+    @property
+    def strides(self) -> list[int]:
+        """Element strides."""
+    @property
+    def dtype(self) -> str:
+        """Element type: 'float32', 'float16' or 'bfloat16'."""
+    @property
+    def device(self) -> str:
+        """Device name, 'cuda:N'."""
+    @property
+    def data_ptr(self) -> int:
+        """Device address of element 0."""
 
 @final
 class KVCache:
@@ -98,6 +130,14 @@ class KVCache:
         """Appends `k`, `v` of shape [n_tokens, num_kv_heads, head_dim]; returns the start position."""
     def advance(self, n: int = 1) -> None:
         """Commits `n` tokens: `seq_len += n`. Every layer must hold them already."""
+    def gpu_counter_ptr(self) -> int:
+        """Device address of the int64 position counter (CUDA caches), set to seq_len now."""
+    def append_at_counter(self, layer: int, k: Any, v: Any) -> None:
+        """Appends device tensors k, v at the device counter's position (a captured decode step)."""
+    def advance_counter(self, n: int) -> None:
+        """Adds n to the device counter, on the device."""
+    def sync_counter_from_gpu(self) -> int:
+        """Reads the device counter back into seq_len and every layer's length; returns it."""
     def get(self, layer: int) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
         """Zero-copy read-only views (K, V) of shape [num_kv_heads, length, head_dim]."""
     def keys_for(self, layer: int, head: int, seq_len: int | None = None) -> npt.NDArray[Any]:

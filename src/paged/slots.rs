@@ -7,7 +7,6 @@ use super::allocator::BlockId;
 use super::pool::{token_count, BlockPool, SeqId};
 use super::seq::{SeqState, NO_BLOCK};
 use crate::error::{check_count, check_index, KvError, Result};
-use crate::kv_cache::Kv;
 use crate::tensor::TensorRef;
 
 impl BlockPool {
@@ -111,32 +110,8 @@ impl BlockPool {
                 reason,
             });
         }
-        let tensor = self.tensor_of(layer);
-        let mut t = 0;
-        while t < n {
-            if slots[t] == -1 {
-                t += 1;
-                continue;
-            }
-            let (b, off) = (
-                (slots[t] as usize / sh.block_size) as BlockId,
-                slots[t] as usize % sh.block_size,
-            );
-            // Consecutive slots within one block are written as one run.
-            let mut run = 1;
-            while t + run < n
-                && off + run < sh.block_size
-                && slots[t + run] == slots[t] + run as i64
-            {
-                run += 1;
-            }
-            for (kv, src) in [(Kv::Key, k), (Kv::Value, v)] {
-                self.storage
-                    .write(sh.positions(tensor, kv, b, off, run), &src.slice(0, t, run))?;
-            }
-            t += run;
-        }
-        Ok(())
+        let t = self.paged_tensor(layer);
+        self.storage.write_slots(t, slots, k, v)
     }
 
     /// FlashInfer's page table of group `g` for `ids`: `(indptr [B+1], indices,

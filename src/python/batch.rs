@@ -9,9 +9,8 @@ use pyo3::types::PyTuple;
 use super::copying;
 use super::input::read_tensor;
 use super::pool::{slot_array, PyBlockPool};
-use super::views::new_array;
+use super::views::new_output;
 use crate::paged::ForwardPlan;
-use crate::tensor::TensorRef;
 
 /// A batch of tokens placed in a pool by `BlockPool.start_forward`.
 #[pyclass(frozen, name = "ForwardBatch", module = "kvrs")]
@@ -86,9 +85,12 @@ impl PyForwardBatch {
         v: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         self.check_open()?;
-        let (k, v) = (read_tensor(k, "k")?, read_tensor(v, "v")?);
-        let (kt, vt) = (*k.tensor(), *v.tensor());
         let pool = self.pool.get();
+        let (k, v) = (
+            read_tensor(k, "k", pool.device)?,
+            read_tensor(v, "v", pool.device)?,
+        );
+        let (kt, vt) = (*k.tensor(), *v.tensor());
         copying(py, kt.nbytes() + vt.nbytes(), || {
             let mut p = pool.inner.lock();
             let g = p.group_for(Some(layer))?;
@@ -110,12 +112,9 @@ impl PyForwardBatch {
             self.history_len(layer)?,
             self.plan.num_tokens(),
         );
-        let (k, kp) = new_array(py, pool.dtype, &[h, hist, d])?;
-        let (v, vp) = new_array(py, pool.dtype, &[h, hist, d])?;
+        let (k, kt) = new_output(py, pool.device, pool.dtype, &[h, hist, d])?;
+        let (v, vt) = new_output(py, pool.device, pool.dtype, &[h, hist, d])?;
         let mask = PyArray1::<f32>::zeros(py, n * hist, false);
-        // SAFETY: fresh C-contiguous arrays of exactly these shapes, held above.
-        let kt = unsafe { TensorRef::contiguous(kp, pool.dtype, &[h, hist, d])? };
-        let vt = unsafe { TensorRef::contiguous(vp, pool.dtype, &[h, hist, d])? };
         {
             let mut m = unsafe { mask.as_array_mut() };
             let m = m.as_slice_mut().expect("fresh contiguous array");

@@ -111,7 +111,10 @@ impl PyEncoderCache {
         k: &Bound<'_, PyAny>,
         v: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let (k, v) = (read_tensor(k, "k")?, read_tensor(v, "v")?);
+        let (k, v) = (
+            read_tensor(k, "k", self.device)?,
+            read_tensor(v, "v", self.device)?,
+        );
         let (kt, vt) = (*k.tensor(), *v.tensor());
         Ok(copying(py, kt.nbytes() + vt.nbytes(), || {
             self.inner.write().set(layer, &kt, &vt)
@@ -138,6 +141,7 @@ impl PyEncoderCache {
         let k = unsafe {
             layer_view(
                 slf.as_any(),
+                me.device,
                 me.data,
                 me.shape,
                 me.dtype,
@@ -150,6 +154,7 @@ impl PyEncoderCache {
         let v = unsafe {
             layer_view(
                 slf.as_any(),
+                me.device,
                 me.data,
                 me.shape,
                 me.dtype,

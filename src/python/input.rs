@@ -1,7 +1,9 @@
 //! Reading tensors handed in from Python: NumPy arrays directly, anything with
-//! `__dlpack__` (torch, JAX, CuPy on the host) through DLPack, and anything else through
+//! `__dlpack__` (torch, JAX, CuPy) through DLPack, and anything else through
 //! `numpy.asarray` (the buffer protocol, `__array__`). Nothing is copied: the core reads
-//! the caller's memory in place and converts while it writes.
+//! the caller's memory in place and converts while it writes. A cache on a CUDA device
+//! takes only tensors on that device, and a host cache only host tensors: never a
+//! silent copy between them.
 
 use dlpark::ffi::{
     DLDataTypeCode, DLDeviceType, DLManagedTensor, DLManagedTensorVersioned, DLTensor,
@@ -15,6 +17,7 @@ use pyo3::prelude::*;
 use super::views::is_bfloat16;
 use crate::dtype::DType;
 use crate::error::KvError;
+use crate::storage::Device;
 use crate::tensor::{TensorRef, MAX_RANK};
 
 /// A tensor borrowed from a Python object; the object (or the DLPack capsule's owner) is
@@ -39,14 +42,29 @@ impl Input<'_> {
     }
 }
 
-/// Reads `obj` (argument `name`) as a host tensor of a supported dtype and rank <= 3.
-pub fn read_tensor<'py>(obj: &Bound<'py, PyAny>, name: &'static str) -> PyResult<Input<'py>> {
+/// Reads `obj` (argument `name`) as a tensor on `device` of a supported dtype and rank
+/// <= 3.
+pub fn read_tensor<'py>(
+    obj: &Bound<'py, PyAny>,
+    name: &'static str,
+    device: Device,
+) -> PyResult<Input<'py>> {
     let py = obj.py();
+    if let Device::Cuda(_) = device {
+        if !obj.hasattr(intern!(py, "__dlpack__"))? {
+            return Err(KvError::Device(format!(
+                "{name} is a host array; this cache lives on {device}, so pass a tensor on that device \
+                 (torch, CuPy or JAX, through DLPack)"
+            ))
+            .into());
+        }
+        return from_dlpack(obj, name, device);
+    }
     if let Ok(arr) = obj.cast::<PyUntypedArray>() {
         return from_numpy(arr, name);
     }
     if obj.hasattr(intern!(py, "__dlpack__"))? {
-        return from_dlpack(obj, name);
+        return from_dlpack(obj, name, device);
     }
     let arr = py
         .import(intern!(py, "numpy"))?
@@ -99,7 +117,11 @@ fn from_numpy<'py>(arr: &Bound<'py, PyUntypedArray>, name: &'static str) -> PyRe
     })
 }
 
-fn from_dlpack<'py>(obj: &Bound<'py, PyAny>, name: &'static str) -> PyResult<Input<'py>> {
+fn from_dlpack<'py>(
+    obj: &Bound<'py, PyAny>,
+    name: &'static str,
+    device: Device,
+) -> PyResult<Input<'py>> {
     let owner = match obj.extract::<ManagedBox<DLManagedTensorVersioned>>() {
         Ok(m) => Owner::Versioned(m),
         // Producers that predate DLPack 1.0 reject `max_version`: take the legacy capsule.
@@ -111,10 +133,22 @@ fn from_dlpack<'py>(obj: &Bound<'py, PyAny>, name: &'static str) -> PyResult<Inp
         Owner::Legacy(m) => m.tensor(),
         Owner::Array(_) => unreachable!("built from DLPack above"),
     };
-    if t.device.device_type != DLDeviceType::CPU && t.device.device_type != DLDeviceType(3) {
+    let (kind, id) = (t.device.device_type, t.device.device_id);
+    let on = match kind {
+        DLDeviceType::CPU | DLDeviceType::CUDAHOST => Some(Device::Cpu),
+        DLDeviceType::CUDA => Some(Device::Cuda(id.max(0) as usize)),
+        _ => None,
+    };
+    if on != Some(device) {
+        let lives = on.map_or(format!("DLPack device type {} (id {id})", kind.0), |d| {
+            d.to_string()
+        });
+        let hint = match device {
+            Device::Cpu => "pass a CPU tensor".to_string(),
+            Device::Cuda(_) => format!("pass a tensor on {device}"),
+        };
         return Err(KvError::Device(format!(
-            "{name} lives on DLPack device type {} (id {}); this cache lives on the host, so pass a CPU tensor",
-            t.device.device_type.0, t.device.device_id
+            "{name} lives on {lives}; this cache lives on {device}, so {hint} (kvrs never copies silently)"
         ))
         .into());
     }
@@ -153,7 +187,7 @@ fn from_dlpack<'py>(obj: &Bound<'py, PyAny>, name: &'static str) -> PyResult<Inp
         }
     }
     let data = unsafe { (t.data as *const u8).add(t.byte_offset as usize) };
-    let tensor = unsafe { TensorRef::new(data, dtype, &shape, &strides[..ndim])? };
+    let tensor = unsafe { TensorRef::new(data, dtype, &shape, &strides[..ndim])? }.on(device);
     Ok(Input {
         tensor,
         _owner: owner,

@@ -7,22 +7,22 @@ use pyo3::types::PyTuple;
 use super::args::{parse_device, parse_dtype};
 use super::copying;
 use super::input::read_tensor;
-use super::views::{borrowed_array, new_array};
+use super::views::{borrowed_view, new_output};
 use crate::dtype::DType;
 use crate::error::{check_index, check_size, KvError};
 use crate::kv_cache::{CacheShape, KVCache, Kv};
 use crate::storage::Device;
-use crate::tensor::TensorRef;
 
-/// A read-only NumPy view, owned by `owner`, of `len` positions of one layer's K or V in
-/// a contiguous cache's storage at `data`: `[heads, len, head_dim]`, or `[len, head_dim]`
-/// for one `head`.
+/// A read-only view (NumPy, or a `DeviceTensor` on CUDA), owned by `owner`, of `len`
+/// positions of one layer's K or V in a contiguous cache's storage at `data` on
+/// `device`: `[heads, len, head_dim]`, or `[len, head_dim]` for one `head`.
 ///
 /// # Safety
 /// `data` must be the storage of a cache of `shape` and `dtype` that lives as long as `owner`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn layer_view<'py>(
     owner: &Bound<'py, PyAny>,
+    device: Device,
     data: usize,
     shape: CacheShape,
     dtype: DType,
@@ -37,16 +37,18 @@ pub(crate) unsafe fn layer_view<'py>(
     let ptr = (data + offset * es) as *mut u8;
     let row = (s.head_dim * es) as isize;
     match head {
-        None => borrowed_array(
+        None => borrowed_view(
             owner,
+            device,
             ptr,
             dtype,
             &[s.num_kv_heads, len, s.head_dim],
             &[row * s.max_seq_len as isize, row, es as isize],
             false,
         ),
-        Some(_) => borrowed_array(
+        Some(_) => borrowed_view(
             owner,
+            device,
             ptr,
             dtype,
             &[len, s.head_dim],
@@ -82,6 +84,7 @@ impl PyKVCache {
         unsafe {
             layer_view(
                 slf.as_any(),
+                me.device,
                 me.data,
                 me.shape,
                 me.dtype,
@@ -130,7 +133,11 @@ impl PyKVCache {
         pos: i64,
         vector: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let input = read_tensor(vector, if kv == Kv::Key { "key" } else { "value" })?;
+        let input = read_tensor(
+            vector,
+            if kv == Kv::Key { "key" } else { "value" },
+            self.device,
+        )?;
         let t = *input.tensor();
         copying(py, t.nbytes(), || {
             self.inner.write().store(kv, layer, head, pos, &t)
@@ -141,6 +148,42 @@ impl PyKVCache {
 
 #[pymethods]
 impl PyKVCache {
+    /// The device address of the int64 position counter (CUDA caches), set to seq_len
+    /// now: call it before capturing a decode loop in a CUDA graph.
+    fn gpu_counter_ptr(&self) -> PyResult<u64> {
+        Ok(self.inner.read().gpu_counter_ptr()?)
+    }
+
+    /// Appends k, v [n_tokens, num_kv_heads, head_dim] (tensors on the cache's device) to
+    /// `layer` at the position the device counter holds, with no host bookkeeping: the
+    /// step of a decode loop captured in a CUDA graph.
+    fn append_at_counter(
+        &self,
+        layer: i64,
+        k: &Bound<'_, PyAny>,
+        v: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let (k, v) = (
+            read_tensor(k, "k", self.device)?,
+            read_tensor(v, "v", self.device)?,
+        );
+        Ok(self
+            .inner
+            .read()
+            .append_at_counter(layer, k.tensor(), v.tensor())?)
+    }
+
+    /// Adds n to the device counter on the device (the end of a captured decode step).
+    fn advance_counter(&self, n: i64) -> PyResult<()> {
+        Ok(self.inner.read().advance_counter(n)?)
+    }
+
+    /// Waits for the device, reads the counter back and makes it seq_len (and every
+    /// layer's length); returns it. CacheFullError if appends ran past max_seq_len.
+    fn sync_counter_from_gpu(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(py.detach(|| self.inner.write().sync_counter_from_gpu())?)
+    }
+
     #[new]
     #[pyo3(signature = (num_layers, num_kv_heads, head_dim, max_seq_len, *, dtype = None, device = None))]
     #[pyo3(
@@ -254,7 +297,10 @@ impl PyKVCache {
         k: &Bound<'_, PyAny>,
         v: &Bound<'_, PyAny>,
     ) -> PyResult<usize> {
-        let (k, v) = (read_tensor(k, "k")?, read_tensor(v, "v")?);
+        let (k, v) = (
+            read_tensor(k, "k", self.device)?,
+            read_tensor(v, "v", self.device)?,
+        );
         let (kt, vt) = (*k.tensor(), *v.tensor());
         Ok(copying(py, kt.nbytes() + vt.nbytes(), || {
             self.inner.write().append(layer, &kt, &vt)
@@ -341,11 +387,8 @@ impl PyKVCache {
             block_size as usize,
             self.shape.head_dim,
         ];
-        let (k, kp) = new_array(py, self.dtype, &shape)?;
-        let (v, vp) = new_array(py, self.dtype, &shape)?;
-        // SAFETY: fresh C-contiguous arrays of exactly this shape and dtype, held above.
-        let kt = unsafe { TensorRef::contiguous(kp, self.dtype, &shape)? };
-        let vt = unsafe { TensorRef::contiguous(vp, self.dtype, &shape)? };
+        let (k, kt) = new_output(py, self.device, self.dtype, &shape)?;
+        let (v, vt) = new_output(py, self.device, self.dtype, &shape)?;
         copying(py, 2 * kt.nbytes(), || {
             self.inner
                 .read()
@@ -365,7 +408,10 @@ impl PyKVCache {
         keys: &Bound<'_, PyAny>,
         values: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let (k, v) = (read_tensor(keys, "keys")?, read_tensor(values, "values")?);
+        let (k, v) = (
+            read_tensor(keys, "keys", self.device)?,
+            read_tensor(values, "values", self.device)?,
+        );
         let (kt, vt) = (*k.tensor(), *v.tensor());
         copying(py, kt.nbytes() + vt.nbytes(), || {
             self.inner

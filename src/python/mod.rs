@@ -2,6 +2,7 @@
 
 mod args;
 mod batch;
+mod device_tensor;
 mod encoder_cache;
 mod errors;
 mod input;
@@ -41,6 +42,7 @@ fn _kvrs(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<batch::PyForwardBatch>()?;
     m.add_class::<rope::PyRope>()?;
     m.add_class::<encoder_cache::PyEncoderCache>()?;
+    m.add_class::<device_tensor::PyDeviceTensor>()?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

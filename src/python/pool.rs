@@ -12,7 +12,7 @@ use super::copying;
 use super::input::{read_ints, read_tensor, read_token_ids};
 use super::kv_cache::PyKVCache;
 use super::rope::PyRope;
-use super::views::{borrowed_array, new_array};
+use super::views::{borrowed_view, new_output};
 use crate::bytes::parse_size;
 use crate::dtype::DType;
 use crate::error::{check_size, KvError};
@@ -31,7 +31,7 @@ pub struct PyBlockPool {
     pub(crate) inner: Mutex<BlockPool>,
     pub(crate) shape: PagedShape,
     pub(crate) dtype: DType,
-    device: Device,
+    pub(crate) device: Device,
     data: usize,
 }
 
@@ -87,7 +87,8 @@ impl PyBlockPool {
         Ok(seq.id)
     }
 
-    /// A read-only (or writable) NumPy view over `[...]` elements of the storage, owned by the pool.
+    /// A read-only (or writable) view over `[...]` elements of the storage, owned by the
+    /// pool: a NumPy array, or a `DeviceTensor` for a CUDA pool.
     pub(crate) fn view<'py>(
         slf: &Bound<'py, Self>,
         offset: usize,
@@ -100,8 +101,9 @@ impl PyBlockPool {
         let byte_strides: Vec<isize> = strides.iter().map(|&s| (s * es) as isize).collect();
         // SAFETY: the pool's storage is never reallocated and lives as long as `slf`, the base.
         unsafe {
-            borrowed_array(
+            borrowed_view(
                 slf.as_any(),
+                me.device,
                 (me.data + offset * es) as *mut u8,
                 me.dtype,
                 shape,
@@ -591,7 +593,10 @@ impl PyBlockPool {
         v: &Bound<'_, PyAny>,
         slot_mapping: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let (k, v) = (read_tensor(k, "k")?, read_tensor(v, "v")?);
+        let (k, v) = (
+            read_tensor(k, "k", self.device)?,
+            read_tensor(v, "v", self.device)?,
+        );
         let slots = read_ints(slot_mapping, "slot_mapping")?;
         let (kt, vt) = (*k.tensor(), *v.tensor());
         copying(py, kt.nbytes() + vt.nbytes(), || {
@@ -799,9 +804,12 @@ impl PySequence {
         k: &Bound<'_, PyAny>,
         v: &Bound<'_, PyAny>,
     ) -> PyResult<usize> {
-        let (k, v) = (read_tensor(k, "k")?, read_tensor(v, "v")?);
-        let (kt, vt) = (*k.tensor(), *v.tensor());
         let pool = self.pool_ref();
+        let (k, v) = (
+            read_tensor(k, "k", pool.device)?,
+            read_tensor(v, "v", pool.device)?,
+        );
+        let (kt, vt) = (*k.tensor(), *v.tensor());
         Ok(copying(py, kt.nbytes() + vt.nbytes(), || {
             pool.inner.lock().append(self.id, layer, &kt, &vt)
         })?)
@@ -861,11 +869,8 @@ impl PySequence {
             block_size as usize,
             pool.shape.head_dim,
         ];
-        let (k, kp) = new_array(py, pool.dtype, &shape)?;
-        let (v, vp) = new_array(py, pool.dtype, &shape)?;
-        // SAFETY: fresh C-contiguous arrays of exactly this shape and dtype, held above.
-        let kt = unsafe { crate::tensor::TensorRef::contiguous(kp, pool.dtype, &shape)? };
-        let vt = unsafe { crate::tensor::TensorRef::contiguous(vp, pool.dtype, &shape)? };
+        let (k, kt) = new_output(py, pool.device, pool.dtype, &shape)?;
+        let (v, vt) = new_output(py, pool.device, pool.dtype, &shape)?;
         copying(py, 2 * kt.nbytes(), || {
             pool.inner
                 .lock()
@@ -885,9 +890,12 @@ impl PySequence {
         keys: &Bound<'_, PyAny>,
         values: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let (k, v) = (read_tensor(keys, "keys")?, read_tensor(values, "values")?);
-        let (kt, vt) = (*k.tensor(), *v.tensor());
         let pool = self.pool_ref();
+        let (k, v) = (
+            read_tensor(keys, "keys", pool.device)?,
+            read_tensor(values, "values", pool.device)?,
+        );
+        let (kt, vt) = (*k.tensor(), *v.tensor());
         copying(py, kt.nbytes() + vt.nbytes(), || {
             pool.inner
                 .lock()
@@ -931,27 +939,28 @@ impl PySequence {
         out: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let pool = self.pool_ref();
-        let (k_arr, v_arr) = match out {
+        let fresh = |shape: &[usize]| new_output(py, pool.device, pool.dtype, shape);
+        let (k_arr, v_arr, kt_ref, vt_ref) = match out {
             Some(pair) => {
                 let (k, v): (Bound<'py, PyAny>, Bound<'py, PyAny>) = pair.extract()?;
-                (k, v)
+                let kt = *writable(&k, "out[0]", pool.device)?.tensor();
+                let vt = *writable(&v, "out[1]", pool.device)?.tensor();
+                (k, v, kt, vt)
             }
             None => {
                 let len = self.layer_len(layer)? - self.layer_start(layer)?;
                 let shape = [pool.shape.num_kv_heads, len, pool.shape.head_dim];
-                (
-                    new_array(py, pool.dtype, &shape)?.0,
-                    new_array(py, pool.dtype, &shape)?.0,
-                )
+                let ((k, kt), (v, vt)) = (fresh(&shape)?, fresh(&shape)?);
+                (k, v, kt, vt)
             }
         };
-        let kt = writable(&k_arr, "out[0]")?;
-        let vt = writable(&v_arr, "out[1]")?;
-        let (kt_ref, vt_ref) = (*kt.tensor(), *vt.tensor());
         let bytes = kt_ref.nbytes() + vt_ref.nbytes();
         let (_, len) = copying(py, bytes, || {
             pool.inner.lock().gather(self.id, layer, &kt_ref, &vt_ref)
         })?;
+        if out.is_none() {
+            return PyTuple::new(py, [k_arr, v_arr]);
+        }
         let cut = (
             pyo3::types::PySlice::full(py),
             pyo3::types::PySlice::new(py, 0, len as isize, 1),
@@ -1079,11 +1088,16 @@ pub(crate) fn slot_array(
     }
 }
 
-/// Reads a writable NumPy array as a destination tensor.
+/// Reads a destination tensor: a writable NumPy array for a host pool, a tensor on the
+/// pool's device (through DLPack) for a CUDA pool.
 fn writable<'py>(
     obj: &Bound<'py, PyAny>,
     name: &'static str,
+    device: Device,
 ) -> PyResult<super::input::Input<'py>> {
+    if device != Device::Cpu {
+        return read_tensor(obj, name, device);
+    }
     let arr = obj
         .cast::<PyUntypedArray>()
         .map_err(|_| PyTypeError::new_err(format!("{name} must be a writable NumPy array")))?;
@@ -1097,7 +1111,7 @@ fn writable<'py>(
         }
         .into());
     }
-    read_tensor(obj, name)
+    read_tensor(obj, name, device)
 }
 
 /// Reads a namespace or extra key: None, str (as UTF-8) or bytes.

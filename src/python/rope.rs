@@ -94,7 +94,7 @@ impl PyRope {
         x: &Bound<'py, PyAny>,
         positions: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let input = read_tensor(x, "x")?;
+        let input = read_tensor(x, "x", crate::storage::Device::Cpu)?;
         let t = *input.tensor();
         let shape = t.shape().to_vec();
         let positions = read_ints(positions, "positions")?;
