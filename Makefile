@@ -29,8 +29,9 @@ demo: .stamp-install ## run the main job: python -m kvrs demo (chat serving on a
 
 test: test-rust test-python stubtest check-ptx ## build and run every test (Rust, Python, stub check, PTX check)
 
-test-rust: ## cargo test: the core without Python
+test-rust: ## cargo test: the core without Python, then the CUDA backend on the simulated device
 	cargo test --release --quiet --features cuda
+	cargo test --release --quiet --features cuda-sim --test cuda_sim --test kv_cache_model --test paged_model
 
 test-python: .stamp-install ## pytest (hypothesis state machines, errors, interop)
 	$(PY) -m pytest

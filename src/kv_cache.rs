@@ -369,6 +369,13 @@ impl KVCache {
         c.append_at_counter(self.offset(layer, Kv::Key, 0, 0), s.max_seq_len, k, v)
     }
 
+    /// Sends this cache's later launches to `stream` (a CUDA stream handle; `None`: kvrs's
+    /// own stream), e.g. the stream a CUDA graph is being captured on.
+    pub fn set_stream(&self, stream: Option<u64>) -> Result<()> {
+        self.cuda("set_stream")?.set_stream(stream);
+        Ok(())
+    }
+
     /// Launches `counter += n` on the device: the end of a captured decode step.
     pub fn advance_counter(&self, n: i64) -> Result<()> {
         self.cuda("advance_counter")?.advance_counter(n)

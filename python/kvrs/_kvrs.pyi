@@ -134,6 +134,8 @@ class KVCache:
         """Device address of the int64 position counter (CUDA caches), set to seq_len now."""
     def append_at_counter(self, layer: int, k: Any, v: Any) -> None:
         """Appends device tensors k, v at the device counter's position (a captured decode step)."""
+    def set_stream(self, stream: int | None) -> None:
+        """Sends later launches to a CUDA stream handle (None: kvrs's own stream)."""
     def advance_counter(self, n: int) -> None:
         """Adds n to the device counter, on the device."""
     def sync_counter_from_gpu(self) -> int:

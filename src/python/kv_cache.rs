@@ -173,6 +173,13 @@ impl PyKVCache {
             .append_at_counter(layer, k.tensor(), v.tensor())?)
     }
 
+    /// Sends later launches to `stream` (an integer handle such as
+    /// torch.cuda.current_stream().cuda_stream; None: kvrs's own stream). CUDA caches.
+    #[pyo3(signature = (stream))]
+    fn set_stream(&self, stream: Option<u64>) -> PyResult<()> {
+        Ok(self.inner.read().set_stream(stream)?)
+    }
+
     /// Adds n to the device counter on the device (the end of a captured decode step).
     fn advance_counter(&self, n: i64) -> PyResult<()> {
         Ok(self.inner.read().advance_counter(n)?)

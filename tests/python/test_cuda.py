@@ -1,0 +1,135 @@
+"""The CUDA backend on a real GPU (skipped without a CUDA driver and device).
+
+Each test compares the device against the host path on fresh random data, with outputs
+poisoned first: copies bitwise, conversions within the dtype's rounding. The same storage
+code and kernels run in CI on a simulated device (`cargo test --features cuda-sim`);
+these tests add the driver, the PTX JIT, DLPack with torch and CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvrs
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not kvrs.cuda_available(), reason="needs a CUDA driver and device"),
+]
+
+torch = pytest.importorskip("torch")
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def t(x: kvrs.DeviceTensor | np.ndarray) -> torch.Tensor:
+    return torch.from_dlpack(x)
+
+
+@pytest.mark.parametrize("store", list(DTYPES))
+@pytest.mark.parametrize("given", list(DTYPES))
+def test_kv_cache_append_and_views_match_the_host(store, given):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    heads, dim = 3, 7  # odd head_dim
+    gpu = kvrs.KVCache(2, heads, dim, 40, dtype=store, device="cuda")
+    cpu = kvrs.KVCache(2, heads, dim, 40, dtype=store)
+    for n in (5, 1, 13):
+        for layer in range(2):
+            k = torch.randn(n, heads, dim, device="cuda", generator=g).to(DTYPES[given])
+            v = torch.randn(n, heads, dim, device="cuda", generator=g).to(DTYPES[given])
+            gpu.append(layer, k, v)
+            cpu.append(layer, k.float().cpu().numpy(), v.float().cpu().numpy())
+        gpu.advance(n)
+        cpu.advance(n)
+    for layer in range(2):
+        kd, vd = gpu.get(layer)
+        assert isinstance(kd, kvrs.DeviceTensor) and kd.device == "cuda:0"
+        kh, vh = cpu.get(layer)
+        tol = 0 if given == store or store == "float32" else 1e-2
+        torch.testing.assert_close(
+            t(kd).float().cpu(), torch.from_numpy(kh.astype(np.float32)), atol=tol, rtol=tol
+        )
+        torch.testing.assert_close(
+            t(vd).float().cpu(), torch.from_numpy(vh.astype(np.float32)), atol=tol, rtol=tol
+        )
+
+
+def test_views_are_the_same_memory():
+    c = kvrs.KVCache(1, 2, 8, 16, dtype="float16", device="cuda")
+    c.append(0, torch.ones(4, 2, 8, device="cuda", dtype=torch.float16), torch.zeros(4, 2, 8, device="cuda"))
+    c.advance(4)
+    k = t(c.get(0)[0])
+    assert k.data_ptr() == c.get(0)[0].data_ptr
+    assert bool((k == 1).all())
+
+
+def test_host_tensors_are_refused_for_a_cuda_cache():
+    c = kvrs.KVCache(1, 2, 8, 16, device="cuda")
+    with pytest.raises(kvrs.DeviceError, match="this cache lives on cuda:0"):
+        c.append(0, np.ones((1, 2, 8), np.float32), np.ones((1, 2, 8), np.float32))
+    assert c.layer_len(0) == 0
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_pool_write_gather_and_fork_match_the_host(layout):
+    g = torch.Generator(device="cuda").manual_seed(2)
+    args = dict(num_layers=2, num_kv_heads=2, head_dim=5, block_size=4, num_blocks=16, layout=layout)
+    gpu = kvrs.BlockPool(**args, dtype="bfloat16", device="cuda")
+    cpu = kvrs.BlockPool(**args, dtype="bfloat16")
+    seqs = [gpu.new_sequence(), cpu.new_sequence()]
+    k = torch.randn(11, 2, 5, device="cuda", generator=g)
+    v = torch.randn(11, 2, 5, device="cuda", generator=g)
+    for s, (kk, vv) in ((seqs[0], (k, v)), (seqs[1], (k.cpu().numpy(), v.cpu().numpy()))):
+        for layer in range(2):
+            s.append(layer, kk, vv)
+        s.advance(11)
+    forks = [s.fork() for s in seqs]
+    # Copy-on-write: the fork's next token lands in a copied block.
+    for f, x in ((forks[0], k[:1]), (forks[1], k[:1].cpu().numpy())):
+        for layer in range(2):
+            f.append(layer, x, x)
+        f.advance(1)
+    for layer in range(2):
+        for a, b in ((seqs[0], seqs[1]), (forks[0], forks[1])):
+            kd, vd = a.get(layer)
+            kh, vh = b.get(layer)
+            assert torch.equal(t(kd).cpu().view(torch.uint16), torch.from_numpy(kh.view(np.uint16)))
+            assert torch.equal(t(vd).cpu().view(torch.uint16), torch.from_numpy(vh.view(np.uint16)))
+    assert gpu.stats()["used_blocks"] == cpu.stats()["used_blocks"]
+
+
+def test_kv_cache_tensor_is_flashinfer_shaped_and_shared():
+    pool = kvrs.BlockPool(1, 2, 8, 4, 8, dtype="float16", device="cuda")
+    view = t(pool.kv_cache(0))
+    assert tuple(view.shape) == (8, 2, 4, 2, 8)
+    s = pool.new_sequence()
+    s.append(0, torch.full((3, 2, 8), 2.0, device="cuda"), torch.full((3, 2, 8), 3.0, device="cuda"))
+    s.advance(3)
+    block = s.block_table[0]
+    assert bool((view[block, 0, :3] == 2).all()) and bool((view[block, 1, :3] == 3).all())
+
+
+def test_captured_decode_loop_replays_without_host_round_trips():
+    heads, dim, layers = 2, 16, 3
+    c = kvrs.KVCache(layers, heads, dim, 64, dtype="float16", device="cuda")
+    k_in = torch.zeros(1, heads, dim, device="cuda", dtype=torch.float16)
+    c.gpu_counter_ptr()
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    # kvrs launches on the capturing stream.
+    c.set_stream(stream.cuda_stream)
+    with torch.cuda.graph(graph, stream=stream):
+        for layer in range(layers):
+            c.append_at_counter(layer, k_in, k_in)
+        c.advance_counter(1)
+    expected = []
+    for step in range(10):
+        k_in.fill_(float(step))
+        graph.replay()
+        expected.append(float(step))
+    torch.cuda.synchronize()
+    c.set_stream(None)
+    assert c.sync_counter_from_gpu() == 10
+    got = t(c.get(0)[0]).float().cpu()[0, :, 0].tolist()
+    assert got == expected
