@@ -378,6 +378,13 @@ impl KVCache {
 
     /// Launches `counter += n` on the device: the end of a captured decode step.
     pub fn advance_counter(&self, n: i64) -> Result<()> {
+        if n < 0 {
+            return Err(KvError::InvalidArgument {
+                name: "n",
+                value: n.to_string(),
+                reason: "must be >= 0".into(),
+            });
+        }
         self.cuda("advance_counter")?.advance_counter(n)
     }
 

@@ -132,6 +132,10 @@ fn counter_past_capacity_is_cache_full_and_changes_nothing() {
         Err(KvError::CacheFull { .. })
     ));
     assert_eq!(c.seq_len(), 0);
+    assert!(matches!(
+        c.advance_counter(-1),
+        Err(KvError::InvalidArgument { name: "n", .. })
+    ));
 }
 
 #[test]

@@ -7,6 +7,7 @@ use std::fmt;
 
 use smallvec::SmallVec;
 
+use crate::dtype::DType;
 use crate::error::Result;
 
 /// A device address.
@@ -120,12 +121,61 @@ pub fn blocks_for(n: usize) -> u32 {
     n.div_ceil(THREADS as usize).clamp(1, 65535) as u32
 }
 
-/// The kernel-name suffix of a dtype (`f32`, `f16`, `bf16`).
-pub fn suffix(dtype: crate::dtype::DType) -> &'static str {
-    use crate::dtype::DType;
+/// Kernels with one variant per (input dtype, storage dtype) pair.
+#[derive(Clone, Copy, Debug)]
+pub enum PairKernel {
+    /// `kvrs_scatter_*`: tokens by slot mapping.
+    Scatter,
+    /// `kvrs_append_contiguous_*`: the contiguous cache's append at the device counter.
+    AppendContiguous,
+    /// `kvrs_copy3_*`: strided rank-3 copy with conversion.
+    Copy3,
+}
+
+macro_rules! pair_names {
+    ($op:literal) => {
+        [
+            [
+                concat!("kvrs_", $op, "_f32_f32"),
+                concat!("kvrs_", $op, "_f32_f16"),
+                concat!("kvrs_", $op, "_f32_bf16"),
+            ],
+            [
+                concat!("kvrs_", $op, "_f16_f32"),
+                concat!("kvrs_", $op, "_f16_f16"),
+                concat!("kvrs_", $op, "_f16_bf16"),
+            ],
+            [
+                concat!("kvrs_", $op, "_bf16_f32"),
+                concat!("kvrs_", $op, "_bf16_f16"),
+                concat!("kvrs_", $op, "_bf16_bf16"),
+            ],
+        ]
+    };
+}
+
+fn dtype_index(dtype: DType) -> usize {
     match dtype {
-        DType::F32 => "f32",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
+        DType::F32 => 0,
+        DType::F16 => 1,
+        DType::BF16 => 2,
     }
+}
+
+/// The name of `kernel` for inputs of `src` and storage of `dst` (no allocation).
+pub fn pair_kernel(kernel: PairKernel, src: DType, dst: DType) -> &'static str {
+    const SCATTER: [[&str; 3]; 3] = pair_names!("scatter");
+    const APPEND: [[&str; 3]; 3] = pair_names!("append_contiguous");
+    const COPY3: [[&str; 3]; 3] = pair_names!("copy3");
+    let table = match kernel {
+        PairKernel::Scatter => &SCATTER,
+        PairKernel::AppendContiguous => &APPEND,
+        PairKernel::Copy3 => &COPY3,
+    };
+    table[dtype_index(src)][dtype_index(dst)]
+}
+
+/// The gather kernel for storage of `dtype`.
+pub fn gather_kernel(dtype: DType) -> &'static str {
+    ["kvrs_gather_f32", "kvrs_gather_f16", "kvrs_gather_bf16"][dtype_index(dtype)]
 }

@@ -8,10 +8,12 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::gpu::{blocks_for, suffix, Args, DevicePtr, Gpu, StreamHandle, THREADS};
+use super::gpu::{
+    blocks_for, gather_kernel, pair_kernel, Args, DevicePtr, Gpu, PairKernel, StreamHandle, THREADS,
+};
 use crate::dtype::DType;
 use crate::error::{KvError, Result};
-use crate::paged::BlockId;
+use crate::paged::{BlockId, KvLayout, PagedShape};
 use crate::storage::{paged_ops, Device, PagedTensor, Region, Storage};
 use crate::tensor::{copy_strided, TensorRef, MAX_RANK};
 
@@ -30,11 +32,13 @@ pub struct CudaStorage {
 }
 
 /// Device memory for a launch's small arguments (pointer arrays, slots, block tables)
-/// and for host transfers; grown when a call needs more, never per call.
+/// and for host transfers, and the host buffer they are assembled in; both grow when a
+/// call needs more, never per call.
 #[derive(Debug)]
 struct Staging {
     ptr: DevicePtr,
     bytes: usize,
+    host: Vec<u64>,
     /// The stream the last upload was queued on: before another stream may overwrite
     /// the buffer, that one is waited for.
     stream: StreamHandle,
@@ -77,6 +81,7 @@ impl CudaStorage {
             staging: Mutex::new(Staging {
                 ptr: staging,
                 bytes: MIN_STAGING,
+                host: Vec::new(),
                 stream,
             }),
             counter: Mutex::new(None),
@@ -125,19 +130,51 @@ impl CudaStorage {
         }
     }
 
-    /// Uploads `words` to the staging buffer and runs `f` with its address while the
-    /// buffer is held, so `f` can queue the kernels that read it.
-    fn with_upload<R>(&self, words: &[u64], f: impl FnOnce(DevicePtr) -> Result<R>) -> Result<R> {
+    /// Uploads the words `fill` writes (into the reused host buffer) to the staging
+    /// buffer and runs `f` with its address while the buffer is held, so `f` can queue
+    /// the kernels that read it.
+    fn with_upload<R>(
+        &self,
+        fill: impl FnOnce(&mut Vec<u64>),
+        f: impl FnOnce(DevicePtr) -> Result<R>,
+    ) -> Result<R> {
         let stream = self.stream();
-        let bytes = std::mem::size_of_val(words);
         let mut st = self.staging.lock();
-        self.reserve_staging(&mut st, bytes, stream)?;
-        // SAFETY: the staging buffer holds at least `bytes`; `words` is host memory.
-        unsafe {
-            self.gpu
-                .htod(st.ptr, words.as_ptr() as *const u8, bytes, stream)?
-        };
+        let mut host = std::mem::take(&mut st.host);
+        host.clear();
+        fill(&mut host);
+        let bytes = std::mem::size_of_val(host.as_slice());
+        let staged = self.reserve_staging(&mut st, bytes, stream).and_then(|()| {
+            // SAFETY: the staging buffer holds at least `bytes`; `host` is host memory.
+            unsafe {
+                self.gpu
+                    .htod(st.ptr, host.as_ptr() as *const u8, bytes, stream)
+            }
+        });
+        st.host = host;
+        staged?;
         f(st.ptr)
+    }
+
+    /// Launches a paged kernel over `n` rows whose arguments end with the pool's
+    /// `block_size, heads, head_dim, hnd` (`args` holds the ones before).
+    fn launch_rows(&self, name: &str, n: usize, sh: &PagedShape, args: Args) -> Result<()> {
+        let args = args
+            .i32(sh.block_size as i32)
+            .i32(sh.num_kv_heads as i32)
+            .i32(sh.head_dim as i32)
+            .i32(i32::from(sh.layout == KvLayout::Hnd));
+        let threads = Self::row_threads(sh.num_kv_heads * sh.head_dim);
+        // SAFETY: the callers checked every address the arguments hold (see each).
+        unsafe {
+            self.gpu.launch(
+                name,
+                [n as u32, 1, 1],
+                [threads, 1, 1],
+                &args,
+                self.stream(),
+            )
+        }
     }
 
     /// Makes the staging buffer at least `bytes` long and safe to overwrite on `stream`.
@@ -184,12 +221,12 @@ impl CudaStorage {
         for d in shape {
             args = args.i64(d as i64);
         }
-        let name = format!("kvrs_copy3_{}_{}", suffix(src_dtype), suffix(dst_dtype));
+        let name = pair_kernel(PairKernel::Copy3, src_dtype, dst_dtype);
         // SAFETY: both ranges were checked by the callers (regions against the storage,
         // tensors by their TensorRef contract).
         unsafe {
             self.gpu.launch(
-                &name,
+                name,
                 [blocks_for(n), 1, 1],
                 [THREADS, 1, 1],
                 &args,
@@ -334,22 +371,61 @@ impl CudaStorage {
             .i64(max_seq_len as i64)
             .i32(heads as i32)
             .i32(head_dim as i32);
-        let name = format!(
-            "kvrs_append_contiguous_{}_{}",
-            suffix(k.dtype()),
-            suffix(self.dtype)
-        );
+        let name = pair_kernel(PairKernel::AppendContiguous, k.dtype(), self.dtype);
         // SAFETY: the layer lies in this storage (checked by the cache); the kernel drops
         // positions past max_seq_len; the inputs are device tensors of [n, H, D].
         unsafe {
             self.gpu.launch(
-                &name,
+                name,
                 [n as u32, 1, 1],
                 [Self::row_threads(heads * head_dim), 1, 1],
                 &args,
                 self.stream(),
             )
         }
+    }
+
+    /// Whether the scatter kernel can write `k`, `v`: both on this device, of one dtype,
+    /// with `head_dim` contiguous (otherwise the region copies do it).
+    fn scatters(&self, k: &TensorRef, v: &TensorRef) -> Result<bool> {
+        let local = self.is_local("k", k)? && self.is_local("v", v)?;
+        Ok(local && k.strides3()[2] == 1 && v.strides3()[2] == 1 && k.dtype() == v.dtype())
+    }
+
+    /// Launches the scatter of `n` token rows of `k`, `v` to the slots `slots` writes.
+    fn scatter(
+        &self,
+        t: PagedTensor,
+        n: usize,
+        k: &TensorRef,
+        v: &TensorRef,
+        slots: impl FnOnce(&mut Vec<u64>),
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let sh = t.shape;
+        let cache = self.device_addr(sh.block_offset(t.index, 0));
+        let (ks, vs) = (k.strides3(), v.strides3());
+        let fill = |w: &mut Vec<u64>| {
+            w.extend([k.as_ptr() as u64, v.as_ptr() as u64, cache]);
+            slots(w);
+        };
+        self.with_upload(fill, |base| {
+            let args = Args::new()
+                .u64(base)
+                .u64(base + 8)
+                .u64(base + 16)
+                .u64(base + 24)
+                .i64(ks[0] as i64)
+                .i64(ks[1] as i64)
+                .i64(vs[0] as i64)
+                .i64(vs[1] as i64);
+            // Slots were validated against the pool by the caller; k and v are [n, H, D]
+            // device tensors (their contract).
+            let name = pair_kernel(PairKernel::Scatter, k.dtype(), self.dtype);
+            self.launch_rows(name, n, &sh, args)
+        })
     }
 
     /// Threads per block for kernels striding over `heads * head_dim` elements.
@@ -363,10 +439,10 @@ fn contiguous(shape: [usize; MAX_RANK]) -> [isize; MAX_RANK] {
     [(shape[1] * shape[2]) as isize, shape[2] as isize, 1]
 }
 
-/// A host tensor's elements packed into 8-byte words (C order, its own dtype).
-fn pack(t: &TensorRef) -> Vec<u64> {
+/// A host tensor's elements packed into 8-byte `words` (C order, its own dtype).
+fn pack(t: &TensorRef, words: &mut Vec<u64>) {
     let shape = t.shape3();
-    let mut words = vec![0u64; t.nbytes().div_ceil(8)];
+    words.resize(t.nbytes().div_ceil(8), 0);
     // SAFETY: `words` holds the packed bytes; `t` is readable (its contract).
     unsafe {
         copy_strided(
@@ -379,7 +455,6 @@ fn pack(t: &TensorRef) -> Vec<u64> {
             shape,
         )
     };
-    words
 }
 
 impl Drop for CudaStorage {
@@ -434,18 +509,20 @@ impl Storage for CudaStorage {
                 dst.shape,
             );
         }
-        let words = pack(src);
-        self.with_upload(&words, |staged| {
-            self.copy3(
-                to.0,
-                to.1,
-                to.2,
-                staged,
-                src.dtype(),
-                contiguous(dst.shape),
-                dst.shape,
-            )
-        })
+        self.with_upload(
+            |words| pack(src, words),
+            |staged| {
+                self.copy3(
+                    to.0,
+                    to.1,
+                    to.2,
+                    staged,
+                    src.dtype(),
+                    contiguous(dst.shape),
+                    dst.shape,
+                )
+            },
+        )
     }
 
     fn read(&self, src: Region, dst: &TensorRef) -> Result<()> {
@@ -541,46 +618,11 @@ impl Storage for CudaStorage {
         k: &TensorRef,
         v: &TensorRef,
     ) -> Result<()> {
-        let local = self.is_local("k", k)? && self.is_local("v", v)?;
-        let rows = k.strides3()[2] == 1 && v.strides3()[2] == 1 && k.dtype() == v.dtype();
-        if !local || !rows {
+        if !self.scatters(k, v)? {
             return paged_ops::write_slots(self, t, slots, k, v);
         }
-        if slots.is_empty() {
-            return Ok(());
-        }
-        let sh = t.shape;
-        let cache = self.device_addr(sh.block_offset(t.index, 0));
-        let mut words = vec![k.as_ptr() as u64, v.as_ptr() as u64, cache];
-        words.extend(slots.iter().map(|&s| s as u64));
-        let (ks, vs) = (k.strides3(), v.strides3());
-        let name = format!("kvrs_scatter_{}_{}", suffix(k.dtype()), suffix(self.dtype));
-        self.with_upload(&words, |base| {
-            let args = Args::new()
-                .u64(base)
-                .u64(base + 8)
-                .u64(base + 16)
-                .u64(base + 24)
-                .i64(ks[0] as i64)
-                .i64(ks[1] as i64)
-                .i64(vs[0] as i64)
-                .i64(vs[1] as i64)
-                .i32(sh.block_size as i32)
-                .i32(sh.num_kv_heads as i32)
-                .i32(sh.head_dim as i32)
-                .i32(i32::from(sh.layout == crate::paged::KvLayout::Hnd));
-            let threads = Self::row_threads(sh.num_kv_heads * sh.head_dim);
-            // SAFETY: slots were validated against the pool by the caller; k and v are
-            // [n, H, D] device tensors (their contract).
-            unsafe {
-                self.gpu.launch(
-                    &name,
-                    [slots.len() as u32, 1, 1],
-                    [threads, 1, 1],
-                    &args,
-                    self.stream(),
-                )
-            }
+        self.scatter(t, slots.len(), k, v, |w| {
+            w.extend(slots.iter().map(|&s| s as u64))
         })
     }
 
@@ -592,11 +634,13 @@ impl Storage for CudaStorage {
         k: &TensorRef,
         v: &TensorRef,
     ) -> Result<()> {
-        let bs = t.shape.block_size;
-        let slots: Vec<i64> = (start..start + k.shape3()[0])
-            .map(|p| (blocks[p / bs] as usize * bs + p % bs) as i64)
-            .collect();
-        self.write_slots(t, &slots, k, v)
+        if !self.scatters(k, v)? {
+            return paged_ops::write_positions(self, t, blocks, start, k, v);
+        }
+        let (n, bs) = (k.shape3()[0], t.shape.block_size);
+        self.scatter(t, n, k, v, |w| {
+            w.extend((start..start + n).map(|p| (blocks[p / bs] as usize * bs + p % bs) as u64))
+        })
     }
 
     fn read_positions(
@@ -618,17 +662,17 @@ impl Storage for CudaStorage {
         }
         let sh = t.shape;
         let cache = self.device_addr(sh.block_offset(t.index, 0));
-        let mut words = vec![cache, k_out.as_ptr() as u64, v_out.as_ptr() as u64];
-        // The table as int32 pairs packed into words.
-        let table: Vec<i32> = blocks.iter().map(|&b| b as i32).collect();
-        words.extend(
-            table
-                .chunks(2)
-                .map(|c| (c[0] as u32 as u64) | ((*c.get(1).unwrap_or(&0) as u32 as u64) << 32)),
-        );
         let (ks, vs) = (k_out.strides3(), v_out.strides3());
-        let name = format!("kvrs_gather_{}", suffix(self.dtype));
-        self.with_upload(&words, |base| {
+        let fill = |w: &mut Vec<u64>| {
+            w.extend([cache, k_out.as_ptr() as u64, v_out.as_ptr() as u64]);
+            // The int32 block table, two entries per word.
+            w.extend(
+                blocks
+                    .chunks(2)
+                    .map(|c| c[0] as u64 | (c.get(1).copied().unwrap_or(0) as u64) << 32),
+            );
+        };
+        self.with_upload(fill, |base| {
             let args = Args::new()
                 .u64(base)
                 .u64(base + 24)
@@ -638,23 +682,10 @@ impl Storage for CudaStorage {
                 .i64(ks[0] as i64)
                 .i64(ks[1] as i64)
                 .i64(vs[0] as i64)
-                .i64(vs[1] as i64)
-                .i32(sh.block_size as i32)
-                .i32(sh.num_kv_heads as i32)
-                .i32(sh.head_dim as i32)
-                .i32(i32::from(sh.layout == crate::paged::KvLayout::Hnd));
-            let threads = Self::row_threads(sh.num_kv_heads * sh.head_dim);
-            // SAFETY: the positions are held by the table (checked by the pool); the
-            // outputs are [H, >= n, D] device tensors (checked by the pool).
-            unsafe {
-                self.gpu.launch(
-                    &name,
-                    [n as u32, 1, 1],
-                    [threads, 1, 1],
-                    &args,
-                    self.stream(),
-                )
-            }
+                .i64(vs[1] as i64);
+            // The positions are held by the table and the outputs are [H, >= n, D] device
+            // tensors (both checked by the pool).
+            self.launch_rows(gather_kernel(self.dtype), n, &sh, args)
         })
     }
 
@@ -667,12 +698,12 @@ impl Storage for CudaStorage {
         if pairs.is_empty() || tensors == 0 {
             return Ok(());
         }
-        let mut words: Vec<u64> = (0..tensors)
-            .map(|t| self.device_addr(shape.block_offset(t, 0)))
-            .collect();
-        words.extend(pairs.iter().flat_map(|&(s, d)| [s as u64, d as u64]));
+        let fill = |w: &mut Vec<u64>| {
+            w.extend((0..tensors).map(|t| self.device_addr(shape.block_offset(t, 0))));
+            w.extend(pairs.iter().flat_map(|&(s, d)| [s as u64, d as u64]));
+        };
         let block_words = (shape.block_elems() * self.dtype.size() / 4) as i64;
-        self.with_upload(&words, |base| {
+        self.with_upload(fill, |base| {
             let args = Args::new()
                 .u64(base)
                 .u64(base + 8 * tensors as u64)
