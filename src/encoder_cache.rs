@@ -1,6 +1,7 @@
 //! The encoder cache: position-independent keys and values of one encoder input
 //! (cross-attention), written once per layer and read by every decode step.
 
+use crate::attention::{AttnOptions, QueryRow};
 use crate::dtype::DType;
 use crate::error::{KvError, Result};
 use crate::kv_cache::{CacheShape, KVCache};
@@ -72,6 +73,36 @@ impl EncoderCache {
         self.cache.append(layer, k, v)?;
         self.length = Some(n);
         Ok(())
+    }
+
+    /// Cross-attention of `q` (`[n, num_q_heads, head_dim]`, any number of decoder
+    /// tokens) over every encoder position of `layer` (no causal mask); writes `out`.
+    pub fn attention(
+        &self,
+        layer: i64,
+        q: &TensorRef,
+        out: &TensorRef,
+        opts: &AttnOptions<'_>,
+    ) -> Result<()> {
+        let l = self.cache.check_layer(layer)?;
+        if !self.is_set(l) {
+            return Err(KvError::InvalidArgument {
+                name: "layer",
+                value: l.to_string(),
+                reason: "holds no encoder K/V yet; set() it first".into(),
+            });
+        }
+        let len = self.cache.layer_len(l);
+        let n = q.shape().first().copied().unwrap_or(0);
+        let rows: Vec<QueryRow> = (0..n)
+            .map(|token| QueryRow {
+                token,
+                pos: len,
+                lo: 0,
+                hi: len,
+            })
+            .collect();
+        self.cache.attend_rows(l, q, out, &rows, opts)
     }
 
     /// Forgets the input; the memory stays allocated for the next one.

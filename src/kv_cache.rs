@@ -2,6 +2,7 @@
 //! (`[num_kv_heads, max_seq_len, head_dim]` for K and for V), filled layer by layer and
 //! committed with [`KVCache::advance`].
 
+use crate::attention::{self, AttnOptions, KvHeads, KvPages, QueryRow, SeqQueries};
 use crate::dtype::DType;
 use crate::error::{check_count, check_index, check_positive, KvError, Result};
 use crate::storage::{allocate, Device, Region, Storage};
@@ -184,6 +185,91 @@ impl KVCache {
                 &strides,
             )
         }
+    }
+
+    /// Where `layer`'s K/V lie, for the attention core: one run of `max_seq_len`
+    /// positions per head. Host storage only.
+    pub fn kv_pages(&self, layer: usize) -> Result<KvPages<'static>> {
+        if self.device() != Device::Cpu {
+            return Err(KvError::NotSupported(format!(
+                "attention over a cache on {} (the attention core reads host memory)",
+                self.device()
+            )));
+        }
+        let s = &self.shape;
+        let base = self.offset(layer, Kv::Key, 0, 0);
+        Ok(KvPages {
+            data: self.storage.data_ptr(),
+            dtype: self.dtype(),
+            table: &[0],
+            block_size: s.max_seq_len,
+            block_stride: 0,
+            base,
+            v_offset: self.offset(layer, Kv::Value, 0, 0) - base,
+            pos_stride: s.head_dim,
+            head_stride: s.max_seq_len * s.head_dim,
+        })
+    }
+
+    /// Attention of the last `n` positions `layer` holds (`q`: `[n, num_q_heads,
+    /// head_dim]`, the queries of the tokens just appended) over the layer, causal: the
+    /// token at position `p` sees positions `0..=p`, or only the `window` most recent of
+    /// them (the token included). Writes `out` (`q`'s shape, C-contiguous).
+    pub fn attention(
+        &self,
+        layer: i64,
+        q: &TensorRef,
+        out: &TensorRef,
+        window: Option<usize>,
+        opts: &AttnOptions<'_>,
+    ) -> Result<()> {
+        let l = self.check_layer(layer)?;
+        if window == Some(0) {
+            return Err(KvError::InvalidArgument {
+                name: "window",
+                value: "0".into(),
+                reason: "must be >= 1".into(),
+            });
+        }
+        let end = self.layer_len[l];
+        let n = q.shape().first().copied().unwrap_or(0);
+        if q.shape().len() == 3 && n > end {
+            return Err(KvError::Shape {
+                name: "q",
+                got: q.shape().to_vec(),
+                expected: format!("at most {end} query tokens: layer {l} holds {end} positions"),
+            });
+        }
+        let rows: Vec<QueryRow> = (end.saturating_sub(n)..end)
+            .enumerate()
+            .map(|(token, pos)| QueryRow {
+                token,
+                pos,
+                lo: window.map_or(0, |w| (pos + 1).saturating_sub(w)),
+                hi: pos + 1,
+            })
+            .collect();
+        self.attend_rows(l, q, out, &rows, opts)
+    }
+
+    /// Attention of `q`'s tokens as `rows` say, over `layer` (validated).
+    pub(crate) fn attend_rows(
+        &self,
+        layer: usize,
+        q: &TensorRef,
+        out: &TensorRef,
+        rows: &[QueryRow],
+        opts: &AttnOptions<'_>,
+    ) -> Result<()> {
+        let heads = KvHeads {
+            num_kv_heads: self.shape.num_kv_heads,
+            head_dim: self.shape.head_dim,
+        };
+        let seqs = [SeqQueries {
+            kv: self.kv_pages(layer)?,
+            rows: 0..rows.len(),
+        }];
+        attention::attend(q, out, heads, rows, &seqs, opts)
     }
 
     /// Sets the committed length and each layer's length (all at most `max_seq_len`,

@@ -6,6 +6,7 @@
 //! backend), [`kv_cache`] (the contiguous cache), [`paged`] (the block pool shared by many
 //! sequences) and [`error`] (the one error type).
 
+pub mod attention;
 pub mod bytes;
 pub mod dtype;
 pub mod encoder_cache;

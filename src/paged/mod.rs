@@ -5,6 +5,7 @@
 //! ([`shift`]) and ollama-style batched forwards ([`forward`]).
 
 pub mod allocator;
+pub mod attend;
 pub mod caching;
 pub mod forward;
 pub mod groups;

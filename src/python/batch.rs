@@ -6,6 +6,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
+use super::attention::{self, AttnArgs};
 use super::copying;
 use super::input::read_tensor;
 use super::pool::{slot_array, PyBlockPool};
@@ -126,6 +127,33 @@ impl PyForwardBatch {
         }
         let mask = mask.reshape([n, hist])?;
         PyTuple::new(py, [k, v, mask.into_any()])
+    }
+
+    /// Attention of the batch's tokens over `layer` (after `put(layer, ...)`), read in
+    /// place from the pool's blocks: q [n_tokens, num_q_heads, head_dim] in batch order;
+    /// each token attends to its own sequence up to its own position, within the
+    /// layer's window. Returns a new array of q's shape and dtype, or fills `out`.
+    #[pyo3(signature = (layer, q, *, out = None, scale = None, softcap = None, sinks = None, alibi_slopes = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn attention<'py>(
+        &self,
+        py: Python<'py>,
+        layer: i64,
+        q: &Bound<'py, PyAny>,
+        out: Option<&Bound<'py, PyAny>>,
+        scale: Option<f64>,
+        softcap: Option<f64>,
+        sinks: Option<&Bound<'py, PyAny>>,
+        alibi_slopes: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let args = AttnArgs::parse(scale, softcap, sinks, alibi_slopes)?;
+        self.check_open()?;
+        let pool = self.pool.get();
+        attention::run(py, q, out, pool.device, |q, o| {
+            pool.inner
+                .lock()
+                .forward_attention(&self.plan, layer, q, o, &args.options())
+        })
     }
 
     /// Commits the batch: each sequence's seq_len moves past its new tokens.

@@ -1,5 +1,6 @@
 //! `kvrs.EncoderCache`: cross-attention K/V of one encoder input.
 
+use super::attention::{self, AttnArgs};
 use parking_lot::RwLock;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
@@ -56,6 +57,28 @@ impl PyEncoderCache {
             dtype,
             device,
             data,
+        })
+    }
+
+    /// Cross-attention of q [n, num_q_heads, head_dim] (any number of decoder tokens)
+    /// over every encoder position of `layer` (no causal mask), read in place. Returns
+    /// a new array of q's shape and dtype, or fills `out`.
+    #[pyo3(signature = (layer, q, *, out = None, scale = None, softcap = None, sinks = None, alibi_slopes = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn attention<'py>(
+        &self,
+        py: Python<'py>,
+        layer: i64,
+        q: &Bound<'py, PyAny>,
+        out: Option<&Bound<'py, PyAny>>,
+        scale: Option<f64>,
+        softcap: Option<f64>,
+        sinks: Option<&Bound<'py, PyAny>>,
+        alibi_slopes: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let args = AttnArgs::parse(scale, softcap, sinks, alibi_slopes)?;
+        attention::run(py, q, out, self.device, |q, o| {
+            self.inner.read().attention(layer, q, o, &args.options())
         })
     }
 

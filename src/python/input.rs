@@ -300,3 +300,29 @@ pub fn read_token_ids(obj: &Bound<'_, PyAny>, name: &'static str) -> PyResult<Ve
     }
     narrow(&read_ints(obj, name)?, name)
 }
+
+/// Reads a destination tensor: a writable NumPy array for a host pool, a tensor on the
+/// pool's device (through DLPack) for a CUDA pool.
+pub fn writable<'py>(
+    obj: &Bound<'py, PyAny>,
+    name: &'static str,
+    device: Device,
+) -> PyResult<Input<'py>> {
+    if device != Device::Cpu {
+        return read_tensor(obj, name, device);
+    }
+    let arr = obj
+        .cast::<PyUntypedArray>()
+        .map_err(|_| PyTypeError::new_err(format!("{name} must be a writable NumPy array")))?;
+    // SAFETY: `arr` is an ndarray; its flags are plain data.
+    let flags = unsafe { (*arr.as_array_ptr()).flags };
+    if flags & 0x0400 == 0 {
+        return Err(KvError::InvalidArgument {
+            name,
+            value: "a read-only array".into(),
+            reason: "must be writable".into(),
+        }
+        .into());
+    }
+    read_tensor(obj, name, device)
+}

@@ -1,5 +1,6 @@
 //! `kvrs.KVCache`: the Python face of the contiguous cache.
 
+use super::attention::{self, AttnArgs};
 use parking_lot::RwLock;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
@@ -148,6 +149,33 @@ impl PyKVCache {
 
 #[pymethods]
 impl PyKVCache {
+    /// Attention of the newest tokens over `layer`, read in place: q [n, num_q_heads,
+    /// head_dim] are the queries of the last n positions the layer holds (the tokens
+    /// just appended); the token at position p sees positions 0..=p, or the `window`
+    /// most recent of them (itself included). Returns a new array of q's shape and
+    /// dtype, or fills `out`.
+    #[pyo3(signature = (layer, q, *, out = None, window = None, scale = None, softcap = None, sinks = None, alibi_slopes = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn attention<'py>(
+        &self,
+        py: Python<'py>,
+        layer: i64,
+        q: &Bound<'py, PyAny>,
+        out: Option<&Bound<'py, PyAny>>,
+        window: Option<usize>,
+        scale: Option<f64>,
+        softcap: Option<f64>,
+        sinks: Option<&Bound<'py, PyAny>>,
+        alibi_slopes: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let args = AttnArgs::parse(scale, softcap, sinks, alibi_slopes)?;
+        attention::run(py, q, out, self.device, |q, o| {
+            self.inner
+                .read()
+                .attention(layer, q, o, window, &args.options())
+        })
+    }
+
     /// The device address of the int64 position counter (CUDA caches), set to seq_len
     /// now: call it before capturing a decode loop in a CUDA graph.
     fn gpu_counter_ptr(&self) -> PyResult<u64> {

@@ -1,6 +1,7 @@
 //! PyO3 bindings (feature `python`): the `kvrs._kvrs` extension module.
 
 mod args;
+mod attention;
 mod batch;
 mod device_tensor;
 mod encoder_cache;

@@ -1,15 +1,16 @@
 //! `kvrs.BlockPool` and `kvrs.Sequence`: the Python face of the paged pool.
 
-use numpy::{PyArray1, PyArray2, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::{PyArray1, PyArray2, PyArrayMethods};
 use parking_lot::Mutex;
 use pyo3::exceptions::{PyAssertionError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
 use super::args::{parse_device, parse_dtype};
+use super::attention::{self, AttnArgs};
 use super::batch::PyForwardBatch;
 use super::copying;
-use super::input::{read_ints, read_tensor, read_token_ids};
+use super::input::{read_ints, read_tensor, read_token_ids, writable};
 use super::kv_cache::PyKVCache;
 use super::rope::PyRope;
 use super::views::{borrowed_view, new_output};
@@ -928,6 +929,33 @@ impl PySequence {
         Ok(())
     }
 
+    /// Attention of this sequence's newest tokens over `layer`, read in place from the
+    /// pool's blocks: q [n, num_q_heads, head_dim] are the queries of the last n
+    /// positions the layer holds (the tokens just appended); each attends up to its own
+    /// position within the layer's window. Returns a new array of q's shape and dtype,
+    /// or fills `out`.
+    #[pyo3(signature = (layer, q, *, out = None, scale = None, softcap = None, sinks = None, alibi_slopes = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn attention<'py>(
+        &self,
+        py: Python<'py>,
+        layer: i64,
+        q: &Bound<'py, PyAny>,
+        out: Option<&Bound<'py, PyAny>>,
+        scale: Option<f64>,
+        softcap: Option<f64>,
+        sinks: Option<&Bound<'py, PyAny>>,
+        alibi_slopes: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let args = AttnArgs::parse(scale, softcap, sinks, alibi_slopes)?;
+        let pool = self.pool_ref();
+        attention::run(py, q, out, pool.device, |q, o| {
+            pool.inner
+                .lock()
+                .seq_attention(self.id, layer, q, o, &args.options())
+        })
+    }
+
     /// The layer's K and V gathered into contiguous [num_kv_heads, length, head_dim]
     /// arrays (into `out`, a (K, V) pair of writable arrays [num_kv_heads, >= length,
     /// head_dim], when given: the result is then a view of `out`).
@@ -1086,32 +1114,6 @@ pub(crate) fn slot_array(
     } else {
         Ok(arr.reshape([groups, n])?.into_any())
     }
-}
-
-/// Reads a destination tensor: a writable NumPy array for a host pool, a tensor on the
-/// pool's device (through DLPack) for a CUDA pool.
-fn writable<'py>(
-    obj: &Bound<'py, PyAny>,
-    name: &'static str,
-    device: Device,
-) -> PyResult<super::input::Input<'py>> {
-    if device != Device::Cpu {
-        return read_tensor(obj, name, device);
-    }
-    let arr = obj
-        .cast::<PyUntypedArray>()
-        .map_err(|_| PyTypeError::new_err(format!("{name} must be a writable NumPy array")))?;
-    // SAFETY: `arr` is an ndarray; its flags are plain data.
-    let flags = unsafe { (*arr.as_array_ptr()).flags };
-    if flags & 0x0400 == 0 {
-        return Err(KvError::InvalidArgument {
-            name,
-            value: "a read-only array".into(),
-            reason: "must be writable".into(),
-        }
-        .into());
-    }
-    read_tensor(obj, name, device)
 }
 
 /// Reads a namespace or extra key: None, str (as UTF-8) or bytes.

@@ -1,0 +1,270 @@
+//! One work item of attention: a tile of one sequence's query rows, the query heads of
+//! one KV head, one span of history, streamed run by run with an online softmax.
+
+use std::cell::RefCell;
+
+use super::math::{axpy, dot, exp, load_row, scale};
+use super::schedule::{Item, Problem};
+use crate::dtype::{convert_contiguous, read_f32, DType};
+
+/// Positions converted to f32 at a time (at most a block).
+pub(super) const RUN: usize = 32;
+
+/// Per-thread buffers, grown to the largest item seen and then reused.
+#[derive(Default)]
+struct Scratch {
+    /// Query rows, scaled: `[rows][head_dim]`.
+    q: Vec<f32>,
+    /// Unnormalised outputs: `[rows][head_dim]`.
+    o: Vec<f32>,
+    /// Running maximum and sum of each row.
+    m: Vec<f32>,
+    l: Vec<f32>,
+    /// One run of keys and values in f32: `[RUN][head_dim]`.
+    k: Vec<f32>,
+    v: Vec<f32>,
+    /// Scores of one row over one run.
+    s: Vec<f32>,
+}
+
+impl Scratch {
+    fn fit(&mut self, rows: usize, d: usize) {
+        for (buf, n) in [
+            (&mut self.q, rows * d),
+            (&mut self.o, rows * d),
+            (&mut self.m, rows),
+            (&mut self.l, rows),
+            (&mut self.k, RUN * d),
+            (&mut self.v, RUN * d),
+            (&mut self.s, RUN),
+        ] {
+            if buf.len() < n {
+                buf.resize(n, 0.0);
+            }
+        }
+    }
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::default();
+}
+
+/// Where an item's result goes.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Dest {
+    /// Normalised into the output tensor.
+    Out,
+    /// As `(m, l, o)` per row (`head_dim + 2` floats) at this float offset of the
+    /// partial buffer, for the merge of a split history.
+    Partial(usize),
+}
+
+/// The vector instructions attention runs with on this CPU: `"avx2+fma+f16c"`, or
+/// `"portable"` (whatever the compiler vectorises for the baseline target).
+pub fn simd_level() -> &'static str {
+    if has_avx2() {
+        "avx2+fma+f16c"
+    } else {
+        "portable"
+    }
+}
+
+fn has_avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Runs one item on the calling thread.
+pub(super) fn run_item(p: &Problem<'_>, it: &Item, dest: Dest) {
+    SCRATCH.with(|sc| {
+        let sc = &mut sc.borrow_mut();
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            // SAFETY: the CPU has the features the function is compiled for.
+            return unsafe { run_item_avx2(p, it, dest, sc) };
+        }
+        // SAFETY: plain code for any CPU; the problem was validated by `attend`.
+        unsafe { run_item_with::<false>(p, it, dest, sc) }
+    })
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn run_item_avx2(p: &Problem<'_>, it: &Item, dest: Dest, sc: &mut Scratch) {
+    run_item_with::<true>(p, it, dest, sc)
+}
+
+/// The item's loop; `SIMD`: compiled with AVX2, FMA and F16C.
+#[inline(always)]
+unsafe fn run_item_with<const SIMD: bool>(
+    p: &Problem<'_>,
+    it: &Item,
+    dest: Dest,
+    sc: &mut Scratch,
+) {
+    let d = p.heads.head_dim;
+    let g = p.num_q_heads / p.heads.num_kv_heads;
+    let rows = &p.rows[it.rows.clone()];
+    let nrows = rows.len() * g;
+    sc.fit(nrows, d);
+    let Scratch {
+        q,
+        o,
+        m,
+        l,
+        k,
+        v,
+        s,
+    } = sc;
+    for (i, row) in rows.iter().enumerate() {
+        for j in 0..g {
+            let r = i * g + j;
+            load_query::<SIMD>(p, row.token, it.head * g + j, &mut q[r * d..(r + 1) * d]);
+        }
+    }
+    m[..nrows].fill(f32::NEG_INFINITY);
+    l[..nrows].fill(0.0);
+    o[..nrows * d].fill(0.0);
+    let kv = &p.seqs[it.seq].kv;
+    let size = kv.dtype.size();
+    let mut pos = it.lo;
+    while pos < it.hi {
+        let n = (kv.block_size - pos % kv.block_size)
+            .min(it.hi - pos)
+            .min(RUN);
+        let first = kv.key_offset(pos, it.head);
+        for j in 0..n {
+            let at = first + j * kv.pos_stride;
+            load_row::<SIMD>(&mut k[j * d..(j + 1) * d], kv.data.add(at * size), kv.dtype);
+            let vat = at + kv.v_offset;
+            load_row::<SIMD>(
+                &mut v[j * d..(j + 1) * d],
+                kv.data.add(vat * size),
+                kv.dtype,
+            );
+        }
+        for (i, row) in rows.iter().enumerate() {
+            let (a, b) = (pos.max(row.lo), (pos + n).min(row.hi));
+            if a >= b {
+                continue;
+            }
+            for j in 0..g {
+                let r = i * g + j;
+                let qh = it.head * g + j;
+                let qr = &q[r * d..(r + 1) * d];
+                let sr = &mut s[..b - a];
+                for (x, kp) in sr.iter_mut().zip(a - pos..b - pos) {
+                    *x = dot::<SIMD>(qr, &k[kp * d..(kp + 1) * d]);
+                }
+                if let Some(cap) = p.opts.softcap {
+                    for x in sr.iter_mut() {
+                        // cap * tanh(x / cap), with tanh(y) = 1 - 2 / (e^(2y) + 1).
+                        *x = cap * (1.0 - 2.0 / (exp(2.0 * *x / cap) + 1.0));
+                    }
+                }
+                if let Some(slopes) = p.opts.alibi_slopes {
+                    let slope = slopes[qh];
+                    for (x, kp) in sr.iter_mut().zip(a..b) {
+                        *x += slope * (kp as f32 - row.pos as f32);
+                    }
+                }
+                let mx = sr.iter().fold(f32::NEG_INFINITY, |acc, &x| acc.max(x));
+                let or = &mut o[r * d..(r + 1) * d];
+                if mx > m[r] {
+                    let f = rescale(m[r], mx);
+                    scale(or, f);
+                    l[r] *= f;
+                    m[r] = mx;
+                }
+                let mr = m[r];
+                for x in sr.iter_mut() {
+                    *x = exp(*x - mr);
+                }
+                l[r] += sr.iter().sum::<f32>();
+                for (&w, kp) in sr.iter().zip(a - pos..b - pos) {
+                    axpy::<SIMD>(or, w, &v[kp * d..(kp + 1) * d]);
+                }
+            }
+        }
+        pos += n;
+    }
+    for (i, row) in rows.iter().enumerate() {
+        for j in 0..g {
+            let r = i * g + j;
+            let or = &mut o[r * d..(r + 1) * d];
+            match dest {
+                Dest::Out => write_row(p, row.token, it.head * g + j, m[r], l[r], or),
+                Dest::Partial(at) => {
+                    let dst = p.partial_row(at + r * (d + 2), d);
+                    dst[0] = m[r];
+                    dst[1] = l[r];
+                    dst[2..].copy_from_slice(or);
+                }
+            }
+        }
+    }
+}
+
+/// `e^(old - new)` for a running maximum that grew from `old` (possibly -inf) to `new`.
+#[inline(always)]
+pub(super) fn rescale(old: f32, new: f32) -> f32 {
+    if old == f32::NEG_INFINITY {
+        0.0
+    } else {
+        (old - new).exp()
+    }
+}
+
+/// Reads query row `(token, head)` into `dst` as f32, times the scale.
+#[inline(always)]
+unsafe fn load_query<const SIMD: bool>(
+    p: &Problem<'_>,
+    token: usize,
+    head: usize,
+    dst: &mut [f32],
+) {
+    let q = p.q;
+    let st = q.strides3();
+    let size = q.dtype().size();
+    let at = token as isize * st[0] + head as isize * st[1];
+    let base = q.as_ptr().offset(at * size as isize);
+    if st[2] == 1 && (base as usize).is_multiple_of(size) {
+        load_row::<SIMD>(dst, base, q.dtype());
+    } else {
+        for (i, x) in dst.iter_mut().enumerate() {
+            *x = read_f32(base.offset(i as isize * st[2] * size as isize), q.dtype());
+        }
+    }
+    scale(dst, p.scale);
+}
+
+/// Finishes row `(token, head)` from its running `(m, l, o)`: adds the head's sink to
+/// the denominator, normalises, and writes it to the output in the output's dtype.
+pub(super) fn write_row(p: &Problem<'_>, token: usize, head: usize, m: f32, l: f32, o: &mut [f32]) {
+    let mut l = l;
+    if let Some(sinks) = p.opts.sinks {
+        let sink = sinks[head];
+        let mx = m.max(sink);
+        let f = rescale(m, mx);
+        scale(o, f);
+        l = l * f + (sink - mx).exp();
+    }
+    scale(o, if l > 0.0 { 1.0 / l } else { 0.0 });
+    let out = p.out;
+    let d = o.len();
+    let size = out.dtype().size();
+    // SAFETY: `out` is C-contiguous [tokens, heads, d] (checked by `attend`) and each
+    // (token, head) row is written by exactly one item.
+    unsafe {
+        let dst = out
+            .as_mut_ptr()
+            .add((token * p.num_q_heads + head) * d * size);
+        convert_contiguous(dst, out.dtype(), o.as_ptr() as *const u8, DType::F32, d);
+    }
+}

@@ -1,0 +1,224 @@
+//! Attention over cached keys and values, read in place.
+//!
+//! The caches describe where a sequence's K/V lie ([`KvPages`]: a page table over a
+//! storage, or one contiguous run) and which positions each query token sees
+//! ([`QueryRow`]: the half-open range `lo..hi`, so causal, sliding-window, chunked and
+//! cross-attention masks are all ranges). [`attend`] then computes, for every query row
+//! and query head, `softmax(q . K^T * scale) V` over that range in f32 with an online
+//! softmax: K/V are converted from the storage dtype a run of positions at a time and
+//! nothing of size `[tokens x history]` is ever built. Work is split across rayon's
+//! threads by (sequence, query tile, KV head) and, when that gives too few tasks (one
+//! long decode sequence), along the history (flash-decoding), whose partial results are
+//! merged by log-sum-exp.
+//!
+//! Grouped-query attention: query head `h` reads KV head `h / (num_q_heads /
+//! num_kv_heads)`, and each K/V run is converted once for the whole group.
+
+mod kernel;
+mod math;
+mod schedule;
+
+use std::ops::Range;
+
+use crate::dtype::DType;
+use crate::error::{KvError, Result};
+use crate::storage::Device;
+use crate::tensor::TensorRef;
+
+pub use kernel::simd_level;
+
+/// Model-specific parts of the attention formula.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AttnOptions<'a> {
+    /// Multiplies `q . k` (default `1 / sqrt(head_dim)`).
+    pub scale: Option<f32>,
+    /// Gemma 2's logit soft-capping: `s = cap * tanh(s / cap)` after scaling.
+    pub softcap: Option<f32>,
+    /// gpt-oss attention sinks: one logit per query head that joins the softmax
+    /// denominator and contributes no value.
+    pub sinks: Option<&'a [f32]>,
+    /// ALiBi: one slope per query head; `slope * (key_pos - query_pos)` is added to
+    /// each score.
+    pub alibi_slopes: Option<&'a [f32]>,
+}
+
+/// Where one sequence's keys and values (one layer) lie in a storage: position `p` of
+/// KV head `h` has its key at element
+/// `base + table[p / block_size] * block_stride + (p % block_size) * pos_stride + h * head_stride`
+/// and its value `v_offset` elements further; each head vector is contiguous.
+#[derive(Clone, Copy, Debug)]
+pub struct KvPages<'a> {
+    /// Element 0 of the storage (host memory).
+    pub data: *const u8,
+    /// Storage dtype.
+    pub dtype: DType,
+    /// Block of each run of `block_size` positions.
+    pub table: &'a [u32],
+    /// Positions per table entry.
+    pub block_size: usize,
+    /// Elements between consecutive block ids.
+    pub block_stride: usize,
+    /// Element offset of block 0's key at position 0, head 0.
+    pub base: usize,
+    /// Elements from a key to its value.
+    pub v_offset: usize,
+    /// Elements between consecutive positions of a block.
+    pub pos_stride: usize,
+    /// Elements between consecutive KV heads.
+    pub head_stride: usize,
+}
+
+// SAFETY: a KvPages is a read-only description of storage the caller keeps alive (and
+// unwritten) for the whole attention call, on every thread it runs on.
+unsafe impl Send for KvPages<'_> {}
+unsafe impl Sync for KvPages<'_> {}
+
+impl KvPages<'_> {
+    /// Element offset of the key at position `pos` of KV head `head`.
+    fn key_offset(&self, pos: usize, head: usize) -> usize {
+        let block = self.table[pos / self.block_size] as usize;
+        self.base
+            + block * self.block_stride
+            + (pos % self.block_size) * self.pos_stride
+            + head * self.head_stride
+    }
+}
+
+/// One query token: its row in the query tensor, its position (for ALiBi) and the
+/// positions `lo..hi` of its sequence it attends to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QueryRow {
+    /// Index along the query tensor's first dimension.
+    pub token: usize,
+    /// Position of the token in its sequence.
+    pub pos: usize,
+    /// First visible position.
+    pub lo: usize,
+    /// One past the last visible position.
+    pub hi: usize,
+}
+
+/// The query tokens of one sequence: `rows[rows]` of [`attend`]'s rows, read against
+/// `kv`. Rows in increasing position order give the best tiles.
+#[derive(Clone, Debug)]
+pub struct SeqQueries<'a> {
+    /// Where the sequence's K/V lie.
+    pub kv: KvPages<'a>,
+    /// Its rows in [`attend`]'s `rows`.
+    pub rows: Range<usize>,
+}
+
+/// Sizes of the attention: query heads come from the query tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvHeads {
+    /// KV heads of the cache.
+    pub num_kv_heads: usize,
+    /// Elements per head vector.
+    pub head_dim: usize,
+}
+
+/// Computes attention for `q` (`[n_tokens, num_q_heads, head_dim]`, any dtype and
+/// strides, host memory) into `out` (same shape, C-contiguous, any dtype): each token
+/// of `rows` attends over its sequence's positions `lo..hi`. Tokens no row names are
+/// left untouched; a row with nothing to see gets zeros.
+///
+/// The caller guarantees that every position a row names is held by its sequence's
+/// table and that the storage is not written during the call.
+pub fn attend(
+    q: &TensorRef,
+    out: &TensorRef,
+    heads: KvHeads,
+    rows: &[QueryRow],
+    seqs: &[SeqQueries<'_>],
+    opts: &AttnOptions<'_>,
+) -> Result<()> {
+    let num_q_heads = check_queries(q, out, heads)?;
+    let scale = check_options(opts, num_q_heads, heads.head_dim)?;
+    for s in seqs {
+        debug_assert!(s.rows.end <= rows.len());
+        debug_assert!(rows[s.rows.clone()]
+            .iter()
+            .all(|r| r.token < q.shape()[0] && r.lo <= r.hi));
+    }
+    schedule::run(&mut schedule::Problem::new(
+        q,
+        out,
+        num_q_heads,
+        heads,
+        rows,
+        seqs,
+        scale,
+        opts,
+    ));
+    Ok(())
+}
+
+/// Checks `q` and `out` and returns the number of query heads.
+fn check_queries(q: &TensorRef, out: &TensorRef, heads: KvHeads) -> Result<usize> {
+    for (name, t) in [("q", q), ("out", out)] {
+        if t.device() != Device::Cpu {
+            return Err(KvError::Device(format!(
+                "{name} lives on {}; attention over a host cache takes host tensors",
+                t.device()
+            )));
+        }
+    }
+    let s = q.shape();
+    let hkv = heads.num_kv_heads;
+    if s.len() != 3 || s[2] != heads.head_dim || s[1] == 0 || s[1] % hkv != 0 {
+        return Err(KvError::Shape {
+            name: "q",
+            got: s.to_vec(),
+            expected: format!(
+                "[n_tokens, num_q_heads, {}] with num_q_heads a positive multiple of num_kv_heads={hkv}",
+                heads.head_dim
+            ),
+        });
+    }
+    out.expect_shape("out", s)?;
+    let [a, b, c] = out.shape3();
+    if out.strides3() != [(b * c) as isize, c as isize, 1] && a * b * c > 0 {
+        return Err(KvError::InvalidArgument {
+            name: "out",
+            value: format!("strides {:?}", out.strides3()),
+            reason: "must be C-contiguous".into(),
+        });
+    }
+    Ok(s[1])
+}
+
+/// Checks the options against the heads and returns the scale.
+fn check_options(opts: &AttnOptions<'_>, num_q_heads: usize, head_dim: usize) -> Result<f32> {
+    let scale = opts.scale.unwrap_or(1.0 / (head_dim as f32).sqrt());
+    if !scale.is_finite() {
+        return Err(invalid("scale", scale, "must be finite"));
+    }
+    if let Some(c) = opts.softcap {
+        if !(c.is_finite() && c > 0.0) {
+            return Err(invalid("softcap", c, "must be finite and > 0"));
+        }
+    }
+    for (name, v) in [("sinks", opts.sinks), ("alibi_slopes", opts.alibi_slopes)] {
+        if let Some(v) = v {
+            if v.len() != num_q_heads {
+                return Err(KvError::Shape {
+                    name,
+                    got: vec![v.len()],
+                    expected: format!("[{num_q_heads}] (one per query head)"),
+                });
+            }
+            if v.iter().any(|x| x.is_nan()) {
+                return Err(invalid(name, f32::NAN, "must not contain NaN"));
+            }
+        }
+    }
+    Ok(scale)
+}
+
+fn invalid(name: &'static str, v: f32, reason: &str) -> KvError {
+    KvError::InvalidArgument {
+        name,
+        value: v.to_string(),
+        reason: reason.into(),
+    }
+}

@@ -1,0 +1,210 @@
+//! How an attention call is cut into items for rayon's threads, and how the pieces of a
+//! split history are merged again (flash-decoding's log-sum-exp reduction).
+
+use std::ops::Range;
+
+use rayon::prelude::*;
+
+use super::kernel::{rescale, run_item, write_row, Dest};
+use super::{AttnOptions, KvHeads, QueryRow, SeqQueries};
+use crate::tensor::TensorRef;
+
+/// Query tokens of one sequence per item: each K/V run is converted once for them all.
+const TILE_TOKENS: usize = 16;
+
+/// Items per thread below which long histories are split.
+const ITEMS_PER_THREAD: usize = 4;
+
+/// The shortest piece of history a split hands to one item.
+const MIN_SPLIT: usize = 512;
+
+/// One validated attention call.
+pub(super) struct Problem<'a> {
+    pub q: &'a TensorRef,
+    pub out: &'a TensorRef,
+    pub num_q_heads: usize,
+    pub heads: KvHeads,
+    pub rows: &'a [QueryRow],
+    pub seqs: &'a [SeqQueries<'a>],
+    pub scale: f32,
+    pub opts: &'a AttnOptions<'a>,
+    /// Partial results of split items (set by [`run`] when it splits).
+    partial: SharedF32,
+}
+
+impl<'a> Problem<'a> {
+    /// `d + 2` floats of the partial buffer at `at`.
+    ///
+    /// # Safety
+    /// Each range is handed to one item only.
+    #[allow(clippy::mut_from_ref)]
+    pub(super) unsafe fn partial_row(&self, at: usize, d: usize) -> &mut [f32] {
+        debug_assert!(at + d + 2 <= self.partial.len);
+        std::slice::from_raw_parts_mut(self.partial.ptr.add(at), d + 2)
+    }
+}
+
+/// A raw view of the partial buffer that items write disjoint parts of.
+#[derive(Clone, Copy)]
+struct SharedF32 {
+    ptr: *mut f32,
+    len: usize,
+}
+
+// SAFETY: items write disjoint ranges of the buffer, which outlives the parallel loop.
+unsafe impl Send for SharedF32 {}
+unsafe impl Sync for SharedF32 {}
+
+/// A tile of one sequence's rows, one KV head, one span `lo..hi` of its history.
+#[derive(Clone, Debug)]
+pub(super) struct Item {
+    pub seq: usize,
+    pub rows: Range<usize>,
+    pub head: usize,
+    pub lo: usize,
+    pub hi: usize,
+}
+
+/// A tile and head whose history is split in `splits` items, their partial results at
+/// float offset `partial` (each `rows * (head_dim + 2)` floats).
+struct Split {
+    item: Item,
+    splits: usize,
+    partial: usize,
+}
+
+impl<'a> Problem<'a> {
+    /// Builds a problem with no partial buffer yet.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn new(
+        q: &'a TensorRef,
+        out: &'a TensorRef,
+        num_q_heads: usize,
+        heads: KvHeads,
+        rows: &'a [QueryRow],
+        seqs: &'a [SeqQueries<'a>],
+        scale: f32,
+        opts: &'a AttnOptions<'a>,
+    ) -> Self {
+        Problem {
+            q,
+            out,
+            num_q_heads,
+            heads,
+            rows,
+            seqs,
+            scale,
+            opts,
+            partial: SharedF32 {
+                ptr: std::ptr::null_mut(),
+                len: 0,
+            },
+        }
+    }
+}
+
+/// Runs every item of `p` on rayon's threads.
+pub(super) fn run(p: &mut Problem<'_>) {
+    let g = p.num_q_heads / p.heads.num_kv_heads;
+    let d = p.heads.head_dim;
+    let mut tiles: Vec<Item> = Vec::new();
+    for (si, s) in p.seqs.iter().enumerate() {
+        let mut t = s.rows.start;
+        while t < s.rows.end {
+            let rows = t..(t + TILE_TOKENS).min(s.rows.end);
+            let span = &p.rows[rows.clone()];
+            let lo = span.iter().map(|r| r.lo).min().unwrap_or(0);
+            let hi = span.iter().map(|r| r.hi).max().unwrap_or(0);
+            for head in 0..p.heads.num_kv_heads {
+                tiles.push(Item {
+                    seq: si,
+                    rows: rows.clone(),
+                    head,
+                    lo,
+                    hi: hi.max(lo),
+                });
+            }
+            t = rows.end;
+        }
+    }
+    let target = ITEMS_PER_THREAD * rayon::current_num_threads();
+    let want = if tiles.len() >= target {
+        1
+    } else {
+        target.div_ceil(tiles.len().max(1))
+    };
+    let mut whole = Vec::with_capacity(tiles.len());
+    let mut split = Vec::new();
+    let mut floats = 0;
+    for it in tiles {
+        let n = want.min((it.hi - it.lo) / MIN_SPLIT).max(1);
+        if n == 1 {
+            whole.push(it);
+        } else {
+            let rows = it.rows.len() * g;
+            split.push(Split {
+                item: it,
+                splits: n,
+                partial: floats,
+            });
+            floats += n * rows * (d + 2);
+        }
+    }
+    let mut partial = vec![0f32; floats];
+    p.partial = SharedF32 {
+        ptr: partial.as_mut_ptr(),
+        len: partial.len(),
+    };
+    let p = &*p;
+    let pieces = split.iter().flat_map(|sp| {
+        let step = (sp.item.hi - sp.item.lo).div_ceil(sp.splits);
+        let per = sp.item.rows.len() * g * (d + 2);
+        (0..sp.splits).map(move |k| {
+            let lo = sp.item.lo + k * step;
+            let it = Item {
+                lo,
+                hi: (lo + step).min(sp.item.hi),
+                ..sp.item.clone()
+            };
+            (it, Dest::Partial(sp.partial + k * per))
+        })
+    });
+    let work: Vec<(Item, Dest)> = whole
+        .into_iter()
+        .map(|it| (it, Dest::Out))
+        .chain(pieces)
+        .collect();
+    work.par_iter()
+        .with_max_len(1)
+        .for_each(|(it, dest)| run_item(p, it, *dest));
+    split.par_iter().for_each(|sp| merge(p, sp, d, g));
+    drop(partial);
+}
+
+/// Merges the partial `(m, l, o)` of each row of a split item and writes the rows.
+fn merge(p: &Problem<'_>, sp: &Split, d: usize, g: usize) {
+    let rows = &p.rows[sp.item.rows.clone()];
+    let per = rows.len() * g * (d + 2);
+    let mut o = vec![0f32; d];
+    for (i, row) in rows.iter().enumerate() {
+        for j in 0..g {
+            let r = i * g + j;
+            // SAFETY: the items that wrote these rows have finished; rows are read only here.
+            let part = |k: usize| unsafe { p.partial_row(sp.partial + k * per + r * (d + 2), d) };
+            let m = (0..sp.splits)
+                .map(|k| part(k)[0])
+                .fold(f32::NEG_INFINITY, f32::max);
+            o.fill(0.0);
+            let mut l = 0.0;
+            for k in 0..sp.splits {
+                let pk = part(k);
+                let f = rescale(pk[0], m);
+                l += pk[1] * f;
+                for (x, y) in o.iter_mut().zip(&pk[2..]) {
+                    *x += f * y;
+                }
+            }
+            write_row(p, row.token, sp.item.head * g + j, m, l, &mut o);
+        }
+    }
+}

@@ -1,0 +1,185 @@
+//! Attention over a pool's blocks, read in place through each sequence's block table:
+//! for a placed batch (ragged: prefill chunks and decode tokens of many sequences in one
+//! call) and for the newest tokens of one sequence. The window of each token follows
+//! the layer's kind (Hugging Face semantics): full layers see `0..=p`, sliding layers
+//! the `W` most recent positions, chunked layers the start of `p`'s chunk to `p`.
+
+use super::forward::ForwardPlan;
+use super::layout::KvLayout;
+use super::pool::{BlockPool, SeqId};
+use super::seq::{SeqState, Table};
+use crate::attention::{self, AttnOptions, KvHeads, KvPages, QueryRow, SeqQueries};
+use crate::error::{check_index, KvError, Result};
+use crate::storage::Device;
+use crate::tensor::TensorRef;
+
+impl BlockPool {
+    /// Attention of a placed batch's tokens over `layer`, after `layer`'s K/V were
+    /// written for the batch: `q` is `[n_tokens, num_q_heads, head_dim]` in batch
+    /// order, `out` the same shape (C-contiguous). Each token attends only to its own
+    /// sequence, up to its own position, within the layer's window.
+    pub fn forward_attention(
+        &self,
+        plan: &ForwardPlan,
+        layer: i64,
+        q: &TensorRef,
+        out: &TensorRef,
+        opts: &AttnOptions<'_>,
+    ) -> Result<()> {
+        let layer = check_index("layer", layer, self.shape.num_layers)?;
+        self.check_host()?;
+        let n = plan.num_tokens();
+        if q.shape().first() != Some(&n) {
+            return Err(KvError::Shape {
+                name: "q",
+                got: q.shape().to_vec(),
+                expected: format!(
+                    "[{n}, num_q_heads, {}] (one row per batch token)",
+                    self.shape.head_dim
+                ),
+            });
+        }
+        let g = self.groups.group_of[layer];
+        // Rows grouped by sequence, each group in batch order (increasing positions).
+        let mut first = Vec::with_capacity(plan.seqs.len() + 1);
+        let mut acc = 0;
+        for &(_, _, count) in &plan.seqs {
+            first.push(acc);
+            acc += count;
+        }
+        let mut states: Vec<&SeqState> = Vec::with_capacity(plan.seqs.len());
+        for &(id, start, count) in &plan.seqs {
+            let s = self.seq(id)?;
+            if s.layer_len[layer] < start + count {
+                return Err(KvError::InvalidArgument {
+                    name: "layer",
+                    value: layer.to_string(),
+                    reason: format!(
+                        "sequence {id} holds {} positions of this layer but the batch reaches {}: \
+                         put() the layer's K/V before attention",
+                        s.layer_len[layer],
+                        start + count
+                    ),
+                });
+            }
+            states.push(s);
+        }
+        let mut rows = vec![
+            QueryRow {
+                token: 0,
+                pos: 0,
+                lo: 0,
+                hi: 0
+            };
+            n
+        ];
+        let mut next = first.clone();
+        for (token, (&k, &pos)) in plan.token_seq.iter().zip(&plan.positions).enumerate() {
+            rows[next[k]] = self.row(layer, &states[k].tables[g], token, pos);
+            next[k] += 1;
+        }
+        let seqs: Vec<SeqQueries<'_>> = states
+            .iter()
+            .enumerate()
+            .map(|(k, s)| SeqQueries {
+                kv: self.kv_pages(&s.tables[g], layer),
+                rows: first[k]..first[k] + plan.seqs[k].2,
+            })
+            .collect();
+        attention::attend(q, out, self.kv_heads(), &rows, &seqs, opts)
+    }
+
+    /// Attention of sequence `id`'s last `n` positions in `layer` (`q`: `[n,
+    /// num_q_heads, head_dim]`, the queries of the tokens just appended) over what the
+    /// layer holds, within the layer's window; writes `out`.
+    pub fn seq_attention(
+        &self,
+        id: SeqId,
+        layer: i64,
+        q: &TensorRef,
+        out: &TensorRef,
+        opts: &AttnOptions<'_>,
+    ) -> Result<()> {
+        let layer = check_index("layer", layer, self.shape.num_layers)?;
+        self.check_host()?;
+        let s = self.seq(id)?;
+        let table = &s.tables[self.groups.group_of[layer]];
+        let end = s.layer_len[layer];
+        let n = q.shape().first().copied().unwrap_or(0);
+        if q.shape().len() == 3 && n > end - table.start.min(end) {
+            return Err(KvError::Shape {
+                name: "q",
+                got: q.shape().to_vec(),
+                expected: format!(
+                    "at most {} query tokens: layer {layer} of sequence {id} holds positions {}..{end}",
+                    end - table.start.min(end),
+                    table.start
+                ),
+            });
+        }
+        let rows: Vec<QueryRow> = (end - n.min(end)..end)
+            .enumerate()
+            .map(|(token, pos)| self.row(layer, table, token, pos))
+            .collect();
+        let seqs = [SeqQueries {
+            kv: self.kv_pages(table, layer),
+            rows: 0..rows.len(),
+        }];
+        attention::attend(q, out, self.kv_heads(), &rows, &seqs, opts)
+    }
+
+    /// The row of a token at `pos` of `layer`: from its window's first position (or the
+    /// first the table holds) through itself.
+    fn row(&self, layer: usize, table: &Table, token: usize, pos: usize) -> QueryRow {
+        let kind = self.groups.kind(layer);
+        let lo = self
+            .groups
+            .attention
+            .first_visible(kind, pos)
+            .max(table.start);
+        QueryRow {
+            token,
+            pos,
+            lo,
+            hi: pos + 1,
+        }
+    }
+
+    /// Where `layer`'s K/V lie for one of its group's tables.
+    fn kv_pages<'a>(&'a self, table: &'a Table, layer: usize) -> KvPages<'a> {
+        let sh = self.shape;
+        let (h, d, bs) = (sh.num_kv_heads, sh.head_dim, sh.block_size);
+        let (pos_stride, head_stride) = match sh.layout {
+            KvLayout::Nhd => (h * d, d),
+            KvLayout::Hnd => (d, bs * d),
+        };
+        KvPages {
+            data: self.storage.data_ptr(),
+            dtype: self.dtype(),
+            table: &table.blocks,
+            block_size: bs,
+            block_stride: sh.block_elems(),
+            base: self.tensor_of(layer) * sh.layer_elems(),
+            v_offset: bs * h * d,
+            pos_stride,
+            head_stride,
+        }
+    }
+
+    fn kv_heads(&self) -> KvHeads {
+        KvHeads {
+            num_kv_heads: self.shape.num_kv_heads,
+            head_dim: self.shape.head_dim,
+        }
+    }
+
+    fn check_host(&self) -> Result<()> {
+        if self.device() != Device::Cpu {
+            return Err(KvError::NotSupported(format!(
+                "attention over a pool on {} (the attention core reads host memory)",
+                self.device()
+            )));
+        }
+        Ok(())
+    }
+}

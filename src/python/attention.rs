@@ -1,0 +1,99 @@
+//! What every `attention` method shares: its keyword arguments (`scale`, `softcap`,
+//! `sinks`, `alibi_slopes`, `out`) and running the core with the GIL released.
+
+use numpy::{PyReadonlyArrayDyn, PyUntypedArrayMethods};
+use pyo3::intern;
+use pyo3::prelude::*;
+
+use super::input::{read_tensor, writable};
+use super::views::new_output;
+use crate::attention::AttnOptions;
+use crate::error::{KvError, Result};
+use crate::storage::Device;
+use crate::tensor::TensorRef;
+
+/// The model-specific options of an attention call, owned.
+pub struct AttnArgs {
+    scale: Option<f32>,
+    softcap: Option<f32>,
+    sinks: Option<Vec<f32>>,
+    alibi_slopes: Option<Vec<f32>>,
+}
+
+impl AttnArgs {
+    /// Reads the keyword arguments; `sinks` and `alibi_slopes` are any 1-D float
+    /// sequence or array (one value per query head).
+    pub fn parse(
+        scale: Option<f64>,
+        softcap: Option<f64>,
+        sinks: Option<&Bound<'_, PyAny>>,
+        alibi_slopes: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        Ok(AttnArgs {
+            scale: scale.map(|s| s as f32),
+            softcap: softcap.map(|s| s as f32),
+            sinks: sinks.map(|s| floats(s, "sinks")).transpose()?,
+            alibi_slopes: alibi_slopes
+                .map(|s| floats(s, "alibi_slopes"))
+                .transpose()?,
+        })
+    }
+
+    /// The options as the core takes them.
+    pub fn options(&self) -> AttnOptions<'_> {
+        AttnOptions {
+            scale: self.scale,
+            softcap: self.softcap,
+            sinks: self.sinks.as_deref(),
+            alibi_slopes: self.alibi_slopes.as_deref(),
+        }
+    }
+}
+
+/// A 1-D float32 copy of `obj` (a list, NumPy array or CPU tensor).
+fn floats(obj: &Bound<'_, PyAny>, name: &'static str) -> PyResult<Vec<f32>> {
+    let py = obj.py();
+    let obj = if obj.hasattr(intern!(py, "detach"))? {
+        obj.call_method0(intern!(py, "detach"))?
+            .call_method0(intern!(py, "float"))?
+            .call_method0(intern!(py, "cpu"))?
+            .call_method0(intern!(py, "numpy"))?
+    } else {
+        obj.clone()
+    };
+    let arr = py
+        .import(intern!(py, "numpy"))?
+        .call_method1(intern!(py, "asarray"), (obj, "float32"))?;
+    let arr: PyReadonlyArrayDyn<'_, f32> = arr.extract()?;
+    if arr.ndim() != 1 {
+        return Err(KvError::Shape {
+            name,
+            got: arr.shape().to_vec(),
+            expected: "[num_q_heads] (1-D)".into(),
+        }
+        .into());
+    }
+    Ok(arr.as_array().iter().copied().collect())
+}
+
+/// Reads `q` (`[n, num_q_heads, head_dim]`), makes the output (`out`, or a fresh array
+/// of `q`'s shape and dtype) and runs `f(q, out)` with the GIL released; returns the
+/// output.
+pub fn run<'py>(
+    py: Python<'py>,
+    q: &Bound<'py, PyAny>,
+    out: Option<&Bound<'py, PyAny>>,
+    device: Device,
+    f: impl FnOnce(&TensorRef, &TensorRef) -> Result<()> + Send,
+) -> PyResult<Bound<'py, PyAny>> {
+    let q_in = read_tensor(q, "q", device)?;
+    let qt = *q_in.tensor();
+    let out_in = out.map(|o| writable(o, "out", device)).transpose()?;
+    let (arr, ot) = match (out, &out_in) {
+        (Some(o), Some(o_in)) => (o.clone(), *o_in.tensor()),
+        _ => new_output(py, device, qt.dtype(), qt.shape())?,
+    };
+    py.detach(|| f(&qt, &ot))?;
+    drop(out_in);
+    Ok(arr)
+}
