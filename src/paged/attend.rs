@@ -56,7 +56,7 @@ impl BlockPool {
                     value: layer.to_string(),
                     reason: format!(
                         "sequence {id} holds {} positions of this layer but the batch reaches {}: \
-                         put() the layer's K/V before attention",
+                         it was cut since start_forward",
                         s.layer_len[layer],
                         start + count
                     ),
