@@ -17,11 +17,16 @@ from transformers import (  # noqa: E402
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     MistralForCausalLM,
 )
 
 import kvrs  # noqa: E402
 from kvrs.integrations.transformers import (  # noqa: E402
+    KvrsCache,
+    KvrsLayer,
+    KvrsPagedCache,
     block_pool_from_config,
     forward_batch,
     use_paged_attention,
@@ -130,12 +135,44 @@ def test_bad_calls_raise_and_change_nothing(model):
         batch.cancel()
 
 
-def test_soft_capped_attention_is_refused():
-    gemma = make(Gemma2ForCausalLM, Gemma2Config(**SIZES, head_dim=16, sliding_window=6))
-    pool = block_pool_from_config(gemma.config, num_blocks=16, block_size=4)
-    seq = pool.new_sequence()
-    with torch.no_grad(), pool.start_forward([seq], tokens=[1]) as batch:
-        with pytest.raises(kvrs.NotSupportedError, match="soft-capping"):
-            forward_batch(gemma, batch, [1])
-        batch.cancel()
-    assert pool.stats()["used_blocks"] == 0
+GEMMA2 = (Gemma2Config(**SIZES, head_dim=16, sliding_window=6), Gemma2ForCausalLM)
+GPT_OSS = (
+    GptOssConfig(**SIZES, head_dim=16, sliding_window=6, num_local_experts=4, num_experts_per_tok=2),
+    GptOssForCausalLM,
+)
+
+
+@pytest.mark.parametrize("arch", [GEMMA2, GPT_OSS], ids=["gemma2-softcap", "gpt-oss-sinks"])
+def test_soft_capping_and_sinks_match_dynamic_cache(arch):
+    """Gemma 2's logit soft-capping and gpt-oss's attention sinks are computed by kvrs."""
+    model = make(arch[1], arch[0])
+    test_ragged_batches_match_each_sequence_alone(model, "float32")
+
+
+@pytest.mark.parametrize("arch", [(LlamaConfig(**SIZES), LlamaForCausalLM), GEMMA2, GPT_OSS],
+                         ids=["llama", "gemma2", "gpt-oss"])  # fmt: skip
+@pytest.mark.parametrize("cache_kind", ["paged", "contiguous"])
+def test_kvrs_caches_attend_in_place_token_identical_to_dynamic_cache(arch, cache_kind, monkeypatch):
+    config, cls = arch
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    ids = torch.tensor([[5, 9, 17, 3, 44, 7, 8, 11, 2]])
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        expected = model.generate(ids, past_key_values=DynamicCache(config=model.config), **kw)
+        use_paged_attention(model)
+        if cache_kind == "paged":
+            cache = KvrsPagedCache.from_config(model.config, max_seq_len=64, block_size=4)
+        else:
+            cache = KvrsCache.from_config(model.config, max_seq_len=64)
+        calls = []
+        attend = type(cache).attend if cache_kind == "paged" else KvrsLayer.attend
+        monkeypatch.setattr(
+            type(cache) if cache_kind == "paged" else KvrsLayer,
+            "attend",
+            lambda self, *a, **k: calls.append(1) or attend(self, *a, **k),
+        )
+        got = model.generate(ids, past_key_values=cache, **kw)
+    assert torch.equal(got, expected)
+    # Every layer of every step attended through kvrs (prefill plus 11 decode steps).
+    assert len(calls) == config.num_hidden_layers * 12

@@ -2,14 +2,17 @@
 
 ``use_paged_attention(model)`` switches a model's attention to ``"kvrs_paged"``: when a
 forward pass carries a :class:`kvrs.ForwardBatch` (``forward_batch`` passes it), every
-attention layer writes its new K/V into the pool with ``batch.put`` and attends over
-``batch.get``'s history and mask, so one forward pass serves a ragged batch of many
-sequences (prefill chunks beside decode tokens, each at its own position). Without a
-batch the layer is plain SDPA, so the same model still runs ``generate()`` with any cache.
+attention layer writes its new K/V into the pool with ``batch.put`` and computes
+attention with ``batch.attention``, which reads each sequence's blocks in place, so one
+forward pass serves a ragged batch of many sequences (prefill chunks beside decode
+tokens, each at its own position) with no gathered history and no dense mask. A kvrs
+cache passed as ``past_key_values`` attends in place the same way. Anything else runs
+plain SDPA, so the same model still runs ``generate()`` with any cache.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import kvrs
@@ -23,6 +26,39 @@ ATTN_IMPLEMENTATION = "kvrs_paged"
 """The attention implementation name kvrs registers with transformers."""
 
 
+def _options(module: torch.nn.Module, scaling: float | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The model-specific attention options kvrs computes: scale, Gemma 2's soft-capping,
+    gpt-oss's sinks."""
+    sinks = getattr(module, "sinks", None)
+    return {
+        "scale": scaling,
+        "softcap": kwargs.get("softcap"),
+        "sinks": None if sinks is None else sinks.detach().float().cpu().numpy(),
+    }
+
+
+def _fallback(module: torch.nn.Module) -> Any:
+    """The attention to run without kvrs: SDPA, or the model's own eager attention for
+    what SDPA lacks (soft-capping, sinks)."""
+    config = getattr(module, "config", None)
+    if getattr(module, "sinks", None) is None and getattr(config, "attn_logit_softcapping", None) is None:
+        return sdpa_attention_forward
+    return sys.modules[type(module).__module__].eager_attention_forward
+
+
+def _additive_mask(mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """The mask eager attention adds, from the boolean (or skipped: None, meaning causal)
+    mask the registered SDPA mask function makes."""
+    if mask is None:
+        q, k = query.shape[-2], key.shape[-2]
+        mask = torch.ones(q, k, dtype=torch.bool, device=query.device).tril(k - q)[None, None]
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+        ~mask, torch.finfo(query.dtype).min
+    )
+
+
 def paged_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -33,39 +69,51 @@ def paged_attention(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention: through ``kwargs["kvrs_batch"]`` when given, else SDPA."""
+    """transformers attention computed by kvrs over its cache, read in place: through
+    ``kwargs["kvrs_batch"]`` (a ForwardBatch) when given, through a kvrs cache that
+    attends in place when `key` comes from one (see :func:`use_paged_attention`), else
+    plain SDPA."""
     batch: kvrs.ForwardBatch | None = kwargs.pop("kvrs_batch", None)
-    if batch is None:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
-        )
-    if kwargs.get("softcap") is not None or getattr(module, "sinks", None) is not None:
-        raise kvrs.NotSupportedError(
-            f"{type(module).__name__} uses logit soft-capping or attention sinks; "
-            "kvrs's paged attention computes plain softmax attention"
-        )
-    # query [1, heads, n, d]; key, value [1, kv_heads, n, d]; the pool takes [n, kv_heads, d].
     layer = int(module.layer_idx)  # type: ignore[arg-type]  # an int on every attention module
-    batch.put(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    keys, values, mask = batch.get(layer)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query,
-        as_torch(keys)[None].to(query.dtype),
-        as_torch(values)[None].to(query.dtype),
-        attn_mask=torch.from_numpy(mask).to(query.dtype),
-        scale=scaling,
-        enable_gqa=True,
-    )
-    return out.transpose(1, 2), None
+    source = getattr(key, "_kvrs_source", None)
+    if batch is None and source is None:
+        attend = _fallback(module)
+        if attend is not sdpa_attention_forward:
+            attention_mask = _additive_mask(attention_mask, query, key)
+        return attend(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    options = _options(module, scaling, kwargs)
+    if source is not None:
+        # query [batch, heads, n, d]; the cache attends each row over what it holds.
+        return source.attend(layer, query.detach(), options, getattr(module, "sliding_window", None)), None
+    # query [1, heads, n, d]; key, value [1, kv_heads, n, d]; the pool takes [n, heads, d].
+    batch.put(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))  # type: ignore[union-attr]
+    out = batch.attention(layer, query[0].detach().transpose(0, 1), **options)  # type: ignore[union-attr]
+    return as_torch(out)[None], None
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 
+def _attend_in_place(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    """Forward pre-hook: a kvrs cache passed to the model attends in place for this
+    forward (unless the batch is padded: padding needs the model's mask)."""
+    cache = kwargs.get("past_key_values")
+    if hasattr(cache, "attend_in_place"):
+        mask = kwargs.get("attention_mask")
+        padded = mask is not None and mask.ndim == 2 and not bool(mask.all())
+        cache.attend_in_place = not padded
+
+
 def use_paged_attention(model: Any) -> Any:
-    """Switches `model`'s attention to kvrs's paged attention (SDPA when no batch is given)."""
+    """Switches `model`'s attention to kvrs: a ForwardBatch (:func:`forward_batch`) or a
+    kvrs cache (``KvrsCache``, ``KvrsPagedCache``) passed as ``past_key_values`` makes
+    each layer attend over kvrs's memory in place, with no gathered history and no dense
+    mask; anything else runs SDPA."""
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if not getattr(model, "_kvrs_hooked", False):
+        model.register_forward_pre_hook(_attend_in_place, with_kwargs=True)
+        model._kvrs_hooked = True
     return model
 
 

@@ -71,6 +71,7 @@ class KvrsLayer(CacheLayerMixin):
         self.storage_device = device
         self.cache: kvrs.KVCache | None = None
         self.batch = self.heads = self.head_dim = 0
+        self.in_place = False
 
     @property
     def store(self) -> kvrs.KVCache:
@@ -118,7 +119,21 @@ class KvrsLayer(CacheLayerMixin):
         self.store.append(0, self._rows(key_states), self._rows(value_states))
         self.store.advance(key_states.shape[2])
         self.keys, self.values = self._tensors()
+        if self.in_place:
+            # The attention function reads the cache itself (see KvrsCache.attend_in_place).
+            key_states._kvrs_source = self
+            return key_states, value_states
         return self.keys, self.values
+
+    def attend(
+        self, layer: int, query: torch.Tensor, options: dict[str, Any], window: int | None
+    ) -> torch.Tensor:
+        """Attention of the newest tokens' `query` ([batch, heads, n, head_dim]) over this
+        layer's cache, read in place; returns [batch, n, heads, head_dim]."""
+        b, h, n, d = query.shape
+        q = query.permute(2, 0, 1, 3).reshape(n, b * h, d)
+        out = as_torch(self.store.attention(0, q, window=window, **options))
+        return out.view(n, b, h, d).transpose(0, 1)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -182,7 +197,19 @@ class KvrsCache(Cache):
 
     Every layer stores all ``max_seq_len`` positions, sliding-window layers included (the
     model's mask restricts what they see); :class:`KvrsPagedCache` releases what windows
-    no longer see."""
+    no longer see. Under :func:`use_paged_attention` the model attends over the cache in
+    place (``attend_in_place``, set for each forward)."""
+
+    @property
+    def attend_in_place(self) -> bool:
+        """Whether `update` leaves attention to kvrs (set by :func:`use_paged_attention`'s
+        hook for each forward of an unpadded batch)."""
+        return any(getattr(layer, "in_place", False) for layer in self.layers)
+
+    @attend_in_place.setter
+    def attend_in_place(self, value: bool) -> None:
+        for layer in self.layers:
+            layer.in_place = value
 
     def __init__(self, num_layers: int, max_seq_len: int, dtype: str | None = None, device: str = "cpu"):
         if max_seq_len < 1:
@@ -218,6 +245,11 @@ class KvrsPagedLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.owner.attend_in_place:
+            # The attention function reads the pool itself: nothing is gathered.
+            self.owner.write(self.layer, key_states, value_states, None)
+            key_states._kvrs_source = self.owner
+            return key_states, value_states
         self.keys, self.values = self.owner.write(self.layer, key_states, value_states, self.dtype)
         return self.keys, self.values
 
@@ -241,12 +273,14 @@ class KvrsPagedCache(Cache):
     Blocks are allocated as sequences grow; sliding-window layers release the blocks their
     window has left. Beam search reorders rows by forking sequences (blocks are shared,
     copied on write), and ``copy.deepcopy`` forks every row, so a reused prompt cache
-    shares its blocks. The attended K/V are gathered from the pool's blocks at every step
-    (one copy per layer and step).
+    shares its blocks. Under :func:`use_paged_attention` each layer attends over the
+    pool's blocks in place (``attend_in_place``, set for each forward); otherwise the
+    attended K/V are gathered from the blocks at every step (one copy per layer and step).
     """
 
     def __init__(self, pool: kvrs.BlockPool):
         self.pool = pool
+        self.attend_in_place = False
         self.rows: list[kvrs.Sequence] = []
         self.paged_layers = [KvrsPagedLayer(self, i) for i in range(pool.num_layers)]
         super().__init__(layers=list(self.paged_layers))
@@ -304,9 +338,12 @@ class KvrsPagedCache(Cache):
         """The first position `layer` holds (the same for every row)."""
         return self.rows[0].layer_start(layer) if self.rows else 0
 
-    def write(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor, dtype: torch.dtype):
+    def write(
+        self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor, dtype: torch.dtype | None
+    ):
         """Appends one layer's new K/V for every row; returns the layer's held K/V as
-        [batch, heads, len, head_dim]. The last layer commits the step."""
+        [batch, heads, len, head_dim] in `dtype` (None: gathers nothing, returns None).
+        The last layer commits the step."""
         batch, _, q, _ = key_states.shape
         if not self.rows:
             self.rows = [self.pool.new_sequence() for _ in range(batch)]
@@ -317,13 +354,25 @@ class KvrsPagedCache(Cache):
             seq.append(
                 layer, key_states[row].detach().transpose(0, 1), value_states[row].detach().transpose(0, 1)
             )
-            k, v = seq.get(layer)
-            keys.append(as_torch(k))
-            values.append(as_torch(v))
+            if dtype is not None:
+                k, v = seq.get(layer)
+                keys.append(as_torch(k))
+                values.append(as_torch(v))
         if layer == self.pool.num_layers - 1:
             for seq in self.rows:
                 seq.advance(q)
+        if dtype is None:
+            return None
         return torch.stack(keys).to(dtype), torch.stack(values).to(dtype)
+
+    def attend(
+        self, layer: int, query: torch.Tensor, options: dict[str, Any], window: int | None = None
+    ) -> torch.Tensor:
+        """Attention of the newest tokens' `query` ([batch, heads, n, head_dim]) over each
+        row's blocks of `layer`, read in place (the pool applies the layer's window);
+        returns [batch, n, heads, head_dim]."""
+        rows = [as_torch(seq.attention(layer, query[i].transpose(0, 1), **options)) for i, seq in enumerate(self.rows)]
+        return torch.stack(rows)
 
     def _replace_rows(self, sources: list[int]) -> None:
         """Rows become forks of the current rows at `sources` (blocks shared, no copy)."""
