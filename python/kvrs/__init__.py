@@ -22,6 +22,7 @@ from kvrs._kvrs import (
     RoPE,
     Sequence,
     __version__,
+    attention_simd,
     cuda_available,
 )
 
@@ -38,5 +39,6 @@ __all__ = [
     "RoPE",
     "Sequence",
     "__version__",
+    "attention_simd",
     "cuda_available",
 ]

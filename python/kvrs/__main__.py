@@ -37,6 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--no-plot", action="store_true", help="do not write the plot")
     demo.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     demo.add_argument("--seed", type=int, default=0, help="weights and prompts seed (default 0)")
+    demo.add_argument(
+        "--concurrency",
+        help=(
+            "instead of the chat workload: serve N requests arriving at once for each N of this "
+            "comma-separated list (a 512-token system prompt, 32 new tokens each) and report "
+            "generated tokens/s against N (plot: kvrs-throughput.png)"
+        ),
+    )
     args = parser.parse_args(argv)
     for name in ("requests", "system_len", "new_tokens", "layers", "pool_blocks"):
         if getattr(args, name) < 1:
@@ -44,11 +52,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.new_tokens < 2:
         parser.error("--new-tokens must be >= 2")
 
+    concurrency: list[int] = []
+    if args.concurrency is not None:
+        try:
+            concurrency = [int(n) for n in args.concurrency.split(",")]
+        except ValueError:
+            parser.error(f"--concurrency={args.concurrency!r}: give comma-separated counts, e.g. 8,32,96")
+        if not concurrency or min(concurrency) < 1:
+            parser.error("--concurrency counts must be >= 1")
+
     try:
         from kvrs import demo as demo_module
     except ImportError as e:  # torch, transformers, matplotlib or tqdm missing
         print(f"kvrs demo needs the demo extra: pip install 'kvrs[demo]' ({e})", file=sys.stderr)
         return 2
+    if concurrency:
+        demo_module.throughput(
+            concurrency,
+            layers=args.layers,
+            plot_path=None if args.no_plot else "kvrs-throughput.png",
+            seed=args.seed,
+        )
+        return 0
     return demo_module.run(
         requests_n=args.requests,
         system_len=args.system_len,

@@ -22,10 +22,14 @@ __all__ = [
     "RoPE",
     "Sequence",
     "__version__",
+    "attention_simd",
     "cuda_available",
 ]
 
 __version__: str
+
+def attention_simd() -> str:
+    """The vector instructions the attention core uses on this CPU ("avx2+fma+f16c" or "portable")."""
 
 def cuda_available() -> bool:
     """Whether a CUDA driver and at least one CUDA device are present."""
@@ -40,6 +44,9 @@ _IntsLike = npt.NDArray[np.integer[Any]] | Iterable[int]
 """A 1-D integer array or a sequence of ints."""
 
 _Key = str | bytes | None
+
+# One float per query head (sinks, ALiBi slopes): a list, an array or a CPU tensor.
+_FloatsLike = npt.NDArray[Any] | Iterable[float] | Any
 """A namespace or extra key: text (UTF-8) or bytes."""
 
 class KvrsError(Exception):
@@ -142,6 +149,19 @@ class KVCache:
         """Reads the device counter back into seq_len and every layer's length; returns it."""
     def get(self, layer: int) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
         """Zero-copy read-only views (K, V) of shape [num_kv_heads, length, head_dim]."""
+    def attention(
+        self,
+        layer: int,
+        q: _ArrayLike,
+        *,
+        out: npt.NDArray[Any] | None = None,
+        window: int | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+        sinks: _FloatsLike | None = None,
+        alibi_slopes: _FloatsLike | None = None,
+    ) -> npt.NDArray[Any]:
+        """Causal attention of the layer's last n positions (q [n, num_q_heads, head_dim]), read in place."""
     def keys_for(self, layer: int, head: int, seq_len: int | None = None) -> npt.NDArray[Any]:
         """Zero-copy read-only view [seq_len, head_dim] of one head's keys."""
     def values_for(self, layer: int, head: int, seq_len: int | None = None) -> npt.NDArray[Any]:
@@ -361,6 +381,18 @@ class Sequence:
         self, layer: int, out: tuple[npt.NDArray[Any], npt.NDArray[Any]] | None = None
     ) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
         """The layer's K and V gathered into contiguous [num_kv_heads, length, head_dim] arrays."""
+    def attention(
+        self,
+        layer: int,
+        q: _ArrayLike,
+        *,
+        out: npt.NDArray[Any] | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+        sinks: _FloatsLike | None = None,
+        alibi_slopes: _FloatsLike | None = None,
+    ) -> npt.NDArray[Any]:
+        """Attention of the newest n positions (q [n, num_q_heads, head_dim]) over the layer's blocks, in place."""
     def views(self, layer: int) -> list[tuple[int, int, npt.NDArray[Any], npt.NDArray[Any]]]:
         """Zero-copy read-only per-block views: a list of (start, length, K, V)."""
     def fork(self) -> Sequence:
@@ -394,7 +426,20 @@ class ForwardBatch:
     def put(self, layer: int, k: _ArrayLike, v: _ArrayLike) -> None:
         """Writes this layer's K and V for the batch's tokens ([n_tokens, heads, head_dim])."""
     def get(self, layer: int) -> tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[np.float32]]:
-        """(K, V, mask) over every sequence of the batch; mask: 0 where a token may attend, else -inf."""
+        """(K, V, mask) over every sequence of the batch; mask: 0 where a token may attend, else -inf.
+        Prefer attention(), which reads the blocks in place."""
+    def attention(
+        self,
+        layer: int,
+        q: _ArrayLike,
+        *,
+        out: npt.NDArray[Any] | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+        sinks: _FloatsLike | None = None,
+        alibi_slopes: _FloatsLike | None = None,
+    ) -> npt.NDArray[Any]:
+        """Attention of the batch's tokens (q [n_tokens, num_q_heads, head_dim]) over `layer`, read in place."""
     def finish(self) -> None:
         """Commits the batch: each sequence's seq_len moves past its new tokens."""
     def cancel(self) -> None:
@@ -471,6 +516,18 @@ class EncoderCache:
         """Writes `layer`'s K and V ([n, num_kv_heads, head_dim], the same n for every layer)."""
     def get(self, layer: int) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
         """Zero-copy read-only views (K, V) [num_kv_heads, length, head_dim] of a set layer."""
+    def attention(
+        self,
+        layer: int,
+        q: _ArrayLike,
+        *,
+        out: npt.NDArray[Any] | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+        sinks: _FloatsLike | None = None,
+        alibi_slopes: _FloatsLike | None = None,
+    ) -> npt.NDArray[Any]:
+        """Cross-attention of q [n, num_q_heads, head_dim] over every encoder position of `layer`."""
     def clear(self) -> None:
         """Forgets the input; the memory stays allocated for the next one."""
     def memory_bytes(self) -> int:

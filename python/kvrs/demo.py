@@ -330,3 +330,77 @@ def run(
         return 1
     print(f"check: all {requests_n} requests generated exactly the tokens DynamicCache gives. OK")
     return 0
+
+
+def throughput(
+    concurrency: list[int],
+    system_len: int = 512,
+    new_tokens: int = 32,
+    layers: int = 8,
+    plot_path: str | None = "kvrs-throughput.png",
+    seed: int = 0,
+) -> list[tuple[int, float, float]]:
+    """Serves `n` requests arriving at once, for each `n` of `concurrency` (a shared
+    `system_len`-token system prompt, a question of 16 to 64 tokens, exactly
+    `new_tokens` generated each), with a pool large enough for all of them; prints and
+    returns `(n, generated tokens/s, seconds)` per `n`, and plots tokens/s against `n`."""
+    model = make_model(seed, layers)
+    results = []
+    print(f"{'concurrent requests':>19} {'generated tokens/s':>18} {'wall time':>10} {'steps':>6}")
+    for n in concurrency:
+        requests = make_requests(n, system_len, new_tokens, model.config.vocab_size, seed)
+        for r in requests:
+            r.arrival, r.max_new = 0, new_tokens
+        blocks = sum(blocks_for(len(r.prompt) + r.max_new, 16) for r in requests)
+        pool = kvrs.BlockPool(layers, 2, 32, block_size=16, num_blocks=blocks, dtype="float32")
+        with _Quiet() as bar:
+            trace = serve(model, pool, requests, bar)
+        generated = sum(len(r.generated) for r in requests)
+        results.append((n, generated / trace.seconds, trace.seconds))
+        print(f"{n:>19} {generated / trace.seconds:>18,.0f} {trace.seconds:>9.1f}s {len(trace.used):>6}")
+    if plot_path:
+        plot_throughput(results, plot_path)
+        print(f"plot: {plot_path}")
+    return results
+
+
+class _Quiet:
+    """A progress bar that shows nothing."""
+
+    def __enter__(self) -> _Quiet:
+        return self
+
+    def __exit__(self, *_args: object) -> None:
+        pass
+
+    def update(self, _n: int) -> None:
+        pass
+
+    def set_postfix(self, **_kwargs: Any) -> None:
+        pass
+
+
+def plot_throughput(results: list[tuple[int, float, float]], path: str) -> None:
+    """Writes a PNG of generated tokens/s against concurrent requests."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    ns = [r[0] for r in results]
+    ax.plot(ns, [r[1] for r in results], marker="o", color="#d9534f")
+    for n, tps, _ in results:
+        ax.annotate(
+            f"{tps:,.0f}", (n, tps), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=8
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ns, [str(n) for n in ns])
+    ax.set_ylim(0, max(r[1] for r in results) * 1.2)
+    ax.set_xlabel("concurrent requests (all arriving at once)")
+    ax.set_ylabel("generated tokens/s")
+    ax.set_title("kvrs demo engine: throughput against concurrency (paged attention in kvrs)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

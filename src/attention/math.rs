@@ -7,8 +7,10 @@ use half::f16;
 
 use crate::dtype::DType;
 
-/// Lanes of the accumulators (one AVX2 register of f32).
-pub const LANES: usize = 8;
+/// Lanes of a dot product's accumulators: four AVX2 registers of f32, so that four
+/// independent FMA chains hide the instruction's latency (one register would leave the
+/// FMA units idle three cycles in four).
+const LANES: usize = 32;
 
 /// `a * b + c`, fused when the caller was compiled with FMA (`FMA = true`).
 #[inline(always)]

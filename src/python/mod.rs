@@ -33,6 +33,13 @@ fn cuda_available() -> bool {
     crate::storage::cuda::device_count().is_ok_and(|n| n > 0)
 }
 
+/// The vector instructions the attention core runs with on this CPU
+/// ("avx2+fma+f16c" or "portable").
+#[pyfunction]
+fn attention_simd() -> &'static str {
+    crate::attention::simd_level()
+}
+
 /// The compiled core of kvrs; import the `kvrs` package instead.
 #[pymodule]
 fn _kvrs(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -45,6 +52,7 @@ fn _kvrs(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<encoder_cache::PyEncoderCache>()?;
     m.add_class::<device_tensor::PyDeviceTensor>()?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
+    m.add_function(wrap_pyfunction!(attention_simd, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

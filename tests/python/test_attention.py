@@ -172,9 +172,7 @@ def test_ragged_batches_match_the_reference(data):
         for t, i in enumerate(order):
             pos = int(positions[t])
             lo = first_visible(layer_types[layer], pos, window, chunk)
-            want = reference(
-                q[layer, t].astype(np.float64), ks[i], vs[i], pos, lo, **ref_options(opts)
-            )
+            want = reference(q[layer, t].astype(np.float64), ks[i], vs[i], pos, lo, **ref_options(opts))
             close(got[t], want, q_dtype)
     batch.finish()
     pool.check_invariants()
@@ -236,7 +234,9 @@ def test_long_history_split_across_threads_matches_the_reference():
     q = rng.standard_normal((1, 8, d)).astype(np.float32) * 3
     sinks = rng.standard_normal(8).astype(np.float32)
     got = seq.attention(0, q, sinks=sinks)
-    want = reference(q[0].astype(np.float64), stored(k, "float16"), stored(v, "float16"), n - 1, 0, sinks=sinks)
+    want = reference(
+        q[0].astype(np.float64), stored(k, "float16"), stored(v, "float16"), n - 1, 0, sinks=sinks
+    )
     close(got[0], want, "float32")
 
 

@@ -371,7 +371,10 @@ class KvrsPagedCache(Cache):
         """Attention of the newest tokens' `query` ([batch, heads, n, head_dim]) over each
         row's blocks of `layer`, read in place (the pool applies the layer's window);
         returns [batch, n, heads, head_dim]."""
-        rows = [as_torch(seq.attention(layer, query[i].transpose(0, 1), **options)) for i, seq in enumerate(self.rows)]
+        rows = [
+            as_torch(seq.attention(layer, query[i].transpose(0, 1), **options))
+            for i, seq in enumerate(self.rows)
+        ]
         return torch.stack(rows)
 
     def _replace_rows(self, sources: list[int]) -> None:

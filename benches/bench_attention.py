@@ -1,0 +1,152 @@
+"""Attention over the cache: kvrs's paged attention (read in place) against torch SDPA over
+contiguous K/V, against today's gather + SDPA, and against a NumPy copy of the same bytes
+(the bandwidth floor), in one process.
+
+    python benches/bench_attention.py            # the README's table
+    python benches/bench_attention.py --quick    # smaller sizes, seconds
+
+Cases (float16 storage unless named):
+- decode over one sequence of 32k tokens, 32 query heads, 8 KV heads x 128, in float16,
+  bfloat16 and float32: kvrs `Sequence.attention` vs SDPA on contiguous K/V (the best a
+  gather-free peer does on CPU) vs `Sequence.get` + SDPA;
+- 256 sequences x 2k tokens, one decode token each: `ForwardBatch.attention` vs
+  `ForwardBatch.get` + SDPA under its dense mask.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import ml_dtypes
+import numpy as np
+import torch
+
+import kvrs
+
+TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+NUMPY = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+
+
+def best(f, repeat: int) -> float:
+    """Best wall time of `repeat` calls (after one warm-up)."""
+    f()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def as_torch(x: np.ndarray) -> torch.Tensor:
+    if x.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(x.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(x)
+
+
+def long_decode(dtype: str, n: int, repeat: int) -> dict[str, float]:
+    hkv, hq, d = 8, 32, 128
+    rng = np.random.default_rng(0)
+    pool = kvrs.BlockPool(1, hkv, d, block_size=16, num_blocks=n // 16 + 1, dtype=dtype, prefix_caching=False)
+    seq = pool.new_sequence()
+    chunk = 4096
+    for i in range(0, n, chunk):
+        seq.append(0, *rng.standard_normal((2, min(chunk, n - i), hkv, d), dtype=np.float32))
+    q = rng.standard_normal((1, hq, d), dtype=np.float32).astype(NUMPY[dtype])
+    k_contig, v_contig = (as_torch(x)[None] for x in seq.get(0))  # [1, hkv, n, d]
+    tq = as_torch(q).transpose(0, 1)[None]  # [1, hq, 1, d]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    kv_bytes = 2 * n * hkv * d * np.dtype(NUMPY[dtype]).itemsize
+    src = np.empty(kv_bytes, np.uint8)
+    dst = np.empty_like(src)
+    src.fill(1)
+
+    def gather_sdpa():
+        k, v = seq.get(0)
+        sdpa(tq, as_torch(k)[None], as_torch(v)[None], enable_gqa=True)
+
+    out = {
+        "kvrs": best(lambda: seq.attention(0, q), repeat),
+        "sdpa_contiguous": best(lambda: sdpa(tq, k_contig, v_contig, enable_gqa=True), repeat),
+        "gather_sdpa": best(gather_sdpa, repeat),
+        "numpy_copy": best(lambda: np.copyto(dst, src), repeat),
+        "bytes": kv_bytes,
+    }
+    got = seq.attention(0, q).astype(np.float32)
+    want = sdpa(tq.float(), k_contig.float(), v_contig.float(), enable_gqa=True)[0, :, 0].numpy()
+    assert np.abs(got[0] - want).max() < 2e-2, "kvrs and SDPA disagree"
+    return out
+
+
+def many_sequences(num_seqs: int, length: int, repeat: int) -> dict[str, float]:
+    hkv, hq, d = 8, 32, 128
+    rng = np.random.default_rng(1)
+    pool = kvrs.BlockPool(
+        1,
+        hkv,
+        d,
+        block_size=16,
+        num_blocks=num_seqs * (length // 16 + 2),
+        dtype="float16",
+        prefix_caching=False,
+    )
+    seqs = [pool.new_sequence() for _ in range(num_seqs)]
+    kv = rng.standard_normal((2, length, hkv, d), dtype=np.float32)
+    for s in seqs:
+        s.append(0, kv[0], kv[1])
+        s.advance(length)
+    batch = pool.start_forward(seqs)
+    batch.put(0, *rng.standard_normal((2, num_seqs, hkv, d), dtype=np.float32))
+    q = rng.standard_normal((num_seqs, hq, d), dtype=np.float32).astype(np.float16)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def get_sdpa():
+        k, v, mask = batch.get(0)
+        sdpa(
+            torch.from_numpy(q).transpose(0, 1)[None],
+            as_torch(k)[None],
+            as_torch(v)[None],
+            attn_mask=torch.from_numpy(mask).to(torch.float16),
+            enable_gqa=True,
+        )
+
+    out = {
+        "kvrs": best(lambda: batch.attention(0, q), repeat),
+        "get_sdpa": best(get_sdpa, max(1, repeat // 3)),
+    }
+    batch.cancel()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="smaller sizes (seconds)")
+    args = parser.parse_args()
+    n = 4096 if args.quick else 32768
+    repeat = 3 if args.quick else 7
+    print(f"kvrs attention benchmark (torch {torch.__version__}, {torch.get_num_threads()} torch threads, "
+          f"kvrs SIMD: {kvrs.attention_simd()})")  # fmt: skip
+    print(f"\ndecode, one sequence of {n} tokens, 32 query / 8 KV heads x 128")
+    print(f"{'storage':<9} {'kvrs':>9} {'SDPA contig':>12} {'gather+SDPA':>12} {'kvrs vs SDPA':>13} "
+          f"{'vs gather':>10} {'kvrs GB/s':>10} {'copy GB/s':>10} {'of copy':>8}")  # fmt: skip
+    for dtype in ("float16", "bfloat16", "float32"):
+        r = long_decode(dtype, n, repeat)
+        gbs, copy = r["bytes"] / r["kvrs"] / 1e9, r["bytes"] / r["numpy_copy"] / 1e9
+        print(
+            f"{dtype:<9} {r['kvrs'] * 1e3:>7.2f}ms {r['sdpa_contiguous'] * 1e3:>10.2f}ms "
+            f"{r['gather_sdpa'] * 1e3:>10.2f}ms {r['sdpa_contiguous'] / r['kvrs']:>12.1f}x "
+            f"{r['gather_sdpa'] / r['kvrs']:>9.1f}x {gbs:>10.2f} {copy:>10.2f} {gbs / copy:>8.0%}"
+        )
+    seqs, length = (32, 512) if args.quick else (256, 2048)
+    r = many_sequences(seqs, length, repeat)
+    print(f"\ndecode, {seqs} sequences x {length} tokens, one token each (float16)")
+    print(f"{'kvrs ForwardBatch.attention':<30} {r['kvrs'] * 1e3:>9.2f} ms")
+    print(f"{'ForwardBatch.get + SDPA (mask)':<30} {r['get_sdpa'] * 1e3:>9.2f} ms")
+    print(f"{'kvrs speed-up':<30} {r['get_sdpa'] / r['kvrs']:>9.1f}x")
+
+
+if __name__ == "__main__":
+    main()
