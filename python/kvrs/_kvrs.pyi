@@ -392,7 +392,7 @@ class Sequence:
         sinks: _FloatsLike | None = None,
         alibi_slopes: _FloatsLike | None = None,
     ) -> npt.NDArray[Any]:
-        """Attention of the newest n positions (q [n, num_q_heads, head_dim]) over the layer's blocks, in place."""
+        """Attention of the newest n positions (q [n, num_q_heads, head_dim]) over the layer, in place."""
     def views(self, layer: int) -> list[tuple[int, int, npt.NDArray[Any], npt.NDArray[Any]]]:
         """Zero-copy read-only per-block views: a list of (start, length, K, V)."""
     def fork(self) -> Sequence:
@@ -439,7 +439,7 @@ class ForwardBatch:
         sinks: _FloatsLike | None = None,
         alibi_slopes: _FloatsLike | None = None,
     ) -> npt.NDArray[Any]:
-        """Attention of the batch's tokens (q [n_tokens, num_q_heads, head_dim]) over `layer`, read in place."""
+        """Attention of the batch's tokens (q [n_tokens, num_q_heads, head_dim]) over `layer`, in place."""
     def finish(self) -> None:
         """Commits the batch: each sequence's seq_len moves past its new tokens."""
     def cancel(self) -> None:

@@ -217,8 +217,8 @@ def test_torch_queries_and_out_are_accepted():
     assert seq.attention(0, q, out=out) is out
     k, v = seq.get(0)
     for t in range(3):
-        want = reference(q[t].float().numpy().astype(np.float64), np.asarray(k, np.float64).transpose(1, 0, 2),
-                         np.asarray(v, np.float64).transpose(1, 0, 2), 4 + t, 0)  # fmt: skip
+        keys, values = (np.asarray(x, np.float64).transpose(1, 0, 2) for x in (k, v))
+        want = reference(q[t].float().numpy().astype(np.float64), keys, values, 4 + t, 0)
         close(out[t], want, "bfloat16")
 
 

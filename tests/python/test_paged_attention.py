@@ -14,15 +14,14 @@ from transformers import (  # noqa: E402
     DynamicCache,
     Gemma2Config,
     Gemma2ForCausalLM,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
-    GptOssConfig,
-    GptOssForCausalLM,
     MistralForCausalLM,
 )
 
-import kvrs  # noqa: E402
 from kvrs.integrations.transformers import (  # noqa: E402
     KvrsCache,
     KvrsLayer,
