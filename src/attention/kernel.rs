@@ -20,10 +20,11 @@ struct Scratch {
     /// Running maximum and sum of each row.
     m: Vec<f32>,
     l: Vec<f32>,
-    /// One run of keys and values in f32: `[RUN][head_dim]`.
+    /// One run of keys in f32: `[RUN][head_dim]`, or transposed `[head_dim][RUN]`.
     k: Vec<f32>,
+    /// The run's values in f32: `[RUN][head_dim]`.
     v: Vec<f32>,
-    /// Scores of one row over one run.
+    /// Scores of one row over one run (and a key row on its way into `k`).
     s: Vec<f32>,
 }
 
@@ -36,7 +37,7 @@ impl Scratch {
             (&mut self.l, rows),
             (&mut self.k, RUN * d),
             (&mut self.v, RUN * d),
-            (&mut self.s, RUN),
+            (&mut self.s, RUN.max(d)),
         ] {
             if buf.len() < n {
                 buf.resize(n, 0.0);
@@ -131,6 +132,9 @@ unsafe fn run_item_with<const SIMD: bool>(
     m[..nrows].fill(f32::NEG_INFINITY);
     l[..nrows].fill(0.0);
     o[..nrows * d].fill(0.0);
+    // Keys are transposed when enough rows share them to repay the transposition
+    // (prefill tiles, wide GQA groups); a decode row of a narrow group takes dot products.
+    let transposed = nrows >= TRANSPOSE_ROWS;
     let kv = &p.seqs[it.seq].kv;
     let size = kv.dtype.size();
     let mut pos = it.lo;
@@ -141,7 +145,15 @@ unsafe fn run_item_with<const SIMD: bool>(
         let first = kv.key_offset(pos, it.head);
         for j in 0..n {
             let at = first + j * kv.pos_stride;
-            load_row::<SIMD>(&mut k[j * d..(j + 1) * d], kv.data.add(at * size), kv.dtype);
+            if transposed {
+                // The key row goes through `s` into K's transposed tile ([head_dim][RUN]).
+                load_row::<SIMD>(&mut s[..d], kv.data.add(at * size), kv.dtype);
+                for (i, &x) in s[..d].iter().enumerate() {
+                    k[i * RUN + j] = x;
+                }
+            } else {
+                load_row::<SIMD>(&mut k[j * d..(j + 1) * d], kv.data.add(at * size), kv.dtype);
+            }
             let vat = at + kv.v_offset;
             load_row::<SIMD>(
                 &mut v[j * d..(j + 1) * d],
@@ -149,19 +161,39 @@ unsafe fn run_item_with<const SIMD: bool>(
                 kv.dtype,
             );
         }
-        for (i, row) in rows.iter().enumerate() {
-            let (a, b) = (pos.max(row.lo), (pos + n).min(row.hi));
-            if a >= b {
+        // Rows (token i, head j of the group) in blocks of BLOCK_ROWS: their scores over
+        // the run are computed together, each key element loaded once for the block.
+        let mut r0 = 0;
+        while r0 < nrows {
+            let nb = BLOCK_ROWS.min(nrows - r0);
+            let visible = |r: usize| {
+                let row = &rows[r / g];
+                (pos.max(row.lo), (pos + n).min(row.hi))
+            };
+            if (r0..r0 + nb).all(|r| visible(r).0 >= visible(r).1) {
+                r0 += nb;
                 continue;
             }
-            for j in 0..g {
-                let r = i * g + j;
-                let qh = it.head * g + j;
-                let qr = &q[r * d..(r + 1) * d];
-                let sr = &mut s[..b - a];
-                for (x, kp) in sr.iter_mut().zip(a - pos..b - pos) {
-                    *x = dot::<SIMD>(qr, &k[kp * d..(kp + 1) * d]);
+            let mut sb = [[0f32; RUN]; BLOCK_ROWS];
+            if transposed {
+                scores::<SIMD>(&q[r0 * d..(r0 + nb) * d], nb, d, k, n, &mut sb);
+            } else {
+                for (rb, sr) in sb.iter_mut().enumerate().take(nb) {
+                    let qr = &q[(r0 + rb) * d..(r0 + rb + 1) * d];
+                    for (x, kr) in sr.iter_mut().zip(k.chunks_exact(d)).take(n) {
+                        *x = dot::<SIMD>(qr, kr);
+                    }
                 }
+            }
+            for (rb, sr) in sb.iter_mut().enumerate().take(nb) {
+                let r = r0 + rb;
+                let (a, b) = visible(r);
+                if a >= b {
+                    continue;
+                }
+                let row = &rows[r / g];
+                let qh = it.head * g + r % g;
+                let sr = &mut sr[a - pos..b - pos];
                 if let Some(cap) = p.opts.softcap {
                     for x in sr.iter_mut() {
                         // cap * tanh(x / cap), with tanh(y) = 1 - 2 / (e^(2y) + 1).
@@ -191,6 +223,7 @@ unsafe fn run_item_with<const SIMD: bool>(
                     axpy::<SIMD>(or, w, &v[kp * d..(kp + 1) * d]);
                 }
             }
+            r0 += nb;
         }
         pos += n;
     }
@@ -207,6 +240,49 @@ unsafe fn run_item_with<const SIMD: bool>(
                     dst[2..].copy_from_slice(or);
                 }
             }
+        }
+    }
+}
+
+/// Query rows scored together: 4 rows x 16 positions is 8 AVX2 accumulators, enough
+/// independent FMA chains to keep the units busy.
+const BLOCK_ROWS: usize = 4;
+
+/// Rows from which an item scores against a transposed key tile.
+const TRANSPOSE_ROWS: usize = 8;
+
+/// Positions scored per pass (two AVX2 registers of f32).
+const CHUNK: usize = 16;
+
+/// `out[r][j] = q_r . k_j` for the `nb` rows of `q` (`[nb][d]`) and the `n` keys of a
+/// transposed tile (`kt[i * RUN + j]`): each query element scales a row of the tile, so
+/// sums run across positions and need no horizontal reduction.
+#[inline(always)]
+fn scores<const SIMD: bool>(
+    q: &[f32],
+    nb: usize,
+    d: usize,
+    kt: &[f32],
+    n: usize,
+    out: &mut [[f32; RUN]; BLOCK_ROWS],
+) {
+    // Missing rows repeat the last one (their scores are not used).
+    let qr: [&[f32]; BLOCK_ROWS] = std::array::from_fn(|r| {
+        let r = r.min(nb - 1);
+        &q[r * d..(r + 1) * d]
+    });
+    for c in (0..n).step_by(CHUNK) {
+        let mut acc = [[0f32; CHUNK]; BLOCK_ROWS];
+        for i in 0..d {
+            let kr: &[f32; CHUNK] = kt[i * RUN + c..i * RUN + c + CHUNK]
+                .try_into()
+                .expect("a tile row holds RUN positions");
+            for r in 0..BLOCK_ROWS {
+                axpy::<SIMD>(&mut acc[r], qr[r][i], kr);
+            }
+        }
+        for r in 0..BLOCK_ROWS {
+            out[r][c..c + CHUNK].copy_from_slice(&acc[r]);
         }
     }
 }
