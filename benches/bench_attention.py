@@ -119,6 +119,34 @@ def many_sequences(num_seqs: int, length: int, repeat: int) -> dict[str, float]:
     return out
 
 
+def kvrs_decode_only(dtype: str, n: int, repeat: int) -> float:
+    """Seconds of kvrs's decode over one sequence of `n` tokens (as in `long_decode`)."""
+    rng = np.random.default_rng(0)
+    pool = kvrs.BlockPool(1, 8, 128, block_size=16, num_blocks=n // 16 + 1, dtype=dtype, prefix_caching=False)
+    seq = pool.new_sequence()
+    for i in range(0, n, 4096):
+        seq.append(0, *rng.standard_normal((2, min(4096, n - i), 8, 128), dtype=np.float32))
+    q = rng.standard_normal((1, 32, 128), dtype=np.float32).astype(NUMPY[dtype])
+    return best(lambda: seq.attention(0, q), repeat)
+
+
+def portable_times(n: int, repeat: int) -> dict[str, float]:
+    """kvrs's decode times with the portable kernel (KVRS_SIMD=portable), in a child process."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    dtypes = ("float16", "bfloat16", "float32")
+    code = (
+        "import json, sys; sys.path.insert(0, 'benches'); import bench_attention as b; "
+        f"print(json.dumps({{d: b.kvrs_decode_only(d, {n}, {repeat}) for d in {dtypes!r}}}))"
+    )
+    env = dict(os.environ, KVRS_SIMD="portable")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -127,6 +155,7 @@ def main() -> None:
     args = parser.parse_args()
     n = 4096 if args.quick else 32768
     repeat = 3 if args.quick else 7
+    ours: dict[str, float] = {}
     print(f"kvrs attention benchmark (torch {torch.__version__}, {torch.get_num_threads()} torch threads, "
           f"kvrs SIMD: {kvrs.attention_simd()})")  # fmt: skip
     print(f"\ndecode, one sequence of {n} tokens, 32 query / 8 KV heads x 128")
@@ -134,12 +163,20 @@ def main() -> None:
           f"{'vs gather':>10} {'kvrs GB/s':>10} {'copy GB/s':>10} {'of copy':>8}")  # fmt: skip
     for dtype in ("float16", "bfloat16", "float32"):
         r = long_decode(dtype, n, repeat)
+        ours[dtype] = r["kvrs"]
         gbs, copy = r["bytes"] / r["kvrs"] / 1e9, r["bytes"] / r["numpy_copy"] / 1e9
         print(
             f"{dtype:<9} {r['kvrs'] * 1e3:>7.2f}ms {r['sdpa_contiguous'] * 1e3:>10.2f}ms "
             f"{r['gather_sdpa'] * 1e3:>10.2f}ms {r['sdpa_contiguous'] / r['kvrs']:>12.1f}x "
             f"{r['gather_sdpa'] / r['kvrs']:>9.1f}x {gbs:>10.2f} {copy:>10.2f} {gbs / copy:>8.0%}"
         )
+    if kvrs.attention_simd() != "portable":
+        portable = portable_times(n, repeat)
+        print("\nthe same kvrs decode with the portable kernel (KVRS_SIMD=portable: loops the compiler")
+        print("vectorises for the baseline x86-64, SSE2) against the AVX2 + FMA + F16C build:")
+        for dtype, t in portable.items():
+            avx2 = ours[dtype]
+            print(f"{dtype:<9} portable {t * 1e3:>7.2f}ms   avx2 {avx2 * 1e3:>7.2f}ms   {t / avx2:.1f}x")
     seqs, length = (32, 512) if args.quick else (256, 2048)
     r = many_sequences(seqs, length, repeat)
     print(f"\ndecode, {seqs} sequences x {length} tokens, one token each (float16)")

@@ -2,6 +2,7 @@
 //! one KV head, one span of history, streamed run by run with an online softmax.
 
 use std::cell::RefCell;
+use std::sync::OnceLock;
 
 use super::math::{axpy, dot, exp, load_row, scale};
 use super::schedule::{Item, Problem};
@@ -61,7 +62,8 @@ pub(super) enum Dest {
 }
 
 /// The vector instructions attention runs with on this CPU: `"avx2+fma+f16c"`, or
-/// `"portable"` (whatever the compiler vectorises for the baseline target).
+/// `"portable"` (whatever the compiler vectorises for the baseline target; also what
+/// `KVRS_SIMD=portable` in the environment selects, to compare the two).
 pub fn simd_level() -> &'static str {
     if has_avx2() {
         "avx2+fma+f16c"
@@ -70,15 +72,24 @@ pub fn simd_level() -> &'static str {
     }
 }
 
+/// Whether the AVX2 + FMA + F16C kernel runs (decided once per process).
 fn has_avx2() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::is_x86_feature_detected!("avx2")
-            && std::is_x86_feature_detected!("fma")
-            && std::is_x86_feature_detected!("f16c")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+    static AVX2: OnceLock<bool> = OnceLock::new();
+    *AVX2.get_or_init(|| {
+        let portable = std::env::var("KVRS_SIMD").is_ok_and(|v| v == "portable");
+        #[cfg(target_arch = "x86_64")]
+        {
+            !portable
+                && std::is_x86_feature_detected!("avx2")
+                && std::is_x86_feature_detected!("fma")
+                && std::is_x86_feature_detected!("f16c")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = portable;
+            false
+        }
+    })
 }
 
 /// Runs one item on the calling thread.

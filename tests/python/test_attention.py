@@ -303,3 +303,29 @@ def test_bad_arguments_raise_and_change_nothing():
     enc = kvrs.EncoderCache(1, 2, 8, 4)
     with pytest.raises(ValueError, match="set"):
         enc.attention(0, q)
+
+
+def test_the_portable_kernel_passes_the_same_tests():
+    """KVRS_SIMD=portable selects the kernel compiled for any CPU (what a machine without
+    AVX2 runs): the reference tests must pass on it too."""
+    import os
+    import subprocess
+    import sys
+
+    if kvrs.attention_simd() == "portable":
+        pytest.skip("this process already runs the portable kernel")
+    env = dict(os.environ, KVRS_SIMD="portable")
+    check = subprocess.run(
+        [sys.executable, "-c", "import kvrs; print(kvrs.attention_simd())"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert check.stdout.strip() == "portable"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not portable"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stdout[-3000:]
