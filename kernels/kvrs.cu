@@ -162,6 +162,59 @@ __device__ void append_contiguous(const S* k, const S* v, TokenStrides ks, Token
     }
 }
 
+// Largest head_dim the attention kernel takes (its accumulator lives in registers).
+constexpr int KVRS_MAX_HEAD_DIM = 256;
+
+// Paged attention, the CPU core's semantics: query row r (rows[5r..5r+5] = token, offset of
+// its sequence's block table in `tables`, position, first and one-past-last visible
+// position) attends, for each query head, over positions lo..hi of its own sequence,
+// read through the block table; f32 scores and an online softmax; scale, soft-capping
+// (softcap > 0), sinks and ALiBi slopes (null: none) as in kvrs::attention. q is
+// [tokens, q_heads, head_dim] with element strides (token, head); out is C-contiguous.
+// Grid (rows); one thread per query head. No shared memory, no barriers: each thread
+// streams its head's history alone (a first kernel; a GPU run will tell what to tune).
+template <typename T>
+__device__ void paged_attention(const T* q, TokenStrides qs, T* out, const T* cache, const int32_t* tables,
+                                const int64_t* rows, int q_heads, float scale, float softcap, const float* sinks,
+                                const float* alibi, int bs, int heads, int head_dim, int hnd) {
+    const int64_t* row = rows + 5 * (int64_t)blockIdx.x;
+    const int64_t token = row[0], pos = row[2], lo = row[3], hi = row[4];
+    const int32_t* table = tables + row[1];
+    for (int h = threadIdx.x; h < q_heads; h += blockDim.x) {
+        const int kvh = h / (q_heads / heads);
+        const T* qv = q + token * qs.tok + h * qs.head;
+        float acc[KVRS_MAX_HEAD_DIM];
+        for (int d = 0; d < head_dim; ++d) acc[d] = 0.0f;
+        const float neg_inf = -__builtin_huge_valf();
+        float m = neg_inf, l = 0.0f;
+        for (int64_t p = lo; p < hi; ++p) {
+            const int64_t block = table[p / bs], off = p % bs;
+            const T* k = cache + paged_offset(block, 0, off, kvh, 0, bs, heads, head_dim, hnd);
+            const T* v = cache + paged_offset(block, 1, off, kvh, 0, bs, heads, head_dim, hnd);
+            float s = 0.0f;
+            for (int d = 0; d < head_dim; ++d) s += to_f32(qv[d]) * to_f32(k[d]);
+            s *= scale;
+            if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
+            if (alibi) s += alibi[h] * (float)(p - pos);
+            const float mx = fmaxf(m, s);
+            const float f = m == neg_inf ? 0.0f : expf(m - mx);
+            const float w = expf(s - mx);
+            l = l * f + w;
+            for (int d = 0; d < head_dim; ++d) acc[d] = acc[d] * f + w * to_f32(v[d]);
+            m = mx;
+        }
+        if (sinks) {
+            const float mx = fmaxf(m, sinks[h]);
+            const float f = m == neg_inf ? 0.0f : expf(m - mx);
+            l = l * f + expf(sinks[h] - mx);
+            for (int d = 0; d < head_dim; ++d) acc[d] *= f;
+        }
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        T* o = out + (token * q_heads + h) * head_dim;
+        for (int d = 0; d < head_dim; ++d) o[d] = from_f32<T>(acc[d] * inv);
+    }
+}
+
 }  // namespace
 
 // Whole blocks copied, every layer: pairs[i] = (src, dst). Grid (pairs, layers); threads
@@ -205,6 +258,13 @@ extern "C" __global__ void kvrs_advance_counter(int64_t* position, int64_t n) {
     KVRS_FOR_INPUTS(KVRS_SCATTER, T, TN)                                                                      \
     KVRS_FOR_INPUTS(KVRS_APPEND, T, TN)                                                                       \
     KVRS_FOR_INPUTS(KVRS_COPY3, T, TN)                                                                        \
+    extern "C" __global__ void kvrs_paged_attention_##TN(                                                    \
+        const T* q, int64_t q_tok, int64_t q_head, T* out, const T* cache, const int32_t* tables,              \
+        const int64_t* rows, int q_heads, float scale, float softcap, const float* sinks, const float* alibi,  \
+        int bs, int heads, int head_dim, int hnd) {                                                            \
+        paged_attention<T>(q, {q_tok, q_head}, out, cache, tables, rows, q_heads, scale, softcap, sinks,       \
+                           alibi, bs, heads, head_dim, hnd);                                                   \
+    }                                                                                                          \
     extern "C" __global__ void kvrs_gather_##TN(const T* const* cache, const int32_t* table, int64_t start,   \
                                                 T* const* out_k, T* const* out_v, int64_t k_head,             \
                                                 int64_t k_pos, int64_t v_head, int64_t v_pos, int bs,         \

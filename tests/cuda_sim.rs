@@ -163,3 +163,140 @@ fn a_host_cache_refuses_device_tensors() {
     let t = on(&k, &[1, 1, 4], Device::Cuda(0));
     assert!(matches!(c.append(0, &t, &t), Err(KvError::Device(_))));
 }
+
+/// The paged attention kernel on the simulated device against the CPU core on the same
+/// pool contents: ragged batches of three sequences (one forked), full and sliding
+/// layers, NHD and HND, GQA, soft-capping, sinks and ALiBi, every dtype.
+#[test]
+fn paged_attention_kernel_equals_the_cpu_core() {
+    use half::{bf16, f16};
+    use kvrs::attention::AttnOptions;
+    use kvrs::paged::{Attention, BlockPool, KvLayout, LayerKind, PagedShape};
+
+    let (h, hq, d) = (2, 8, 16);
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for layout in [KvLayout::Nhd, KvLayout::Hnd] {
+            let shape = PagedShape {
+                num_layers: 2,
+                num_kv_heads: h,
+                head_dim: d,
+                block_size: 4,
+                num_blocks: 64,
+                layout,
+            };
+            let attention = Attention {
+                kinds: vec![LayerKind::Full, LayerKind::Sliding],
+                sliding_window: Some(5),
+                chunk_size: None,
+                swa_memory: 0,
+            };
+            let mut pools: Vec<BlockPool> = [Device::Cpu, Device::Cuda(0)]
+                .into_iter()
+                .map(|dev| {
+                    BlockPool::with_attention(shape, attention.clone(), dtype, dev, None).unwrap()
+                })
+                .collect();
+            let mut outs = Vec::new();
+            for pool in &mut pools {
+                let dev = pool.device();
+                let mut ids = Vec::new();
+                for (i, n) in [7usize, 0, 13].into_iter().enumerate() {
+                    let id = pool.new_sequence();
+                    for layer in 0..2 {
+                        let (k, v) = (
+                            values(10 * i + layer, n * h * d),
+                            values(10 * i + layer + 5, n * h * d),
+                        );
+                        pool.append(
+                            id,
+                            layer as i64,
+                            &on(&k, &[n, h, d], dev),
+                            &on(&v, &[n, h, d], dev),
+                        )
+                        .unwrap();
+                    }
+                    pool.advance(id, n as i64, None).unwrap();
+                    ids.push(id);
+                }
+                ids.push(pool.fork(ids[2]).unwrap());
+                let batch = [
+                    ids[0], ids[1], ids[1], ids[2], ids[3], ids[3], ids[3], ids[0],
+                ];
+                let plan = pool.start_forward(&batch, None, None).unwrap();
+                let n = batch.len();
+                let q32 = values(99, n * hq * d);
+                // q in the pool's dtype (the CUDA kernel's contract), and the output.
+                let mut q_bytes = vec![0u8; n * hq * d * dtype.size()];
+                let mut out_bytes = vec![0u8; n * hq * d * dtype.size()];
+                unsafe {
+                    kvrs::dtype::convert_contiguous(
+                        q_bytes.as_mut_ptr(),
+                        dtype,
+                        q32.as_ptr() as *const u8,
+                        DType::F32,
+                        q32.len(),
+                    );
+                }
+                let q =
+                    unsafe { TensorRef::contiguous(q_bytes.as_ptr(), dtype, &[n, hq, d]).unwrap() }
+                        .on(dev);
+                let out = unsafe {
+                    TensorRef::contiguous(out_bytes.as_mut_ptr(), dtype, &[n, hq, d]).unwrap()
+                }
+                .on(dev);
+                let sinks = values(7, hq);
+                let slopes: Vec<f32> = (0..hq).map(|i| 0.05 * i as f32).collect();
+                let opts = AttnOptions {
+                    softcap: Some(3.0),
+                    sinks: Some(&sinks),
+                    alibi_slopes: Some(&slopes),
+                    ..Default::default()
+                };
+                let mut per_layer = Vec::new();
+                for layer in 0..2 {
+                    let (k, v) = (values(50 + layer, n * h * d), values(60 + layer, n * h * d));
+                    pool.write(
+                        layer as i64,
+                        &on(&k, &[n, h, d], dev),
+                        &on(&v, &[n, h, d], dev),
+                        plan.group_slots(pool.group_for(Some(layer as i64)).unwrap()),
+                    )
+                    .unwrap();
+                    pool.forward_attention(&plan, layer as i64, &q, &out, &opts)
+                        .unwrap();
+                    let got: Vec<f32> = match dtype {
+                        DType::F32 => out_bytes
+                            .chunks(4)
+                            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                            .collect(),
+                        DType::F16 => out_bytes
+                            .chunks(2)
+                            .map(|b| f16::from_le_bytes(b.try_into().unwrap()).to_f32())
+                            .collect(),
+                        DType::BF16 => out_bytes
+                            .chunks(2)
+                            .map(|b| bf16::from_le_bytes(b.try_into().unwrap()).to_f32())
+                            .collect(),
+                    };
+                    per_layer.push(got);
+                }
+                pool.finish_forward(&plan).unwrap();
+                outs.push(per_layer);
+            }
+            let tol = match dtype {
+                DType::F32 => 1e-5,
+                DType::F16 => 2e-3,
+                DType::BF16 => 1.6e-2,
+            };
+            for layer in 0..2 {
+                for (i, (a, b)) in outs[0][layer].iter().zip(&outs[1][layer]).enumerate() {
+                    assert!(
+                        (a - b).abs() <= tol * (1.0 + a.abs()),
+                        "{dtype} {layout} layer {layer} elem {i}: cpu {a} vs device {b}"
+                    );
+                }
+                assert!(outs[0][layer].iter().any(|&x| x != 0.0));
+            }
+        }
+    }
+}

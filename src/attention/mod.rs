@@ -132,8 +132,15 @@ pub fn attend(
     seqs: &[SeqQueries<'_>],
     opts: &AttnOptions<'_>,
 ) -> Result<()> {
-    let num_q_heads = check_queries(q, out, heads)?;
-    let scale = check_options(opts, num_q_heads, heads.head_dim)?;
+    for (name, t) in [("q", q), ("out", out)] {
+        if t.device() != Device::Cpu {
+            return Err(KvError::Device(format!(
+                "{name} lives on {}; attention over a host cache takes host tensors",
+                t.device()
+            )));
+        }
+    }
+    let (num_q_heads, scale) = validate(q, out, heads, opts)?;
     for s in seqs {
         debug_assert!(s.rows.end <= rows.len());
         debug_assert!(rows[s.rows.clone()]
@@ -153,16 +160,23 @@ pub fn attend(
     Ok(())
 }
 
+/// Checks the shapes of `q` and `out` (on any device) and `opts` against a cache of
+/// `heads`; returns the number of query heads and the scale.
+pub fn validate(
+    q: &TensorRef,
+    out: &TensorRef,
+    heads: KvHeads,
+    opts: &AttnOptions<'_>,
+) -> Result<(usize, f32)> {
+    let num_q_heads = check_queries(q, out, heads)?;
+    Ok((
+        num_q_heads,
+        check_options(opts, num_q_heads, heads.head_dim)?,
+    ))
+}
+
 /// Checks `q` and `out` and returns the number of query heads.
 fn check_queries(q: &TensorRef, out: &TensorRef, heads: KvHeads) -> Result<usize> {
-    for (name, t) in [("q", q), ("out", out)] {
-        if t.device() != Device::Cpu {
-            return Err(KvError::Device(format!(
-                "{name} lives on {}; attention over a host cache takes host tensors",
-                t.device()
-            )));
-        }
-    }
     let s = q.shape();
     let hkv = heads.num_kv_heads;
     if s.len() != 3 || s[2] != heads.head_dim || s[1] == 0 || s[1] % hkv != 0 {

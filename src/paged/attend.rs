@@ -4,13 +4,16 @@
 //! the layer's kind (Hugging Face semantics): full layers see `0..=p`, sliding layers
 //! the `W` most recent positions, chunked layers the start of `p`'s chunk to `p`.
 
+use std::ops::Range;
+
 use super::forward::ForwardPlan;
 use super::layout::KvLayout;
 use super::pool::{BlockPool, SeqId};
 use super::seq::{SeqState, Table};
 use crate::attention::{self, AttnOptions, KvHeads, KvPages, QueryRow, SeqQueries};
 use crate::error::{check_index, KvError, Result};
-use crate::storage::Device;
+use crate::storage::cuda::attention::DeviceRow;
+use crate::storage::PagedTensor;
 use crate::tensor::TensorRef;
 
 impl BlockPool {
@@ -27,7 +30,6 @@ impl BlockPool {
         opts: &AttnOptions<'_>,
     ) -> Result<()> {
         let layer = check_index("layer", layer, self.shape.num_layers)?;
-        self.check_host()?;
         let n = plan.num_tokens();
         if q.shape().first() != Some(&n) {
             return Err(KvError::Shape {
@@ -78,15 +80,12 @@ impl BlockPool {
             rows[next[k]] = self.row(layer, &states[k].tables[g], token, pos);
             next[k] += 1;
         }
-        let seqs: Vec<SeqQueries<'_>> = states
+        let spans: Vec<(&Table, Range<usize>)> = states
             .iter()
             .enumerate()
-            .map(|(k, s)| SeqQueries {
-                kv: self.kv_pages(&s.tables[g], layer),
-                rows: first[k]..first[k] + plan.seqs[k].2,
-            })
+            .map(|(k, s)| (&s.tables[g], first[k]..first[k] + plan.seqs[k].2))
             .collect();
-        attention::attend(q, out, self.kv_heads(), &rows, &seqs, opts)
+        self.attend_spans(layer, q, out, &rows, &spans, opts)
     }
 
     /// Attention of sequence `id`'s last `n` positions in `layer` (`q`: `[n,
@@ -101,7 +100,6 @@ impl BlockPool {
         opts: &AttnOptions<'_>,
     ) -> Result<()> {
         let layer = check_index("layer", layer, self.shape.num_layers)?;
-        self.check_host()?;
         let s = self.seq(id)?;
         let table = &s.tables[self.groups.group_of[layer]];
         let end = s.layer_len[layer];
@@ -121,11 +119,47 @@ impl BlockPool {
             .enumerate()
             .map(|(token, pos)| self.row(layer, table, token, pos))
             .collect();
-        let seqs = [SeqQueries {
-            kv: self.kv_pages(table, layer),
-            rows: 0..rows.len(),
-        }];
-        attention::attend(q, out, self.kv_heads(), &rows, &seqs, opts)
+        self.attend_spans(layer, q, out, &rows, &[(table, 0..rows.len())], opts)
+    }
+
+    /// Attention of `rows`, each span of them read through its table, on the host
+    /// (the attention core) or on the pool's CUDA device (one kernel launch).
+    fn attend_spans(
+        &self,
+        layer: usize,
+        q: &TensorRef,
+        out: &TensorRef,
+        rows: &[QueryRow],
+        spans: &[(&Table, Range<usize>)],
+        opts: &AttnOptions<'_>,
+    ) -> Result<()> {
+        let Some(cuda) = self.storage.as_cuda() else {
+            let seqs: Vec<SeqQueries<'_>> = spans
+                .iter()
+                .map(|(table, rows)| SeqQueries {
+                    kv: self.kv_pages(table, layer),
+                    rows: rows.clone(),
+                })
+                .collect();
+            return attention::attend(q, out, self.kv_heads(), rows, &seqs, opts);
+        };
+        let (_, scale) = attention::validate(q, out, self.kv_heads(), opts)?;
+        let mut tables: Vec<u32> = Vec::new();
+        let mut device_rows: Vec<DeviceRow> = Vec::with_capacity(rows.len());
+        for (table, span) in spans {
+            let at = tables.len() as i64;
+            tables.extend_from_slice(&table.blocks);
+            device_rows.extend(
+                rows[span.clone()]
+                    .iter()
+                    .map(|r| [r.token as i64, at, r.pos as i64, r.lo as i64, r.hi as i64]),
+            );
+        }
+        let t = PagedTensor {
+            shape: self.shape,
+            index: self.tensor_of(layer),
+        };
+        cuda.paged_attention(t, q, out, &tables, &device_rows, scale, opts)
     }
 
     /// The row of a token at `pos` of `layer`: from its window's first position (or the
@@ -171,15 +205,5 @@ impl BlockPool {
             num_kv_heads: self.shape.num_kv_heads,
             head_dim: self.shape.head_dim,
         }
-    }
-
-    fn check_host(&self) -> Result<()> {
-        if self.device() != Device::Cpu {
-            return Err(KvError::NotSupported(format!(
-                "attention over a pool on {} (the attention core reads host memory)",
-                self.device()
-            )));
-        }
-        Ok(())
     }
 }

@@ -133,3 +133,36 @@ def test_captured_decode_loop_replays_without_host_round_trips():
     assert c.sync_counter_from_gpu() == 10
     got = t(c.get(0)[0]).float().cpu()[0, :, 0].tolist()
     assert got == expected
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_paged_attention_kernel_matches_the_cpu_core(dtype, layout):
+    """ForwardBatch.attention on a CUDA pool (kvrs_paged_attention_*) against the same
+    batch on a host pool (the CPU core): sliding layer, GQA, soft-capping and sinks."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    kw = dict(block_size=4, num_blocks=64, dtype=dtype, layout=layout, layer_types=["full", "sliding"],
+              sliding_window=5)  # fmt: skip
+    pools = [kvrs.BlockPool(2, 2, 64, device="cuda", **kw), kvrs.BlockPool(2, 2, 64, **kw)]
+    sinks = torch.randn(8).numpy()
+    outs = []
+    data = [torch.randn(n, 2, 64, device="cuda", generator=g).to(DTYPES[dtype]) for n in (7, 13, 7, 13, 5, 5)]
+    q = torch.randn(5, 8, 64, device="cuda", generator=g).to(DTYPES[dtype])
+    for pool in pools:
+        host = pool.device == "cpu"
+        conv = (lambda x: x.cpu()) if host else (lambda x: x)  # noqa: E731
+        a, b = pool.new_sequence(), pool.new_sequence()
+        for layer in range(2):
+            a.append(layer, conv(data[0]), conv(data[2]))
+            b.append(layer, conv(data[1]), conv(data[3]))
+        a.advance(7)
+        b.advance(13)
+        with pool.start_forward([a, b, b, a, b]) as batch:
+            per_layer = []
+            for layer in range(2):
+                batch.put(layer, conv(data[4]), conv(data[5]))
+                per_layer.append(t(batch.attention(layer, conv(q), softcap=20.0, sinks=sinks)).float().cpu())
+        outs.append(per_layer)
+    tol = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}[dtype]
+    for gpu_out, cpu_out in zip(outs[0], outs[1], strict=True):
+        assert torch.allclose(gpu_out, cpu_out, atol=tol, rtol=tol)

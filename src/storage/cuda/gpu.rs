@@ -100,6 +100,11 @@ impl Args {
         self.u64(v as u64)
     }
 
+    /// A 32-bit `float` argument.
+    pub fn f32(self, v: f32) -> Self {
+        self.u64(v.to_bits() as u64)
+    }
+
     /// A 32-bit `int` argument.
     pub fn i32(self, v: i32) -> Self {
         self.u64(v as u32 as u64)
@@ -173,6 +178,15 @@ pub fn pair_kernel(kernel: PairKernel, src: DType, dst: DType) -> &'static str {
         PairKernel::Copy3 => &COPY3,
     };
     table[dtype_index(src)][dtype_index(dst)]
+}
+
+/// The paged attention kernel for storage (and queries) of `dtype`.
+pub fn attention_kernel(dtype: DType) -> &'static str {
+    [
+        "kvrs_paged_attention_f32",
+        "kvrs_paged_attention_f16",
+        "kvrs_paged_attention_bf16",
+    ][dtype_index(dtype)]
 }
 
 /// The gather kernel for storage of `dtype`.

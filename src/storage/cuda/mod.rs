@@ -2,6 +2,7 @@
 //! one PyTorch uses, so pointers are valid in both), written and read by the kernels of
 //! `kernels/kvrs.cu` (PTX embedded in the library).
 //!
+//! - [`attention`]: the paged attention kernel's launch;
 //! - [`detect`]: finds the driver without touching it when it is absent;
 //! - [`gpu`]: the few device operations the storage needs, and kernel arguments;
 //! - `driver`: those operations on the CUDA driver (cudarc, loaded at run time);
@@ -9,6 +10,7 @@
 //!   `cuda-sim`, for testing on machines without a GPU);
 //! - [`storage`]: [`CudaStorage`], the [`super::Storage`] on a device.
 
+pub mod attention;
 pub mod detect;
 #[cfg(all(feature = "cuda", not(feature = "cuda-sim")))]
 mod driver;

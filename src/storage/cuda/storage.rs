@@ -104,7 +104,7 @@ impl CudaStorage {
         &self.gpu
     }
 
-    fn device_addr(&self, offset: usize) -> DevicePtr {
+    pub(super) fn device_addr(&self, offset: usize) -> DevicePtr {
         self.ptr + (offset * self.dtype.size()) as u64
     }
 
@@ -119,7 +119,7 @@ impl CudaStorage {
 
     /// Whether `t` lives on this storage's device; an error naming `name` when it lives on
     /// another device.
-    fn is_local(&self, name: &str, t: &TensorRef) -> Result<bool> {
+    pub(super) fn is_local(&self, name: &str, t: &TensorRef) -> Result<bool> {
         match t.device() {
             Device::Cpu => Ok(false),
             d if d == self.device() => Ok(true),
@@ -133,7 +133,7 @@ impl CudaStorage {
     /// Uploads the words `fill` writes (into the reused host buffer) to the staging
     /// buffer and runs `f` with its address while the buffer is held, so `f` can queue
     /// the kernels that read it.
-    fn with_upload<R>(
+    pub(super) fn with_upload<R>(
         &self,
         fill: impl FnOnce(&mut Vec<u64>),
         f: impl FnOnce(DevicePtr) -> Result<R>,

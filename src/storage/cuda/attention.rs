@@ -1,0 +1,115 @@
+//! Paged attention on the device: one launch of `kvrs_paged_attention_*` for a batch of
+//! query rows, with the semantics of [`crate::attention`] (the CPU core), against which
+//! the simulated device checks it.
+
+use super::gpu::{attention_kernel, Args};
+use super::storage::CudaStorage;
+use crate::attention::AttnOptions;
+use crate::error::{KvError, Result};
+use crate::paged::KvLayout;
+use crate::storage::{PagedTensor, Storage};
+use crate::tensor::TensorRef;
+
+/// Largest head_dim the kernel takes (`KVRS_MAX_HEAD_DIM` in `kernels/kvrs.cu`).
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// One query row for the kernel: `[token, offset of its block table in the tables,
+/// position, first visible position, one past the last]`.
+pub type DeviceRow = [i64; 5];
+
+impl CudaStorage {
+    /// Attention of `q` (`[tokens, q_heads, head_dim]` on this device, the storage's
+    /// dtype, head_dim contiguous) into `out` (same shape, C-contiguous, on this device)
+    /// over cache tensor `t`: each of `rows` reads its sequence's block table at its
+    /// offset in `tables`. `scale` and `opts` were validated by the caller.
+    #[allow(clippy::too_many_arguments)]
+    pub fn paged_attention(
+        &self,
+        t: PagedTensor,
+        q: &TensorRef,
+        out: &TensorRef,
+        tables: &[u32],
+        rows: &[DeviceRow],
+        scale: f32,
+        opts: &AttnOptions<'_>,
+    ) -> Result<()> {
+        for (name, x) in [("q", q), ("out", out)] {
+            if !self.is_local(name, x)? {
+                return Err(KvError::Device(format!(
+                    "{name} is a host tensor; attention over a pool on {} takes tensors on that device",
+                    self.device()
+                )));
+            }
+            if x.dtype() != self.dtype() {
+                return Err(KvError::InvalidArgument {
+                    name,
+                    value: x.dtype().to_string(),
+                    reason: format!(
+                        "must have the pool's dtype ({}) on a CUDA pool",
+                        self.dtype()
+                    ),
+                });
+            }
+        }
+        let sh = t.shape;
+        if sh.head_dim > MAX_HEAD_DIM {
+            return Err(KvError::NotSupported(format!(
+                "attention on a CUDA pool with head_dim={} (at most {MAX_HEAD_DIM})",
+                sh.head_dim
+            )));
+        }
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let qs = q.strides3();
+        let q_heads = q.shape3()[1];
+        let pack = |w: &mut Vec<u64>, words: &mut dyn Iterator<Item = u32>| {
+            while let Some(a) = words.next() {
+                w.push(a as u64 | (words.next().unwrap_or(0) as u64) << 32);
+            }
+        };
+        let tables_at = 5 * rows.len();
+        let sinks_at = tables_at + tables.len().div_ceil(2);
+        let alibi_at = sinks_at + opts.sinks.map_or(0, |s| s.len().div_ceil(2));
+        let fill = |w: &mut Vec<u64>| {
+            w.extend(rows.iter().flatten().map(|&x| x as u64));
+            pack(w, &mut tables.iter().copied());
+            for v in [opts.sinks, opts.alibi_slopes].into_iter().flatten() {
+                pack(w, &mut v.iter().map(|x| x.to_bits()));
+            }
+        };
+        let cache = self.device_addr(sh.block_offset(t.index, 0));
+        self.with_upload(fill, |base| {
+            let at = |words: usize| base + 8 * words as u64;
+            let args = Args::new()
+                .u64(q.as_ptr() as u64)
+                .i64(qs[0] as i64)
+                .i64(qs[1] as i64)
+                .u64(out.as_mut_ptr() as u64)
+                .u64(cache)
+                .u64(at(tables_at))
+                .u64(at(0))
+                .i32(q_heads as i32)
+                .f32(scale)
+                .f32(opts.softcap.unwrap_or(0.0))
+                .u64(opts.sinks.map_or(0, |_| at(sinks_at)))
+                .u64(opts.alibi_slopes.map_or(0, |_| at(alibi_at)))
+                .i32(sh.block_size as i32)
+                .i32(sh.num_kv_heads as i32)
+                .i32(sh.head_dim as i32)
+                .i32(i32::from(sh.layout == KvLayout::Hnd));
+            let threads = (q_heads as u32).clamp(1, 1024);
+            // SAFETY: the rows' positions are held by their tables (the pool built them),
+            // q and out are device tensors of the checked shape and dtype.
+            unsafe {
+                self.gpu().launch(
+                    attention_kernel(self.dtype()),
+                    [rows.len() as u32, 1, 1],
+                    [threads, 1, 1],
+                    &args,
+                    self.stream(),
+                )
+            }
+        })
+    }
+}
