@@ -150,7 +150,7 @@ def test_paged_attention_kernel_matches_the_cpu_core(dtype, layout):
     q = torch.randn(5, 8, 64, device="cuda", generator=g).to(DTYPES[dtype])
     for pool in pools:
         host = pool.device == "cpu"
-        conv = (lambda x: x.cpu()) if host else (lambda x: x)  # noqa: E731
+        conv = (lambda x: x.cpu()) if host else (lambda x: x)
         a, b = pool.new_sequence(), pool.new_sequence()
         for layer in range(2):
             a.append(layer, conv(data[0]), conv(data[2]))
