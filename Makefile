@@ -62,6 +62,7 @@ bench: .stamp-install ## kvrs against its peers: benches/compare.py (table and b
 	$(PY) benches/bench_contiguous.py
 	$(PY) benches/bench_paged.py
 	$(PY) benches/bench_prefix.py
+	$(PY) benches/bench_attention.py
 
 bench-rust: ## criterion benchmarks of the core
 	cargo bench

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+DEMO_PLOT = "kvrs-demo.png"
+"""Where the demo writes its occupancy plot unless told otherwise."""
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvrs", description="kvrs command line")
@@ -32,7 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo.add_argument("--device", default="cpu", help="where the model and the pool live (default cpu)")
     demo.add_argument(
-        "--plot", default="kvrs-demo.png", help="PNG of pool occupancy per step (default kvrs-demo.png)"
+        "--plot",
+        default=DEMO_PLOT,
+        help="PNG of pool occupancy per step (default kvrs-demo.png; with --concurrency: of throughput, "
+        "default kvrs-throughput.png)",
     )
     demo.add_argument("--no-plot", action="store_true", help="do not write the plot")
     demo.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -70,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         demo_module.throughput(
             concurrency,
             layers=args.layers,
-            plot_path=None if args.no_plot else "kvrs-throughput.png",
+            plot_path=None
+            if args.no_plot
+            else (args.plot if args.plot != DEMO_PLOT else "kvrs-throughput.png"),
             seed=args.seed,
         )
         return 0

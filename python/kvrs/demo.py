@@ -130,11 +130,18 @@ def serve(model: Any, pool: kvrs.BlockPool, requests: list[Request], progress: A
     t0 = time.perf_counter()
     while waiting or running:
         # Admit arrived requests while the pool can still grow every admitted request to
-        # its end (no preemption needed). Attaching the cached prefix may take evictable
-        # blocks, so the check comes after new_sequence; a request that does not fit frees
-        # its sequence (the blocks stay cached) and waits for others to finish.
+        # its end (no preemption needed), one per uncached shared prefix per step.
+        # Attaching the cached prefix may take evictable blocks, so the check comes after
+        # new_sequence; a request that does not fit frees its sequence (the blocks stay
+        # cached) and waits for others to finish.
+        computing: set[tuple[int, ...]] = set()  # first blocks whose prompt this step computes
         while waiting and waiting[0].arrival <= step:
             r = waiting[0]
+            head = tuple(r.prompt[: pool.block_size])
+            if head in computing and pool.match_prefix(r.prompt) < pool.block_size:
+                # Prefix-aware admission: another request admitted this step computes the
+                # same uncached prefix; next step this one attaches its cached blocks instead.
+                break
             try:
                 seq = pool.new_sequence(tokens=r.prompt)  # attaches the cached prefix
             except kvrs.CacheFullError:  # no block for a partial hit's copy
@@ -143,6 +150,7 @@ def serve(model: Any, pool: kvrs.BlockPool, requests: list[Request], progress: A
                 seq.free()
                 break
             waiting.pop(0)
+            computing.add(head)
             r.cached, r.tokens, r.admitted = seq.num_cached_tokens, list(r.prompt), step
             running.append((r, seq))
         seqs: list[kvrs.Sequence] = []

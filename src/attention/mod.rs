@@ -179,7 +179,7 @@ pub fn validate(
 fn check_queries(q: &TensorRef, out: &TensorRef, heads: KvHeads) -> Result<usize> {
     let s = q.shape();
     let hkv = heads.num_kv_heads;
-    if s.len() != 3 || s[2] != heads.head_dim || s[1] == 0 || s[1] % hkv != 0 {
+    if s.len() != 3 || s[2] != heads.head_dim || s[1] == 0 || !s[1].is_multiple_of(hkv) {
         return Err(KvError::Shape {
             name: "q",
             got: s.to_vec(),

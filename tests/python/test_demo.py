@@ -49,3 +49,14 @@ def test_demo_refuses_what_it_cannot_run(capsys):
         assert "no CUDA driver found" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["demo", "--requests", "0"])
+
+
+def test_concurrency_sweep_reports_throughput_and_plots(tmp_path, capsys):
+    plot = tmp_path / "throughput.png"
+    assert main(["demo", "--concurrency", "2,4", "--layers", "1", "--plot", str(plot)]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
+    assert [int(r[0]) for r in rows] == [2, 4]
+    assert all(float(r[1].replace(",", "")) > 0 for r in rows)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit):
+        main(["demo", "--concurrency", "8,x"])

@@ -99,7 +99,7 @@ def _attend_in_place(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any
     """Forward pre-hook: a kvrs cache passed to the model attends in place for this
     forward (unless the batch is padded: padding needs the model's mask)."""
     cache = kwargs.get("past_key_values")
-    if hasattr(cache, "attend_in_place"):
+    if cache is not None and hasattr(cache, "attend_in_place"):
         mask = kwargs.get("attention_mask")
         padded = mask is not None and mask.ndim == 2 and not bool(mask.all())
         cache.attend_in_place = not padded

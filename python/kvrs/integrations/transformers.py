@@ -121,7 +121,7 @@ class KvrsLayer(CacheLayerMixin):
         self.keys, self.values = self._tensors()
         if self.in_place:
             # The attention function reads the cache itself (see KvrsCache.attend_in_place).
-            key_states._kvrs_source = self
+            key_states._kvrs_source = self  # type: ignore[attr-defined]  # read by the attention function
             return key_states, value_states
         return self.keys, self.values
 
@@ -209,7 +209,7 @@ class KvrsCache(Cache):
     @attend_in_place.setter
     def attend_in_place(self, value: bool) -> None:
         for layer in self.layers:
-            layer.in_place = value
+            layer.in_place = value  # type: ignore[union-attr]  # every layer is a KvrsLayer
 
     def __init__(self, num_layers: int, max_seq_len: int, dtype: str | None = None, device: str = "cpu"):
         if max_seq_len < 1:
@@ -248,7 +248,7 @@ class KvrsPagedLayer(CacheLayerMixin):
         if self.owner.attend_in_place:
             # The attention function reads the pool itself: nothing is gathered.
             self.owner.write(self.layer, key_states, value_states, None)
-            key_states._kvrs_source = self.owner
+            key_states._kvrs_source = self.owner  # type: ignore[attr-defined]  # read by the attention function
             return key_states, value_states
         self.keys, self.values = self.owner.write(self.layer, key_states, value_states, self.dtype)
         return self.keys, self.values
