@@ -123,7 +123,10 @@ unsafe fn run_item_with<const SIMD: bool>(
     let d = p.heads.head_dim;
     let g = p.num_q_heads / p.heads.num_kv_heads;
     let rows = &p.rows[it.rows.clone()];
-    let nrows = rows.len() * g;
+    // Rows per KV head (token i, query head j of the group: i * g + j); the item's rows
+    // are those of each of its heads in turn.
+    let per = rows.len() * g;
+    let nrows = per * it.heads.len();
     sc.fit(nrows, d);
     let Scratch {
         q,
@@ -134,10 +137,12 @@ unsafe fn run_item_with<const SIMD: bool>(
         v,
         s,
     } = sc;
-    for (i, row) in rows.iter().enumerate() {
-        for j in 0..g {
-            let r = i * g + j;
-            load_query::<SIMD>(p, row.token, it.head * g + j, &mut q[r * d..(r + 1) * d]);
+    for (hi, head) in it.heads.clone().enumerate() {
+        for (i, row) in rows.iter().enumerate() {
+            for j in 0..g {
+                let r = hi * per + i * g + j;
+                load_query::<SIMD>(p, row.token, head * g + j, &mut q[r * d..(r + 1) * d]);
+            }
         }
     }
     m[..nrows].fill(f32::NEG_INFINITY);
@@ -145,7 +150,7 @@ unsafe fn run_item_with<const SIMD: bool>(
     o[..nrows * d].fill(0.0);
     // Keys are transposed when enough rows share them to repay the transposition
     // (prefill tiles, wide GQA groups); a decode row of a narrow group takes dot products.
-    let transposed = nrows >= TRANSPOSE_ROWS;
+    let transposed = per >= TRANSPOSE_ROWS;
     let kv = &p.seqs[it.seq].kv;
     let size = kv.dtype.size();
     let mut pos = it.lo;
@@ -153,102 +158,109 @@ unsafe fn run_item_with<const SIMD: bool>(
         let n = (kv.block_size - pos % kv.block_size)
             .min(it.hi - pos)
             .min(RUN);
-        let first = kv.key_offset(pos, it.head);
-        for j in 0..n {
-            let at = first + j * kv.pos_stride;
-            if transposed {
-                // The key row goes through `s` into K's transposed tile ([head_dim][RUN]).
-                load_row::<SIMD>(&mut s[..d], kv.data.add(at * size), kv.dtype);
-                for (i, &x) in s[..d].iter().enumerate() {
-                    k[i * RUN + j] = x;
-                }
-            } else {
-                load_row::<SIMD>(&mut k[j * d..(j + 1) * d], kv.data.add(at * size), kv.dtype);
-            }
-            let vat = at + kv.v_offset;
-            load_row::<SIMD>(
-                &mut v[j * d..(j + 1) * d],
-                kv.data.add(vat * size),
-                kv.dtype,
-            );
-        }
-        // Rows (token i, head j of the group) in blocks of BLOCK_ROWS: their scores over
-        // the run are computed together, each key element loaded once for the block.
-        let mut r0 = 0;
-        while r0 < nrows {
-            let nb = BLOCK_ROWS.min(nrows - r0);
-            let visible = |r: usize| {
-                let row = &rows[r / g];
-                (pos.max(row.lo), (pos + n).min(row.hi))
-            };
-            if (r0..r0 + nb).all(|r| visible(r).0 >= visible(r).1) {
-                r0 += nb;
-                continue;
-            }
-            let mut sb = [[0f32; RUN]; BLOCK_ROWS];
-            if transposed {
-                scores::<SIMD>(&q[r0 * d..(r0 + nb) * d], nb, d, k, n, &mut sb);
-            } else {
-                for (rb, sr) in sb.iter_mut().enumerate().take(nb) {
-                    let qr = &q[(r0 + rb) * d..(r0 + rb + 1) * d];
-                    for (x, kr) in sr.iter_mut().zip(k.chunks_exact(d)).take(n) {
-                        *x = dot::<SIMD>(qr, kr);
+        for (hi, head) in it.heads.clone().enumerate() {
+            let first = kv.key_offset(pos, head);
+            for j in 0..n {
+                let at = first + j * kv.pos_stride;
+                if transposed {
+                    // The key row goes through `s` into K's transposed tile ([head_dim][RUN]).
+                    load_row::<SIMD>(&mut s[..d], kv.data.add(at * size), kv.dtype);
+                    for (i, &x) in s[..d].iter().enumerate() {
+                        k[i * RUN + j] = x;
                     }
+                } else {
+                    load_row::<SIMD>(&mut k[j * d..(j + 1) * d], kv.data.add(at * size), kv.dtype);
                 }
+                let vat = at + kv.v_offset;
+                load_row::<SIMD>(
+                    &mut v[j * d..(j + 1) * d],
+                    kv.data.add(vat * size),
+                    kv.dtype,
+                );
             }
-            for (rb, sr) in sb.iter_mut().enumerate().take(nb) {
-                let r = r0 + rb;
-                let (a, b) = visible(r);
-                if a >= b {
+            if pos + n < it.hi {
+                prefetch_run(kv, pos + n, it.hi, head, d);
+            }
+            // Rows (token i, head j of the group) in blocks of BLOCK_ROWS: their scores over
+            // the run are computed together, each key element loaded once for the block.
+            let mut r0 = hi * per;
+            while r0 < (hi + 1) * per {
+                let nb = BLOCK_ROWS.min((hi + 1) * per - r0);
+                let visible = |r: usize| {
+                    let row = &rows[(r % per) / g];
+                    (pos.max(row.lo), (pos + n).min(row.hi))
+                };
+                if (r0..r0 + nb).all(|r| visible(r).0 >= visible(r).1) {
+                    r0 += nb;
                     continue;
                 }
-                let row = &rows[r / g];
-                let qh = it.head * g + r % g;
-                let sr = &mut sr[a - pos..b - pos];
-                if let Some(cap) = p.opts.softcap {
+                let mut sb = [[0f32; RUN]; BLOCK_ROWS];
+                if transposed {
+                    scores::<SIMD>(&q[r0 * d..(r0 + nb) * d], nb, d, k, n, &mut sb);
+                } else {
+                    for (rb, sr) in sb.iter_mut().enumerate().take(nb) {
+                        let qr = &q[(r0 + rb) * d..(r0 + rb + 1) * d];
+                        for (x, kr) in sr.iter_mut().zip(k.chunks_exact(d)).take(n) {
+                            *x = dot::<SIMD>(qr, kr);
+                        }
+                    }
+                }
+                for (rb, sr) in sb.iter_mut().enumerate().take(nb) {
+                    let r = r0 + rb;
+                    let (a, b) = visible(r);
+                    if a >= b {
+                        continue;
+                    }
+                    let row = &rows[(r % per) / g];
+                    let qh = head * g + r % g;
+                    let sr = &mut sr[a - pos..b - pos];
+                    if let Some(cap) = p.opts.softcap {
+                        for x in sr.iter_mut() {
+                            // cap * tanh(x / cap), with tanh(y) = 1 - 2 / (e^(2y) + 1).
+                            *x = cap * (1.0 - 2.0 / (exp(2.0 * *x / cap) + 1.0));
+                        }
+                    }
+                    if let Some(slopes) = p.opts.alibi_slopes {
+                        let slope = slopes[qh];
+                        for (x, kp) in sr.iter_mut().zip(a..b) {
+                            *x += slope * (kp as f32 - row.pos as f32);
+                        }
+                    }
+                    let mx = sr.iter().fold(f32::NEG_INFINITY, |acc, &x| acc.max(x));
+                    let or = &mut o[r * d..(r + 1) * d];
+                    if mx > m[r] {
+                        let f = rescale(m[r], mx);
+                        scale(or, f);
+                        l[r] *= f;
+                        m[r] = mx;
+                    }
+                    let mr = m[r];
                     for x in sr.iter_mut() {
-                        // cap * tanh(x / cap), with tanh(y) = 1 - 2 / (e^(2y) + 1).
-                        *x = cap * (1.0 - 2.0 / (exp(2.0 * *x / cap) + 1.0));
+                        *x = exp(*x - mr);
+                    }
+                    l[r] += sr.iter().sum::<f32>();
+                    for (&w, kp) in sr.iter().zip(a - pos..b - pos) {
+                        axpy::<SIMD>(or, w, &v[kp * d..(kp + 1) * d]);
                     }
                 }
-                if let Some(slopes) = p.opts.alibi_slopes {
-                    let slope = slopes[qh];
-                    for (x, kp) in sr.iter_mut().zip(a..b) {
-                        *x += slope * (kp as f32 - row.pos as f32);
-                    }
-                }
-                let mx = sr.iter().fold(f32::NEG_INFINITY, |acc, &x| acc.max(x));
-                let or = &mut o[r * d..(r + 1) * d];
-                if mx > m[r] {
-                    let f = rescale(m[r], mx);
-                    scale(or, f);
-                    l[r] *= f;
-                    m[r] = mx;
-                }
-                let mr = m[r];
-                for x in sr.iter_mut() {
-                    *x = exp(*x - mr);
-                }
-                l[r] += sr.iter().sum::<f32>();
-                for (&w, kp) in sr.iter().zip(a - pos..b - pos) {
-                    axpy::<SIMD>(or, w, &v[kp * d..(kp + 1) * d]);
-                }
+                r0 += nb;
             }
-            r0 += nb;
         }
         pos += n;
     }
-    for (i, row) in rows.iter().enumerate() {
-        for j in 0..g {
-            let r = i * g + j;
-            let or = &mut o[r * d..(r + 1) * d];
-            match dest {
-                Dest::Out => write_row(p, row.token, it.head * g + j, m[r], l[r], or),
-                Dest::Partial(at) => {
-                    let dst = p.partial_row(at + r * (d + 2), d);
-                    dst[0] = m[r];
-                    dst[1] = l[r];
-                    dst[2..].copy_from_slice(or);
+    for (hi, head) in it.heads.clone().enumerate() {
+        for (i, row) in rows.iter().enumerate() {
+            for j in 0..g {
+                let r = hi * per + i * g + j;
+                let or = &mut o[r * d..(r + 1) * d];
+                match dest {
+                    Dest::Out => write_row(p, row.token, head * g + j, m[r], l[r], or),
+                    Dest::Partial(at) => {
+                        let dst = p.partial_row(at + r * (d + 2), d);
+                        dst[0] = m[r];
+                        dst[1] = l[r];
+                        dst[2..].copy_from_slice(or);
+                    }
                 }
             }
         }
@@ -296,6 +308,31 @@ fn scores<const SIMD: bool>(
             out[r][c..c + CHUNK].copy_from_slice(&acc[r]);
         }
     }
+}
+
+/// Asks the CPU to start loading the keys and values of the run at `pos` while the
+/// current one is computed: one head's rows are strided (in NHD, `heads * head_dim`
+/// apart), which the hardware prefetcher does not follow.
+#[inline(always)]
+unsafe fn prefetch_run(kv: &super::KvPages<'_>, pos: usize, hi: usize, head: usize, d: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let size = kv.dtype.size();
+        let n = (kv.block_size - pos % kv.block_size).min(hi - pos).min(RUN);
+        let first = kv.key_offset(pos, head);
+        for j in 0..n {
+            let at = first + j * kv.pos_stride;
+            for line in (0..d * size).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(kv.data.add(at * size + line) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(
+                    kv.data.add((at + kv.v_offset) * size + line) as *const i8
+                );
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (kv, pos, hi, head, d);
 }
 
 /// `e^(old - new)` for a running maximum that grew from `old` (possibly -inf) to `new`.

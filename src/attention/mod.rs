@@ -7,9 +7,10 @@
 //! and query head, `softmax(q . K^T * scale) V` over that range in f32 with an online
 //! softmax: K/V are converted from the storage dtype a run of positions at a time and
 //! nothing of size `[tokens x history]` is ever built. Work is split across rayon's
-//! threads by (sequence, query tile, KV head) and, when that gives too few tasks (one
-//! long decode sequence), along the history (flash-decoding), whose partial results are
-//! merged by log-sum-exp.
+//! threads by (sequence, query tile) and, when that gives too few tasks (a few long
+//! decode sequences), along the history (flash-decoding), whose partial results are
+//! merged by log-sum-exp. An item walks every KV head of each run of positions, so it
+//! reads whole positions (contiguous in NHD blocks) rather than one head's strided rows.
 //!
 //! Grouped-query attention: query head `h` reads KV head `h / (num_q_heads /
 //! num_kv_heads)`, and each K/V run is converted once for the whole group.

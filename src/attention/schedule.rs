@@ -55,12 +55,14 @@ struct SharedF32 {
 unsafe impl Send for SharedF32 {}
 unsafe impl Sync for SharedF32 {}
 
-/// A tile of one sequence's rows, one KV head, one span `lo..hi` of its history.
+/// A tile of one sequence's rows, its KV heads (every one: consecutive heads lie side by
+/// side in NHD blocks, so one item reads whole positions), one span `lo..hi` of its
+/// history.
 #[derive(Clone, Debug)]
 pub(super) struct Item {
     pub seq: usize,
     pub rows: Range<usize>,
-    pub head: usize,
+    pub heads: Range<usize>,
     pub lo: usize,
     pub hi: usize,
 }
@@ -115,15 +117,13 @@ pub(super) fn run(p: &mut Problem<'_>) {
             let span = &p.rows[rows.clone()];
             let lo = span.iter().map(|r| r.lo).min().unwrap_or(0);
             let hi = span.iter().map(|r| r.hi).max().unwrap_or(0);
-            for head in 0..p.heads.num_kv_heads {
-                tiles.push(Item {
-                    seq: si,
-                    rows: rows.clone(),
-                    head,
-                    lo,
-                    hi: hi.max(lo),
-                });
-            }
+            tiles.push(Item {
+                seq: si,
+                rows: rows.clone(),
+                heads: 0..p.heads.num_kv_heads,
+                lo,
+                hi: hi.max(lo),
+            });
             t = rows.end;
         }
     }
@@ -141,7 +141,7 @@ pub(super) fn run(p: &mut Problem<'_>) {
         if n == 1 {
             whole.push(it);
         } else {
-            let rows = it.rows.len() * g;
+            let rows = it.rows.len() * g * it.heads.len();
             split.push(Split {
                 item: it,
                 splits: n,
@@ -158,7 +158,7 @@ pub(super) fn run(p: &mut Problem<'_>) {
     let p = &*p;
     let pieces = split.iter().flat_map(|sp| {
         let step = (sp.item.hi - sp.item.lo).div_ceil(sp.splits);
-        let per = sp.item.rows.len() * g * (d + 2);
+        let per = sp.item.rows.len() * g * sp.item.heads.len() * (d + 2);
         (0..sp.splits).map(move |k| {
             let lo = sp.item.lo + k * step;
             let it = Item {
@@ -184,27 +184,30 @@ pub(super) fn run(p: &mut Problem<'_>) {
 /// Merges the partial `(m, l, o)` of each row of a split item and writes the rows.
 fn merge(p: &Problem<'_>, sp: &Split, d: usize, g: usize) {
     let rows = &p.rows[sp.item.rows.clone()];
-    let per = rows.len() * g * (d + 2);
+    let per = rows.len() * g * sp.item.heads.len() * (d + 2);
     let mut o = vec![0f32; d];
-    for (i, row) in rows.iter().enumerate() {
-        for j in 0..g {
-            let r = i * g + j;
-            // SAFETY: the items that wrote these rows have finished; rows are read only here.
-            let part = |k: usize| unsafe { p.partial_row(sp.partial + k * per + r * (d + 2), d) };
-            let m = (0..sp.splits)
-                .map(|k| part(k)[0])
-                .fold(f32::NEG_INFINITY, f32::max);
-            o.fill(0.0);
-            let mut l = 0.0;
-            for k in 0..sp.splits {
-                let pk = part(k);
-                let f = rescale(pk[0], m);
-                l += pk[1] * f;
-                for (x, y) in o.iter_mut().zip(&pk[2..]) {
-                    *x += f * y;
+    for (hi, head) in sp.item.heads.clone().enumerate() {
+        for (i, row) in rows.iter().enumerate() {
+            for j in 0..g {
+                let r = (hi * rows.len() + i) * g + j;
+                // SAFETY: the items that wrote these rows have finished; rows are read only here.
+                let part =
+                    |k: usize| unsafe { p.partial_row(sp.partial + k * per + r * (d + 2), d) };
+                let m = (0..sp.splits)
+                    .map(|k| part(k)[0])
+                    .fold(f32::NEG_INFINITY, f32::max);
+                o.fill(0.0);
+                let mut l = 0.0;
+                for k in 0..sp.splits {
+                    let pk = part(k);
+                    let f = rescale(pk[0], m);
+                    l += pk[1] * f;
+                    for (x, y) in o.iter_mut().zip(&pk[2..]) {
+                        *x += f * y;
+                    }
                 }
+                write_row(p, row.token, head * g + j, m, l, &mut o);
             }
-            write_row(p, row.token, sp.item.head * g + j, m, l, &mut o);
         }
     }
 }
