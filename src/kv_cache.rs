@@ -269,7 +269,9 @@ impl KVCache {
             kv: self.kv_pages(layer)?,
             rows: 0..rows.len(),
         }];
-        attention::attend(q, out, heads, rows, &seqs, opts)
+        // SAFETY: kv_pages describes this cache's host storage, borrowed for the call; a
+        // row never sees past the layer's length (the callers build them so).
+        unsafe { attention::attend(q, out, heads, rows, &seqs, opts) }
     }
 
     /// Sets the committed length and each layer's length (all at most `max_seq_len`,

@@ -123,9 +123,11 @@ pub struct KvHeads {
 /// of `rows` attends over its sequence's positions `lo..hi`. Tokens no row names are
 /// left untouched; a row with nothing to see gets zeros.
 ///
-/// The caller guarantees that every position a row names is held by its sequence's
-/// table and that the storage is not written during the call.
-pub fn attend(
+/// # Safety
+/// Every `KvPages` describes host memory that holds, for every position a row names
+/// and every KV head, a key and a value of `head_dim` elements where its formula says;
+/// that memory stays valid and unwritten for the whole call.
+pub unsafe fn attend(
     q: &TensorRef,
     out: &TensorRef,
     heads: KvHeads,

@@ -141,7 +141,10 @@ impl BlockPool {
                     rows: rows.clone(),
                 })
                 .collect();
-            return attention::attend(q, out, self.kv_heads(), rows, &seqs, opts);
+            // SAFETY: the pages are this pool's host storage, borrowed for the call; each
+            // row sees only positions its sequence's table holds (`row` starts at the
+            // table's first held position and ends at the token itself).
+            return unsafe { attention::attend(q, out, self.kv_heads(), rows, &seqs, opts) };
         };
         let (_, scale) = attention::validate(q, out, self.kv_heads(), opts)?;
         let mut tables: Vec<u32> = Vec::new();
