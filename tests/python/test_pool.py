@@ -112,6 +112,25 @@ def test_views_are_per_block_and_zero_copy():
     np.testing.assert_array_equal(K, k[4:6].transpose(1, 0, 2))
 
 
+def test_a_view_shows_its_block_whatever_holds_it_now():
+    """Views are windows on pool memory, valid while the sequence holds the block: after
+    free (or truncate, remove, copy-on-write, eviction) the block goes to whoever takes
+    it next, and an old view shows that sequence's K/V (as vLLM's and FlashInfer's
+    tensors do). The pool never promises otherwise; this pins the behaviour down."""
+    p = pool(num_blocks=1, prefix_caching=False)
+    a = p.new_sequence()
+    ka = fill(a, 3)
+    _, _, old_k, _ = a.views(0)[0]
+    kept = old_k.copy()  # a copy taken while `a` holds the block
+    block = a.block_table[0]
+    a.free()
+    b = p.new_sequence()
+    kb = fill(b, 3, start=1000)
+    assert b.block_table[0] == block  # the only block, handed on
+    np.testing.assert_array_equal(old_k, kb)  # the old view now shows b's keys
+    np.testing.assert_array_equal(kept, ka)  # the copy still holds a's
+
+
 def test_fork_shares_blocks_and_copies_on_write():
     p = pool()
     a = p.new_sequence()
