@@ -220,17 +220,20 @@ impl KVCache {
         layer: i64,
         q: &TensorRef,
         out: &TensorRef,
-        window: Option<usize>,
+        window: Option<i64>,
         opts: &AttnOptions<'_>,
     ) -> Result<()> {
         let l = self.check_layer(layer)?;
-        if window == Some(0) {
-            return Err(KvError::InvalidArgument {
-                name: "window",
-                value: "0".into(),
-                reason: "must be >= 1".into(),
-            });
-        }
+        let window = match window {
+            Some(w) if w < 1 => {
+                return Err(KvError::InvalidArgument {
+                    name: "window",
+                    value: w.to_string(),
+                    reason: "must be >= 1".into(),
+                })
+            }
+            w => w.map(|w| w as usize),
+        };
         let end = self.layer_len[l];
         let n = q.shape().first().copied().unwrap_or(0);
         if q.shape().len() == 3 && n > end {

@@ -352,6 +352,8 @@ def throughput(
     `system_len`-token system prompt, a question of 16 to 64 tokens, exactly
     `new_tokens` generated each), with a pool large enough for all of them; prints and
     returns `(n, generated tokens/s, seconds)` per `n`, and plots tokens/s against `n`."""
+    from tqdm import tqdm  # type: ignore[import-untyped]
+
     model = make_model(seed, layers)
     results = []
     print(f"{'concurrent requests':>19} {'generated tokens/s':>18} {'wall time':>10} {'steps':>6}")
@@ -361,7 +363,7 @@ def throughput(
             r.arrival, r.max_new = 0, new_tokens
         blocks = sum(blocks_for(len(r.prompt) + r.max_new, 16) for r in requests)
         pool = kvrs.BlockPool(layers, 2, 32, block_size=16, num_blocks=blocks, dtype="float32")
-        with _Quiet() as bar:
+        with tqdm(total=n, disable=True) as bar:
             trace = serve(model, pool, requests, bar)
         generated = sum(len(r.generated) for r in requests)
         results.append((n, generated / trace.seconds, trace.seconds))
@@ -370,22 +372,6 @@ def throughput(
         plot_throughput(results, plot_path)
         print(f"plot: {plot_path}")
     return results
-
-
-class _Quiet:
-    """A progress bar that shows nothing."""
-
-    def __enter__(self) -> _Quiet:
-        return self
-
-    def __exit__(self, *_args: object) -> None:
-        pass
-
-    def update(self, _n: int) -> None:
-        pass
-
-    def set_postfix(self, **_kwargs: Any) -> None:
-        pass
 
 
 def plot_throughput(results: list[tuple[int, float, float]], path: str) -> None:

@@ -150,7 +150,7 @@ pub unsafe fn attend(
             .iter()
             .all(|r| r.token < q.shape()[0] && r.lo <= r.hi));
     }
-    schedule::run(&mut schedule::Problem::new(
+    schedule::run(&mut schedule::Problem {
         q,
         out,
         num_q_heads,
@@ -159,7 +159,8 @@ pub unsafe fn attend(
         seqs,
         scale,
         opts,
-    ));
+        partial: schedule::SharedF32::NONE,
+    });
     Ok(())
 }
 

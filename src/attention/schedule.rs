@@ -28,8 +28,8 @@ pub(super) struct Problem<'a> {
     pub seqs: &'a [SeqQueries<'a>],
     pub scale: f32,
     pub opts: &'a AttnOptions<'a>,
-    /// Partial results of split items (set by [`run`] when it splits).
-    partial: SharedF32,
+    /// Partial results of split items ([`SharedF32::NONE`] until [`run`] splits).
+    pub partial: SharedF32,
 }
 
 impl<'a> Problem<'a> {
@@ -46,9 +46,17 @@ impl<'a> Problem<'a> {
 
 /// A raw view of the partial buffer that items write disjoint parts of.
 #[derive(Clone, Copy)]
-struct SharedF32 {
+pub(super) struct SharedF32 {
     ptr: *mut f32,
     len: usize,
+}
+
+impl SharedF32 {
+    /// No buffer.
+    pub const NONE: SharedF32 = SharedF32 {
+        ptr: std::ptr::null_mut(),
+        len: 0,
+    };
 }
 
 // SAFETY: items write disjoint ranges of the buffer, which outlives the parallel loop.
@@ -67,42 +75,12 @@ pub(super) struct Item {
     pub hi: usize,
 }
 
-/// A tile and head whose history is split in `splits` items, their partial results at
-/// float offset `partial` (each `rows * (head_dim + 2)` floats).
+/// A tile whose history is split in `splits` items, their partial results at float
+/// offset `partial` (each `rows * heads * (head_dim + 2)` floats, rows per KV head).
 struct Split {
     item: Item,
     splits: usize,
     partial: usize,
-}
-
-impl<'a> Problem<'a> {
-    /// Builds a problem with no partial buffer yet.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn new(
-        q: &'a TensorRef,
-        out: &'a TensorRef,
-        num_q_heads: usize,
-        heads: KvHeads,
-        rows: &'a [QueryRow],
-        seqs: &'a [SeqQueries<'a>],
-        scale: f32,
-        opts: &'a AttnOptions<'a>,
-    ) -> Self {
-        Problem {
-            q,
-            out,
-            num_q_heads,
-            heads,
-            rows,
-            seqs,
-            scale,
-            opts,
-            partial: SharedF32 {
-                ptr: std::ptr::null_mut(),
-                len: 0,
-            },
-        }
-    }
 }
 
 /// Runs every item of `p` on rayon's threads.

@@ -162,7 +162,7 @@ impl PyKVCache {
         layer: i64,
         q: &Bound<'py, PyAny>,
         out: Option<&Bound<'py, PyAny>>,
-        window: Option<usize>,
+        window: Option<i64>,
         scale: Option<f64>,
         softcap: Option<f64>,
         sinks: Option<&Bound<'py, PyAny>>,

@@ -300,6 +300,11 @@ def test_bad_arguments_raise_and_change_nothing():
     batch.cancel()
     assert pool.stats() == before
     pool.check_invariants()
+    cache = kvrs.KVCache(1, 2, 8, 16)
+    cache.append(0, *rng.standard_normal((2, 3, 2, 8)).astype(np.float32))
+    for window in (0, -1):
+        with pytest.raises(ValueError, match=f"window={window}: must be >= 1"):
+            cache.attention(0, q, window=window)
     enc = kvrs.EncoderCache(1, 2, 8, 4)
     with pytest.raises(ValueError, match="set"):
         enc.attention(0, q)

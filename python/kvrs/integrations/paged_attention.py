@@ -43,7 +43,13 @@ def _fallback(module: torch.nn.Module) -> Any:
     config = getattr(module, "config", None)
     if getattr(module, "sinks", None) is None and getattr(config, "attn_logit_softcapping", None) is None:
         return sdpa_attention_forward
-    return sys.modules[type(module).__module__].eager_attention_forward
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        raise kvrs.NotSupportedError(
+            f"{type(module).__name__} needs soft-capping or sinks, which SDPA lacks, and its module has "
+            "no eager_attention_forward to fall back on; pass a ForwardBatch or a kvrs cache instead"
+        )
+    return eager
 
 
 def _additive_mask(mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
