@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 SOURCES := Cargo.toml Cargo.lock pyproject.toml $(shell find src python -type f \( -name '*.rs' -o -name '*.py' -o -name '*.pyi' \) 2>/dev/null)
 
 .DEFAULT_GOAL := help
-.PHONY: help demo test test-rust test-python stubtest check-ptx ptx lint fmt bench bench-rust install clean
+.PHONY: help demo test test-rust test-python test-wheel stubtest check-ptx ptx lint fmt bench bench-rust install wheel clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "} {printf "  make %-12s %s\n", $$1, $$2}'
@@ -27,7 +27,7 @@ install: .stamp-install ## build the extension (release) into .venv with the tes
 demo: .stamp-install ## run the main job: python -m kvrs demo (chat serving on a transformers model, plot in kvrs-demo.png)
 	$(PY) -m kvrs demo
 
-test: test-rust test-python stubtest check-ptx ## build and run every test (Rust, Python, stub check, PTX check)
+test: test-rust test-python test-wheel stubtest check-ptx ## build and run every test (Rust, Python, the wheel, stub check, PTX check)
 
 test-rust: ## cargo test: the core without Python, then the CUDA backend on the simulated device
 	cargo test --release --quiet --features cuda
@@ -35,6 +35,15 @@ test-rust: ## cargo test: the core without Python, then the CUDA backend on the 
 
 test-python: .stamp-install ## pytest (hypothesis state machines, errors, interop)
 	$(PY) -m pytest
+
+wheel: $(VENV)/bin/activate ## build the abi3 wheel (one for every CPython >= 3.10) and the sdist into dist/
+	$(PIP) install --quiet maturin==1.16.0
+	rm -f dist/kvrs-*
+	$(VENV)/bin/maturin build --release --quiet -o dist
+	$(VENV)/bin/maturin sdist -o dist
+
+test-wheel: wheel ## install the wheel into a fresh virtual environment without Rust and smoke-test every class
+	$(PY) tests/wheel/check_wheel.py dist/kvrs-*-abi3-*.whl
 
 stubtest: .stamp-install ## check python/kvrs/_kvrs.pyi against the compiled module
 	$(PY) -m mypy.stubtest kvrs._kvrs

@@ -3,7 +3,10 @@
 Run on a GPU: `python benches/bench_gpu.py`. Prints one table; record the device, driver,
 date and figures in benches/RESULTS.md. Rows: a device-to-device copy of the same bytes
 (the ceiling), prefill scatter of 32k tokens, a decode step writing 256 sequences x 32
-layers, gather of a 32k-token sequence, and block copies.
+layers, gather of a 32k-token sequence, copy-on-write block copies of 256 forks, and
+paged attention (kvrs's kernel reading the blocks in place) against torch SDPA over
+contiguous K/V: decode over one 32k-token sequence, and one decode token for each of 256
+sequences of 2k tokens.
 """
 
 from __future__ import annotations
@@ -39,10 +42,12 @@ def main() -> int:
 
     # Prefill: 32k tokens scattered into one layer's pages.
     n = 32768
-    pool = kvrs.BlockPool(1, heads, dim, bs, n // bs + 8, dtype="float16", device="cuda")
+    pool = kvrs.BlockPool(
+        1, heads, dim, block_size=bs, num_blocks=n // bs + 8, dtype="float16", device="cuda"
+    )
     seq = pool.new_sequence()
     k = torch.randn(n, heads, dim, device="cuda", dtype=torch.float16)
-    slots = pool.reserve([seq.id], [n])
+    slots = pool.reserve([seq], [n])
     nbytes = 2 * k.numel() * 2
     ceiling = timed(torch, lambda: k.clone())
     rows.append(("device copy (ceiling)", nbytes / ceiling / 1e9, "GB/s"))
@@ -57,13 +62,15 @@ def main() -> int:
     # Gather of the whole sequence.
     pool.write(0, k, k, slots)
     seq.advance(n)
-    out = (torch.empty(heads, n, dim, device="cuda", dtype=torch.float16),) * 2
+    out = tuple(torch.empty(heads, n, dim, device="cuda", dtype=torch.float16) for _ in range(2))
     rows.append(("gather 32k tokens", nbytes / timed(torch, lambda: seq.get(0, out=out)) / 1e9, "GB/s"))
 
     # Decode step: 256 sequences x 32 layers, one token each.
-    dec = kvrs.BlockPool(32, heads, dim, bs, 256 * 2 + 8, dtype="float16", device="cuda")
-    ids = [dec.new_sequence().id for _ in range(256)]
-    step = dec.reserve(ids, [1] * 256)
+    dec = kvrs.BlockPool(
+        32, heads, dim, block_size=bs, num_blocks=256 * 2 + 8, dtype="float16", device="cuda"
+    )
+    dec_seqs = [dec.new_sequence() for _ in range(256)]
+    step = dec.reserve(dec_seqs, [1] * 256)
     x = torch.randn(256, heads, dim, device="cuda", dtype=torch.float16)
 
     def decode() -> None:
@@ -71,6 +78,80 @@ def main() -> int:
             dec.write(layer, x, x, step)
 
     rows.append(("decode write 256 seqs x 32 layers", timed(torch, decode) * 1e6, "us"))
+
+    # Copy-on-write: 256 forks of a sequence whose last block is partial each write one
+    # token; start_forward copies 256 blocks x 32 layers (one kvrs_copy_blocks launch).
+    cow = kvrs.BlockPool(
+        32,
+        heads,
+        dim,
+        block_size=bs,
+        num_blocks=8 + 2 * 256,
+        dtype="float16",
+        device="cuda",
+        prefix_caching=False,
+    )
+    parent = cow.new_sequence()
+    for layer in range(32):
+        parent.append(layer, x[:9], x[:9])
+    parent.advance(9)
+    times = []
+    for _ in range(11):
+        forks = [parent.fork() for _ in range(256)]
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        cow.start_forward(forks).cancel()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+        for f in forks:
+            f.free()
+    t_cow = sorted(times[1:])[5]
+    moved = 2 * 256 * cow.bytes_per_block  # read and written
+    rows.append(("copy-on-write 256 forks x 32 layers (host+GPU)", t_cow * 1e6, "us"))
+    rows.append(("copy-on-write 256 forks x 32 layers", moved / t_cow / 1e9, "GB/s"))
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    # Decode attention over one sequence of 32k tokens (32 query heads over 8 KV heads).
+    q = torch.randn(1, 32, dim, device="cuda", dtype=torch.float16)
+    kc = k.transpose(0, 1)[None].contiguous()  # [1, heads, n, dim]
+    tq = q.transpose(0, 1)[None]
+    t_kvrs = timed(torch, lambda: seq.attention(0, q))
+    t_sdpa = timed(torch, lambda: sdpa(tq, kc, kc, enable_gqa=True))
+    rows.append(("attention decode 32k: kvrs", t_kvrs * 1e6, "us"))
+    rows.append(("attention decode 32k: SDPA contiguous", t_sdpa * 1e6, "us"))
+    rows.append(("attention decode 32k: kvrs K/V read", nbytes / t_kvrs / 1e9, "GB/s"))
+
+    # One decode token for each of 256 sequences of 2k tokens.
+    many = kvrs.BlockPool(
+        1,
+        heads,
+        dim,
+        block_size=bs,
+        num_blocks=256 * 130 + 8,
+        dtype="float16",
+        device="cuda",
+        prefix_caching=False,
+    )
+    hist = torch.randn(2048, heads, dim, device="cuda", dtype=torch.float16)
+    seqs = []
+    for _ in range(256):
+        s = many.new_sequence()
+        s.append(0, hist, hist)
+        s.advance(2048)
+        seqs.append(s)
+    qb = torch.randn(256, 32, dim, device="cuda", dtype=torch.float16)
+    one = torch.randn(256, heads, dim, device="cuda", dtype=torch.float16)
+    batch = many.start_forward(seqs)
+    batch.put(0, one, one)
+    kb = torch.cat([hist, one[:1]])[None].transpose(1, 2).expand(256, -1, -1, -1).contiguous()
+    t_batch = timed(torch, lambda: batch.attention(0, qb))
+    t_sdpa_b = timed(torch, lambda: sdpa(qb[:, :, None], kb, kb, enable_gqa=True))
+    batch.cancel()
+    rows.append(("attention 256 x 2k decode: kvrs", t_batch * 1e6, "us"))
+    rows.append(("attention 256 x 2k decode: SDPA padded", t_sdpa_b * 1e6, "us"))
+    rows.append(("attention 256 x 2k: kvrs K/V read", 256 * 2049 * heads * dim * 4 / t_batch / 1e9, "GB/s"))
 
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     for name, value, unit in rows:

@@ -165,35 +165,61 @@ __device__ void append_contiguous(const S* k, const S* v, TokenStrides ks, Token
 // Largest head_dim the attention kernel takes (its accumulator lives in registers).
 constexpr int KVRS_MAX_HEAD_DIM = 256;
 
+// Finishes one query row's head from its running max m, denominator l and unnormalised
+// output acc: adds the head's sink to the denominator (sinks: null for none), divides
+// and writes o[0..head_dim) in T.
+template <typename T>
+__device__ void finish_head(T* o, const float* acc, float m, float l, const float* sinks, int h, int head_dim) {
+    const float neg_inf = -__builtin_huge_valf();
+    float f = 1.0f;
+    if (sinks) {
+        const float mx = fmaxf(m, sinks[h]);
+        f = m == neg_inf ? 0.0f : expf(m - mx);
+        l = l * f + expf(sinks[h] - mx);
+    }
+    const float inv = l > 0.0f ? f / l : 0.0f;
+    for (int d = 0; d < head_dim; ++d) o[d] = from_f32<T>(acc[d] * inv);
+}
+
 // Paged attention, the CPU core's semantics: query row r (rows[5r..5r+5] = token, offset of
 // its sequence's block table in `tables`, position, first and one-past-last visible
 // position) attends, for each query head, over positions lo..hi of its own sequence,
 // read through the block table; f32 scores and an online softmax; scale, soft-capping
 // (softcap > 0), sinks and ALiBi slopes (null: none) as in kvrs::attention. q is
 // [tokens, q_heads, head_dim] with element strides (token, head); out is C-contiguous.
-// Grid (rows); one thread per query head. No shared memory, no barriers: each thread
-// streams its head's history alone (a first kernel; a GPU run will tell what to tune).
+//
+// Flash-decoding: grid (rows, splits), one thread per query head; split s of a row reads
+// positions lo + s * chunk .. min(hi, lo + (s + 1) * chunk), so a long history is read
+// by many threads at once. With `partial` (splits > 1) each split writes its running max,
+// denominator and unnormalised output there, [rows, splits, q_heads, 2 + head_dim] f32,
+// and kvrs_attention_merge combines them; without it (one split) the thread finishes the
+// row itself. No shared memory, no barriers, so the simulated device runs it exactly.
 template <typename T>
 __device__ void paged_attention(const T* q, TokenStrides qs, T* out, const T* cache, const int32_t* tables,
                                 const int64_t* rows, int q_heads, float scale, float softcap, const float* sinks,
-                                const float* alibi, int bs, int heads, int head_dim, int hnd) {
+                                const float* alibi, int64_t chunk, float* partial, int bs, int heads,
+                                int head_dim, int hnd) {
     const int64_t* row = rows + 5 * (int64_t)blockIdx.x;
-    const int64_t token = row[0], pos = row[2], lo = row[3], hi = row[4];
+    const int64_t token = row[0], pos = row[2], hi = row[4];
+    const int64_t begin = row[3] + (int64_t)blockIdx.y * chunk;
+    const int64_t end = begin + chunk < hi ? begin + chunk : hi;
     const int32_t* table = tables + row[1];
     for (int h = threadIdx.x; h < q_heads; h += blockDim.x) {
         const int kvh = h / (q_heads / heads);
         const T* qv = q + token * qs.tok + h * qs.head;
-        float acc[KVRS_MAX_HEAD_DIM];
-        for (int d = 0; d < head_dim; ++d) acc[d] = 0.0f;
+        float qf[KVRS_MAX_HEAD_DIM], acc[KVRS_MAX_HEAD_DIM];
+        for (int d = 0; d < head_dim; ++d) {
+            qf[d] = to_f32(qv[d]) * scale;
+            acc[d] = 0.0f;
+        }
         const float neg_inf = -__builtin_huge_valf();
         float m = neg_inf, l = 0.0f;
-        for (int64_t p = lo; p < hi; ++p) {
+        for (int64_t p = begin; p < end; ++p) {
             const int64_t block = table[p / bs], off = p % bs;
             const T* k = cache + paged_offset(block, 0, off, kvh, 0, bs, heads, head_dim, hnd);
             const T* v = cache + paged_offset(block, 1, off, kvh, 0, bs, heads, head_dim, hnd);
             float s = 0.0f;
-            for (int d = 0; d < head_dim; ++d) s += to_f32(qv[d]) * to_f32(k[d]);
-            s *= scale;
+            for (int d = 0; d < head_dim; ++d) s += qf[d] * to_f32(k[d]);
             if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
             if (alibi) s += alibi[h] * (float)(p - pos);
             const float mx = fmaxf(m, s);
@@ -203,15 +229,48 @@ __device__ void paged_attention(const T* q, TokenStrides qs, T* out, const T* ca
             for (int d = 0; d < head_dim; ++d) acc[d] = acc[d] * f + w * to_f32(v[d]);
             m = mx;
         }
+        if (partial) {
+            float* w = partial + (((int64_t)blockIdx.x * gridDim.y + blockIdx.y) * q_heads + h) * (2 + head_dim);
+            w[0] = m;
+            w[1] = l;
+            for (int d = 0; d < head_dim; ++d) w[2 + d] = acc[d];
+        } else {
+            finish_head<T>(out + (token * q_heads + h) * head_dim, acc, m, l, sinks, h, head_dim);
+        }
+    }
+}
+
+// The splits of kvrs_paged_attention combined by their log-sum-exp: grid (rows), threads
+// stride over q_heads * head_dim, each one output element (the split maxima and
+// denominators are re-read per element: a handful of words, cached).
+template <typename T>
+__device__ void attention_merge(const float* partial, int splits, const int64_t* rows, T* out, int q_heads,
+                                const float* sinks, int head_dim) {
+    const int64_t token = rows[5 * (int64_t)blockIdx.x];
+    const float neg_inf = -__builtin_huge_valf();
+    for (int i = threadIdx.x; i < q_heads * head_dim; i += blockDim.x) {
+        const int h = i / head_dim, d = i % head_dim;
+        const float* w = partial + ((int64_t)blockIdx.x * splits * q_heads + h) * (2 + head_dim);
+        const int64_t stride = (int64_t)q_heads * (2 + head_dim);
+        float m = neg_inf;
+        for (int s = 0; s < splits; ++s) m = fmaxf(m, w[s * stride]);
+        float l = 0.0f, o = 0.0f;
+        if (m != neg_inf) {
+            for (int s = 0; s < splits; ++s) {
+                const float ms = w[s * stride];
+                if (ms == neg_inf) continue;
+                const float f = expf(ms - m);
+                l += w[s * stride + 1] * f;
+                o += w[s * stride + 2 + d] * f;
+            }
+        }
+        float f = 1.0f;
         if (sinks) {
             const float mx = fmaxf(m, sinks[h]);
-            const float f = m == neg_inf ? 0.0f : expf(m - mx);
+            f = m == neg_inf ? 0.0f : expf(m - mx);
             l = l * f + expf(sinks[h] - mx);
-            for (int d = 0; d < head_dim; ++d) acc[d] *= f;
         }
-        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-        T* o = out + (token * q_heads + h) * head_dim;
-        for (int d = 0; d < head_dim; ++d) o[d] = from_f32<T>(acc[d] * inv);
+        out[(token * q_heads + h) * head_dim + d] = from_f32<T>(l > 0.0f ? o * f / l : 0.0f);
     }
 }
 
@@ -261,9 +320,13 @@ extern "C" __global__ void kvrs_advance_counter(int64_t* position, int64_t n) {
     extern "C" __global__ void kvrs_paged_attention_##TN(                                                    \
         const T* q, int64_t q_tok, int64_t q_head, T* out, const T* cache, const int32_t* tables,              \
         const int64_t* rows, int q_heads, float scale, float softcap, const float* sinks, const float* alibi,  \
-        int bs, int heads, int head_dim, int hnd) {                                                            \
+        int64_t chunk, float* partial, int bs, int heads, int head_dim, int hnd) {                             \
         paged_attention<T>(q, {q_tok, q_head}, out, cache, tables, rows, q_heads, scale, softcap, sinks,       \
-                           alibi, bs, heads, head_dim, hnd);                                                   \
+                           alibi, chunk, partial, bs, heads, head_dim, hnd);                                   \
+    }                                                                                                          \
+    extern "C" __global__ void kvrs_attention_merge_##TN(const float* partial, int splits, const int64_t* rows, \
+                                                         T* out, int q_heads, const float* sinks, int head_dim) { \
+        attention_merge<T>(partial, splits, rows, out, q_heads, sinks, head_dim);                              \
     }                                                                                                          \
     extern "C" __global__ void kvrs_gather_##TN(const T* const* cache, const int32_t* table, int64_t start,   \
                                                 T* const* out_k, T* const* out_v, int64_t k_head,             \

@@ -511,6 +511,12 @@ impl KVCache {
     }
 
     /// Validates a block request; returns (layer, start, block_size, positions inside the cache).
+    /// Checks `extract_block`/`inject_block` arguments without touching any tensor, so
+    /// callers can refuse bad ones before allocating outputs.
+    pub fn check_block_args(&self, layer: i64, start_pos: i64, block_size: i64) -> Result<()> {
+        self.check_block(layer, start_pos, block_size).map(|_| ())
+    }
+
     fn check_block(
         &self,
         layer: i64,
@@ -520,11 +526,11 @@ impl KVCache {
         let layer = self.check_layer(layer)?;
         let start = check_index("start_pos", start_pos, self.shape.max_seq_len)?;
         let bs = check_count("block_size", block_size)?;
-        if bs == 0 {
+        if bs == 0 || bs > self.shape.max_seq_len {
             return Err(KvError::InvalidArgument {
                 name: "block_size",
-                value: "0".into(),
-                reason: "must be >= 1".into(),
+                value: bs.to_string(),
+                reason: format!("must be in 1..={} (max_seq_len)", self.shape.max_seq_len),
             });
         }
         let inside = bs.min(self.shape.max_seq_len - start);

@@ -166,7 +166,8 @@ fn a_host_cache_refuses_device_tensors() {
 
 /// The paged attention kernel on the simulated device against the CPU core on the same
 /// pool contents: ragged batches of three sequences (one forked), full and sliding
-/// layers, NHD and HND, GQA, soft-capping, sinks and ALiBi, every dtype.
+/// layers, NHD and HND, GQA, soft-capping, sinks and ALiBi, every dtype; histories
+/// short enough for one thread and long enough to be split.
 #[test]
 fn paged_attention_kernel_equals_the_cpu_core() {
     use half::{bf16, f16};
@@ -181,7 +182,7 @@ fn paged_attention_kernel_equals_the_cpu_core() {
                 num_kv_heads: h,
                 head_dim: d,
                 block_size: 4,
-                num_blocks: 64,
+                num_blocks: 256,
                 layout,
             };
             let attention = Attention {
@@ -200,7 +201,8 @@ fn paged_attention_kernel_equals_the_cpu_core() {
             for pool in &mut pools {
                 let dev = pool.device();
                 let mut ids = Vec::new();
-                for (i, n) in [7usize, 0, 13].into_iter().enumerate() {
+                // 150 positions: split across threads and merged (flash-decoding).
+                for (i, n) in [7usize, 0, 150].into_iter().enumerate() {
                     let id = pool.new_sequence();
                     for layer in 0..2 {
                         let (k, v) = (

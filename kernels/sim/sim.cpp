@@ -44,7 +44,8 @@ struct Entry {
 #define K_INPUTS(PREFIX, TN) K(PREFIX##_f32_##TN), K(PREFIX##_f16_##TN), K(PREFIX##_bf16_##TN)
 #define K_STORAGE(TN) \
     K_INPUTS(kvrs_scatter, TN), K_INPUTS(kvrs_append_contiguous, TN), K_INPUTS(kvrs_copy3, TN), \
-        K(kvrs_gather_##TN), K(kvrs_rope_rotate_##TN), K(kvrs_paged_attention_##TN)
+        K(kvrs_gather_##TN), K(kvrs_rope_rotate_##TN), K(kvrs_paged_attention_##TN),              \
+        K(kvrs_attention_merge_##TN)
 
 const Entry KERNELS[] = {
     K(kvrs_copy_blocks), K(kvrs_advance_counter), K_STORAGE(f32), K_STORAGE(f16), K_STORAGE(bf16),

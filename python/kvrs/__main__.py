@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.no_plot
             else (args.plot if args.plot != DEMO_PLOT else "kvrs-throughput.png"),
             seed=args.seed,
+            device=args.device,
         )
         return 0
     return demo_module.run(

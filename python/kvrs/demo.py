@@ -165,8 +165,9 @@ def serve(model: Any, pool: kvrs.BlockPool, requests: list[Request], progress: A
             with torch.no_grad(), pool.start_forward(seqs, tokens=ids) as batch:
                 logits = forward_batch(model, batch, ids)  # commits when the block ends
             trace.tokens_computed += len(ids)
-            for (r, _), i in zip(running, last, strict=True):
-                r.tokens.append(int(logits[i].argmax()))
+            chosen = logits[last].argmax(-1).tolist()  # one device-to-host copy per step
+            for (r, _), token in zip(running, chosen, strict=True):
+                r.tokens.append(token)
         st = pool.stats()
         trace.used.append(st["used_blocks"])
         trace.cached.append(st["evictable_blocks"])
@@ -196,7 +197,7 @@ def serve_with_dynamic_cache(model: Any, requests: list[Request]) -> tuple[list[
     t0 = time.perf_counter()
     with torch.no_grad():
         for r in requests:
-            ids = torch.tensor([r.prompt])
+            ids = torch.tensor([r.prompt], device=model.device)
             out = model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
@@ -347,6 +348,7 @@ def throughput(
     layers: int = 8,
     plot_path: str | None = "kvrs-throughput.png",
     seed: int = 0,
+    device: str = "cpu",
 ) -> list[tuple[int, float, float]]:
     """Serves `n` requests arriving at once, for each `n` of `concurrency` (a shared
     `system_len`-token system prompt, a question of 16 to 64 tokens, exactly
@@ -354,7 +356,7 @@ def throughput(
     returns `(n, generated tokens/s, seconds)` per `n`, and plots tokens/s against `n`."""
     from tqdm import tqdm  # type: ignore[import-untyped]
 
-    model = make_model(seed, layers)
+    model = make_model(seed, layers).to(device)
     results = []
     print(f"{'concurrent requests':>19} {'generated tokens/s':>18} {'wall time':>10} {'steps':>6}")
     for n in concurrency:
@@ -362,7 +364,7 @@ def throughput(
         for r in requests:
             r.arrival, r.max_new = 0, new_tokens
         blocks = sum(blocks_for(len(r.prompt) + r.max_new, 16) for r in requests)
-        pool = kvrs.BlockPool(layers, 2, 32, block_size=16, num_blocks=blocks, dtype="float32")
+        pool = kvrs.BlockPool(layers, 2, 32, block_size=16, num_blocks=blocks, dtype="float32", device=device)
         with tqdm(total=n, disable=True) as bar:
             trace = serve(model, pool, requests, bar)
         generated = sum(len(r.generated) for r in requests)

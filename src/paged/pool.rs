@@ -670,11 +670,33 @@ impl BlockPool {
         keys: &TensorRef,
         values: &TensorRef,
     ) -> Result<(usize, usize, usize)> {
+        let (layer, start, n) = self.check_block_args(layer, start_pos, block_size)?;
+        let sh = self.shape;
+        expect_block_pair(keys, values, [sh.num_kv_heads, n, sh.head_dim])?;
+        Ok((layer, start, n))
+    }
+
+    /// Checks `extract_block`/`inject_block` arguments without touching any tensor (so
+    /// callers can refuse bad ones before allocating outputs): a layer of the pool, and
+    /// a block no longer than the pool holds (`num_blocks * block_size` positions).
+    pub fn check_block_args(
+        &self,
+        layer: i64,
+        start_pos: i64,
+        block_size: i64,
+    ) -> Result<(usize, usize, usize)> {
         let sh = self.shape;
         let layer = check_index("layer", layer, sh.num_layers)?;
         let start = check_count("start_pos", start_pos)?;
         let n = check_count("block_size", block_size)?;
-        expect_block_pair(keys, values, [sh.num_kv_heads, n, sh.head_dim])?;
+        let capacity = sh.num_blocks * sh.block_size;
+        if n > capacity {
+            return Err(KvError::InvalidArgument {
+                name: "block_size",
+                value: n.to_string(),
+                reason: format!("must be <= {capacity} (the positions the pool holds)"),
+            });
+        }
         Ok((layer, start, n))
     }
 

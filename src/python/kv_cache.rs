@@ -409,14 +409,9 @@ impl PyKVCache {
         start_pos: i64,
         block_size: i64,
     ) -> PyResult<Bound<'py, PyTuple>> {
-        if block_size < 1 {
-            return Err(KvError::InvalidArgument {
-                name: "block_size",
-                value: block_size.to_string(),
-                reason: "must be >= 1".into(),
-            }
-            .into());
-        }
+        self.inner
+            .read()
+            .check_block_args(layer, start_pos, block_size)?;
         let shape = [
             self.shape.num_kv_heads,
             block_size as usize,

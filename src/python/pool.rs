@@ -857,14 +857,9 @@ impl PySequence {
         block_size: i64,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let pool = self.pool_ref();
-        if block_size < 0 {
-            return Err(KvError::InvalidArgument {
-                name: "block_size",
-                value: block_size.to_string(),
-                reason: "must be >= 0".into(),
-            }
-            .into());
-        }
+        pool.inner
+            .lock()
+            .check_block_args(layer, start_pos, block_size)?;
         let shape = [
             pool.shape.num_kv_heads,
             block_size as usize,

@@ -24,6 +24,9 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 def t(x: kvrs.DeviceTensor | np.ndarray) -> torch.Tensor:
+    """A torch tensor over a device tensor or a host array (ml_dtypes bfloat16 included)."""
+    if isinstance(x, np.ndarray) and x.dtype.name == "bfloat16":
+        return torch.from_numpy(x.view(np.uint16)).view(torch.bfloat16)
     return torch.from_dlpack(x)
 
 
@@ -100,7 +103,7 @@ def test_pool_write_gather_and_fork_match_the_host(layout):
 
 
 def test_kv_cache_tensor_is_flashinfer_shaped_and_shared():
-    pool = kvrs.BlockPool(1, 2, 8, 4, 8, dtype="float16", device="cuda")
+    pool = kvrs.BlockPool(1, 2, 8, block_size=4, num_blocks=8, dtype="float16", device="cuda")
     view = t(pool.kv_cache(0))
     assert tuple(view.shape) == (8, 2, 4, 2, 8)
     s = pool.new_sequence()
@@ -112,7 +115,7 @@ def test_kv_cache_tensor_is_flashinfer_shaped_and_shared():
 
 def test_captured_decode_loop_replays_without_host_round_trips():
     heads, dim, layers = 2, 16, 3
-    c = kvrs.KVCache(layers, heads, dim, 64, dtype="float16", device="cuda")
+    c = kvrs.KVCache(layers, heads, dim, 128, dtype="float16", device="cuda")
     k_in = torch.zeros(1, heads, dim, device="cuda", dtype=torch.float16)
     c.gpu_counter_ptr()
     stream = torch.cuda.Stream()
@@ -124,13 +127,23 @@ def test_captured_decode_loop_replays_without_host_round_trips():
             c.append_at_counter(layer, k_in, k_in)
         c.advance_counter(1)
     expected = []
-    for step in range(10):
+    for step in range(100):
         k_in.fill_(float(step))
         graph.replay()
         expected.append(float(step))
     torch.cuda.synchronize()
     c.set_stream(None)
-    assert c.sync_counter_from_gpu() == 10
+    assert c.sync_counter_from_gpu() == 100
+    # The same 100 appends from the host, on a second cache: equal bit for bit.
+    host = kvrs.KVCache(layers, heads, dim, 128, dtype="float16", device="cuda")
+    for step in range(100):
+        x = torch.full((1, heads, dim), float(step), device="cuda", dtype=torch.float16)
+        for layer in range(layers):
+            host.append(layer, x, x)
+        host.advance(1)
+    for layer in range(layers):
+        assert torch.equal(t(c.get(layer)[0]), t(host.get(layer)[0]))
+        assert torch.equal(t(c.get(layer)[1]), t(host.get(layer)[1]))
     got = t(c.get(0)[0]).float().cpu()[0, :, 0].tolist()
     assert got == expected
 
@@ -166,3 +179,52 @@ def test_paged_attention_kernel_matches_the_cpu_core(dtype, layout):
     tol = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}[dtype]
     for gpu_out, cpu_out in zip(outs[0], outs[1], strict=True):
         assert torch.allclose(gpu_out, cpu_out, atol=tol, rtol=tol)
+
+
+def test_cupy_arrays_in_and_out_share_memory():
+    cp = pytest.importorskip("cupy")
+    c = kvrs.KVCache(1, 2, 8, 16, dtype="float32", device="cuda")
+    k = cp.arange(3 * 2 * 8, dtype=cp.float32).reshape(3, 2, 8)
+    c.append(0, k, -k)
+    c.advance(3)
+    kd, vd = c.get(0)
+    ck = cp.from_dlpack(kd)
+    assert ck.data.ptr == kd.data_ptr
+    assert bool((ck == k.transpose(1, 0, 2)).all()) and bool((cp.from_dlpack(vd) == -ck).all())
+    pool = kvrs.BlockPool(1, 2, 8, block_size=4, num_blocks=4, dtype="float16", device="cuda")
+    view = cp.from_dlpack(pool.kv_cache(0))
+    assert view.data.ptr == pool.kv_cache(0).data_ptr and view.shape == (4, 2, 4, 2, 8)
+
+
+def test_appends_follow_the_stream_they_are_given():
+    """Work queued on a side stream before the append is seen by it: kvrs launches on
+    the stream set_stream names, so stream order alone makes the copy correct."""
+    c = kvrs.KVCache(1, 8, 128, 4096, dtype="float16", device="cuda")
+    stream = torch.cuda.Stream()
+    c.set_stream(stream.cuda_stream)
+    with torch.cuda.stream(stream):
+        k = torch.zeros(4096, 8, 128, device="cuda", dtype=torch.float16)
+        for _ in range(20):  # long enough that a launch on another stream would race it
+            k.add_(1)
+        c.append(0, k, k)
+    c.set_stream(None)
+    stream.synchronize()
+    c.advance(4096)
+    assert bool((t(c.get(0)[0]) == 20).all())
+
+
+def test_sequence_attention_on_the_gpu_matches_torch_sdpa():
+    g = torch.Generator(device="cuda").manual_seed(4)
+    pool = kvrs.BlockPool(1, 2, 64, block_size=16, num_blocks=64, dtype="float16", device="cuda")
+    s = pool.new_sequence()
+    k = torch.randn(300, 2, 64, device="cuda", generator=g).half()
+    v = torch.randn(300, 2, 64, device="cuda", generator=g).half()
+    s.append(0, k, v)
+    s.advance(300)
+    q = torch.randn(1, 8, 64, device="cuda", generator=g).half()
+    # The last position attends over the whole history (a decode step re-run).
+    out = t(s.attention(0, q)).float()
+    kk = k.float().permute(1, 0, 2).repeat_interleave(4, 0)
+    vv = v.float().permute(1, 0, 2).repeat_interleave(4, 0)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float().permute(1, 0, 2), kk, vv)
+    torch.testing.assert_close(out, ref.permute(1, 0, 2), atol=2e-3, rtol=2e-3)

@@ -34,9 +34,9 @@ STORAGE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bflo
 """The torch dtypes kvrs stores, by their kvrs names."""
 
 
-def as_torch(view: np.ndarray) -> torch.Tensor:
-    """A torch tensor over a kvrs array, without a copy."""
-    if view.dtype.name == "bfloat16":
+def as_torch(view: np.ndarray | kvrs.DeviceTensor) -> torch.Tensor:
+    """A torch tensor over a kvrs array (host) or DeviceTensor (CUDA), without a copy."""
+    if isinstance(view, np.ndarray) and view.dtype.name == "bfloat16":
         # NumPy cannot export bfloat16 through DLPack: reinterpret its bits.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only views; torch only reads them

@@ -140,7 +140,8 @@ def forward_batch(model: Any, batch: kvrs.ForwardBatch, token_ids: Any) -> torch
     vocab = model.config.get_text_config().vocab_size
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
         raise ValueError(f"token_ids must lie in [0, {vocab}) (the model's vocab_size)")
-    ids = ids.reshape(1, -1)
-    positions = torch.from_numpy(batch.positions).reshape(1, -1)
+    device = model.device  # the pool's device too: batch.put takes the model's K/V as they are
+    ids = ids.reshape(1, -1).to(device)
+    positions = torch.from_numpy(batch.positions).reshape(1, -1).to(device)
     out = model(input_ids=ids, position_ids=positions, kvrs_batch=batch, use_cache=False)
     return out.logits[0]

@@ -1,8 +1,9 @@
-//! Paged attention on the device: one launch of `kvrs_paged_attention_*` for a batch of
-//! query rows, with the semantics of [`crate::attention`] (the CPU core), against which
-//! the simulated device checks it.
+//! Paged attention on the device: `kvrs_paged_attention_*` for a batch of query rows,
+//! with the semantics of [`crate::attention`] (the CPU core), against which the
+//! simulated device checks it. Long histories are split across threads (flash-decoding)
+//! and the splits merged by `kvrs_attention_merge_*`.
 
-use super::gpu::{attention_kernel, Args};
+use super::gpu::{attention_kernel, attention_merge_kernel, Args};
 use super::storage::CudaStorage;
 use crate::attention::AttnOptions;
 use crate::error::{KvError, Result};
@@ -12,6 +13,46 @@ use crate::tensor::TensorRef;
 
 /// Largest head_dim the kernel takes (`KVRS_MAX_HEAD_DIM` in `kernels/kvrs.cu`).
 pub const MAX_HEAD_DIM: usize = 256;
+
+/// Fewest positions one thread of the attention kernel reads when a history is split.
+const MIN_CHUNK: usize = 64;
+
+/// Threads the split aims to keep busy: enough to fill an H100 a few times over.
+const TARGET_THREADS: usize = 1 << 17;
+
+/// Most bytes of split results (the workspace the merge reads).
+const MAX_WORKSPACE: usize = 256 << 20;
+
+/// Positions per split and splits per row for `rows` of `q_heads` heads: every history
+/// longer than a chunk is split, chunks grow until the splits' results fit in
+/// [`MAX_WORKSPACE`] and a grid dimension (65,535); `(longest, 1)` means no split.
+fn split_plan(rows: &[DeviceRow], q_heads: usize, head_dim: usize) -> (usize, usize) {
+    let longest = rows
+        .iter()
+        .map(|r| (r[4] - r[3]).max(0) as usize)
+        .max()
+        .unwrap_or(0);
+    let work = rows
+        .iter()
+        .map(|r| (r[4] - r[3]).max(0) as usize)
+        .sum::<usize>()
+        * q_heads;
+    let mut chunk = work
+        .div_ceil(TARGET_THREADS)
+        .next_multiple_of(MIN_CHUNK)
+        .max(MIN_CHUNK);
+    loop {
+        let splits = longest.div_ceil(chunk);
+        let bytes = rows.len() * splits * q_heads * (2 + head_dim) * 4;
+        if splits <= 1 {
+            return (longest.max(1), 1);
+        }
+        if bytes <= MAX_WORKSPACE && splits <= 65_535 {
+            return (chunk, splits);
+        }
+        chunk *= 2;
+    }
+}
 
 /// One query row for the kernel: `[token, offset of its block table in the tables,
 /// position, first visible position, one past the last]`.
@@ -79,7 +120,13 @@ impl CudaStorage {
             }
         };
         let cache = self.device_addr(sh.block_offset(t.index, 0));
-        self.with_upload(fill, |base| {
+        let (chunk, splits) = split_plan(rows, q_heads, sh.head_dim);
+        let workspace = if splits > 1 {
+            rows.len() * splits * q_heads * (2 + sh.head_dim) * 4
+        } else {
+            0
+        };
+        self.with_upload_and_scratch(fill, workspace, |base, partial| {
             let at = |words: usize| base + 8 * words as u64;
             let args = Args::new()
                 .u64(q.as_ptr() as u64)
@@ -94,19 +141,45 @@ impl CudaStorage {
                 .f32(opts.softcap.unwrap_or(0.0))
                 .u64(opts.sinks.map_or(0, |_| at(sinks_at)))
                 .u64(opts.alibi_slopes.map_or(0, |_| at(alibi_at)))
+                .i64(chunk as i64)
+                .u64(if splits > 1 { partial } else { 0 })
                 .i32(sh.block_size as i32)
                 .i32(sh.num_kv_heads as i32)
                 .i32(sh.head_dim as i32)
                 .i32(i32::from(sh.layout == KvLayout::Hnd));
             let threads = (q_heads as u32).clamp(1, 1024);
             // SAFETY: the rows' positions are held by their tables (the pool built them),
-            // q and out are device tensors of the checked shape and dtype.
+            // q and out are device tensors of the checked shape and dtype, and the
+            // workspace holds rows x splits x q_heads x (2 + head_dim) f32.
             unsafe {
                 self.gpu().launch(
                     attention_kernel(self.dtype()),
-                    [rows.len() as u32, 1, 1],
+                    [rows.len() as u32, splits as u32, 1],
                     [threads, 1, 1],
                     &args,
+                    self.stream(),
+                )?;
+            }
+            if splits == 1 {
+                return Ok(());
+            }
+            let merge = Args::new()
+                .u64(partial)
+                .i32(splits as i32)
+                .u64(at(0))
+                .u64(out.as_mut_ptr() as u64)
+                .i32(q_heads as i32)
+                .u64(opts.sinks.map_or(0, |_| at(sinks_at)))
+                .i32(sh.head_dim as i32);
+            let threads = ((q_heads * sh.head_dim) as u32).clamp(32, 256);
+            // SAFETY: the first launch wrote every split's results (stream order); out
+            // holds rows' tokens x q_heads x head_dim.
+            unsafe {
+                self.gpu().launch(
+                    attention_merge_kernel(self.dtype()),
+                    [rows.len() as u32, 1, 1],
+                    [threads, 1, 1],
+                    &merge,
                     self.stream(),
                 )
             }

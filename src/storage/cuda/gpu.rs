@@ -189,6 +189,15 @@ pub fn attention_kernel(dtype: DType) -> &'static str {
     ][dtype_index(dtype)]
 }
 
+/// The kernel that merges the attention kernel's splits, for storage of `dtype`.
+pub fn attention_merge_kernel(dtype: DType) -> &'static str {
+    [
+        "kvrs_attention_merge_f32",
+        "kvrs_attention_merge_f16",
+        "kvrs_attention_merge_bf16",
+    ][dtype_index(dtype)]
+}
+
 /// The gather kernel for storage of `dtype`.
 pub fn gather_kernel(dtype: DType) -> &'static str {
     ["kvrs_gather_f32", "kvrs_gather_f16", "kvrs_gather_bf16"][dtype_index(dtype)]

@@ -138,22 +138,37 @@ impl CudaStorage {
         fill: impl FnOnce(&mut Vec<u64>),
         f: impl FnOnce(DevicePtr) -> Result<R>,
     ) -> Result<R> {
+        self.with_upload_and_scratch(fill, 0, |base, _| f(base))
+    }
+
+    /// [`Self::with_upload`], with `scratch` more bytes of device memory for the
+    /// launches' own use, passed to `f` after the upload's address (256-byte aligned;
+    /// valid while `f` runs, and reused by later calls on the stream order).
+    pub(super) fn with_upload_and_scratch<R>(
+        &self,
+        fill: impl FnOnce(&mut Vec<u64>),
+        scratch: usize,
+        f: impl FnOnce(DevicePtr, DevicePtr) -> Result<R>,
+    ) -> Result<R> {
         let stream = self.stream();
         let mut st = self.staging.lock();
         let mut host = std::mem::take(&mut st.host);
         host.clear();
         fill(&mut host);
         let bytes = std::mem::size_of_val(host.as_slice());
-        let staged = self.reserve_staging(&mut st, bytes, stream).and_then(|()| {
-            // SAFETY: the staging buffer holds at least `bytes`; `host` is host memory.
-            unsafe {
-                self.gpu
-                    .htod(st.ptr, host.as_ptr() as *const u8, bytes, stream)
-            }
-        });
+        let scratch_at = bytes.next_multiple_of(256);
+        let staged = self
+            .reserve_staging(&mut st, scratch_at + scratch, stream)
+            .and_then(|()| {
+                // SAFETY: the staging buffer holds at least `bytes`; `host` is host memory.
+                unsafe {
+                    self.gpu
+                        .htod(st.ptr, host.as_ptr() as *const u8, bytes, stream)
+                }
+            });
         st.host = host;
         staged?;
-        f(st.ptr)
+        f(st.ptr, st.ptr + scratch_at as u64)
     }
 
     /// Launches a paged kernel over `n` rows whose arguments end with the pool's
