@@ -290,8 +290,13 @@ impl KVCache {
         self.layer_len.copy_from_slice(layer_len);
     }
 
-    /// Writes one `head_dim` vector at `(layer, head, pos)`. Fill lengths do not move:
-    /// this is the low-level write, paired with [`KVCache::set_seq_len`].
+    /// Writes one `head_dim` vector at `(layer, head, pos)`: the seed's `store_key` /
+    /// `store_value`. The layer then holds position `pos` (its fill length becomes at
+    /// least `pos + 1`), so the seed's decode step (store every head's K and V at
+    /// `seq_len`, then [`KVCache::advance`]) commits it. Positions a store brings into the
+    /// layer are zeroed first (K and V, every head), so whatever was not stored there (a
+    /// V without its K, a head left out, a gap before `pos`) reads as zeros, never as
+    /// K/V of an earlier, truncated sequence.
     pub fn store(
         &mut self,
         kv: Kv,
@@ -305,12 +310,21 @@ impl KVCache {
         let head = check_index("head", head, s.num_kv_heads)?;
         let pos = self.check_position("pos", pos)?;
         vector.expect_shape(if kv == Kv::Key { "key" } else { "value" }, &[s.head_dim])?;
+        let held = self.layer_len[layer];
+        if pos >= held {
+            for side in [Kv::Key, Kv::Value] {
+                self.storage
+                    .fill_zero(self.region(layer, side, held, pos + 1 - held))?;
+            }
+        }
         let region = Region {
             offset: self.offset(layer, kv, head, pos),
             shape: [1, 1, s.head_dim],
             strides: [0, 0, 1],
         };
-        self.storage.write(region, vector)
+        self.storage.write(region, vector)?;
+        self.layer_len[layer] = self.layer_len[layer].max(pos + 1);
+        Ok(())
     }
 
     /// Appends `k` and `v` (`[n_tokens, num_kv_heads, head_dim]`) at `layer`'s next free

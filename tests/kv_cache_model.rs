@@ -145,7 +145,18 @@ fn apply_model(m: &mut Model, op: &Op) -> Result<(), ()> {
             {
                 return Err(());
             }
-            let at = Model::at(layer as usize, kv, head as usize, pos as usize);
+            let (l, pos) = (layer as usize, pos as usize);
+            // Positions the store brings into the layer start as zeros (K and V, every head).
+            for p in m.layer_len[l]..=pos {
+                for side in 0..2 {
+                    for h in 0..H {
+                        let at = Model::at(l, side, h, p);
+                        m.data[at..at + D].fill(0.0);
+                    }
+                }
+            }
+            m.layer_len[l] = m.layer_len[l].max(pos + 1);
+            let at = Model::at(l, kv, head as usize, pos);
             m.data[at..at + D].copy_from_slice(&values(seed, D));
         }
         Op::Append { layer, n, seed } => {

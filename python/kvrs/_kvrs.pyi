@@ -130,9 +130,9 @@ class KVCache:
     def layer_len(self, layer: int) -> int:
         """Positions written into `layer` (committed and appended)."""
     def store_key(self, layer: int, head: int, pos: int, key: _ArrayLike) -> None:
-        """Writes one key vector of `head_dim` at (layer, head, pos); lengths do not move."""
+        """Writes one key vector of `head_dim` at (layer, head, pos); the layer holds pos after."""
     def store_value(self, layer: int, head: int, pos: int, value: _ArrayLike) -> None:
-        """Writes one value vector of `head_dim` at (layer, head, pos); lengths do not move."""
+        """Writes one value vector of `head_dim` at (layer, head, pos); the layer holds pos after."""
     def append(self, layer: int, k: _ArrayLike, v: _ArrayLike) -> int:
         """Appends `k`, `v` of shape [n_tokens, num_kv_heads, head_dim]; returns the start position."""
     def advance(self, n: int = 1) -> None:

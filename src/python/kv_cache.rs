@@ -299,7 +299,7 @@ impl PyKVCache {
         Ok(c.layer_len(c.check_layer(layer)?))
     }
 
-    /// Writes one key vector of `head_dim` at (layer, head, pos); lengths do not move.
+    /// Writes one key vector of `head_dim` at (layer, head, pos); the layer holds pos after.
     fn store_key(
         &self,
         py: Python<'_>,
@@ -311,7 +311,7 @@ impl PyKVCache {
         self.store(py, Kv::Key, layer, head, pos, key)
     }
 
-    /// Writes one value vector of `head_dim` at (layer, head, pos); lengths do not move.
+    /// Writes one value vector of `head_dim` at (layer, head, pos); the layer holds pos after.
     fn store_value(
         &self,
         py: Python<'_>,

@@ -104,13 +104,14 @@ def test_keys_for_and_values_for(rng):
     assert not c.values_for(0, 0).flags.writeable
 
 
-def test_store_key_and_value_do_not_move_lengths(rng):
+def test_store_key_and_value_make_the_layer_hold_the_position(rng):
     c = kvrs.KVCache(1, H, D, MAX, dtype="float32")
     key = rng.standard_normal(D).astype(np.float32)
     c.store_key(0, 1, 7, key)
     c.store_value(0, 0, 7, key * 2)
-    assert c.seq_len == 0 and c.layer_len(0) == 0
-    c.set_seq_len(8)
+    assert c.seq_len == 0 and c.layer_len(0) == 8  # held, not yet committed
+    np.testing.assert_array_equal(c.keys_for(0, 0, 8)[:7], 0)  # the gap reads as zeros
+    c.advance(8)
     np.testing.assert_array_equal(c.keys_for(0, 1)[7], key)
     np.testing.assert_array_equal(c.values_for(0, 0)[7], key * 2)
 
@@ -193,3 +194,38 @@ def test_large_append_runs_with_gil_released_path(rng):
     k, v = random_kv(rng, 2048, 8, 64)
     c.append(0, k, v)
     np.testing.assert_array_equal(c.get(0)[1], v.astype(np.float16).transpose(1, 0, 2))
+
+
+def test_the_seed_decode_loop_as_its_users_write_it():
+    """The seed's loop, unchanged: store_key/store_value for every layer and head at
+    pos = seq_len, then advance(); each step commits and keys_for/values_for read back."""
+    layers, heads, dim = 2, 3, 4
+    cache = kvrs.KVCache(layers, heads, dim, 16, dtype="float32")
+    rng = np.random.default_rng(0)
+    written = {}
+    for _step in range(6):
+        pos = cache.seq_len
+        for layer in range(layers):
+            for head in range(heads):
+                k, v = rng.standard_normal((2, dim), dtype=np.float32)
+                cache.store_key(layer, head, pos, k)
+                cache.store_value(layer, head, pos, v)
+                written[layer, head, pos] = (k, v)
+        cache.advance()
+    assert cache.seq_len == 6
+    for (layer, head, pos), (k, v) in written.items():
+        np.testing.assert_array_equal(cache.keys_for(layer, head)[pos], k)
+        np.testing.assert_array_equal(cache.values_for(layer, head)[pos], v)
+
+
+def test_a_partly_stored_position_reads_zeros_not_old_keys():
+    cache = kvrs.KVCache(1, 2, 4, 8, dtype="float16")
+    cache.append(0, np.full((1, 2, 4), 7.0, np.float32), np.full((1, 2, 4), 7.0, np.float32))
+    cache.advance()
+    cache.truncate(0)
+    cache.store_key(0, 1, 0, np.ones(4, np.float32))  # only head 1's key
+    assert cache.layer_len(0) == 1
+    cache.advance()
+    k, v = cache.get(0)
+    np.testing.assert_array_equal(k.astype(np.float32), [[[0] * 4], [[1] * 4]])
+    np.testing.assert_array_equal(v.astype(np.float32), np.zeros((2, 1, 4)))

@@ -87,6 +87,11 @@ class KVCacheMachine(RuleBasedStateMachine):
         call = self.cache.store_key if kv == "key" else self.cache.store_value
         if 0 <= layer < L and 0 <= head < H and 0 <= pos < MAX:
             call(layer, head, pos, x)
+            # The layer now holds pos; positions it brings in start as zeros.
+            held = self.layer_len[layer]
+            self.k[layer, :, held : pos + 1] = 0
+            self.v[layer, :, held : pos + 1] = 0
+            self.layer_len[layer] = max(held, pos + 1)
             (self.k if kv == "key" else self.v)[layer, head, pos] = x
         else:
             try:
