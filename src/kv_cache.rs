@@ -5,17 +5,10 @@
 use crate::attention::{self, AttnOptions, KvHeads, KvPages, QueryRow, SeqQueries};
 use crate::dtype::DType;
 use crate::error::{check_count, check_index, check_positive, KvError, Result};
-use crate::storage::{allocate, Device, Region, Storage};
+pub use crate::layout::Kv;
+use crate::layout::{Device, Region};
+use crate::storage::{allocate, Storage};
 use crate::tensor::{expect_block_pair, TensorRef};
-
-/// Keys or values.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Kv {
-    /// The keys.
-    Key = 0,
-    /// The values.
-    Value = 1,
-}
 
 /// The sizes that fix a cache's layout.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

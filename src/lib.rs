@@ -12,6 +12,7 @@ pub mod dtype;
 pub mod encoder_cache;
 pub mod error;
 pub mod kv_cache;
+pub mod layout;
 pub mod paged;
 pub mod prefix;
 pub mod rope;

@@ -3,10 +3,9 @@
 
 use crate::dtype::{convert_contiguous, read_f32, write_f32, DType};
 use crate::error::{KvError, Result};
-use crate::storage::Device;
+use crate::layout::Device;
 
-/// Highest rank kvrs reads or writes; lower ranks are padded with leading 1s.
-pub const MAX_RANK: usize = 3;
+pub use crate::layout::MAX_RANK;
 
 /// A borrowed, strided view of host or device memory: what a caller hands the core to
 /// read from (`TensorRef`) or to write into (through [`TensorRef::as_mut_ptr`]).

@@ -23,7 +23,7 @@ use std::ops::Range;
 
 use crate::dtype::DType;
 use crate::error::{KvError, Result};
-use crate::storage::Device;
+use crate::layout::Device;
 use crate::tensor::TensorRef;
 
 pub use kernel::simd_level;

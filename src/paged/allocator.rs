@@ -1,7 +1,6 @@
 //! Reference-counted block allocation with an O(1) free list.
 
-/// Index of a block in the pool.
-pub type BlockId = u32;
+use crate::layout::BlockId;
 
 /// Hands out blocks and counts references to them.
 ///

@@ -7,11 +7,11 @@
 use std::ops::Range;
 
 use super::forward::ForwardPlan;
-use super::layout::KvLayout;
 use super::pool::{BlockPool, SeqId};
 use super::seq::{SeqState, Table};
 use crate::attention::{self, AttnOptions, KvHeads, KvPages, QueryRow, SeqQueries};
 use crate::error::{check_index, KvError, Result};
+use crate::layout::KvLayout;
 use crate::storage::cuda::attention::DeviceRow;
 use crate::storage::PagedTensor;
 use crate::tensor::TensorRef;

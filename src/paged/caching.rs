@@ -5,11 +5,11 @@
 
 use std::sync::Arc;
 
-use super::allocator::BlockId;
 use super::groups::LayerKind;
 use super::pool::{BlockPool, SeqId};
 use super::seq::{Table, NO_BLOCK};
 use crate::error::{KvError, Result};
+use crate::layout::BlockId;
 use crate::prefix::{BlockHash, PrefixEvent, PrefixIndex};
 
 /// The key of block hash `h` in group `g`'s part of the index: group 0 uses the chain

@@ -7,17 +7,20 @@
 pub mod allocator;
 pub mod attend;
 pub mod caching;
+pub mod edit;
 pub mod forward;
 pub mod groups;
-pub mod layout;
 pub mod pool;
+pub mod read;
 pub mod seq;
 pub mod shift;
 pub mod slots;
+pub mod stats;
 
-pub use allocator::{BlockAllocator, BlockId};
+pub use crate::layout::{BlockId, KvLayout, PagedShape};
+pub use allocator::BlockAllocator;
 pub use forward::ForwardPlan;
 pub use groups::{Attention, LayerGroups, LayerKind};
-pub use layout::{KvLayout, PagedShape};
-pub use pool::{BlockPool, KindStats, PoolStats, PrefixConfig, SeqId};
+pub use pool::{BlockPool, PrefixConfig, SeqId};
 pub use seq::{SeqState, Table, NO_BLOCK};
+pub use stats::{KindStats, PoolStats};

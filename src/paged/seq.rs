@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use smallvec::SmallVec;
 
-use super::allocator::BlockId;
+use crate::layout::BlockId;
 use crate::prefix::BlockHash;
 
 /// Marks a table entry whose block was released (it holds no position the layers keep).

@@ -3,10 +3,11 @@
 
 use rustc_hash::FxHashSet;
 
-use super::allocator::BlockId;
-use super::pool::{token_count, BlockPool, SeqId};
+use super::edit::token_count;
+use super::pool::{BlockPool, SeqId};
 use super::seq::{SeqState, NO_BLOCK};
 use crate::error::{check_count, check_index, KvError, Result};
+use crate::layout::BlockId;
 use crate::tensor::TensorRef;
 
 impl BlockPool {

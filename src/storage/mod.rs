@@ -12,88 +12,12 @@ pub use host::HostStorage;
 pub use paged_ops::PagedTensor;
 
 use std::fmt;
-use std::str::FromStr;
 
 use crate::dtype::DType;
-use crate::error::{KvError, Result};
-use crate::paged::{BlockId, PagedShape};
-use crate::tensor::{TensorRef, MAX_RANK};
-
-/// Where a storage lives.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Device {
-    /// Host memory.
-    Cpu,
-    /// CUDA device memory on the given ordinal.
-    Cuda(usize),
-}
-
-impl fmt::Display for Device {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Device::Cpu => f.write_str("cpu"),
-            Device::Cuda(i) => write!(f, "cuda:{i}"),
-        }
-    }
-}
-
-impl FromStr for Device {
-    type Err = KvError;
-
-    /// Parses `"cpu"`, `"cuda"` (ordinal 0) and `"cuda:N"`.
-    fn from_str(s: &str) -> Result<Self> {
-        let t = s.trim().to_ascii_lowercase();
-        if t == "cpu" {
-            return Ok(Device::Cpu);
-        }
-        if t == "cuda" {
-            return Ok(Device::Cuda(0));
-        }
-        if let Some(n) = t.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
-            return Ok(Device::Cuda(n));
-        }
-        Err(KvError::InvalidArgument {
-            name: "device",
-            value: format!("{s:?}"),
-            reason: "use 'cpu', 'cuda' or 'cuda:N'".into(),
-        })
-    }
-}
-
-/// A strided rank-3 window into a storage, in elements.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Region {
-    /// Element offset of `[0, 0, 0]` from the start of the storage.
-    pub offset: usize,
-    /// Extent of each dimension.
-    pub shape: [usize; MAX_RANK],
-    /// Element strides (non-negative: regions never run backwards).
-    pub strides: [usize; MAX_RANK],
-}
-
-impl Region {
-    /// One past the highest element offset the region touches (its offset when empty).
-    pub fn end(&self) -> usize {
-        if self.shape.contains(&0) {
-            return self.offset;
-        }
-        self.offset
-            + (0..MAX_RANK)
-                .map(|i| (self.shape[i] - 1) * self.strides[i])
-                .sum::<usize>()
-            + 1
-    }
-
-    /// Number of elements in the region.
-    pub fn numel(&self) -> usize {
-        self.shape.iter().product()
-    }
-
-    /// Strides as signed values, as the copy routine takes them.
-    pub fn signed_strides(&self) -> [isize; MAX_RANK] {
-        self.strides.map(|s| s as isize)
-    }
-}
+use crate::error::Result;
+use crate::layout::{BlockId, PagedShape};
+pub use crate::layout::{Device, Region};
+use crate::tensor::TensorRef;
 
 /// One allocation of keys and values, made once and addressed by regions.
 ///
@@ -228,7 +152,7 @@ mod tests {
     fn cuda_is_a_device_error_or_a_device_storage() {
         match allocate(Device::Cuda(0), DType::F16, 4) {
             Ok(s) => assert_eq!(s.device(), Device::Cuda(0)),
-            Err(e) => assert!(matches!(e, KvError::Device(_)), "{e}"),
+            Err(e) => assert!(matches!(e, crate::error::KvError::Device(_)), "{e}"),
         }
     }
 }

@@ -3,8 +3,7 @@
 
 use super::Storage;
 use crate::error::Result;
-use crate::kv_cache::Kv;
-use crate::paged::{BlockId, PagedShape};
+use crate::layout::{BlockId, Kv, PagedShape};
 use crate::tensor::TensorRef;
 
 /// One cache tensor of a paged pool's storage.

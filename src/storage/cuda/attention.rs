@@ -7,7 +7,7 @@ use super::gpu::{attention_kernel, attention_merge_kernel, Args};
 use super::storage::CudaStorage;
 use crate::attention::AttnOptions;
 use crate::error::{KvError, Result};
-use crate::paged::KvLayout;
+use crate::layout::KvLayout;
 use crate::storage::{PagedTensor, Storage};
 use crate::tensor::TensorRef;
 

@@ -13,7 +13,7 @@ use super::gpu::{
 };
 use crate::dtype::DType;
 use crate::error::{KvError, Result};
-use crate::paged::{BlockId, KvLayout, PagedShape};
+use crate::layout::{BlockId, KvLayout, PagedShape};
 use crate::storage::{paged_ops, Device, PagedTensor, Region, Storage};
 use crate::tensor::{copy_strided, TensorRef, MAX_RANK};
 
@@ -706,7 +706,7 @@ impl Storage for CudaStorage {
 
     fn copy_blocks(
         &mut self,
-        shape: crate::paged::PagedShape,
+        shape: crate::layout::PagedShape,
         tensors: usize,
         pairs: &[(BlockId, BlockId)],
     ) -> Result<()> {

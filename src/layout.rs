@@ -1,12 +1,105 @@
-//! Where each block, position and head lives in a paged pool's storage.
+//! The vocabulary every layer shares, below all of them: where a storage lives
+//! ([`Device`]), keys or values ([`Kv`]), strided windows into a storage ([`Region`]),
+//! and where each block, position and head of a paged pool lives ([`BlockId`],
+//! [`KvLayout`], [`PagedShape`]). It imports nothing of kvrs but the error type, so
+//! `tensor`, `storage`, `kv_cache` and `paged` all build on it and none on another's
+//! types.
 
 use std::fmt;
 use std::str::FromStr;
 
-use super::allocator::BlockId;
-use crate::error::KvError;
-use crate::kv_cache::Kv;
-use crate::storage::Region;
+use crate::error::{KvError, Result};
+
+/// Where a storage lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Device {
+    /// Host memory.
+    Cpu,
+    /// CUDA device memory on the given ordinal.
+    Cuda(usize),
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+impl FromStr for Device {
+    type Err = KvError;
+
+    /// Parses `"cpu"`, `"cuda"` (ordinal 0) and `"cuda:N"`.
+    fn from_str(s: &str) -> Result<Self> {
+        let t = s.trim().to_ascii_lowercase();
+        if t == "cpu" {
+            return Ok(Device::Cpu);
+        }
+        if t == "cuda" {
+            return Ok(Device::Cuda(0));
+        }
+        if let Some(n) = t.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
+            return Ok(Device::Cuda(n));
+        }
+        Err(KvError::InvalidArgument {
+            name: "device",
+            value: format!("{s:?}"),
+            reason: "use 'cpu', 'cuda' or 'cuda:N'".into(),
+        })
+    }
+}
+
+/// Keys or values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kv {
+    /// The keys.
+    Key = 0,
+    /// The values.
+    Value = 1,
+}
+
+/// Highest rank kvrs reads or writes; lower ranks are padded with leading 1s.
+pub const MAX_RANK: usize = 3;
+
+/// A strided rank-3 window into a storage, in elements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Region {
+    /// Element offset of `[0, 0, 0]` from the start of the storage.
+    pub offset: usize,
+    /// Extent of each dimension.
+    pub shape: [usize; MAX_RANK],
+    /// Element strides (non-negative: regions never run backwards).
+    pub strides: [usize; MAX_RANK],
+}
+
+impl Region {
+    /// One past the highest element offset the region touches (its offset when empty).
+    pub fn end(&self) -> usize {
+        if self.shape.contains(&0) {
+            return self.offset;
+        }
+        self.offset
+            + (0..MAX_RANK)
+                .map(|i| (self.shape[i] - 1) * self.strides[i])
+                .sum::<usize>()
+            + 1
+    }
+
+    /// Number of elements in the region.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Strides as signed values, as the copy routine takes them.
+    pub fn signed_strides(&self) -> [isize; MAX_RANK] {
+        self.strides.map(|s| s as isize)
+    }
+}
+
+/// Index of a block in the pool.
+pub type BlockId = u32;
 
 /// Order of a block's positions and heads: FlashInfer's two paged layouts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -20,7 +113,7 @@ pub enum KvLayout {
 impl FromStr for KvLayout {
     type Err = KvError;
 
-    fn from_str(s: &str) -> Result<Self, KvError> {
+    fn from_str(s: &str) -> Result<Self> {
         match s {
             "NHD" => Ok(KvLayout::Nhd),
             "HND" => Ok(KvLayout::Hnd),
