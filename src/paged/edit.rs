@@ -11,7 +11,6 @@ use crate::storage::PagedTensor;
 use crate::tensor::{expect_block_pair, TensorRef};
 
 impl BlockPool {
-
     /// Whether writing into block `b` needs a private copy first: it is shared, or it
     /// is cached (cached blocks are immutable).
     fn needs_copy(&self, b: BlockId) -> bool {

@@ -14,7 +14,6 @@ use crate::tensor::TensorRef;
 const PARALLEL_GATHER_BYTES: usize = 1 << 20;
 
 impl BlockPool {
-
     /// Positions `layer` of sequence `id` holds: `(first, end)`.
     pub fn layer_span(&self, id: SeqId, layer: usize) -> Result<(usize, usize)> {
         let s = self.seq(id)?;

@@ -56,7 +56,6 @@ pub struct PoolStats {
 }
 
 impl BlockPool {
-
     /// Occupancy: blocks, bytes, exact token counts, prefix-cache counters, and the
     /// blocks each layer kind holds.
     pub fn stats(&self) -> PoolStats {

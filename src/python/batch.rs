@@ -1,5 +1,7 @@
 //! `kvrs.ForwardBatch`: ollama's StartForward / Put / Get over a pool.
 
+use std::sync::Arc;
+
 use numpy::{PyArray1, PyArrayMethods};
 use parking_lot::Mutex;
 use pyo3::exceptions::PyValueError;
@@ -9,14 +11,14 @@ use pyo3::types::PyTuple;
 use super::attention::{self, AttnArgs};
 use super::copying;
 use super::input::read_tensor;
-use super::pool::{slot_array, PyBlockPool};
+use super::shared_pool::{slot_array, SharedPool};
 use super::views::new_output;
 use crate::paged::ForwardPlan;
 
 /// A batch of tokens placed in a pool by `BlockPool.start_forward`.
 #[pyclass(frozen, name = "ForwardBatch", module = "kvrs")]
 pub struct PyForwardBatch {
-    pool: Py<PyBlockPool>,
+    pool: Arc<SharedPool>,
     plan: ForwardPlan,
     /// None while open; then "finished" or "cancelled".
     closed: Mutex<Option<&'static str>>,
@@ -24,7 +26,7 @@ pub struct PyForwardBatch {
 
 impl PyForwardBatch {
     /// Wraps a plan the pool has reserved.
-    pub fn new(pool: Py<PyBlockPool>, plan: ForwardPlan) -> Self {
+    pub fn new(pool: Arc<SharedPool>, plan: ForwardPlan) -> Self {
         PyForwardBatch {
             pool,
             plan,
@@ -55,7 +57,7 @@ impl PyForwardBatch {
     /// have several block tables (row pool.layer_group(layer) serves that layer).
     #[getter]
     fn slot_mapping<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let groups = self.pool.get().inner.lock().groups().groups.len();
+        let groups = self.pool.inner.lock().groups().groups.len();
         slot_array(py, self.plan.slots.clone(), groups)
     }
 
@@ -71,7 +73,6 @@ impl PyForwardBatch {
     fn history_len(&self, layer: i64) -> PyResult<usize> {
         Ok(self
             .pool
-            .get()
             .inner
             .lock()
             .forward_history_len(&self.plan, layer)?)
@@ -86,7 +87,7 @@ impl PyForwardBatch {
         v: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         self.check_open()?;
-        let pool = self.pool.get();
+        let pool = &self.pool;
         let (k, v) = (
             read_tensor(k, "k", pool.device)?,
             read_tensor(v, "v", pool.device)?,
@@ -106,7 +107,7 @@ impl PyForwardBatch {
     /// position) and -inf elsewhere.
     fn get<'py>(&self, py: Python<'py>, layer: i64) -> PyResult<Bound<'py, PyTuple>> {
         self.check_open()?;
-        let pool = self.pool.get();
+        let pool = &self.pool;
         let (h, d, hist, n) = (
             pool.shape.num_kv_heads,
             pool.shape.head_dim,
@@ -148,7 +149,7 @@ impl PyForwardBatch {
     ) -> PyResult<Bound<'py, PyAny>> {
         let args = AttnArgs::parse(scale, softcap, sinks, alibi_slopes)?;
         self.check_open()?;
-        let pool = self.pool.get();
+        let pool = &self.pool;
         attention::run(py, q, out, pool.device, |q, o| {
             pool.inner
                 .lock()
@@ -159,7 +160,7 @@ impl PyForwardBatch {
     /// Commits the batch: each sequence's seq_len moves past its new tokens.
     fn finish(&self) -> PyResult<()> {
         self.check_open()?;
-        self.pool.get().inner.lock().finish_forward(&self.plan)?;
+        self.pool.inner.lock().finish_forward(&self.plan)?;
         *self.closed.lock() = Some("finished");
         Ok(())
     }
@@ -167,7 +168,7 @@ impl PyForwardBatch {
     /// Abandons the batch: the reserved positions are dropped again.
     fn cancel(&self) -> PyResult<()> {
         self.check_open()?;
-        self.pool.get().inner.lock().cancel_forward(&self.plan);
+        self.pool.inner.lock().cancel_forward(&self.plan);
         *self.closed.lock() = Some("cancelled");
         Ok(())
     }

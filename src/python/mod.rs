@@ -10,6 +10,8 @@ mod input;
 mod kv_cache;
 mod pool;
 mod rope;
+mod sequence;
+mod shared_pool;
 mod views;
 
 use pyo3::prelude::*;
@@ -46,7 +48,7 @@ fn _kvrs(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add_class::<kv_cache::PyKVCache>()?;
     m.add_class::<pool::PyBlockPool>()?;
-    m.add_class::<pool::PySequence>()?;
+    m.add_class::<sequence::PySequence>()?;
     m.add_class::<batch::PyForwardBatch>()?;
     m.add_class::<rope::PyRope>()?;
     m.add_class::<encoder_cache::PyEncoderCache>()?;

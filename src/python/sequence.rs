@@ -1,0 +1,451 @@
+//! `kvrs.Sequence`: one sequence of a pool, its block table and lengths, and the
+//! operations on it (appends, reads, views, attention, forks, edits).
+
+use std::sync::Arc;
+
+use numpy::PyArray1;
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyTuple};
+
+use super::attention::{self, AttnArgs};
+use super::copying;
+use super::input::{read_tensor, read_token_ids, writable};
+use super::kv_cache::PyKVCache;
+use super::shared_pool::{i32_array, SharedPool};
+use super::views::new_output;
+use crate::kv_cache::Kv;
+use crate::paged::{BlockPool, KvLayout, SeqId, NO_BLOCK};
+
+/// One sequence's view of a pool: its block table and lengths.
+#[pyclass(frozen, name = "Sequence", module = "kvrs")]
+pub struct PySequence {
+    /// The `kvrs.BlockPool` object (kept alive by its sequences, the base of their views).
+    pub(crate) pool: Py<PyAny>,
+    /// The pool's shared state.
+    pub(crate) core: Arc<SharedPool>,
+    /// This sequence's id in the pool.
+    pub(crate) id: SeqId,
+}
+
+impl Drop for PySequence {
+    fn drop(&mut self) {
+        // Release on garbage collection; a sequence already freed is simply gone.
+        let _ = self.core.inner.lock().free_sequence(self.id);
+    }
+}
+
+impl PySequence {
+    fn pool_ref(&self) -> &SharedPool {
+        &self.core
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&crate::paged::SeqState, &BlockPool) -> T) -> PyResult<T> {
+        let pool = self.pool_ref().inner.lock();
+        let s = pool.seq(self.id)?;
+        Ok(f(s, &pool))
+    }
+}
+
+#[pymethods]
+impl PySequence {
+    /// The pool this sequence lives in.
+    #[getter]
+    fn pool(&self, py: Python<'_>) -> Py<PyAny> {
+        self.pool.clone_ref(py)
+    }
+
+    /// Committed length.
+    #[getter]
+    fn seq_len(&self) -> PyResult<usize> {
+        self.with(|s, _| s.seq_len)
+    }
+
+    /// Blocks the sequence holds (every layer group).
+    #[getter]
+    fn num_blocks(&self) -> PyResult<usize> {
+        self.with(|s, _| s.all_blocks().count())
+    }
+
+    /// The block ids, in position order (an int32 copy), of a pool with one layer group.
+    #[getter]
+    fn block_table<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let blocks = self.with(|s, p| {
+            p.group_for(None).map(|g| {
+                s.tables[g]
+                    .blocks
+                    .iter()
+                    .map(|&b| b as i32)
+                    .collect::<Vec<_>>()
+            })
+        })??;
+        Ok(i32_array(py, blocks))
+    }
+
+    /// `layer`'s block table (int32): entry i covers positions i * block_size.., -1 where
+    /// the block was released (out of a sliding or chunked layer's reach).
+    fn layer_blocks<'py>(
+        &self,
+        py: Python<'py>,
+        layer: i64,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let blocks = self.with(|s, p| {
+            p.group_for(Some(layer)).map(|g| {
+                s.tables[g]
+                    .blocks
+                    .iter()
+                    .map(|&b| if b == NO_BLOCK { -1 } else { b as i32 })
+                    .collect::<Vec<_>>()
+            })
+        })??;
+        Ok(i32_array(py, blocks))
+    }
+
+    /// Lowest position every layer holds (-1 when empty): 0 unless sliding or chunked
+    /// layers released their beginning.
+    #[getter]
+    fn pos_min(&self) -> PyResult<i64> {
+        self.with(|s, _| {
+            let first = s.tables.iter().map(|t| t.start).max().unwrap_or(0);
+            if s.seq_len == 0 || first >= s.seq_len {
+                -1
+            } else {
+                first as i64
+            }
+        })
+    }
+
+    /// First position `layer` holds (get() returns positions layer_start..layer_len).
+    fn layer_start(&self, layer: i64) -> PyResult<usize> {
+        let layer = crate::error::check_index("layer", layer, self.pool_ref().shape.num_layers)?;
+        Ok(self.with(|_, p| p.layer_span(self.id, layer))??.0)
+    }
+
+    /// Whether the cache still holds everything needed to continue at `pos` (after
+    /// truncating to it), for every layer kind (ollama's CanResume).
+    fn can_resume(&self, pos: i64) -> PyResult<bool> {
+        Ok(self.pool_ref().inner.lock().can_resume(self.id, pos)?)
+    }
+
+    /// Highest committed position (-1 when empty).
+    #[getter]
+    fn pos_max(&self) -> PyResult<i64> {
+        self.with(|s, _| s.seq_len as i64 - 1)
+    }
+
+    /// Whether free() has been called (or the pool's keep() dropped it).
+    #[getter]
+    fn is_freed(&self) -> bool {
+        !self.pool_ref().inner.lock().is_live(self.id)
+    }
+
+    /// Positions written into `layer` (committed and appended).
+    fn layer_len(&self, layer: i64) -> PyResult<usize> {
+        let layer = crate::error::check_index("layer", layer, self.pool_ref().shape.num_layers)?;
+        self.with(|s, _| s.layer_len[layer])
+    }
+
+    /// Bytes of the blocks this sequence holds (shared blocks count in full).
+    fn memory_bytes(&self) -> PyResult<usize> {
+        self.with(|s, p| s.all_blocks().count() * p.bytes_per_block())
+    }
+
+    /// Appends k, v [n_tokens, num_kv_heads, head_dim] at the layer's next free
+    /// position, allocating (and copying shared) blocks as needed; returns that position.
+    fn append(
+        &self,
+        py: Python<'_>,
+        layer: i64,
+        k: &Bound<'_, PyAny>,
+        v: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let pool = self.pool_ref();
+        let (k, v) = (
+            read_tensor(k, "k", pool.device)?,
+            read_tensor(v, "v", pool.device)?,
+        );
+        let (kt, vt) = (*k.tensor(), *v.tensor());
+        Ok(copying(py, kt.nbytes() + vt.nbytes(), || {
+            pool.inner.lock().append(self.id, layer, &kt, &vt)
+        })?)
+    }
+
+    /// Commits n tokens: seq_len += n. Every layer must hold them already. `tokens` (n
+    /// ids) records their token ids, so the blocks they fill join the prefix cache.
+    #[pyo3(signature = (n = 1, tokens = None))]
+    fn advance(&self, n: i64, tokens: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let tokens = tokens.map(|t| read_token_ids(t, "tokens")).transpose()?;
+        Ok(self
+            .pool_ref()
+            .inner
+            .lock()
+            .advance(self.id, n, tokens.as_deref())?)
+    }
+
+    /// Prompt tokens served from the prefix cache when the sequence started.
+    #[getter]
+    fn num_cached_tokens(&self) -> PyResult<usize> {
+        self.with(|s, _| s.num_cached_tokens)
+    }
+
+    /// The token ids the sequence knows (its prompt and committed tokens), as uint32.
+    #[getter]
+    fn token_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<u32>>> {
+        let t = self.with(|s, _| s.tokens.clone())?;
+        Ok(PyArray1::from_vec(py, t))
+    }
+
+    /// Sets seq_len and every layer's length to n, growing or shrinking the block table
+    /// (for callers that inject blocks kept elsewhere); caches blocks whose ids are known.
+    fn set_seq_len(&self, n: i64) -> PyResult<()> {
+        Ok(self.pool_ref().inner.lock().set_seq_len(self.id, n)?)
+    }
+
+    /// Copies [num_kv_heads, block_size, head_dim] keys and values of `layer` from
+    /// start_pos; positions the layer does not hold come back as zeros.
+    fn extract_block<'py>(
+        &self,
+        py: Python<'py>,
+        layer: i64,
+        start_pos: i64,
+        block_size: i64,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let pool = self.pool_ref();
+        pool.inner
+            .lock()
+            .check_block_args(layer, start_pos, block_size)?;
+        let shape = [
+            pool.shape.num_kv_heads,
+            block_size as usize,
+            pool.shape.head_dim,
+        ];
+        let (k, kt) = new_output(py, pool.device, pool.dtype, &shape)?;
+        let (v, vt) = new_output(py, pool.device, pool.dtype, &shape)?;
+        copying(py, 2 * kt.nbytes(), || {
+            pool.inner
+                .lock()
+                .extract_block(self.id, layer, start_pos, block_size, &kt, &vt)
+        })?;
+        PyTuple::new(py, [k, v])
+    }
+
+    /// Writes [num_kv_heads, block_size, head_dim] keys and values of `layer` at
+    /// start_pos, allocating blocks as needed; commit with set_seq_len() or advance().
+    fn inject_block(
+        &self,
+        py: Python<'_>,
+        layer: i64,
+        start_pos: i64,
+        block_size: i64,
+        keys: &Bound<'_, PyAny>,
+        values: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let pool = self.pool_ref();
+        let (k, v) = (
+            read_tensor(keys, "keys", pool.device)?,
+            read_tensor(values, "values", pool.device)?,
+        );
+        let (kt, vt) = (*k.tensor(), *v.tensor());
+        copying(py, kt.nbytes() + vt.nbytes(), || {
+            pool.inner
+                .lock()
+                .inject_block(self.id, layer, start_pos, block_size, &kt, &vt)
+        })?;
+        Ok(())
+    }
+
+    /// Replaces `cache`'s content with this sequence's (lengths included).
+    fn copy_to_cache(&self, py: Python<'_>, cache: &Bound<'_, PyKVCache>) -> PyResult<()> {
+        let pool = self.pool_ref();
+        let cache = cache.get();
+        py.detach(|| {
+            pool.inner
+                .lock()
+                .copy_to_cache(self.id, &mut cache.inner.write())
+        })?;
+        Ok(())
+    }
+
+    /// Fills this empty sequence from `cache` (every layer's positions and lengths).
+    fn copy_from_cache(&self, py: Python<'_>, cache: &Bound<'_, PyKVCache>) -> PyResult<()> {
+        let pool = self.pool_ref();
+        let cache = cache.get();
+        py.detach(|| {
+            pool.inner
+                .lock()
+                .copy_from_cache(self.id, &cache.inner.read())
+        })?;
+        Ok(())
+    }
+
+    /// Attention of this sequence's newest tokens over `layer`, read in place from the
+    /// pool's blocks: q [n, num_q_heads, head_dim] are the queries of the last n
+    /// positions the layer holds (the tokens just appended); each attends up to its own
+    /// position within the layer's window. Returns a new array of q's shape and dtype,
+    /// or fills `out`.
+    #[pyo3(signature = (layer, q, *, out = None, scale = None, softcap = None, sinks = None, alibi_slopes = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn attention<'py>(
+        &self,
+        py: Python<'py>,
+        layer: i64,
+        q: &Bound<'py, PyAny>,
+        out: Option<&Bound<'py, PyAny>>,
+        scale: Option<f64>,
+        softcap: Option<f64>,
+        sinks: Option<&Bound<'py, PyAny>>,
+        alibi_slopes: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let args = AttnArgs::parse(scale, softcap, sinks, alibi_slopes)?;
+        let pool = self.pool_ref();
+        attention::run(py, q, out, pool.device, |q, o| {
+            pool.inner
+                .lock()
+                .seq_attention(self.id, layer, q, o, &args.options())
+        })
+    }
+
+    /// The layer's K and V gathered into contiguous [num_kv_heads, length, head_dim]
+    /// arrays (into `out`, a (K, V) pair of writable arrays [num_kv_heads, >= length,
+    /// head_dim], when given: the result is then a view of `out`).
+    #[pyo3(signature = (layer, out = None))]
+    fn get<'py>(
+        &self,
+        py: Python<'py>,
+        layer: i64,
+        out: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let pool = self.pool_ref();
+        let fresh = |shape: &[usize]| new_output(py, pool.device, pool.dtype, shape);
+        let (k_arr, v_arr, kt_ref, vt_ref) = match out {
+            Some(pair) => {
+                let (k, v): (Bound<'py, PyAny>, Bound<'py, PyAny>) = pair.extract()?;
+                let kt = *writable(&k, "out[0]", pool.device)?.tensor();
+                let vt = *writable(&v, "out[1]", pool.device)?.tensor();
+                (k, v, kt, vt)
+            }
+            None => {
+                let len = self.layer_len(layer)? - self.layer_start(layer)?;
+                let shape = [pool.shape.num_kv_heads, len, pool.shape.head_dim];
+                let ((k, kt), (v, vt)) = (fresh(&shape)?, fresh(&shape)?);
+                (k, v, kt, vt)
+            }
+        };
+        let bytes = kt_ref.nbytes() + vt_ref.nbytes();
+        let (_, len) = copying(py, bytes, || {
+            pool.inner.lock().gather(self.id, layer, &kt_ref, &vt_ref)
+        })?;
+        if out.is_none() {
+            return PyTuple::new(py, [k_arr, v_arr]);
+        }
+        let cut = (
+            pyo3::types::PySlice::full(py),
+            pyo3::types::PySlice::new(py, 0, len as isize, 1),
+        );
+        PyTuple::new(py, [k_arr.get_item(&cut)?, v_arr.get_item(&cut)?])
+    }
+
+    /// Zero-copy read-only per-block views of the layer: a list of (start, length, K, V),
+    /// K and V in the pool's layout ([length, heads, dim] for NHD, [heads, length, dim] for HND).
+    fn views<'py>(&self, py: Python<'py>, layer: i64) -> PyResult<Bound<'py, PyList>> {
+        let pool_obj = self.pool.bind(py);
+        let sh = self.pool_ref().shape;
+        let layer = crate::error::check_index("layer", layer, sh.num_layers)?;
+        let (blocks, first, len, tensor) = self.with(|s, p| {
+            let t = &s.tables[p.groups().group_of[layer]];
+            (
+                t.blocks.clone(),
+                t.start,
+                s.layer_len[layer],
+                p.tensor_of(layer),
+            )
+        })?;
+        let out = PyList::empty(py);
+        let (h, d, bs) = (sh.num_kv_heads, sh.head_dim, sh.block_size);
+        for (i, &b) in blocks.iter().enumerate() {
+            let start = (i * bs).max(first);
+            if start >= len {
+                break;
+            }
+            if b == NO_BLOCK {
+                continue;
+            }
+            let n = ((i + 1) * bs).min(len) - start;
+            let (shape, strides) = match sh.layout {
+                KvLayout::Nhd => ([n, h, d], [h * d, d, 1]),
+                KvLayout::Hnd => ([h, n, d], [bs * d, d, 1]),
+            };
+            let k = self.core.view(
+                pool_obj,
+                sh.positions(tensor, Kv::Key, b, start % bs, 1).offset,
+                &shape,
+                &strides,
+                false,
+            )?;
+            let v = self.core.view(
+                pool_obj,
+                sh.positions(tensor, Kv::Value, b, start % bs, 1).offset,
+                &shape,
+                &strides,
+                false,
+            )?;
+            out.append((start, n, k, v))?;
+        }
+        Ok(out)
+    }
+
+    /// A new sequence sharing every block of this one (copy-on-write on first write).
+    fn fork(&self, py: Python<'_>) -> PyResult<PySequence> {
+        let id = self.pool_ref().inner.lock().fork(self.id)?;
+        Ok(PySequence {
+            pool: self.pool.clone_ref(py),
+            core: self.core.clone(),
+            id,
+        })
+    }
+
+    /// Drops positions >= n, returning freed blocks; a no-op when n >= seq_len.
+    fn truncate(&self, n: i64) -> PyResult<()> {
+        Ok(self.pool_ref().inner.lock().truncate(self.id, n)?)
+    }
+
+    /// llama.cpp's seq_rm: removes positions [begin, end) (end=None: to the end). A tail
+    /// is cut; a middle span moves later positions down and re-rotates their keys, which
+    /// needs the pool's `rope` (else kvrs.NotSupportedError).
+    #[pyo3(signature = (begin, end = None))]
+    fn remove(&self, begin: i64, end: Option<i64>) -> PyResult<()> {
+        Ok(self.pool_ref().inner.lock().remove(self.id, begin, end)?)
+    }
+
+    /// llama.cpp's seq_add over a tail: positions p0.. move down by -delta (delta < 0),
+    /// replacing those they land on; positions that would fall below 0 are removed; keys
+    /// are re-rotated with the pool's `rope`. Equals remove(max(0, p0 + delta),
+    /// max(p0, -delta)). A shift up or of a middle span raises kvrs.NotSupportedError.
+    #[pyo3(signature = (p0, p1, delta))]
+    fn shift(&self, p0: i64, p1: Option<i64>, delta: i64) -> PyResult<()> {
+        Ok(self.pool_ref().inner.lock().shift(self.id, p0, p1, delta)?)
+    }
+
+    /// Returns every block to the pool; the sequence cannot be used afterwards.
+    fn free(&self) -> PyResult<()> {
+        Ok(self.pool_ref().inner.lock().free_sequence(self.id)?)
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, _args: &Bound<'_, PyTuple>) {
+        let _ = self.pool_ref().inner.lock().free_sequence(self.id);
+    }
+
+    fn __repr__(&self) -> String {
+        match self.with(|s, _| (s.seq_len, s.all_blocks().count())) {
+            Ok((len, blocks)) => format!(
+                "Sequence(id={}, seq_len={len}, num_blocks={blocks})",
+                self.id
+            ),
+            Err(_) => format!("Sequence(id={}, freed)", self.id),
+        }
+    }
+}
