@@ -137,7 +137,7 @@ impl fmt::Display for KvLayout {
 
 /// The sizes of a paged pool; storage is `[tensors][num_blocks][K|V][...]`, each tensor
 /// one contiguous FlashInfer cache tensor (a layer's, or shared by one layer of each
-/// layer group: see [`super::groups`]).
+/// layer group: see [`crate::paged::groups`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PagedShape {
     /// Transformer layers.

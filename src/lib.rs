@@ -1,8 +1,9 @@
 //! kvrs: KV-cache storage for LLM inference.
 //!
 //! The core (this crate without the `python` feature) knows nothing of Python:
-//! [`layout`] (the shared vocabulary: devices, regions, paged shapes), [`dtype`] (element types and conversion), [`tensor`] (borrowed strided tensors and
-//! the strided copy), [`storage`] (the device-independent storage interface and its host
+//! [`layout`] (the shared vocabulary: devices, regions, paged shapes), [`dtype`]
+//! (element types and conversion), [`tensor`] (borrowed strided tensors and the
+//! strided copy), [`storage`] (the device-independent storage interface and its host
 //! backend), [`kv_cache`] (the contiguous cache), [`paged`] (the block pool shared by many
 //! sequences) and [`error`] (the one error type).
 

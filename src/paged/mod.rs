@@ -1,6 +1,6 @@
 //! The paged cache: a pool of fixed-size blocks shared by many sequences ([`pool`]),
 //! its block allocator ([`allocator`]), layer kinds and groups ([`groups`]), sequences'
-//! block tables ([`seq`]), where blocks live in storage ([`layout`]), prefix caching on
+//! block tables ([`seq`]), where blocks live in storage ([`crate::layout`]), prefix caching on
 //! the pool ([`caching`]), slots and page tables for kernels ([`slots`]), position edits
 //! ([`shift`]) and ollama-style batched forwards ([`forward`]).
 

@@ -1,5 +1,5 @@
 //! The storage interface: one region of device or host memory, allocated once, that
-//! caches address through strided [`Region`]s. The host backend lives in [`host`]; the
+//! caches address through strided [`Region`]s. The host backend lives in `host`; the
 //! CUDA backend ([`cuda`]) implements the same trait, so the caches never look at the
 //! device. The paged pool's bulk operations have region-by-region defaults
 //! ([`paged_ops`]) that a device backend replaces with one kernel launch each.
