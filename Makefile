@@ -19,6 +19,7 @@ $(VENV)/bin/activate:
 
 .stamp-install: $(VENV)/bin/activate $(SOURCES)
 	$(PIP) install --quiet maturin==1.16.0
+	rm -f python/kvrs/_kvrs.cpython-*.so  # a pre-abi3 build would shadow the abi3 one
 	$(PIP) install --quiet --no-build-isolation -e '.[test,demo]'
 	@touch $@
 

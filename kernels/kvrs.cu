@@ -165,18 +165,21 @@ __device__ void append_contiguous(const S* k, const S* v, TokenStrides ks, Token
 // Largest head_dim the attention kernel takes (its accumulator lives in registers).
 constexpr int KVRS_MAX_HEAD_DIM = 256;
 
+// Adds head h's sink (sinks: null for none) to the denominator l of a softmax whose
+// running max is m; returns the factor the unnormalised output is rescaled by.
+__device__ __forceinline__ float add_sink(float m, float& l, const float* sinks, int h) {
+    if (!sinks) return 1.0f;
+    const float mx = fmaxf(m, sinks[h]);
+    const float f = m == -__builtin_huge_valf() ? 0.0f : expf(m - mx);
+    l = l * f + expf(sinks[h] - mx);
+    return f;
+}
+
 // Finishes one query row's head from its running max m, denominator l and unnormalised
-// output acc: adds the head's sink to the denominator (sinks: null for none), divides
-// and writes o[0..head_dim) in T.
+// output acc: adds the head's sink, divides and writes o[0..head_dim) in T.
 template <typename T>
 __device__ void finish_head(T* o, const float* acc, float m, float l, const float* sinks, int h, int head_dim) {
-    const float neg_inf = -__builtin_huge_valf();
-    float f = 1.0f;
-    if (sinks) {
-        const float mx = fmaxf(m, sinks[h]);
-        f = m == neg_inf ? 0.0f : expf(m - mx);
-        l = l * f + expf(sinks[h] - mx);
-    }
+    const float f = add_sink(m, l, sinks, h);
     const float inv = l > 0.0f ? f / l : 0.0f;
     for (int d = 0; d < head_dim; ++d) o[d] = from_f32<T>(acc[d] * inv);
 }
@@ -264,12 +267,7 @@ __device__ void attention_merge(const float* partial, int splits, const int64_t*
                 o += w[s * stride + 2 + d] * f;
             }
         }
-        float f = 1.0f;
-        if (sinks) {
-            const float mx = fmaxf(m, sinks[h]);
-            f = m == neg_inf ? 0.0f : expf(m - mx);
-            l = l * f + expf(sinks[h] - mx);
-        }
+        const float f = add_sink(m, l, sinks, h);
         out[(token * q_heads + h) * head_dim + d] = from_f32<T>(l > 0.0f ? o * f / l : 0.0f);
     }
 }

@@ -2,6 +2,8 @@
 //! (`[num_kv_heads, max_seq_len, head_dim]` for K and for V), filled layer by layer and
 //! committed with [`KVCache::advance`].
 
+use std::ops::Range;
+
 use crate::attention::{self, AttnOptions, KvHeads, KvPages, QueryRow, SeqQueries};
 use crate::dtype::DType;
 use crate::error::{check_count, check_index, check_positive, KvError, Result};
@@ -303,21 +305,39 @@ impl KVCache {
         let head = check_index("head", head, s.num_kv_heads)?;
         let pos = self.check_position("pos", pos)?;
         vector.expect_shape(if kv == Kv::Key { "key" } else { "value" }, &[s.head_dim])?;
+        // The write comes first: it is the step a bad vector (another device) fails, and
+        // then nothing has changed.
+        self.storage
+            .write(self.heads_at(layer, kv, head..head + 1, pos), vector)?;
         let held = self.layer_len[layer];
         if pos >= held {
+            // Zero what the store brings in, all but the vector just written.
             for side in [Kv::Key, Kv::Value] {
                 self.storage
-                    .fill_zero(self.region(layer, side, held, pos + 1 - held))?;
+                    .fill_zero(self.region(layer, side, held, pos - held))?;
+                let (before, after) = if side == kv {
+                    (0..head, head + 1..s.num_kv_heads)
+                } else {
+                    (0..s.num_kv_heads, 0..0)
+                };
+                for heads in [before, after].into_iter().filter(|h| !h.is_empty()) {
+                    self.storage
+                        .fill_zero(self.heads_at(layer, side, heads, pos))?;
+                }
             }
+            self.layer_len[layer] = pos + 1;
         }
-        let region = Region {
-            offset: self.offset(layer, kv, head, pos),
-            shape: [1, 1, s.head_dim],
-            strides: [0, 0, 1],
-        };
-        self.storage.write(region, vector)?;
-        self.layer_len[layer] = self.layer_len[layer].max(pos + 1);
         Ok(())
+    }
+
+    /// The region `[heads, 1, head_dim]` of one layer's K or V at position `pos`.
+    fn heads_at(&self, layer: usize, kv: Kv, heads: Range<usize>, pos: usize) -> Region {
+        let s = &self.shape;
+        Region {
+            offset: self.offset(layer, kv, heads.start, pos),
+            shape: [heads.len(), 1, s.head_dim],
+            strides: [s.max_seq_len * s.head_dim, s.head_dim, 1],
+        }
     }
 
     /// Appends `k` and `v` (`[n_tokens, num_kv_heads, head_dim]`) at `layer`'s next free

@@ -164,6 +164,29 @@ fn a_host_cache_refuses_device_tensors() {
     assert!(matches!(c.append(0, &t, &t), Err(KvError::Device(_))));
 }
 
+#[test]
+fn a_refused_store_changes_nothing() {
+    use kvrs::Kv;
+    let shape = CacheShape {
+        num_layers: 1,
+        num_kv_heads: 2,
+        head_dim: 4,
+        max_seq_len: 4,
+    };
+    let mut c = KVCache::new(shape, DType::F32, Device::Cuda(0)).unwrap();
+    let k = values(5, 3 * 2 * 4);
+    let t = on(&k, &[3, 2, 4], Device::Cuda(0));
+    c.append(0, &t, &t).unwrap();
+    c.advance(3).unwrap();
+    c.truncate(0).unwrap(); // the old K/V stay in storage, past the layer's length
+    let before = contents(&c, 0, 4);
+    let other = values(6, 4);
+    let refused = c.store(Kv::Key, 0, 1, 2, &on(&other, &[4], Device::Cuda(1)));
+    assert!(matches!(refused, Err(KvError::Device(_))), "{refused:?}");
+    assert_eq!(c.layer_len(0), 0);
+    assert_eq!(contents(&c, 0, 4), before);
+}
+
 /// The paged attention kernel on the simulated device against the CPU core on the same
 /// pool contents: ragged batches of three sequences (one forked), full and sliding
 /// layers, NHD and HND, GQA, soft-capping, sinks and ALiBi, every dtype; histories

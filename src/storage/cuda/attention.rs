@@ -23,32 +23,43 @@ const TARGET_THREADS: usize = 1 << 17;
 /// Most bytes of split results (the workspace the merge reads).
 const MAX_WORKSPACE: usize = 256 << 20;
 
-/// Positions per split and splits per row for `rows` of `q_heads` heads: every history
-/// longer than a chunk is split, chunks grow until the splits' results fit in
-/// [`MAX_WORKSPACE`] and a grid dimension (65,535); `(longest, 1)` means no split.
-fn split_plan(rows: &[DeviceRow], q_heads: usize, head_dim: usize) -> (usize, usize) {
-    let longest = rows
-        .iter()
-        .map(|r| (r[4] - r[3]).max(0) as usize)
-        .max()
-        .unwrap_or(0);
-    let work = rows
-        .iter()
-        .map(|r| (r[4] - r[3]).max(0) as usize)
-        .sum::<usize>()
-        * q_heads;
+/// How one launch splits its rows' histories across threads.
+struct SplitPlan {
+    /// Positions per split.
+    chunk: usize,
+    /// Splits per row (1: no split, no workspace, no merge).
+    splits: usize,
+    /// Bytes of split results the merge reads.
+    workspace: usize,
+}
+
+/// The split for `rows` of `q_heads` heads: every history longer than a chunk is split,
+/// and chunks grow until the splits' results fit in [`MAX_WORKSPACE`] and a grid
+/// dimension (65,535).
+fn split_plan(rows: &[DeviceRow], q_heads: usize, head_dim: usize) -> SplitPlan {
+    let lens = rows.iter().map(|r| (r[4] - r[3]).max(0) as usize);
+    let longest = lens.clone().max().unwrap_or(0);
+    let work = lens.sum::<usize>() * q_heads;
+    let bytes = |splits: usize| rows.len() * splits * q_heads * (2 + head_dim) * 4;
     let mut chunk = work
         .div_ceil(TARGET_THREADS)
         .next_multiple_of(MIN_CHUNK)
         .max(MIN_CHUNK);
     loop {
         let splits = longest.div_ceil(chunk);
-        let bytes = rows.len() * splits * q_heads * (2 + head_dim) * 4;
         if splits <= 1 {
-            return (longest.max(1), 1);
+            return SplitPlan {
+                chunk: longest.max(1),
+                splits: 1,
+                workspace: 0,
+            };
         }
-        if bytes <= MAX_WORKSPACE && splits <= 65_535 {
-            return (chunk, splits);
+        if bytes(splits) <= MAX_WORKSPACE && splits <= 65_535 {
+            return SplitPlan {
+                chunk,
+                splits,
+                workspace: bytes(splits),
+            };
         }
         chunk *= 2;
     }
@@ -120,12 +131,11 @@ impl CudaStorage {
             }
         };
         let cache = self.device_addr(sh.block_offset(t.index, 0));
-        let (chunk, splits) = split_plan(rows, q_heads, sh.head_dim);
-        let workspace = if splits > 1 {
-            rows.len() * splits * q_heads * (2 + sh.head_dim) * 4
-        } else {
-            0
-        };
+        let SplitPlan {
+            chunk,
+            splits,
+            workspace,
+        } = split_plan(rows, q_heads, sh.head_dim);
         self.with_upload_and_scratch(fill, workspace, |base, partial| {
             let at = |words: usize| base + 8 * words as u64;
             let args = Args::new()
