@@ -28,10 +28,12 @@ install: .stamp-install ## build the extension (release) into .venv with the tes
 demo: .stamp-install ## run the main job: python -m kvrs demo (chat serving on a transformers model, plot in kvrs-demo.png)
 	$(PY) -m kvrs demo
 
-test: test-rust test-python test-wheel stubtest check-ptx ## build and run every test (Rust, Python, the wheel, stub check, PTX check)
+test: test-rust test-python test-wheel stubtest check-ptx ## build and run every test (Rust, Python, the wheel, stub and typing checks, PTX check)
 
-test-rust: ## cargo test: the core without Python, then the CUDA backend on the simulated device
+test-rust: ## cargo test (the core without Python, doc examples, the README's Rust), the examples, the CUDA backend on the simulated device
 	cargo test --release --quiet --features cuda
+	cargo run --release --quiet --features cuda --example decode_loop
+	cargo run --release --quiet --features cuda --example paged_batch
 	cargo test --release --quiet --features cuda-sim --test cuda_sim --test kv_cache_model --test paged_model
 
 test-python: .stamp-install ## pytest (hypothesis state machines, errors, interop)
@@ -46,8 +48,9 @@ wheel: $(VENV)/bin/activate ## build the abi3 wheel (one for every CPython >= 3.
 test-wheel: wheel ## install the wheel into a fresh virtual environment without Rust and smoke-test every class
 	$(PY) tests/wheel/check_wheel.py dist/kvrs-*-abi3-*.whl
 
-stubtest: .stamp-install ## check python/kvrs/_kvrs.pyi against the compiled module
+stubtest: .stamp-install ## check python/kvrs/_kvrs.pyi against the compiled module, and typed user code against it (mypy --strict tests/typing)
 	$(PY) -m mypy.stubtest kvrs._kvrs
+	$(PY) -m mypy --strict tests/typing
 
 check-ptx: $(VENV)/bin/activate ## the committed PTX matches kernels/kvrs.cu and assembles for sm_80 and sm_90
 	PY=$(PY) kernels/build.sh check

@@ -2,19 +2,21 @@
 //! (prefill, with and without dtype conversion) and block reads.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use kvrs::{CacheShape, DType, Device, KVCache, TensorRef};
+use kvrs::kv_cache::{CacheCore, CacheShape};
+use kvrs::tensor::TensorRef;
+use kvrs::{DType, Device};
 
 const HEADS: usize = 8;
 const DIM: usize = 128;
 
-fn cache(max_seq_len: usize, num_layers: usize) -> KVCache {
+fn cache(max_seq_len: usize, num_layers: usize) -> CacheCore {
     let shape = CacheShape {
         num_layers,
         num_kv_heads: HEADS,
         head_dim: DIM,
         max_seq_len,
     };
-    KVCache::new(shape, DType::F16, Device::Cpu).unwrap()
+    CacheCore::new(shape, DType::F16, Device::Cpu).unwrap()
 }
 
 fn tensor(buf: &[u8], dtype: DType, shape: &[usize]) -> TensorRef {

@@ -2,7 +2,7 @@
 //! scheduling step for 256 sequences (reserve one token each, then the page table).
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use kvrs::paged::{BlockAllocator, BlockPool, KvLayout, PagedShape};
+use kvrs::paged::{BlockAllocator, KvLayout, PagedShape, PoolCore};
 use kvrs::{DType, Device};
 
 fn alloc_free(c: &mut Criterion) {
@@ -32,7 +32,7 @@ fn schedule(c: &mut Criterion) {
     c.bench_function("decode_schedule_256_seqs", |b| {
         b.iter_batched_ref(
             || {
-                let mut pool = BlockPool::new(shape, DType::F16, Device::Cpu, None).unwrap();
+                let mut pool = PoolCore::new(shape, DType::F16, Device::Cpu, None).unwrap();
                 let ids: Vec<_> = (0..256).map(|_| pool.new_sequence()).collect();
                 pool.reserve(&ids, &[100; 256]).unwrap();
                 (pool, ids)

@@ -4,14 +4,14 @@
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use kvrs::paged::{BlockPool, KvLayout, PagedShape, PrefixConfig};
+use kvrs::paged::{KvLayout, PagedShape, PoolCore, PrefixConfig};
 use kvrs::prefix::HashKind;
 use kvrs::{DType, Device};
 
 const BS: usize = 16;
 
 /// A pool whose `blocks` blocks all hold one cached, unreferenced prompt.
-fn cached_pool(blocks: usize, hash: HashKind) -> (BlockPool, Vec<u32>) {
+fn cached_pool(blocks: usize, hash: HashKind) -> (PoolCore, Vec<u32>) {
     let shape = PagedShape {
         num_layers: 1,
         num_kv_heads: 1,
@@ -26,7 +26,7 @@ fn cached_pool(blocks: usize, hash: HashKind) -> (BlockPool, Vec<u32>) {
         partial_hits: true,
         events: false,
     };
-    let mut pool = BlockPool::new(shape, DType::F16, Device::Cpu, Some(cfg)).unwrap();
+    let mut pool = PoolCore::new(shape, DType::F16, Device::Cpu, Some(cfg)).unwrap();
     let tokens: Vec<u32> = (0..(blocks * BS) as u32)
         .map(|i| i.wrapping_mul(2654435761) % 128_000)
         .collect();

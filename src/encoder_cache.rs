@@ -4,7 +4,7 @@
 use crate::attention::{AttnOptions, QueryRow};
 use crate::dtype::DType;
 use crate::error::{KvError, Result};
-use crate::kv_cache::{CacheShape, KVCache};
+use crate::kv_cache::{CacheCore, CacheShape};
 use crate::storage::Device;
 use crate::tensor::TensorRef;
 
@@ -12,7 +12,7 @@ use crate::tensor::TensorRef;
 /// encoder positions, written once, until [`EncoderCache::clear`].
 #[derive(Debug)]
 pub struct EncoderCache {
-    cache: KVCache,
+    cache: CacheCore,
     length: Option<usize>,
 }
 
@@ -20,13 +20,13 @@ impl EncoderCache {
     /// Preallocates room for `shape.max_seq_len` encoder positions in every layer.
     pub fn new(shape: CacheShape, dtype: DType, device: Device) -> Result<Self> {
         Ok(EncoderCache {
-            cache: KVCache::new(shape, dtype, device)?,
+            cache: CacheCore::new(shape, dtype, device)?,
             length: None,
         })
     }
 
-    /// The underlying storage (same layout as a [`KVCache`]).
-    pub fn cache(&self) -> &KVCache {
+    /// The underlying storage (same layout as a [`CacheCore`]).
+    pub fn cache(&self) -> &CacheCore {
         &self.cache
     }
 

@@ -1,6 +1,6 @@
 //! The contiguous KV cache: one sequence, every layer preallocated head-major
 //! (`[num_kv_heads, max_seq_len, head_dim]` for K and for V), filled layer by layer and
-//! committed with [`KVCache::advance`].
+//! committed with [`CacheCore::advance`].
 
 use std::ops::Range;
 
@@ -77,21 +77,21 @@ pub fn commit_target(seq_len: usize, layer_len: &[usize], n: i64) -> Result<usiz
 ///
 /// Storage order is `[layer][K|V][head][position][dim]`. Each layer keeps its own fill
 /// length (`layer_len`), so a model can append layer by layer; `seq_len` is the committed
-/// length, moved by [`KVCache::advance`], and never exceeds any layer's fill length.
+/// length, moved by [`CacheCore::advance`], and never exceeds any layer's fill length.
 #[derive(Debug)]
-pub struct KVCache {
+pub struct CacheCore {
     shape: CacheShape,
     storage: Box<dyn Storage>,
     seq_len: usize,
     layer_len: Vec<usize>,
 }
 
-impl KVCache {
+impl CacheCore {
     /// Allocates a zero-filled cache of `dtype` on `device`; nothing is allocated later.
     pub fn new(shape: CacheShape, dtype: DType, device: Device) -> Result<Self> {
         let numel = shape.validate(dtype)?;
         let storage = allocate(device, dtype, numel)?;
-        Ok(KVCache {
+        Ok(CacheCore {
             shape,
             storage,
             seq_len: 0,
@@ -288,7 +288,7 @@ impl KVCache {
     /// Writes one `head_dim` vector at `(layer, head, pos)`: the seed's `store_key` /
     /// `store_value`. The layer then holds position `pos` (its fill length becomes at
     /// least `pos + 1`), so the seed's decode step (store every head's K and V at
-    /// `seq_len`, then [`KVCache::advance`]) commits it. Positions a store brings into the
+    /// `seq_len`, then [`CacheCore::advance`]) commits it. Positions a store brings into the
     /// layer are zeroed first (K and V, every head), so whatever was not stored there (a
     /// V without its K, a head left out, a gap before `pos`) reads as zeros, never as
     /// K/V of an earlier, truncated sequence.
@@ -475,7 +475,7 @@ impl KVCache {
 
     /// Appends `k`, `v` (`[n, H, D]`, on the cache's device) to `layer` at the position
     /// the device counter holds, with no host bookkeeping: the step of a captured decode
-    /// loop. Lengths on the host move at [`KVCache::sync_counter_from_gpu`].
+    /// loop. Lengths on the host move at [`CacheCore::sync_counter_from_gpu`].
     pub fn append_at_counter(&self, layer: i64, k: &TensorRef, v: &TensorRef) -> Result<()> {
         let s = self.shape;
         let layer = self.check_layer(layer)?;

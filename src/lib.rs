@@ -1,11 +1,32 @@
 //! kvrs: KV-cache storage for LLM inference.
 //!
+//! Rust programs start at the crate root: [`KvCache`] (one sequence, contiguous, the
+//! seed's surface) and [`BlockPool`] (a paged pool shared by many sequences, with forks
+//! and prefix caching), typed over `f32`, [`half::f16`] or [`half::bf16`] slices with
+//! `usize` indices ([`typed`]). Python programs use the same core through the `kvrs`
+//! package.
+//!
+//! ```
+//! use kvrs::KvCache;
+//!
+//! let mut cache = KvCache::<f32>::new(1, 2, 4, 16);
+//! let kv = vec![1.0f32; 2 * 4]; // one token: [1, num_kv_heads, head_dim]
+//! cache.append(0, &kv, &kv)?;
+//! cache.advance()?;
+//! let mut out = vec![0.0f32; 4 * 4]; // [1, num_q_heads = 4, head_dim]
+//! cache.attention(0, 4, &vec![0.5f32; 4 * 4], &mut out)?;
+//! assert_eq!(out, vec![1.0f32; 16]); // one position: attention returns its value
+//! # Ok::<(), kvrs::KvError>(())
+//! ```
+//!
 //! The core (this crate without the `python` feature) knows nothing of Python:
 //! [`layout`] (the shared vocabulary: devices, regions, paged shapes), [`dtype`]
 //! (element types and conversion), [`tensor`] (borrowed strided tensors and the
 //! strided copy), [`storage`] (the device-independent storage interface and its host
 //! backend), [`kv_cache`] (the contiguous cache), [`paged`] (the block pool shared by many
 //! sequences) and [`error`] (the one error type).
+
+#![warn(missing_docs)]
 
 pub mod attention;
 pub mod bytes;
@@ -19,13 +40,20 @@ pub mod prefix;
 pub mod rope;
 pub mod storage;
 pub mod tensor;
+pub mod typed;
 
 #[cfg(feature = "python")]
 mod python;
 
+/// The README's Rust examples, compiled and run by `cargo test --doc`.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
+
+pub use attention::AttnOptions;
 pub use dtype::DType;
 pub use error::{KvError, Result};
-pub use kv_cache::{CacheShape, KVCache, Kv};
-pub use paged::{BlockPool, KvLayout, PagedShape, SeqId};
-pub use storage::{Device, Region, Storage};
-pub use tensor::TensorRef;
+pub use kv_cache::Kv;
+pub use layout::{Device, KvLayout, PagedShape};
+pub use paged::{Attention, LayerKind, PoolStats, SeqId};
+pub use typed::{BlockPool, Element, KvCache, PoolConfig};

@@ -4,8 +4,9 @@
 //! gathers for each sequence.
 
 use kvrs::attention::AttnOptions;
-use kvrs::paged::{Attention, BlockPool, KvLayout, LayerKind, PagedShape};
-use kvrs::{DType, Device, TensorRef};
+use kvrs::paged::{Attention, KvLayout, LayerKind, PagedShape, PoolCore};
+use kvrs::tensor::TensorRef;
+use kvrs::{DType, Device};
 use proptest::prelude::*;
 
 const D: usize = 16;
@@ -104,7 +105,7 @@ proptest! {
             chunk_size: Some(window),
             swa_memory: 0,
         };
-        let mut pool = BlockPool::with_attention(shape, attention.clone(), dtype, Device::Cpu, None).unwrap();
+        let mut pool = PoolCore::with_attention(shape, attention.clone(), dtype, Device::Cpu, None).unwrap();
         let mut ids = Vec::new();
         for (i, &n) in histories.iter().enumerate() {
             let id = pool.new_sequence();

@@ -2,9 +2,11 @@
 //! kernels compiled for the host, driven by the same storage code that drives a GPU.
 #![cfg(feature = "cuda-sim")]
 
+use kvrs::kv_cache::{CacheCore, CacheShape};
 use kvrs::storage::cuda::gpu::Args;
 use kvrs::storage::cuda::gpu_for;
-use kvrs::{CacheShape, DType, Device, KVCache, KvError, TensorRef};
+use kvrs::tensor::TensorRef;
+use kvrs::{DType, Device, KvError};
 
 fn values(seed: usize, n: usize) -> Vec<f32> {
     (0..n)
@@ -18,7 +20,7 @@ fn on(v: &[f32], shape: &[usize], device: Device) -> TensorRef {
 }
 
 /// Keys and values of positions `0..n` of `layer`, read into host float32.
-fn contents(c: &KVCache, layer: i64, n: usize) -> (Vec<f32>, Vec<f32>) {
+fn contents(c: &CacheCore, layer: i64, n: usize) -> (Vec<f32>, Vec<f32>) {
     let s = c.shape();
     let len = s.num_kv_heads * n * s.head_dim;
     let (mut k, mut v) = (vec![0f32; len], vec![0f32; len]);
@@ -61,8 +63,8 @@ fn captured_decode_loop_equals_host_appends() {
         max_seq_len: max,
     };
     for dtype in [DType::F32, DType::F16, DType::BF16] {
-        let mut gpu = KVCache::new(shape, dtype, Device::Cuda(0)).unwrap();
-        let mut host = KVCache::new(shape, dtype, Device::Cpu).unwrap();
+        let mut gpu = CacheCore::new(shape, dtype, Device::Cuda(0)).unwrap();
+        let mut host = CacheCore::new(shape, dtype, Device::Cpu).unwrap();
         // A prefill through the ordinary path first.
         let pre = values(1, 4 * heads * dim);
         for l in 0..layers as i64 {
@@ -115,7 +117,7 @@ fn counter_past_capacity_is_cache_full_and_changes_nothing() {
         head_dim: 4,
         max_seq_len: 2,
     };
-    let mut c = KVCache::new(shape, DType::F32, Device::Cuda(0)).unwrap();
+    let mut c = CacheCore::new(shape, DType::F32, Device::Cuda(0)).unwrap();
     c.gpu_counter_ptr().unwrap();
     let k = values(3, 4);
     for _ in 0..3 {
@@ -146,7 +148,7 @@ fn counter_methods_need_a_cuda_cache() {
         head_dim: 4,
         max_seq_len: 2,
     };
-    let c = KVCache::new(shape, DType::F32, Device::Cpu).unwrap();
+    let c = CacheCore::new(shape, DType::F32, Device::Cpu).unwrap();
     assert!(matches!(c.gpu_counter_ptr(), Err(KvError::NotSupported(_))));
 }
 
@@ -158,7 +160,7 @@ fn a_host_cache_refuses_device_tensors() {
         head_dim: 4,
         max_seq_len: 2,
     };
-    let mut c = KVCache::new(shape, DType::F32, Device::Cpu).unwrap();
+    let mut c = CacheCore::new(shape, DType::F32, Device::Cpu).unwrap();
     let k = values(3, 4);
     let t = on(&k, &[1, 1, 4], Device::Cuda(0));
     assert!(matches!(c.append(0, &t, &t), Err(KvError::Device(_))));
@@ -173,7 +175,7 @@ fn a_refused_store_changes_nothing() {
         head_dim: 4,
         max_seq_len: 4,
     };
-    let mut c = KVCache::new(shape, DType::F32, Device::Cuda(0)).unwrap();
+    let mut c = CacheCore::new(shape, DType::F32, Device::Cuda(0)).unwrap();
     let k = values(5, 3 * 2 * 4);
     let t = on(&k, &[3, 2, 4], Device::Cuda(0));
     c.append(0, &t, &t).unwrap();
@@ -195,7 +197,7 @@ fn a_refused_store_changes_nothing() {
 fn paged_attention_kernel_equals_the_cpu_core() {
     use half::{bf16, f16};
     use kvrs::attention::AttnOptions;
-    use kvrs::paged::{Attention, BlockPool, KvLayout, LayerKind, PagedShape};
+    use kvrs::paged::{Attention, KvLayout, LayerKind, PagedShape, PoolCore};
 
     let (h, hq, d) = (2, 8, 16);
     for dtype in [DType::F32, DType::F16, DType::BF16] {
@@ -214,10 +216,10 @@ fn paged_attention_kernel_equals_the_cpu_core() {
                 chunk_size: None,
                 swa_memory: 0,
             };
-            let mut pools: Vec<BlockPool> = [Device::Cpu, Device::Cuda(0)]
+            let mut pools: Vec<PoolCore> = [Device::Cpu, Device::Cuda(0)]
                 .into_iter()
                 .map(|dev| {
-                    BlockPool::with_attention(shape, attention.clone(), dtype, dev, None).unwrap()
+                    PoolCore::with_attention(shape, attention.clone(), dtype, dev, None).unwrap()
                 })
                 .collect();
             let mut outs = Vec::new();

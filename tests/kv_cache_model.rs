@@ -1,9 +1,11 @@
-//! Property test: random operation sequences on `KVCache` against a plain `Vec` model.
+//! Property test: random operation sequences on `CacheCore` against a plain `Vec` model.
 //!
 //! Values are multiples of 1/4 in [-8, 8], exact in every storage dtype, so the model
 //! compares exactly for float32, float16 and bfloat16 storage alike.
 
-use kvrs::{CacheShape, DType, Device, KVCache, Kv, KvError, TensorRef};
+use kvrs::kv_cache::{CacheCore, CacheShape};
+use kvrs::tensor::TensorRef;
+use kvrs::{DType, Device, Kv, KvError};
 use proptest::prelude::*;
 
 const L: usize = 3;
@@ -106,7 +108,7 @@ fn tensor_mut(v: &mut [f32], shape: &[usize]) -> TensorRef {
     t.on(DEVICE.get())
 }
 
-fn snapshot(c: &KVCache) -> Model {
+fn snapshot(c: &CacheCore) -> Model {
     // extract_block converts to the destination's dtype, so a float32 read sees every
     // storage dtype's exact values.
     let mut m = Model::new();
@@ -240,7 +242,7 @@ fn apply_model(m: &mut Model, op: &Op) -> Result<(), ()> {
     Ok(())
 }
 
-fn apply_cache(c: &mut KVCache, m: &Model, op: &Op) -> Result<(), KvError> {
+fn apply_cache(c: &mut CacheCore, m: &Model, op: &Op) -> Result<(), KvError> {
     match *op {
         Op::Store {
             kv,
@@ -325,7 +327,7 @@ fn run(device: Device, dtype: DType, ops: &[Op]) {
         head_dim: D,
         max_seq_len: MAX,
     };
-    let mut cache = KVCache::new(shape, dtype, device).unwrap();
+    let mut cache = CacheCore::new(shape, dtype, device).unwrap();
     let mut model = Model::new();
     for op in ops {
         let before = model.clone();

@@ -1,4 +1,4 @@
-//! Property test: random interleavings of every `BlockPool` operation on many sequences
+//! Property test: random interleavings of every `PoolCore` operation on many sequences
 //! against a reference that keeps each sequence's K/V as plain vectors.
 //!
 //! After every step: each live sequence's gathered K/V equals the reference; reference
@@ -14,9 +14,10 @@
 
 use std::collections::HashSet;
 
-use kvrs::paged::{Attention, BlockPool, KvLayout, LayerKind, PagedShape, SeqId, Table, NO_BLOCK};
+use kvrs::paged::{Attention, KvLayout, LayerKind, PagedShape, PoolCore, SeqId, Table, NO_BLOCK};
 use kvrs::rope::{Rope, RopeStyle};
-use kvrs::{DType, Device, KvError, TensorRef};
+use kvrs::tensor::TensorRef;
+use kvrs::{DType, Device, KvError};
 use proptest::prelude::*;
 
 const L: usize = 2;
@@ -140,7 +141,7 @@ fn tokens(seed: u32, n: usize) -> (Vec<f32>, Vec<Vec<f32>>) {
 }
 
 struct World {
-    pool: BlockPool,
+    pool: PoolCore,
     attention: Attention,
     live: Vec<(SeqId, RefSeq)>,
     /// The pool's rotary embedding (middle removals re-rotate keys) and storage dtype.
@@ -660,8 +661,7 @@ fn run(device: Device, layout: KvLayout, dtype: DType, kinds: [LayerKind; L], op
             0
         },
     };
-    let mut pool =
-        BlockPool::with_attention(shape, attention.clone(), dtype, device, None).unwrap();
+    let mut pool = PoolCore::with_attention(shape, attention.clone(), dtype, device, None).unwrap();
     if let Some(r) = rope {
         pool = pool.with_rope(r).unwrap();
     }

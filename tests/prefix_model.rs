@@ -8,9 +8,10 @@
 //! from the cache, copied for a partial hit or evicted. Invariants (reference counts,
 //! free list, LRU order, index) are checked after every step too.
 
-use kvrs::paged::{BlockPool, KvLayout, PagedShape, PrefixConfig, SeqId};
+use kvrs::paged::{KvLayout, PagedShape, PoolCore, PrefixConfig, SeqId};
 use kvrs::prefix::HashKind;
-use kvrs::{DType, Device, KvError, TensorRef};
+use kvrs::tensor::TensorRef;
+use kvrs::{DType, Device, KvError};
 use proptest::prelude::*;
 
 const L: usize = 2;
@@ -111,7 +112,7 @@ struct Live {
 }
 
 struct World {
-    pool: BlockPool,
+    pool: PoolCore,
     live: Vec<Live>,
     pins: Vec<Vec<u32>>,
 }
@@ -354,7 +355,7 @@ fn run(hash: HashKind, partial_hits: bool, layout: KvLayout, ops: &[Op]) {
         partial_hits,
     };
     let mut w = World {
-        pool: BlockPool::new(shape, DType::F32, Device::Cpu, Some(cfg)).unwrap(),
+        pool: PoolCore::new(shape, DType::F32, Device::Cpu, Some(cfg)).unwrap(),
         live: Vec::new(),
         pins: Vec::new(),
     };

@@ -1,114 +1,98 @@
-//! The seed's decode loop as its users write it: for every layer and head,
-//! `store_key`/`store_value` at `pos = seq_len`, then `advance()`. Each step must commit,
-//! and the stored vectors must read back; a position stored only partly reads as zeros
-//! where nothing was stored, even over a truncated sequence's old K/V.
+//! The seed's decode loop as its users write it, through the crate-root Rust API: for
+//! every layer and head, `store_key`/`store_value` at `pos = seq_len`, then `advance()`.
+//! Each step must commit, and the stored vectors must read back (`keys_for`,
+//! `extract_block`); a position stored only partly reads as zeros where nothing was
+//! stored, even over a truncated sequence's old K/V.
 
-use kvrs::{CacheShape, DType, Device, KVCache, Kv, TensorRef};
+use kvrs::{KvCache, KvError};
 
 const LAYERS: usize = 2;
 const HEADS: usize = 3;
 const DIM: usize = 4;
 
-fn vector(layer: usize, head: usize, pos: usize, kv: Kv) -> Vec<f32> {
+fn key(layer: usize, head: usize, pos: usize) -> Vec<f32> {
     (0..DIM)
-        .map(|d| {
-            (layer * 1000 + head * 100 + pos * 10 + d) as f32
-                * if kv == Kv::Key { 1.0 } else { -1.0 }
-        })
+        .map(|d| (layer * 1000 + head * 100 + pos * 10 + d) as f32)
         .collect()
 }
 
-fn store(cache: &mut KVCache, kv: Kv, layer: usize, head: usize, pos: usize, x: &[f32]) {
-    let t = unsafe { TensorRef::contiguous(x.as_ptr() as *const u8, DType::F32, &[DIM]).unwrap() };
-    cache
-        .store(kv, layer as i64, head as i64, pos as i64, &t)
-        .unwrap();
-}
-
-/// `[HEADS, n, DIM]` keys and values of `layer` from position 0, as float32.
-fn read(cache: &KVCache, layer: usize, n: usize) -> (Vec<f32>, Vec<f32>) {
-    let (mut k, mut v) = (vec![0f32; HEADS * n * DIM], vec![0f32; HEADS * n * DIM]);
-    let kt = unsafe {
-        TensorRef::contiguous(k.as_mut_ptr() as *const u8, DType::F32, &[HEADS, n, DIM]).unwrap()
-    };
-    let vt = unsafe {
-        TensorRef::contiguous(v.as_mut_ptr() as *const u8, DType::F32, &[HEADS, n, DIM]).unwrap()
-    };
-    cache
-        .extract_block(layer as i64, 0, n as i64, &kt, &vt)
-        .unwrap();
-    (k, v)
-}
-
-fn new_cache() -> KVCache {
-    let shape = CacheShape {
-        num_layers: LAYERS,
-        num_kv_heads: HEADS,
-        head_dim: DIM,
-        max_seq_len: 16,
-    };
-    KVCache::new(shape, DType::F32, Device::Cpu).unwrap()
+fn value(layer: usize, head: usize, pos: usize) -> Vec<f32> {
+    key(layer, head, pos).iter().map(|x| -x).collect()
 }
 
 #[test]
-fn the_seed_decode_loop_commits_every_step() {
-    let mut cache = new_cache();
+fn the_seed_decode_loop_commits_every_step() -> Result<(), KvError> {
+    let mut cache = KvCache::<f32>::new(LAYERS, HEADS, DIM, 16);
     for step in 0..5 {
         let pos = cache.seq_len();
         assert_eq!(pos, step);
         for layer in 0..LAYERS {
             for head in 0..HEADS {
-                store(
-                    &mut cache,
-                    Kv::Key,
-                    layer,
-                    head,
-                    pos,
-                    &vector(layer, head, pos, Kv::Key),
-                );
-                store(
-                    &mut cache,
-                    Kv::Value,
-                    layer,
-                    head,
-                    pos,
-                    &vector(layer, head, pos, Kv::Value),
-                );
+                cache.store_key(layer, head, pos, &key(layer, head, pos))?;
+                cache.store_value(layer, head, pos, &value(layer, head, pos))?;
             }
         }
-        cache.advance(1).unwrap();
+        cache.advance()?;
     }
     assert_eq!(cache.seq_len(), 5);
     for layer in 0..LAYERS {
         assert_eq!(cache.layer_len(layer), 5);
-        let (k, v) = read(&cache, layer, 5);
+        let (k, v) = cache.extract_block(layer, 0, 5)?;
         for head in 0..HEADS {
+            let (kh, vh) = (
+                cache.keys_for(layer, head, 5),
+                cache.values_for(layer, head, 5),
+            );
             for pos in 0..5 {
                 let at = (head * 5 + pos) * DIM;
-                assert_eq!(k[at..at + DIM], vector(layer, head, pos, Kv::Key)[..]);
-                assert_eq!(v[at..at + DIM], vector(layer, head, pos, Kv::Value)[..]);
+                assert_eq!(k[at..at + DIM], key(layer, head, pos)[..]);
+                assert_eq!(v[at..at + DIM], value(layer, head, pos)[..]);
+                assert_eq!(kh[pos * DIM..(pos + 1) * DIM], key(layer, head, pos)[..]);
+                assert_eq!(vh[pos * DIM..(pos + 1) * DIM], value(layer, head, pos)[..]);
             }
         }
     }
+    Ok(())
 }
 
 #[test]
-fn a_partly_stored_position_reads_zeros_where_nothing_was_stored() {
-    let mut cache = new_cache();
+fn a_partly_stored_position_reads_zeros_where_nothing_was_stored() -> Result<(), KvError> {
+    let mut cache = KvCache::<f32>::new(LAYERS, HEADS, DIM, 16);
     for layer in 0..LAYERS {
         for head in 0..HEADS {
-            for kv in [Kv::Key, Kv::Value] {
-                store(&mut cache, kv, layer, head, 0, &[7.0; DIM]);
-            }
+            cache.store_key(layer, head, 0, &[7.0; DIM])?;
+            cache.store_value(layer, head, 0, &[7.0; DIM])?;
         }
     }
-    cache.advance(1).unwrap();
-    cache.truncate(0).unwrap();
+    cache.advance()?;
+    cache.truncate(0)?;
     // Only head 1's key of layer 0 at position 0: the old sequence's 7s must not show.
-    store(&mut cache, Kv::Key, 0, 1, 0, &[1.0; DIM]);
+    cache.store_key(0, 1, 0, &[1.0; DIM])?;
     assert_eq!(cache.layer_len(0), 1);
-    assert!(cache.advance(1).is_err(), "layer 1 holds no position yet");
-    let (k, v) = read(&cache, 0, 1);
+    assert!(cache.advance().is_err(), "layer 1 holds no position yet");
+    let (k, v) = cache.extract_block(0, 0, 1)?;
     assert_eq!(k, [vec![0.0; DIM], vec![1.0; DIM], vec![0.0; DIM]].concat());
     assert_eq!(v, vec![0.0; HEADS * DIM]);
+    Ok(())
+}
+
+#[test]
+fn a_vector_of_the_wrong_length_is_refused_and_changes_nothing() {
+    let mut cache = KvCache::<f32>::new(LAYERS, HEADS, DIM, 16);
+    let err = cache.store_key(0, 0, 0, &[1.0; DIM + 1]).unwrap_err();
+    assert!(matches!(err, KvError::Shape { name: "key", .. }), "{err}");
+    assert_eq!(cache.layer_len(0), 0);
+    let err = cache.store_value(0, HEADS, 0, &[1.0; DIM]).unwrap_err();
+    assert!(
+        matches!(err, KvError::OutOfRange { name: "head", .. }),
+        "{err}"
+    );
+    for pos in [16, usize::MAX] {
+        let err = cache.store_value(0, 0, pos, &[1.0; DIM]).unwrap_err();
+        assert!(
+            matches!(err, KvError::CacheFull { capacity: 16, .. }),
+            "{err}"
+        );
+    }
+    assert_eq!(cache.layer_len(0), 0);
 }

@@ -3,8 +3,8 @@
 import os
 from collections.abc import Iterable
 from collections.abc import Sequence as Sequence_
-from types import TracebackType
-from typing import Any, final
+from types import GenericAlias, TracebackType
+from typing import Any, Generic, Literal, TypeVar, final, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -92,10 +92,24 @@ class DeviceTensor:
     def data_ptr(self) -> int:
         """Device address of element 0."""
 
+_View_co = TypeVar("_View_co", bound=npt.NDArray[Any] | DeviceTensor, covariant=True)
+"""What a cache's reads return: NumPy arrays on the host, DeviceTensors on a CUDA device.
+
+``KVCache(...)`` is a ``KVCache[np.ndarray]``, ``KVCache(..., device="cuda")`` a
+``KVCache[DeviceTensor]``; a device known only at run time gives the union."""
+
+_Either = npt.NDArray[Any] | DeviceTensor
+_Cpu = Literal["cpu"]
+_Cuda = Literal["cuda", "cuda:0", "cuda:1", "cuda:2", "cuda:3", "cuda:4", "cuda:5", "cuda:6", "cuda:7"]
+
 @final
-class KVCache:
+class KVCache(Generic[_View_co]):
     """A contiguous KV cache for one sequence, preallocated for ``max_seq_len`` positions."""
 
+    @classmethod
+    def __class_getitem__(cls, item: Any, /) -> GenericAlias:
+        """`KVCache[np.ndarray]` at run time, as in annotations."""
+    @overload
     def __new__(
         cls,
         num_layers: int,
@@ -104,8 +118,30 @@ class KVCache:
         max_seq_len: int,
         *,
         dtype: _DTypeLike = "float16",
-        device: str | Any = "cpu",
-    ) -> KVCache: ...
+        device: _Cpu = "cpu",
+    ) -> KVCache[npt.NDArray[Any]]: ...
+    @overload
+    def __new__(
+        cls,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_seq_len: int,
+        *,
+        dtype: _DTypeLike = "float16",
+        device: _Cuda,
+    ) -> KVCache[DeviceTensor]: ...
+    @overload
+    def __new__(
+        cls,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_seq_len: int,
+        *,
+        dtype: _DTypeLike = "float16",
+        device: str | Any,
+    ) -> KVCache[_Either]: ...
     @property
     def seq_len(self) -> int:
         """Committed length."""
@@ -147,24 +183,24 @@ class KVCache:
         """Adds n to the device counter, on the device."""
     def sync_counter_from_gpu(self) -> int:
         """Reads the device counter back into seq_len and every layer's length; returns it."""
-    def get(self, layer: int) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+    def get(self, layer: int) -> tuple[_View_co, _View_co]:
         """Zero-copy read-only views (K, V) of shape [num_kv_heads, length, head_dim]."""
     def attention(
         self,
         layer: int,
         q: _ArrayLike,
         *,
-        out: npt.NDArray[Any] | None = None,
+        out: _Either | None = None,
         window: int | None = None,
         scale: float | None = None,
         softcap: float | None = None,
         sinks: _FloatsLike | None = None,
         alibi_slopes: _FloatsLike | None = None,
-    ) -> npt.NDArray[Any]:
+    ) -> _View_co:
         """Causal attention of the layer's last n positions (q [n, num_q_heads, head_dim]), read in place."""
-    def keys_for(self, layer: int, head: int, seq_len: int | None = None) -> npt.NDArray[Any]:
+    def keys_for(self, layer: int, head: int, seq_len: int | None = None) -> _View_co:
         """Zero-copy read-only view [seq_len, head_dim] of one head's keys."""
-    def values_for(self, layer: int, head: int, seq_len: int | None = None) -> npt.NDArray[Any]:
+    def values_for(self, layer: int, head: int, seq_len: int | None = None) -> _View_co:
         """Zero-copy read-only view [seq_len, head_dim] of one head's values."""
     def truncate(self, n: int) -> None:
         """Drops positions >= n from every layer; a no-op when n >= seq_len."""
@@ -172,9 +208,7 @@ class KVCache:
         """Empties the cache; memory stays allocated."""
     def set_seq_len(self, n: int) -> None:
         """Sets seq_len and every layer's length to min(n, max_seq_len)."""
-    def extract_block(
-        self, layer: int, start_pos: int, block_size: int
-    ) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+    def extract_block(self, layer: int, start_pos: int, block_size: int) -> tuple[_View_co, _View_co]:
         """Copies [num_kv_heads, block_size, head_dim] keys and values from start_pos."""
     def inject_block(
         self, layer: int, start_pos: int, block_size: int, keys: _ArrayLike, values: _ArrayLike
@@ -187,9 +221,13 @@ class KVCache:
     def __len__(self) -> int: ...
 
 @final
-class BlockPool:
+class BlockPool(Generic[_View_co]):
     """A pool of fixed-size KV blocks for every layer, allocated once and shared by many sequences."""
 
+    @classmethod
+    def __class_getitem__(cls, item: Any, /) -> GenericAlias:
+        """`BlockPool[np.ndarray]` at run time, as in annotations."""
+    @overload
     def __new__(
         cls,
         num_layers: int,
@@ -200,7 +238,7 @@ class BlockPool:
         num_blocks: int | None = None,
         memory_bytes: int | str | None = None,
         dtype: _DTypeLike = "float16",
-        device: str | Any = "cpu",
+        device: _Cpu = "cpu",
         layout: str = "NHD",
         prefix_caching: bool = True,
         hash: str = "blake3",
@@ -212,7 +250,55 @@ class BlockPool:
         sliding_window: int | None = None,
         chunk_size: int | None = None,
         swa_memory: int = 0,
-    ) -> BlockPool: ...
+    ) -> BlockPool[npt.NDArray[Any]]: ...
+    @overload
+    def __new__(
+        cls,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        memory_bytes: int | str | None = None,
+        dtype: _DTypeLike = "float16",
+        device: _Cuda,
+        layout: str = "NHD",
+        prefix_caching: bool = True,
+        hash: str = "blake3",
+        seed: int | None = None,
+        partial_hits: bool = True,
+        events: bool = False,
+        rope: RoPE | None = None,
+        layer_types: Sequence_[str] | None = None,
+        sliding_window: int | None = None,
+        chunk_size: int | None = None,
+        swa_memory: int = 0,
+    ) -> BlockPool[DeviceTensor]: ...
+    @overload
+    def __new__(
+        cls,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        memory_bytes: int | str | None = None,
+        dtype: _DTypeLike = "float16",
+        device: str | Any,
+        layout: str = "NHD",
+        prefix_caching: bool = True,
+        hash: str = "blake3",
+        seed: int | None = None,
+        partial_hits: bool = True,
+        events: bool = False,
+        rope: RoPE | None = None,
+        layer_types: Sequence_[str] | None = None,
+        sliding_window: int | None = None,
+        chunk_size: int | None = None,
+        swa_memory: int = 0,
+    ) -> BlockPool[_Either]: ...
     @property
     def num_layers(self) -> int:
         """Number of layers."""
@@ -272,13 +358,13 @@ class BlockPool:
         """Block tables each sequence has: one per group of equally many layers of one kind."""
     def layer_group(self, layer: int) -> int:
         """The group (row of reserve()'s slot mapping, block table) of `layer`."""
-    def kv_cache(self, layer: int) -> npt.NDArray[Any]:
+    def kv_cache(self, layer: int) -> _View_co:
         """Zero-copy writable view of one layer's cache tensor, in FlashInfer's paged layout."""
     def stats(self) -> dict[str, Any]:
         """Occupancy as a dict (blocks, bytes, exact token counts)."""
     def new_sequence(
         self, tokens: _IntsLike | None = None, namespace: _Key = None, extra_key: _Key = None
-    ) -> Sequence:
+    ) -> Sequence[_View_co]:
         """Starts a sequence; with `tokens` it attaches the longest cached prefix."""
     def match_prefix(self, tokens: _IntsLike, namespace: _Key = None, extra_key: _Key = None) -> int:
         """Tokens of `tokens` a new sequence would find cached, without attaching anything."""
@@ -294,36 +380,42 @@ class BlockPool:
         """Writes every cached block to `path` (safetensors, atomically); returns how many."""
     def load_prefix_cache(self, path: str | os.PathLike[str]) -> dict[str, int]:
         """Warms the prefix cache from a saved file; returns {'loaded': n, 'skipped': m}."""
-    def copy_prefix(self, src: Sequence, dst: Sequence, n: int) -> None:
+    def copy_prefix(self, src: Sequence[Any], dst: Sequence[Any], n: int) -> None:
         """Makes `dst` hold the first `n` committed positions of `src`, sharing blocks."""
-    def keep(self, seqs: Iterable[Sequence]) -> None:
+    def keep(self, seqs: Iterable[Sequence[Any]]) -> None:
         """Frees every sequence of the pool not in `seqs`."""
-    def reserve(self, seqs: Iterable[Sequence], counts: _IntsLike) -> npt.NDArray[np.int64]:
+    def reserve(self, seqs: Iterable[Sequence[Any]], counts: _IntsLike) -> npt.NDArray[np.int64]:
         """Reserves room for counts[i] new tokens in each sequence; returns the int64 slot mapping
         ([n], or [num_layer_groups, n] when layers have several block tables)."""
     def write(self, layer: int, k: _ArrayLike, v: _ArrayLike, slot_mapping: _IntsLike) -> None:
         """Scatters k, v [n_tokens, num_kv_heads, head_dim] into slot_mapping (-1 skips)."""
     def page_table(
-        self, seqs: Iterable[Sequence], layer: int | None = None
+        self, seqs: Iterable[Sequence[Any]], layer: int | None = None
     ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32], npt.NDArray[np.int32]]:
         """FlashInfer's int32 page table (indptr, indices, last_page_len) of `seqs` for `layer`'s group."""
     def block_tables(
-        self, seqs: Iterable[Sequence], pad: int = -1, layer: int | None = None
+        self, seqs: Iterable[Sequence[Any]], pad: int = -1, layer: int | None = None
     ) -> npt.NDArray[np.int32]:
         """Block tables of `seqs` (`layer`'s group) as int32 [batch, max_blocks], padded with `pad`."""
     def start_forward(
-        self, seqs: Iterable[Sequence], positions: _IntsLike | None = None, tokens: _IntsLike | None = None
-    ) -> ForwardBatch:
+        self,
+        seqs: Iterable[Sequence[Any]],
+        positions: _IntsLike | None = None,
+        tokens: _IntsLike | None = None,
+    ) -> ForwardBatch[_View_co]:
         """Places a batch of tokens (token i: seqs[i] at positions[i]) and reserves their slots."""
     def check_invariants(self) -> None:
         """Verifies internal consistency; raises AssertionError naming the first broken invariant."""
 
 @final
-class Sequence:
+class Sequence(Generic[_View_co]):
     """One sequence's view of a pool: its block table and lengths."""
 
+    @classmethod
+    def __class_getitem__(cls, item: Any, /) -> GenericAlias:
+        """`Sequence[np.ndarray]` at run time, as in annotations."""
     @property
-    def pool(self) -> BlockPool:
+    def pool(self) -> BlockPool[_View_co]:
         """The pool this sequence lives in."""
     @property
     def seq_len(self) -> int:
@@ -365,37 +457,33 @@ class Sequence:
         """The token ids the sequence knows (its prompt and committed tokens)."""
     def set_seq_len(self, n: int) -> None:
         """Sets seq_len and every layer's length to n, growing or shrinking the block table."""
-    def extract_block(
-        self, layer: int, start_pos: int, block_size: int
-    ) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+    def extract_block(self, layer: int, start_pos: int, block_size: int) -> tuple[_View_co, _View_co]:
         """Copies [num_kv_heads, block_size, head_dim] keys and values of `layer` from start_pos."""
     def inject_block(
         self, layer: int, start_pos: int, block_size: int, keys: _ArrayLike, values: _ArrayLike
     ) -> None:
         """Writes [num_kv_heads, block_size, head_dim] keys and values of `layer` at start_pos."""
-    def copy_to_cache(self, cache: KVCache) -> None:
+    def copy_to_cache(self, cache: KVCache[Any]) -> None:
         """Replaces `cache`'s content with this sequence's (lengths included)."""
-    def copy_from_cache(self, cache: KVCache) -> None:
+    def copy_from_cache(self, cache: KVCache[Any]) -> None:
         """Fills this empty sequence from `cache`."""
-    def get(
-        self, layer: int, out: tuple[npt.NDArray[Any], npt.NDArray[Any]] | None = None
-    ) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+    def get(self, layer: int, out: tuple[_Either, _Either] | None = None) -> tuple[_View_co, _View_co]:
         """The layer's K and V gathered into contiguous [num_kv_heads, length, head_dim] arrays."""
     def attention(
         self,
         layer: int,
         q: _ArrayLike,
         *,
-        out: npt.NDArray[Any] | None = None,
+        out: _Either | None = None,
         scale: float | None = None,
         softcap: float | None = None,
         sinks: _FloatsLike | None = None,
         alibi_slopes: _FloatsLike | None = None,
-    ) -> npt.NDArray[Any]:
+    ) -> _View_co:
         """Attention of the newest n positions (q [n, num_q_heads, head_dim]) over the layer, in place."""
-    def views(self, layer: int) -> list[tuple[int, int, npt.NDArray[Any], npt.NDArray[Any]]]:
+    def views(self, layer: int) -> list[tuple[int, int, _View_co, _View_co]]:
         """Zero-copy read-only per-block views: a list of (start, length, K, V)."""
-    def fork(self) -> Sequence:
+    def fork(self) -> Sequence[_View_co]:
         """A new sequence sharing every block of this one (copy-on-write on first write)."""
     def truncate(self, n: int) -> None:
         """Drops positions >= n, returning freed blocks; a no-op when n >= seq_len."""
@@ -405,13 +493,16 @@ class Sequence:
         """llama.cpp's seq_add over a tail: positions p0.. move down by -delta, keys re-rotated."""
     def free(self) -> None:
         """Returns every block to the pool; the sequence cannot be used afterwards."""
-    def __enter__(self) -> Sequence: ...
+    def __enter__(self) -> Sequence[_View_co]: ...
     def __exit__(self, *_args: object) -> None: ...
 
 @final
-class ForwardBatch:
+class ForwardBatch(Generic[_View_co]):
     """A batch of tokens placed in a pool by BlockPool.start_forward."""
 
+    @classmethod
+    def __class_getitem__(cls, item: Any, /) -> GenericAlias:
+        """`ForwardBatch[np.ndarray]` at run time, as in annotations."""
     @property
     def num_tokens(self) -> int:
         """Tokens in the batch."""
@@ -425,7 +516,7 @@ class ForwardBatch:
         """Positions of history that get(layer) returns."""
     def put(self, layer: int, k: _ArrayLike, v: _ArrayLike) -> None:
         """Writes this layer's K and V for the batch's tokens ([n_tokens, heads, head_dim])."""
-    def get(self, layer: int) -> tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[np.float32]]:
+    def get(self, layer: int) -> tuple[_View_co, _View_co, npt.NDArray[np.float32]]:
         """(K, V, mask) over every sequence of the batch; mask: 0 where a token may attend, else -inf.
         Prefer attention(), which reads the blocks in place."""
     def attention(
@@ -433,18 +524,18 @@ class ForwardBatch:
         layer: int,
         q: _ArrayLike,
         *,
-        out: npt.NDArray[Any] | None = None,
+        out: _Either | None = None,
         scale: float | None = None,
         softcap: float | None = None,
         sinks: _FloatsLike | None = None,
         alibi_slopes: _FloatsLike | None = None,
-    ) -> npt.NDArray[Any]:
+    ) -> _View_co:
         """Attention of the batch's tokens (q [n_tokens, num_q_heads, head_dim]) over `layer`, in place."""
     def finish(self) -> None:
         """Commits the batch: each sequence's seq_len moves past its new tokens."""
     def cancel(self) -> None:
         """Abandons the batch: the reserved positions are dropped again."""
-    def __enter__(self) -> ForwardBatch: ...
+    def __enter__(self) -> ForwardBatch[_View_co]: ...
     def __exit__(
         self,
         exc_type: type[BaseException] | None,
@@ -479,9 +570,13 @@ class RoPE:
         """Rotates x ([n, head_dim] or [n, heads, head_dim]) to `positions`; returns a new float32 array."""
 
 @final
-class EncoderCache:
+class EncoderCache(Generic[_View_co]):
     """Position-independent K/V of one encoder input (cross-attention), written once per layer."""
 
+    @classmethod
+    def __class_getitem__(cls, item: Any, /) -> GenericAlias:
+        """`EncoderCache[np.ndarray]` at run time, as in annotations."""
+    @overload
     def __new__(
         cls,
         num_layers: int,
@@ -490,8 +585,30 @@ class EncoderCache:
         max_len: int,
         *,
         dtype: _DTypeLike = "float16",
-        device: str | Any = "cpu",
-    ) -> EncoderCache: ...
+        device: _Cpu = "cpu",
+    ) -> EncoderCache[npt.NDArray[Any]]: ...
+    @overload
+    def __new__(
+        cls,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        *,
+        dtype: _DTypeLike = "float16",
+        device: _Cuda,
+    ) -> EncoderCache[DeviceTensor]: ...
+    @overload
+    def __new__(
+        cls,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        *,
+        dtype: _DTypeLike = "float16",
+        device: str | Any,
+    ) -> EncoderCache[_Either]: ...
     @property
     def length(self) -> int | None:
         """Encoder positions every layer holds (None before the first set)."""
@@ -514,19 +631,19 @@ class EncoderCache:
         """Whether `layer` holds its K/V."""
     def set(self, layer: int, k: _ArrayLike, v: _ArrayLike) -> None:
         """Writes `layer`'s K and V ([n, num_kv_heads, head_dim], the same n for every layer)."""
-    def get(self, layer: int) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+    def get(self, layer: int) -> tuple[_View_co, _View_co]:
         """Zero-copy read-only views (K, V) [num_kv_heads, length, head_dim] of a set layer."""
     def attention(
         self,
         layer: int,
         q: _ArrayLike,
         *,
-        out: npt.NDArray[Any] | None = None,
+        out: _Either | None = None,
         scale: float | None = None,
         softcap: float | None = None,
         sinks: _FloatsLike | None = None,
         alibi_slopes: _FloatsLike | None = None,
-    ) -> npt.NDArray[Any]:
+    ) -> _View_co:
         """Cross-attention of q [n, num_q_heads, head_dim] over every encoder position of `layer`."""
     def clear(self) -> None:
         """Forgets the input; the memory stays allocated for the next one."""

@@ -7,7 +7,7 @@
 use std::ops::Range;
 
 use super::forward::ForwardPlan;
-use super::pool::{BlockPool, SeqId};
+use super::pool::{PoolCore, SeqId};
 use super::seq::{SeqState, Table};
 use crate::attention::{self, AttnOptions, KvHeads, KvPages, QueryRow, SeqQueries};
 use crate::error::{check_index, KvError, Result};
@@ -16,7 +16,7 @@ use crate::storage::cuda::attention::DeviceRow;
 use crate::storage::PagedTensor;
 use crate::tensor::TensorRef;
 
-impl BlockPool {
+impl PoolCore {
     /// Attention of a placed batch's tokens over `layer`, after `layer`'s K/V were
     /// written for the batch: `q` is `[n_tokens, num_q_heads, head_dim]` in batch
     /// order, `out` the same shape (C-contiguous). Each token attends only to its own

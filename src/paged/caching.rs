@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use super::groups::LayerKind;
-use super::pool::{BlockPool, SeqId};
+use super::pool::{PoolCore, SeqId};
 use super::seq::{Table, NO_BLOCK};
 use crate::error::{KvError, Result};
 use crate::layout::BlockId;
@@ -40,7 +40,7 @@ impl Hit {
     }
 }
 
-impl BlockPool {
+impl PoolCore {
     /// Starts a sequence whose token ids begin with `tokens` (the prompt). With prefix
     /// caching on, the longest cached prefix is attached (no copy for whole blocks; a
     /// fresh copy of the matching beginning of a block for a partial hit) and reported

@@ -1,16 +1,16 @@
 //! Writing a sequence: appends with copy-on-write, commits (`advance`), cuts
-//! (`truncate`, `set_seq_len`), the `KVCache` block layout (`inject_block`,
+//! (`truncate`, `set_seq_len`), the `CacheCore` block layout (`inject_block`,
 //! `extract_block`) and copies to and from a contiguous cache.
 
-use super::pool::{BlockPool, SeqId};
+use super::pool::{PoolCore, SeqId};
 use super::seq::{SeqState, NO_BLOCK};
 use crate::error::{check_count, check_index, KvError, Result};
-use crate::kv_cache::{commit_target, KVCache, Kv};
+use crate::kv_cache::{commit_target, CacheCore, Kv};
 use crate::layout::{BlockId, PagedShape};
 use crate::storage::PagedTensor;
 use crate::tensor::{expect_block_pair, TensorRef};
 
-impl BlockPool {
+impl PoolCore {
     /// Whether writing into block `b` needs a private copy first: it is shared, or it
     /// is cached (cached blocks are immutable).
     fn needs_copy(&self, b: BlockId) -> bool {
@@ -273,7 +273,7 @@ impl BlockPool {
         }
     }
 
-    /// Drops positions `>= n`; a no-op when `n >= seq_len` (as [`crate::KVCache::truncate`]).
+    /// Drops positions `>= n`; a no-op when `n >= seq_len` (as [`crate::kv_cache::CacheCore::truncate`]).
     pub fn truncate(&mut self, id: SeqId, n: i64) -> Result<()> {
         let n = check_count("n", n)?;
         if n < self.seq(id)?.seq_len {
@@ -379,7 +379,7 @@ impl BlockPool {
 
     /// Fills empty sequence `id` with the content of `cache`: every layer's positions and
     /// lengths, and its committed length.
-    pub fn copy_from_cache(&mut self, id: SeqId, cache: &KVCache) -> Result<()> {
+    pub fn copy_from_cache(&mut self, id: SeqId, cache: &CacheCore) -> Result<()> {
         let sh = self.shape;
         check_same_shape(sh, cache)?;
         let s = self.seq(id)?;
@@ -428,7 +428,7 @@ impl BlockPool {
 
     /// Copies sequence `id` into `cache`, replacing its content: every layer's positions
     /// and lengths, and the committed length. Every layer must still hold position 0.
-    pub fn copy_to_cache(&self, id: SeqId, cache: &mut KVCache) -> Result<()> {
+    pub fn copy_to_cache(&self, id: SeqId, cache: &mut CacheCore) -> Result<()> {
         let sh = self.shape;
         check_same_shape(sh, cache)?;
         let s = self.seq(id)?;
@@ -461,7 +461,7 @@ impl BlockPool {
     }
 }
 
-fn check_same_shape(sh: PagedShape, cache: &KVCache) -> Result<()> {
+fn check_same_shape(sh: PagedShape, cache: &CacheCore) -> Result<()> {
     let c = cache.shape();
     if (c.num_layers, c.num_kv_heads, c.head_dim) != (sh.num_layers, sh.num_kv_heads, sh.head_dim) {
         return Err(KvError::InvalidArgument {

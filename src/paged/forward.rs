@@ -4,7 +4,7 @@
 
 use rustc_hash::FxHashMap;
 
-use super::pool::{BlockPool, SeqId};
+use super::pool::{PoolCore, SeqId};
 use crate::error::{KvError, Result};
 use crate::tensor::TensorRef;
 
@@ -36,7 +36,7 @@ impl ForwardPlan {
     }
 }
 
-impl BlockPool {
+impl PoolCore {
     /// Places a batch: token `i` belongs to sequence `token_seqs[i]` at `positions[i]`
     /// (`None`: each sequence continues where it ends, its tokens in batch order). The
     /// tokens of one sequence must continue it in order (its next position, then the one

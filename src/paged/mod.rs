@@ -21,6 +21,6 @@ pub use crate::layout::{BlockId, KvLayout, PagedShape};
 pub use allocator::BlockAllocator;
 pub use forward::ForwardPlan;
 pub use groups::{Attention, LayerGroups, LayerKind};
-pub use pool::{BlockPool, PrefixConfig, SeqId};
+pub use pool::{PoolCore, PrefixConfig, SeqId};
 pub use seq::{SeqState, Table, NO_BLOCK};
 pub use stats::{KindStats, PoolStats};

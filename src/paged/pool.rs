@@ -34,14 +34,14 @@ pub struct PrefixConfig {
     pub seed: u128,
     /// Whether prompts may match the beginning of a cached block.
     pub partial_hits: bool,
-    /// Whether stored and removed blocks are recorded for [`BlockPool::drain_events`].
+    /// Whether stored and removed blocks are recorded for [`PoolCore::drain_events`].
     pub events: bool,
 }
 
 /// A pool of `num_blocks` blocks of `block_size` positions for every layer of a group,
 /// shared by sequences.
 #[derive(Debug)]
-pub struct BlockPool {
+pub struct PoolCore {
     pub(crate) shape: PagedShape,
     pub(crate) groups: LayerGroups,
     pub(crate) storage: Box<dyn Storage>,
@@ -53,7 +53,7 @@ pub struct BlockPool {
     next_id: SeqId,
 }
 
-impl BlockPool {
+impl PoolCore {
     /// Allocates the whole pool (every layer full attention), zero-filled, on `device`;
     /// caches prefixes when `prefix` is given.
     pub fn new(
@@ -124,7 +124,7 @@ impl BlockPool {
                 shape.block_size,
             )
         });
-        Ok(BlockPool {
+        Ok(PoolCore {
             shape,
             groups,
             storage,

@@ -3,7 +3,7 @@
 
 use rayon::prelude::*;
 
-use super::pool::{BlockPool, SeqId};
+use super::pool::{PoolCore, SeqId};
 use crate::error::{check_index, KvError, Result};
 use crate::layout::BlockId;
 use crate::storage::Device;
@@ -13,7 +13,7 @@ use crate::tensor::TensorRef;
 /// its large copies: one thread rarely saturates memory bandwidth.
 const PARALLEL_GATHER_BYTES: usize = 1 << 20;
 
-impl BlockPool {
+impl PoolCore {
     /// Positions `layer` of sequence `id` holds: `(first, end)`.
     pub fn layer_span(&self, id: SeqId, layer: usize) -> Result<(usize, usize)> {
         let s = self.seq(id)?;

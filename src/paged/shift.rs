@@ -1,13 +1,13 @@
 //! Position edits on a pool's sequences: llama.cpp's `seq_rm` (tail or middle removal)
 //! and `seq_add` (a position shift), re-rotating moved keys with the pool's RoPE.
 
-use super::pool::{BlockPool, SeqId};
+use super::pool::{PoolCore, SeqId};
 use crate::dtype::DType;
 use crate::error::{check_count, KvError, Result};
 use crate::rope::Rope;
 use crate::tensor::TensorRef;
 
-impl BlockPool {
+impl PoolCore {
     /// llama.cpp's `seq_rm`: removes positions `[begin, end)` (`end = None`: to the end).
     /// Removing a tail cuts the sequence; removing a span in the middle moves later
     /// positions down and re-rotates their keys, which needs the pool's RoPE

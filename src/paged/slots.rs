@@ -4,13 +4,13 @@
 use rustc_hash::FxHashSet;
 
 use super::edit::token_count;
-use super::pool::{BlockPool, SeqId};
+use super::pool::{PoolCore, SeqId};
 use super::seq::{SeqState, NO_BLOCK};
 use crate::error::{check_count, check_index, KvError, Result};
 use crate::layout::BlockId;
 use crate::tensor::TensorRef;
 
-impl BlockPool {
+impl PoolCore {
     /// Reserves positions for `counts[i]` new tokens at the end of each sequence, all or
     /// nothing, and returns their slots (`block * block_size + offset`): one run of
     /// `sum(counts)` slots per layer group, groups in order, tokens in sequence order.

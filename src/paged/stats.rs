@@ -2,12 +2,12 @@
 //! ([`PoolStats`], [`KindStats`]), and the invariants tests verify after every step.
 
 use super::groups::LayerKind;
-use super::pool::BlockPool;
+use super::pool::PoolCore;
 use super::seq::NO_BLOCK;
 use crate::layout::BlockId;
 use crate::prefix::{PrefixCounters, PrefixIndex};
 
-/// Memory held by the layers of one kind (see [`BlockPool::stats`]).
+/// Memory held by the layers of one kind (see [`PoolCore::stats`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KindStats {
     /// The kind.
@@ -22,7 +22,7 @@ pub struct KindStats {
     pub tokens_stored: usize,
 }
 
-/// Occupancy of the pool (see [`BlockPool::stats`]).
+/// Occupancy of the pool (see [`PoolCore::stats`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct PoolStats {
     /// Blocks in the pool.
@@ -55,7 +55,7 @@ pub struct PoolStats {
     pub by_kind: Vec<KindStats>,
 }
 
-impl BlockPool {
+impl PoolCore {
     /// Occupancy: blocks, bytes, exact token counts, prefix-cache counters, and the
     /// blocks each layer kind holds.
     pub fn stats(&self) -> PoolStats {

@@ -18,7 +18,7 @@ use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use super::hash::BlockHash;
 use crate::dtype::DType;
 use crate::error::{KvError, Result};
-use crate::paged::{BlockId, BlockPool};
+use crate::paged::{BlockId, PoolCore};
 use crate::tensor::TensorRef;
 
 const FORMAT: &str = "kvrs-prefix-cache";
@@ -56,7 +56,7 @@ fn st_dtype(d: DType) -> Dtype {
 }
 
 /// The metadata a file must carry to load into `pool`.
-fn expected_metadata(pool: &BlockPool) -> Vec<(&'static str, String)> {
+fn expected_metadata(pool: &PoolCore) -> Vec<(&'static str, String)> {
     let sh = pool.shape();
     let p = pool.prefix().expect("prefix caching on");
     vec![
@@ -75,7 +75,7 @@ fn expected_metadata(pool: &BlockPool) -> Vec<(&'static str, String)> {
 }
 
 /// The pool's layer kinds, window and chunk size, as one string.
-fn layer_types(pool: &BlockPool) -> String {
+fn layer_types(pool: &PoolCore) -> String {
     let a = &pool.groups().attention;
     let kinds: Vec<&str> = a.kinds.iter().map(|k| k.name()).collect();
     format!(
@@ -100,7 +100,7 @@ fn checksum<'a>(tensors: impl IntoIterator<Item = (&'a str, &'a [u8])>) -> Strin
     h.finalize().to_hex().to_string()
 }
 
-impl BlockPool {
+impl PoolCore {
     /// Writes every cached block (tokens, hashes, parent links, K/V of every layer) to
     /// `path` atomically (temporary file, fsync, rename); returns the blocks written.
     pub fn save_prefix_cache(&self, path: &Path) -> Result<usize> {

@@ -46,6 +46,17 @@ impl PyForwardBatch {
 
 #[pymethods]
 impl PyForwardBatch {
+    /// `ForwardBatch[np.ndarray]` or `ForwardBatch[kvrs.DeviceTensor]`: the type of its reads, for
+    /// annotations (the stub's generic parameter).
+    #[classmethod]
+    #[pyo3(signature = (item, /))]
+    fn __class_getitem__<'py>(
+        cls: &Bound<'py, pyo3::types::PyType>,
+        item: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        super::generic_alias(cls, item)
+    }
+
     /// Tokens in the batch.
     #[getter]
     fn num_tokens(&self) -> usize {

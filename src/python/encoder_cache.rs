@@ -28,6 +28,17 @@ pub struct PyEncoderCache {
 
 #[pymethods]
 impl PyEncoderCache {
+    /// `EncoderCache[np.ndarray]` or `EncoderCache[kvrs.DeviceTensor]`: the type of its reads, for
+    /// annotations (the stub's generic parameter).
+    #[classmethod]
+    #[pyo3(signature = (item, /))]
+    fn __class_getitem__<'py>(
+        cls: &Bound<'py, pyo3::types::PyType>,
+        item: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        super::generic_alias(cls, item)
+    }
+
     #[new]
     #[pyo3(signature = (num_layers, num_kv_heads, head_dim, max_len, *, dtype = None, device = None))]
     #[pyo3(

@@ -11,7 +11,7 @@ use super::input::read_tensor;
 use super::views::{borrowed_view, new_output};
 use crate::dtype::DType;
 use crate::error::{check_index, check_size, KvError};
-use crate::kv_cache::{CacheShape, KVCache, Kv};
+use crate::kv_cache::{CacheCore, CacheShape, Kv};
 use crate::storage::Device;
 
 /// A read-only view (NumPy, or a `DeviceTensor` on CUDA), owned by `owner`, of `len`
@@ -62,7 +62,7 @@ pub(crate) unsafe fn layer_view<'py>(
 /// A contiguous KV cache for one sequence, preallocated for `max_seq_len` positions.
 #[pyclass(frozen, name = "KVCache", module = "kvrs")]
 pub struct PyKVCache {
-    pub(crate) inner: RwLock<KVCache>,
+    pub(crate) inner: RwLock<CacheCore>,
     shape: CacheShape,
     dtype: DType,
     device: Device,
@@ -149,6 +149,17 @@ impl PyKVCache {
 
 #[pymethods]
 impl PyKVCache {
+    /// `KVCache[np.ndarray]` or `KVCache[kvrs.DeviceTensor]`: the type of its reads, for
+    /// annotations (the stub's generic parameter).
+    #[classmethod]
+    #[pyo3(signature = (item, /))]
+    fn __class_getitem__<'py>(
+        cls: &Bound<'py, pyo3::types::PyType>,
+        item: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        super::generic_alias(cls, item)
+    }
+
     /// Attention of the newest tokens over `layer`, read in place: q [n, num_q_heads,
     /// head_dim] are the queries of the last n positions the layer holds (the tokens
     /// just appended); the token at position p sees positions 0..=p, or the `window`
@@ -240,7 +251,7 @@ impl PyKVCache {
         };
         let dtype = dtype.map(parse_dtype).transpose()?.unwrap_or(DType::F16);
         let device = device.map(parse_device).transpose()?.unwrap_or(Device::Cpu);
-        let cache = KVCache::new(shape, dtype, device)?;
+        let cache = CacheCore::new(shape, dtype, device)?;
         let data = cache.data_ptr() as usize;
         Ok(PyKVCache {
             inner: RwLock::new(cache),

@@ -29,6 +29,18 @@ fn copying<T: Send, F: FnOnce() -> T + Send>(py: Python<'_>, bytes: usize, f: F)
     }
 }
 
+/// `types.GenericAlias(cls, item)`: what `KVCache[np.ndarray]` evaluates to, so the
+/// stub's generic classes can be subscripted at run time as in annotations.
+fn generic_alias<'py>(
+    cls: &Bound<'py, pyo3::types::PyType>,
+    item: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyAny>> {
+    cls.py()
+        .import("types")?
+        .getattr("GenericAlias")?
+        .call1((cls, item))
+}
+
 /// Whether a CUDA driver and at least one CUDA device are present.
 #[pyfunction]
 fn cuda_available() -> bool {

@@ -22,7 +22,7 @@ use crate::bytes::parse_size;
 use crate::dtype::DType;
 use crate::error::{check_size, KvError};
 use crate::paged::{
-    Attention, BlockPool, KvLayout, LayerGroups, LayerKind, PagedShape, PrefixConfig, SeqId,
+    Attention, KvLayout, LayerGroups, LayerKind, PagedShape, PoolCore, PrefixConfig, SeqId,
 };
 use crate::prefix::HashKind;
 use crate::storage::Device;
@@ -91,6 +91,17 @@ impl PyBlockPool {
 
 #[pymethods]
 impl PyBlockPool {
+    /// `BlockPool[np.ndarray]` or `BlockPool[kvrs.DeviceTensor]`: the type of its reads, for
+    /// annotations (the stub's generic parameter).
+    #[classmethod]
+    #[pyo3(signature = (item, /))]
+    fn __class_getitem__<'py>(
+        cls: &Bound<'py, pyo3::types::PyType>,
+        item: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        super::generic_alias(cls, item)
+    }
+
     #[new]
     #[pyo3(signature = (num_layers, num_kv_heads, head_dim, *, block_size = 16, num_blocks = None, memory_bytes = None, dtype = None, device = None, layout = "NHD", prefix_caching = true, hash = "blake3", seed = None, partial_hits = true, events = false, rope = None, layer_types = None, sliding_window = None, chunk_size = None, swa_memory = 0))]
     #[pyo3(
@@ -208,7 +219,7 @@ impl PyBlockPool {
             })
         });
         let mut pool =
-            BlockPool::with_attention(shape, attention, dtype, device, prefix.transpose()?)?;
+            PoolCore::with_attention(shape, attention, dtype, device, prefix.transpose()?)?;
         if let Some(r) = rope {
             pool = pool.with_rope(r.get().rope)?;
         }

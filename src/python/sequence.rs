@@ -14,7 +14,7 @@ use super::kv_cache::PyKVCache;
 use super::shared_pool::{i32_array, SharedPool};
 use super::views::new_output;
 use crate::kv_cache::Kv;
-use crate::paged::{BlockPool, KvLayout, SeqId, NO_BLOCK};
+use crate::paged::{KvLayout, PoolCore, SeqId, NO_BLOCK};
 
 /// One sequence's view of a pool: its block table and lengths.
 #[pyclass(frozen, name = "Sequence", module = "kvrs")]
@@ -39,7 +39,7 @@ impl PySequence {
         &self.core
     }
 
-    fn with<T>(&self, f: impl FnOnce(&crate::paged::SeqState, &BlockPool) -> T) -> PyResult<T> {
+    fn with<T>(&self, f: impl FnOnce(&crate::paged::SeqState, &PoolCore) -> T) -> PyResult<T> {
         let pool = self.pool_ref().inner.lock();
         let s = pool.seq(self.id)?;
         Ok(f(s, &pool))
@@ -48,6 +48,17 @@ impl PySequence {
 
 #[pymethods]
 impl PySequence {
+    /// `Sequence[np.ndarray]` or `Sequence[kvrs.DeviceTensor]`: the type of its reads, for
+    /// annotations (the stub's generic parameter).
+    #[classmethod]
+    #[pyo3(signature = (item, /))]
+    fn __class_getitem__<'py>(
+        cls: &Bound<'py, pyo3::types::PyType>,
+        item: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        super::generic_alias(cls, item)
+    }
+
     /// The pool this sequence lives in.
     #[getter]
     fn pool(&self, py: Python<'_>) -> Py<PyAny> {

@@ -8,13 +8,13 @@ use pyo3::prelude::*;
 
 use super::views::borrowed_view;
 use crate::dtype::DType;
-use crate::paged::{BlockPool, PagedShape};
+use crate::paged::{PagedShape, PoolCore};
 use crate::storage::Device;
 
 /// A pool's state behind `kvrs.BlockPool`, its `Sequence`s and its `ForwardBatch`es.
 pub struct SharedPool {
     /// The core pool; every operation locks it.
-    pub(crate) inner: Mutex<BlockPool>,
+    pub(crate) inner: Mutex<PoolCore>,
     /// Its sizes and layout (fixed).
     pub(crate) shape: PagedShape,
     /// Its storage dtype.

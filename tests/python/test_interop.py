@@ -112,3 +112,22 @@ def test_unsupported_dlpack_dtype_is_a_type_error():
     ints = Producer(np.ones((1, 2, 4), np.int32), 0, 32)  # kDLInt
     with pytest.raises(TypeError, match="k has dtype int32"):
         c.append(0, ints, ints)
+
+
+def test_the_generic_classes_subscript_at_run_time_as_in_annotations():
+    """The stubs make the caches generic in what their reads return
+    (`KVCache[np.ndarray]`); the subscript must also work at run time."""
+    import types
+    import typing
+
+    for cls in (kvrs.KVCache, kvrs.BlockPool, kvrs.Sequence, kvrs.ForwardBatch, kvrs.EncoderCache):
+        alias = cls[np.ndarray]
+        assert isinstance(alias, types.GenericAlias)
+        assert typing.get_origin(alias) is cls and typing.get_args(alias) == (np.ndarray,)
+
+    def reads(cache: kvrs.KVCache[np.ndarray]) -> np.ndarray:
+        return cache.get(0)[0]
+
+    assert typing.get_type_hints(reads)["cache"] == kvrs.KVCache[np.ndarray]
+    cache = kvrs.KVCache(1, 1, 4, 8)
+    assert isinstance(cache, kvrs.KVCache) and reads(cache).shape == (1, 0, 4)

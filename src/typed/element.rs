@@ -1,0 +1,94 @@
+//! The element types of the typed API and the one place slices become core tensors.
+
+use half::{bf16, f16};
+
+use crate::dtype::DType;
+use crate::error::{KvError, Result};
+use crate::tensor::TensorRef;
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for half::bf16 {}
+}
+
+/// An element type a typed cache stores and reads: `f32`, [`half::f16`] or [`half::bf16`].
+///
+/// Sealed: the core converts between exactly these (and computes attention in `f32`).
+pub trait Element: Copy + Default + Send + Sync + 'static + sealed::Sealed {
+    /// The core's name for this type.
+    const DTYPE: DType;
+}
+
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+}
+
+impl Element for f16 {
+    const DTYPE: DType = DType::F16;
+}
+
+impl Element for bf16 {
+    const DTYPE: DType = DType::BF16;
+}
+
+/// Fails unless `data` holds exactly `shape`'s elements.
+fn check_len(name: &'static str, len: usize, shape: &[usize]) -> Result<()> {
+    let want: usize = shape.iter().product();
+    if len != want {
+        return Err(KvError::Shape {
+            name,
+            got: vec![len],
+            expected: format!("{want} elements (a C-order {shape:?} slice)"),
+        });
+    }
+    Ok(())
+}
+
+/// `data` as a C-order tensor of `shape`, read by the core.
+pub(crate) fn tensor<T: Element>(
+    name: &'static str,
+    data: &[T],
+    shape: &[usize],
+) -> Result<TensorRef> {
+    check_len(name, data.len(), shape)?;
+    // SAFETY: the slice holds exactly the elements the layout addresses, and the core
+    // uses the tensor only during the call that borrows `data`.
+    unsafe { TensorRef::contiguous(data.as_ptr() as *const u8, T::DTYPE, shape) }
+}
+
+/// `data` as a C-order tensor of `shape`, written by the core.
+pub(crate) fn tensor_mut<T: Element>(
+    name: &'static str,
+    data: &mut [T],
+    shape: &[usize],
+) -> Result<TensorRef> {
+    check_len(name, data.len(), shape)?;
+    // SAFETY: as in `tensor`; the exclusive borrow makes the core's writes the only access.
+    unsafe { TensorRef::contiguous(data.as_mut_ptr() as *const u8, T::DTYPE, shape) }
+}
+
+/// Tokens in a `[n, heads, head_dim]` slice of `len` elements.
+pub(crate) fn token_count(
+    name: &'static str,
+    len: usize,
+    heads: usize,
+    head_dim: usize,
+) -> Result<usize> {
+    let per_token = heads * head_dim;
+    if per_token == 0 || !len.is_multiple_of(per_token) {
+        return Err(KvError::Shape {
+            name,
+            got: vec![len],
+            expected: format!("a multiple of {heads} x {head_dim} = {per_token} elements ([n, {heads}, {head_dim}])"),
+        });
+    }
+    Ok(len / per_token.max(1))
+}
+
+/// A `usize` index as the core's signed index (an index past `i64::MAX` is out of range
+/// whatever the limit, and stays so).
+pub(crate) fn index(i: usize) -> i64 {
+    i64::try_from(i).unwrap_or(i64::MAX)
+}

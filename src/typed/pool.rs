@@ -1,0 +1,288 @@
+//! [`BlockPool`]: the paged pool for Rust programs, typed, over slices.
+
+use std::marker::PhantomData;
+use std::ops::Range;
+
+use super::element::{index, tensor, tensor_mut, token_count, Element};
+use crate::attention::AttnOptions;
+use crate::error::{check_index, Result};
+use crate::layout::{Device, KvLayout, PagedShape};
+use crate::paged::{Attention, PoolCore, PoolStats, PrefixConfig, SeqId};
+use crate::prefix::HashKind;
+
+/// The shape and options of a [`BlockPool`]: sizes by [`PoolConfig::new`], the rest by
+/// the builder methods.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PoolConfig {
+    /// Sizes and in-block layout.
+    pub shape: PagedShape,
+    /// Kind of every layer (full, sliding window, chunked); `None`: all full attention.
+    pub attention: Option<Attention>,
+    /// Prefix caching, when on.
+    pub prefix: Option<PrefixConfig>,
+}
+
+impl PoolConfig {
+    /// A pool of `num_blocks` blocks of `block_size` positions for every layer, NHD
+    /// layout (`[num_blocks, 2, block_size, num_kv_heads, head_dim]` per layer), full
+    /// attention, no prefix caching.
+    pub fn new(
+        num_layers: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+        block_size: usize,
+        num_blocks: usize,
+    ) -> Self {
+        PoolConfig {
+            shape: PagedShape {
+                num_layers,
+                num_kv_heads,
+                head_dim,
+                block_size,
+                num_blocks,
+                layout: KvLayout::Nhd,
+            },
+            attention: None,
+            prefix: None,
+        }
+    }
+
+    /// Sets the order within a block (NHD, or HND: `[num_blocks, 2, num_kv_heads,
+    /// block_size, head_dim]`).
+    pub fn layout(mut self, layout: KvLayout) -> Self {
+        self.shape.layout = layout;
+        self
+    }
+
+    /// Sets each layer's kind (sliding-window and chunked layers keep only what their
+    /// window sees).
+    pub fn attention(mut self, attention: Attention) -> Self {
+        self.attention = Some(attention);
+        self
+    }
+
+    /// Turns prefix caching on: BLAKE3 chains rooted at `seed` (pools that should find
+    /// each other's blocks share it), partial-block hits, no event log.
+    pub fn prefix_caching(mut self, seed: u128) -> Self {
+        self.prefix = Some(PrefixConfig {
+            hash: HashKind::Blake3,
+            seed,
+            partial_hits: true,
+            events: false,
+        });
+        self
+    }
+}
+
+/// Blocks of `T` on the host shared by many sequences, each named by a [`SeqId`]: the
+/// pool vLLM, SGLang and llama.cpp keep inside their engines.
+///
+/// A sequence holds a block table per layer group; forks share blocks (copy-on-write on
+/// the first write to a shared block); with prefix caching on, committed whole blocks
+/// are indexed by the hash of their token prefix and found again by later sequences.
+///
+/// ```
+/// use kvrs::{BlockPool, PoolConfig};
+///
+/// let (layers, heads, dim) = (2, 2, 4);
+/// let config = PoolConfig::new(layers, heads, dim, 16, 64).prefix_caching(7);
+/// let mut pool = BlockPool::<f32>::new(config)?;
+///
+/// let prompt: Vec<u32> = (0..40).collect();
+/// let first = pool.new_sequence_with_prompt(&prompt);
+/// let kv = vec![0.5f32; prompt.len() * heads * dim]; // [40, heads, dim]
+/// for layer in 0..layers {
+///     pool.append(first, layer, &kv, &kv)?;
+/// }
+/// pool.advance_tokens(first, &prompt)?;
+///
+/// // A second request with the same prompt finds its two whole blocks cached.
+/// let second = pool.new_sequence_with_prompt(&prompt);
+/// assert_eq!(pool.num_cached_tokens(second)?, 32);
+/// assert_eq!(pool.seq_len(second)?, 32);
+/// # Ok::<(), kvrs::KvError>(())
+/// ```
+#[derive(Debug)]
+pub struct BlockPool<T: Element = f32> {
+    core: PoolCore,
+    elem: PhantomData<T>,
+}
+
+impl<T: Element> BlockPool<T> {
+    /// Allocates the whole pool, zero-filled. Fails on a zero size, a pool past the
+    /// address space or the host's memory, or an invalid attention layout.
+    pub fn new(config: PoolConfig) -> Result<Self> {
+        let attention = config
+            .attention
+            .unwrap_or_else(|| Attention::full(config.shape.num_layers));
+        Ok(BlockPool {
+            core: PoolCore::with_attention(
+                config.shape,
+                attention,
+                T::DTYPE,
+                Device::Cpu,
+                config.prefix,
+            )?,
+            elem: PhantomData,
+        })
+    }
+
+    /// Sizes and layout.
+    pub fn shape(&self) -> PagedShape {
+        self.core.shape()
+    }
+
+    /// Blocks no sequence holds (free, or cached and evictable).
+    pub fn free_blocks(&self) -> usize {
+        self.core.num_free_blocks()
+    }
+
+    /// Bytes of one block id: a block of every layer of a group, K and V.
+    pub fn bytes_per_block(&self) -> usize {
+        self.core.bytes_per_block()
+    }
+
+    /// Occupancy: blocks, bytes, exact token counts, prefix-cache counters.
+    pub fn stats(&self) -> PoolStats {
+        self.core.stats()
+    }
+
+    /// Starts an empty sequence that tracks no tokens.
+    pub fn new_sequence(&mut self) -> SeqId {
+        self.core.new_sequence()
+    }
+
+    /// Starts a sequence whose tokens begin with `prompt`. With prefix caching on, the
+    /// longest cached prefix is attached (whole blocks shared, a partial block copied)
+    /// and committed: [`BlockPool::seq_len`] and [`BlockPool::num_cached_tokens`] say
+    /// how many positions; at least one prompt token is always left to compute.
+    pub fn new_sequence_with_prompt(&mut self, prompt: &[u32]) -> SeqId {
+        self.core.new_sequence_with(prompt, b"", b"")
+    }
+
+    /// Prompt tokens `seq` found cached when it started.
+    pub fn num_cached_tokens(&self, seq: SeqId) -> Result<usize> {
+        Ok(self.core.seq(seq)?.num_cached_tokens)
+    }
+
+    /// Tokens a new sequence with this prompt would find cached.
+    pub fn match_prefix(&self, prompt: &[u32]) -> usize {
+        self.core.match_prefix(prompt, b"", b"")
+    }
+
+    /// Committed positions of `seq`.
+    pub fn seq_len(&self, seq: SeqId) -> Result<usize> {
+        Ok(self.core.seq(seq)?.seq_len)
+    }
+
+    /// Positions `layer` of `seq` holds: from its first kept position (0 unless a
+    /// sliding or chunked layer released older ones) to its fill length.
+    pub fn layer_span(&self, seq: SeqId, layer: usize) -> Result<Range<usize>> {
+        let layer = check_index("layer", index(layer), self.shape().num_layers)?;
+        let (first, end) = self.core.layer_span(seq, layer)?;
+        Ok(first..end)
+    }
+
+    /// Writes `n` tokens' keys and values (`[n, num_kv_heads, head_dim]`, C order) at
+    /// `layer`'s next free position of `seq`, taking blocks as needed (copying a shared
+    /// block first), and returns that position. [`crate::KvError::CacheFull`], with
+    /// nothing written, when the pool has too few free blocks.
+    pub fn append(&mut self, seq: SeqId, layer: usize, k: &[T], v: &[T]) -> Result<usize> {
+        let sh = self.shape();
+        let n = token_count("k", k.len(), sh.num_kv_heads, sh.head_dim)?;
+        let kt = tensor("k", k, &[n, sh.num_kv_heads, sh.head_dim])?;
+        let vt = tensor("v", v, &[n, sh.num_kv_heads, sh.head_dim])?;
+        self.core.append(seq, index(layer), &kt, &vt)
+    }
+
+    /// Commits `n` positions of `seq`; fails (naming the layer) unless every layer
+    /// holds them.
+    pub fn advance(&mut self, seq: SeqId, n: usize) -> Result<()> {
+        self.core.advance(seq, index(n), None)
+    }
+
+    /// Commits one position per token of `tokens`, recording their ids: with prefix
+    /// caching on, blocks they complete become findable by later prompts.
+    pub fn advance_tokens(&mut self, seq: SeqId, tokens: &[u32]) -> Result<()> {
+        self.core.advance(seq, index(tokens.len()), Some(tokens))
+    }
+
+    /// Copies the keys and values `layer` of `seq` holds (the positions of
+    /// [`BlockPool::layer_span`]) as `[num_kv_heads, len, head_dim]`.
+    pub fn read(&self, seq: SeqId, layer: usize) -> Result<(Vec<T>, Vec<T>)> {
+        let sh = self.shape();
+        let len = self.layer_span(seq, layer)?.len();
+        let shape = [sh.num_kv_heads, len, sh.head_dim];
+        let mut keys = vec![T::default(); shape.iter().product()];
+        let mut values = keys.clone();
+        let kt = tensor_mut("keys", &mut keys, &shape)?;
+        let vt = tensor_mut("values", &mut values, &shape)?;
+        self.core.gather(seq, index(layer), &kt, &vt)?;
+        Ok((keys, values))
+    }
+
+    /// Attention of `seq`'s last `n` positions in `layer` over what the layer holds,
+    /// within its window: `q` is `[n, num_q_heads, head_dim]` (the queries of the tokens
+    /// just appended), `out` the same shape. Computed in `f32` over the blocks in place.
+    pub fn attention<Q: Element>(
+        &self,
+        seq: SeqId,
+        layer: usize,
+        num_q_heads: usize,
+        q: &[Q],
+        out: &mut [Q],
+    ) -> Result<()> {
+        self.attention_with(seq, layer, num_q_heads, q, out, &AttnOptions::default())
+    }
+
+    /// [`BlockPool::attention`] with the model-specific parts (scale, soft-cap, sinks,
+    /// ALiBi) in `opts`.
+    pub fn attention_with<Q: Element>(
+        &self,
+        seq: SeqId,
+        layer: usize,
+        num_q_heads: usize,
+        q: &[Q],
+        out: &mut [Q],
+        opts: &AttnOptions<'_>,
+    ) -> Result<()> {
+        let d = self.shape().head_dim;
+        let n = token_count("q", q.len(), num_q_heads.max(1), d)?;
+        let qt = tensor("q", q, &[n, num_q_heads, d])?;
+        let ot = tensor_mut("out", out, &[n, num_q_heads, d])?;
+        self.core.seq_attention(seq, index(layer), &qt, &ot, opts)
+    }
+
+    /// A new sequence sharing every block of `seq` (copy-on-write: the first write to a
+    /// shared block copies it).
+    pub fn fork(&mut self, seq: SeqId) -> Result<SeqId> {
+        self.core.fork(seq)
+    }
+
+    /// Drops positions `>= n` of `seq` (rollback), releasing the blocks no position
+    /// needs; a no-op when `n >= seq_len`.
+    pub fn truncate(&mut self, seq: SeqId, n: usize) -> Result<()> {
+        self.core.truncate(seq, index(n))
+    }
+
+    /// Ends `seq`, releasing its blocks (cached ones stay findable until evicted).
+    pub fn free(&mut self, seq: SeqId) -> Result<()> {
+        self.core.free_sequence(seq)
+    }
+
+    /// Evicts every cached block no sequence holds; returns how many.
+    pub fn evict_all(&mut self) -> usize {
+        self.core.evict_all()
+    }
+
+    /// The dtype-erased core this pool wraps (slot mappings, page tables, batched
+    /// forwards, persistence, raw strided tensors).
+    pub fn core(&self) -> &PoolCore {
+        &self.core
+    }
+
+    /// The core, mutable; its dtype and device stay those of this pool.
+    pub fn core_mut(&mut self) -> &mut PoolCore {
+        &mut self.core
+    }
+}

@@ -1,0 +1,410 @@
+//! Property tests of the crate-root Rust API against simple references.
+//!
+//! `KvCache`: random stores, appends, commits, rollbacks and block injections, checked
+//! after every step against a model of every layer's K/V (`keys_for`, `values_for`,
+//! `extract_block`, lengths). `BlockPool`: prompts sharing beginnings are prefilled,
+//! decoded, forked, truncated and freed with prefix caching on and a small pool; as in a
+//! real model the K/V at position `p` is a function of tokens `..=p`, so every live
+//! sequence's `read` must equal that function of its tokens, whatever was shared.
+
+use half::{bf16, f16};
+use kvrs::{BlockPool, Element, KvCache, KvError, PoolConfig, SeqId};
+use proptest::prelude::*;
+
+const L: usize = 2;
+const H: usize = 2;
+const D: usize = 3;
+const MAX: usize = 12;
+
+/// Every stored element of a `KvCache`: `[layer][kv][head][pos * D + d]`, and lengths.
+#[derive(Clone, Debug)]
+struct Model {
+    data: Vec<[Vec<Vec<f32>>; 2]>,
+    layer_len: Vec<usize>,
+    seq_len: usize,
+}
+
+impl Model {
+    fn new() -> Self {
+        let side = || vec![vec![0.0; MAX * D]; H];
+        Model {
+            data: (0..L).map(|_| [side(), side()]).collect(),
+            layer_len: vec![0; L],
+            seq_len: 0,
+        }
+    }
+
+    /// A store at `pos` of `layer`: zero what it brings in, then write the vector.
+    fn store(&mut self, kv: usize, layer: usize, head: usize, pos: usize, x: &[f32]) {
+        let held = self.layer_len[layer];
+        if pos >= held {
+            for side in &mut self.data[layer] {
+                for h in side.iter_mut() {
+                    h[held * D..(pos + 1) * D].fill(0.0);
+                }
+            }
+            self.layer_len[layer] = pos + 1;
+        }
+        self.data[layer][kv][head][pos * D..(pos + 1) * D].copy_from_slice(x);
+    }
+}
+
+#[derive(Clone, Debug)]
+enum CacheOp {
+    Store {
+        kv: usize,
+        layer: usize,
+        head: usize,
+        pos: usize,
+        x: f32,
+    },
+    Append {
+        layer: usize,
+        n: usize,
+        x: f32,
+    },
+    Advance {
+        n: usize,
+    },
+    Truncate {
+        n: usize,
+    },
+    Inject {
+        layer: usize,
+        start: usize,
+        size: usize,
+        x: f32,
+    },
+}
+
+fn cache_op() -> impl Strategy<Value = CacheOp> {
+    let x = (-8i32..8).prop_map(|v| v as f32 * 0.5);
+    prop_oneof![
+        (0..2usize, 0..L, 0..H, 0..MAX + 2, x.clone()).prop_map(|(kv, layer, head, pos, x)| {
+            CacheOp::Store {
+                kv,
+                layer,
+                head,
+                pos,
+                x,
+            }
+        }),
+        (0..L, 0..4usize, x.clone()).prop_map(|(layer, n, x)| CacheOp::Append { layer, n, x }),
+        (0..3usize).prop_map(|n| CacheOp::Advance { n }),
+        (0..MAX + 1).prop_map(|n| CacheOp::Truncate { n }),
+        (0..L + 1, 0..MAX + 1, 1..5usize, x).prop_map(|(layer, start, size, x)| CacheOp::Inject {
+            layer,
+            start,
+            size,
+            x
+        }),
+    ]
+}
+
+/// Applies `op` to the cache and the model; the model changes only when the cache
+/// accepts, and the cache must refuse exactly what the model says is invalid.
+fn apply(c: &mut KvCache<f32>, m: &mut Model, op: &CacheOp) {
+    match *op {
+        CacheOp::Store {
+            kv,
+            layer,
+            head,
+            pos,
+            x,
+        } => {
+            let v: Vec<f32> = (0..D).map(|d| x + d as f32).collect();
+            let r = if kv == 0 {
+                c.store_key(layer, head, pos, &v)
+            } else {
+                c.store_value(layer, head, pos, &v)
+            };
+            assert_eq!(r.is_ok(), pos < MAX, "{r:?}");
+            if r.is_ok() {
+                m.store(kv, layer, head, pos, &v);
+            }
+        }
+        CacheOp::Append { layer, n, x } => {
+            let k: Vec<f32> = (0..n * H * D).map(|i| x + i as f32).collect();
+            let v: Vec<f32> = k.iter().map(|a| -a).collect();
+            let at = m.layer_len[layer];
+            let r = c.append(layer, &k, &v);
+            if at + n > MAX {
+                assert!(matches!(r, Err(KvError::CacheFull { .. })), "{r:?}");
+                return;
+            }
+            assert_eq!(r, Ok(at));
+            for t in 0..n {
+                for h in 0..H {
+                    let src = (t * H + h) * D;
+                    let dst = (at + t) * D;
+                    m.data[layer][0][h][dst..dst + D].copy_from_slice(&k[src..src + D]);
+                    m.data[layer][1][h][dst..dst + D].copy_from_slice(&v[src..src + D]);
+                }
+            }
+            m.layer_len[layer] = at + n;
+        }
+        CacheOp::Advance { n } => {
+            let ok = m.layer_len.iter().all(|&l| l >= m.seq_len + n);
+            let r = c.advance_by(n);
+            assert_eq!(r.is_ok(), ok, "{r:?}");
+            if ok {
+                m.seq_len += n;
+            }
+        }
+        CacheOp::Truncate { n } => {
+            c.truncate(n).unwrap();
+            if n < m.seq_len {
+                m.seq_len = n;
+                m.layer_len.fill(n);
+            }
+        }
+        CacheOp::Inject {
+            layer,
+            start,
+            size,
+            x,
+        } => {
+            let keys: Vec<f32> = (0..H * size * D).map(|i| x * i as f32).collect();
+            let values: Vec<f32> = keys.iter().map(|a| a + 1.0).collect();
+            let r = c.inject_block(layer, start, size, &keys, &values);
+            let ok = layer < L && start < MAX;
+            assert_eq!(r.is_ok(), ok, "{r:?}");
+            if ok {
+                let inside = size.min(MAX - start);
+                for h in 0..H {
+                    for p in 0..inside {
+                        let src = (h * size + p) * D;
+                        let dst = (start + p) * D;
+                        m.data[layer][0][h][dst..dst + D].copy_from_slice(&keys[src..src + D]);
+                        m.data[layer][1][h][dst..dst + D].copy_from_slice(&values[src..src + D]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn check(c: &KvCache<f32>, m: &Model) {
+    assert_eq!(c.seq_len(), m.seq_len);
+    for layer in 0..L {
+        assert_eq!(c.layer_len(layer), m.layer_len[layer]);
+        for head in 0..H {
+            assert_eq!(c.keys_for(layer, head, MAX), &m.data[layer][0][head][..]);
+            assert_eq!(c.values_for(layer, head, MAX), &m.data[layer][1][head][..]);
+        }
+        let (k, v) = c.extract_block(layer, 0, MAX).unwrap();
+        assert_eq!(k, m.data[layer][0].concat());
+        assert_eq!(v, m.data[layer][1].concat());
+    }
+}
+
+/// The K (or V, `kv = 1`) of every head at `pos` after `tokens[..=pos]`.
+fn kv_of(tokens: &[u32], pos: usize, layer: usize, kv: usize) -> Vec<f32> {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for &t in &tokens[..=pos] {
+        h = (h ^ t as u64).wrapping_mul(0x100000001b3);
+    }
+    (0..H * D)
+        .map(|i| {
+            ((h.wrapping_add((layer * 31 + kv * 7 + i) as u64)
+                .wrapping_mul(0x9e3779b97f4a7c15)
+                >> 58) as f32)
+                - 32.0
+        })
+        .collect()
+}
+
+/// `[n, H, D]` keys or values of positions `start..start + n`.
+fn kv_span(tokens: &[u32], start: usize, n: usize, layer: usize, kv: usize) -> Vec<f32> {
+    (start..start + n)
+        .flat_map(|p| kv_of(tokens, p, layer, kv))
+        .collect()
+}
+
+#[derive(Clone, Debug)]
+enum PoolOp {
+    /// A prompt: `shared` tokens of a common preamble, then `suffix` from a vocabulary of 2.
+    Start {
+        shared: usize,
+        suffix: usize,
+        seed: u32,
+    },
+    Decode {
+        seq: usize,
+        token: u32,
+    },
+    Fork {
+        seq: usize,
+    },
+    Truncate {
+        seq: usize,
+        n: usize,
+    },
+    Free {
+        seq: usize,
+    },
+}
+
+fn pool_op() -> impl Strategy<Value = PoolOp> {
+    prop_oneof![
+        (0..12usize, 1..6usize, any::<u32>()).prop_map(|(shared, suffix, seed)| PoolOp::Start {
+            shared,
+            suffix,
+            seed
+        }),
+        (0..8usize, 0..3u32).prop_map(|(seq, token)| PoolOp::Decode { seq, token }),
+        (0..8usize).prop_map(|seq| PoolOp::Fork { seq }),
+        (0..8usize, 0..16usize).prop_map(|(seq, n)| PoolOp::Truncate { seq, n }),
+        (0..8usize).prop_map(|seq| PoolOp::Free { seq }),
+    ]
+}
+
+/// Writes positions `from..tokens.len()` of every layer and commits them; on a full
+/// pool, leaves the sequence as it was and says so.
+fn fill(pool: &mut BlockPool<f32>, seq: SeqId, tokens: &[u32], from: usize) -> bool {
+    let n = tokens.len() - from;
+    for layer in 0..L {
+        let r = pool.append(
+            seq,
+            layer,
+            &kv_span(tokens, from, n, layer, 0),
+            &kv_span(tokens, from, n, layer, 1),
+        );
+        if let Err(e) = r {
+            assert!(matches!(e, KvError::CacheFull { .. }), "{e}");
+            pool.truncate(seq, from).unwrap();
+            return false;
+        }
+    }
+    pool.advance_tokens(seq, &tokens[from..]).unwrap();
+    true
+}
+
+fn run_pool(ops: &[PoolOp]) {
+    let mut pool =
+        BlockPool::<f32>::new(PoolConfig::new(L, H, D, 4, 12).prefix_caching(3)).unwrap();
+    let mut live: Vec<(SeqId, Vec<u32>)> = Vec::new();
+    for op in ops {
+        match *op {
+            PoolOp::Start {
+                shared,
+                suffix,
+                seed,
+            } => {
+                let mut tokens: Vec<u32> = (1..=shared as u32).collect();
+                tokens.extend((0..suffix as u32).map(|i| 100 + (seed.rotate_left(i) & 1)));
+                let seq = pool.new_sequence_with_prompt(&tokens);
+                let cached = pool.num_cached_tokens(seq).unwrap();
+                assert_eq!(pool.seq_len(seq).unwrap(), cached);
+                assert!(cached < tokens.len());
+                if fill(&mut pool, seq, &tokens, cached) {
+                    live.push((seq, tokens));
+                } else {
+                    pool.free(seq).unwrap();
+                }
+            }
+            PoolOp::Decode { seq, token } if seq < live.len() => {
+                let (id, mut tokens) = live[seq].clone();
+                tokens.push(token);
+                if fill(&mut pool, id, &tokens, tokens.len() - 1) {
+                    live[seq].1 = tokens;
+                }
+            }
+            PoolOp::Fork { seq } if seq < live.len() => {
+                let child = pool.fork(live[seq].0).unwrap();
+                live.push((child, live[seq].1.clone()));
+            }
+            PoolOp::Truncate { seq, n } if seq < live.len() => {
+                pool.truncate(live[seq].0, n).unwrap();
+                live[seq].1.truncate(n);
+            }
+            PoolOp::Free { seq } if seq < live.len() => {
+                pool.free(live.remove(seq).0).unwrap();
+            }
+            _ => {}
+        }
+        pool.core().check_invariants().unwrap();
+        for (id, tokens) in &live {
+            assert_eq!(pool.seq_len(*id).unwrap(), tokens.len());
+            for layer in 0..L {
+                let (k, v) = pool.read(*id, layer).unwrap();
+                let n = tokens.len();
+                // `read` is head-major: [H, n, D]; the reference is [n, H, D].
+                let head_major = |x: Vec<f32>| -> Vec<f32> {
+                    (0..H)
+                        .flat_map(|h| (0..n).flat_map(move |p| (0..D).map(move |d| (p, h, d))))
+                        .map(|(p, h, d)| x[(p * H + h) * D + d])
+                        .collect()
+                };
+                assert_eq!(k, head_major(kv_span(tokens, 0, n, layer, 0)));
+                assert_eq!(v, head_major(kv_span(tokens, 0, n, layer, 1)));
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 500, ..ProptestConfig::default() })]
+
+    #[test]
+    fn kv_cache_matches_its_model(ops in prop::collection::vec(cache_op(), 1..40)) {
+        let mut c = KvCache::<f32>::new(L, H, D, MAX);
+        let mut m = Model::new();
+        for op in &ops {
+            apply(&mut c, &mut m, op);
+            check(&c, &m);
+        }
+    }
+
+    #[test]
+    fn pool_kv_is_a_function_of_the_token_prefix(ops in prop::collection::vec(pool_op(), 1..40)) {
+        run_pool(&ops);
+    }
+}
+
+/// Stores of `T` read back bit for bit, and attention over one position returns its value.
+fn half_round_trip<T: Element + PartialEq + std::fmt::Debug>(from: fn(f32) -> T) {
+    let mut c = KvCache::<T>::new(1, 1, 4, 8);
+    let v: Vec<T> = [0.5f32, -1.25, 3.0, 1e-3].into_iter().map(from).collect();
+    c.store_key(0, 0, 0, &v).unwrap();
+    c.store_value(0, 0, 0, &v).unwrap();
+    c.advance().unwrap();
+    assert_eq!(c.keys_for(0, 0, 1), &v[..]);
+    let q: Vec<T> = vec![from(1.0); 8];
+    let mut out = vec![T::default(); 8];
+    c.attention(0, 2, &q, &mut out).unwrap();
+    assert_eq!(out, [v.clone(), v].concat());
+}
+
+#[test]
+fn f16_and_bf16_caches_store_their_own_elements() {
+    half_round_trip(f16::from_f32);
+    half_round_trip(bf16::from_f32);
+    let c = KvCache::<f16>::new(2, 2, 8, 4);
+    assert_eq!(c.memory_bytes(), 2 * 2 * 2 * 4 * 8 * 2);
+}
+
+#[test]
+fn bad_sizes_and_shapes_are_errors_not_panics() {
+    assert!(matches!(
+        KvCache::<f32>::try_new(0, 1, 1, 1),
+        Err(KvError::InvalidArgument {
+            name: "num_layers",
+            ..
+        })
+    ));
+    assert!(BlockPool::<f32>::new(PoolConfig::new(1, 1, 4, 0, 8)).is_err());
+    let mut pool = BlockPool::<f32>::new(PoolConfig::new(1, 2, 4, 4, 2)).unwrap();
+    let s = pool.new_sequence();
+    let err = pool.append(s, 0, &[0.0; 7], &[0.0; 7]).unwrap_err();
+    assert!(matches!(err, KvError::Shape { name: "k", .. }), "{err}");
+    let err = pool.append(s, 0, &[0.0; 9 * 8], &[0.0; 9 * 8]).unwrap_err();
+    assert!(matches!(err, KvError::CacheFull { .. }), "{err}");
+    assert_eq!(pool.layer_span(s, 0).unwrap(), 0..0);
+    assert!(matches!(
+        pool.layer_span(s, 1),
+        Err(KvError::OutOfRange { name: "layer", .. })
+    ));
+    pool.free(s).unwrap();
+    assert!(pool.seq_len(s).is_err());
+}
