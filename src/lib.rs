@@ -37,6 +37,7 @@ pub mod kv_cache;
 pub mod layout;
 pub mod paged;
 pub mod prefix;
+pub mod quant;
 pub mod rope;
 pub mod storage;
 pub mod tensor;

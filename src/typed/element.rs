@@ -87,6 +87,19 @@ pub(crate) fn token_count(
     Ok(len / per_token.max(1))
 }
 
+/// `q` and `out` (`[n, num_q_heads, head_dim]`, `n` read from `q`'s length) as the
+/// core's query and output tensors.
+pub(crate) fn query_tensors<Q: Element>(
+    q: &[Q],
+    out: &mut [Q],
+    num_q_heads: usize,
+    head_dim: usize,
+) -> Result<(TensorRef, TensorRef)> {
+    let n = token_count("q", q.len(), num_q_heads.max(1), head_dim)?;
+    let shape = [n, num_q_heads, head_dim];
+    Ok((tensor("q", q, &shape)?, tensor_mut("out", out, &shape)?))
+}
+
 /// A `usize` index as the core's signed index (an index past `i64::MAX` is out of range
 /// whatever the limit, and stays so).
 pub(crate) fn index(i: usize) -> i64 {

@@ -2,7 +2,7 @@
 
 use std::marker::PhantomData;
 
-use super::element::{index, tensor, tensor_mut, token_count, Element};
+use super::element::{index, query_tensors, tensor, tensor_mut, token_count, Element};
 use crate::attention::AttnOptions;
 use crate::error::Result;
 use crate::kv_cache::{CacheCore, CacheShape, Kv};
@@ -264,10 +264,7 @@ impl<T: Element> KvCache<T> {
         window: Option<usize>,
         opts: &AttnOptions<'_>,
     ) -> Result<()> {
-        let d = self.head_dim();
-        let n = token_count("q", q.len(), num_q_heads.max(1), d)?;
-        let qt = tensor("q", q, &[n, num_q_heads, d])?;
-        let ot = tensor_mut("out", out, &[n, num_q_heads, d])?;
+        let (qt, ot) = query_tensors(q, out, num_q_heads, self.head_dim())?;
         self.core
             .attention(index(layer), &qt, &ot, window.map(index), opts)
     }

@@ -3,7 +3,7 @@
 use std::marker::PhantomData;
 use std::ops::Range;
 
-use super::element::{index, tensor, tensor_mut, token_count, Element};
+use super::element::{index, query_tensors, tensor, tensor_mut, token_count, Element};
 use crate::attention::AttnOptions;
 use crate::error::{check_index, Result};
 use crate::layout::{Device, KvLayout, PagedShape};
@@ -246,10 +246,7 @@ impl<T: Element> BlockPool<T> {
         out: &mut [Q],
         opts: &AttnOptions<'_>,
     ) -> Result<()> {
-        let d = self.shape().head_dim;
-        let n = token_count("q", q.len(), num_q_heads.max(1), d)?;
-        let qt = tensor("q", q, &[n, num_q_heads, d])?;
-        let ot = tensor_mut("out", out, &[n, num_q_heads, d])?;
+        let (qt, ot) = query_tensors(q, out, num_q_heads, self.shape().head_dim)?;
         self.core.seq_attention(seq, index(layer), &qt, &ot, opts)
     }
 

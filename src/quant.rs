@@ -1,0 +1,309 @@
+//! 8-bit formats for stored keys and values, element by element and row by row: the
+//! two OCP fp8 formats (`E4M3FN`, `E5M2`) with a scale the caller gives, and symmetric
+//! int8 with one scale per row (a head vector) computed from the row.
+//!
+//! Encoding rounds to nearest, ties to even, and saturates: a value beyond the format's
+//! largest finite number (infinities included) becomes that number with its sign, so
+//! no finite input is ever stored as NaN or infinity (CUDA's `__NV_SATFINITE`). NaN
+//! stays NaN. Decoding is exact: every code's value is an f32.
+
+/// One of the OCP 8-bit floating-point formats.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Fp8 {
+    /// 4 exponent bits (bias 7), 3 mantissa bits, no infinities, NaN `S.1111.111`;
+    /// largest finite 448 (ml_dtypes' `float8_e4m3fn`, vLLM's and FlashInfer's fp8).
+    E4M3,
+    /// 5 exponent bits (bias 15), 2 mantissa bits, IEEE-style infinities and NaNs;
+    /// largest finite 57344 (`float8_e5m2`).
+    E5M2,
+}
+
+impl Fp8 {
+    /// Mantissa bits.
+    const fn mantissa_bits(self) -> u32 {
+        match self {
+            Fp8::E4M3 => 3,
+            Fp8::E5M2 => 2,
+        }
+    }
+
+    /// Exponent bias.
+    const fn bias(self) -> i32 {
+        match self {
+            Fp8::E4M3 => 7,
+            Fp8::E5M2 => 15,
+        }
+    }
+
+    /// The largest finite value.
+    pub const fn max(self) -> f32 {
+        match self {
+            Fp8::E4M3 => 448.0,
+            Fp8::E5M2 => 57344.0,
+        }
+    }
+
+    /// The code of the largest finite value (sign bit clear).
+    const fn max_code(self) -> u8 {
+        match self {
+            Fp8::E4M3 => 0x7e,
+            Fp8::E5M2 => 0x7b,
+        }
+    }
+
+    /// The code NaN encodes to (sign bit clear).
+    const fn nan_code(self) -> u8 {
+        match self {
+            Fp8::E4M3 => 0x7f,
+            Fp8::E5M2 => 0x7e,
+        }
+    }
+
+    /// The smallest positive normal value, `2^(1 - bias)`.
+    fn min_normal(self) -> f32 {
+        f32::powi(2.0, 1 - self.bias())
+    }
+
+    /// Encodes `x`: round to nearest even, saturating at `±max()`.
+    pub fn encode(self, x: f32) -> u8 {
+        let sign = ((x.to_bits() >> 24) & 0x80) as u8;
+        if x.is_nan() {
+            return sign | self.nan_code();
+        }
+        let a = x.abs();
+        if a >= self.max() {
+            return sign | self.max_code();
+        }
+        let m = self.mantissa_bits();
+        let code = if a < self.min_normal() {
+            // Subnormal: a multiple of 2^(1 - bias - m); scaling by a power of two is
+            // exact, and a result of 2^m is the smallest normal's code, as it should be.
+            (a * f32::powi(2.0, self.bias() - 1 + m as i32)).round_ties_even() as u32
+        } else {
+            // Normal: round the f32 mantissa to m bits (a carry moves into the
+            // exponent), then move the exponent from bias 127 to the format's bias.
+            let bits = a.to_bits();
+            let drop = 23 - m;
+            let rounded = (bits + (1 << (drop - 1)) - 1 + ((bits >> drop) & 1)) >> drop;
+            rounded - (((127 - self.bias()) as u32) << m)
+        };
+        sign | code.min(self.max_code() as u32) as u8
+    }
+
+    /// The value of `code`.
+    pub fn decode(self, code: u8) -> f32 {
+        self.table()[code as usize]
+    }
+
+    /// The value of every code, by its index.
+    pub fn table(self) -> &'static [f32; 256] {
+        static E4M3: std::sync::OnceLock<[f32; 256]> = std::sync::OnceLock::new();
+        static E5M2: std::sync::OnceLock<[f32; 256]> = std::sync::OnceLock::new();
+        let cell = match self {
+            Fp8::E4M3 => &E4M3,
+            Fp8::E5M2 => &E5M2,
+        };
+        cell.get_or_init(|| std::array::from_fn(|c| self.decode_slow(c as u8)))
+    }
+
+    /// The value of `code` from its fields.
+    fn decode_slow(self, code: u8) -> f32 {
+        let m = self.mantissa_bits();
+        let sign = if code & 0x80 != 0 { -1.0 } else { 1.0 };
+        let exp = ((code & 0x7f) >> m) as i32;
+        let man = (code & ((1 << m) - 1)) as f32;
+        let top = (1 << (7 - m)) - 1;
+        match self {
+            Fp8::E4M3 if code & 0x7f == 0x7f => return f32::NAN,
+            Fp8::E5M2 if exp == top && man != 0.0 => return f32::NAN,
+            Fp8::E5M2 if exp == top => return sign * f32::INFINITY,
+            _ => {}
+        }
+        let frac = man / (1 << m) as f32;
+        if exp == 0 {
+            sign * frac * self.min_normal()
+        } else {
+            sign * (1.0 + frac) * f32::powi(2.0, exp - self.bias())
+        }
+    }
+
+    /// Stores `src / scale` into `dst` (same length).
+    pub fn quantize_row(self, dst: &mut [u8], src: &[f32], scale: f32) {
+        for (d, &x) in dst.iter_mut().zip(src) {
+            *d = self.encode(x / scale);
+        }
+    }
+
+    /// Reads `dst[i] = value(src[i]) * scale` (same length).
+    pub fn dequantize_row(self, dst: &mut [f32], src: &[u8], scale: f32) {
+        let table = self.table();
+        for (d, &c) in dst.iter_mut().zip(src) {
+            *d = table[c as usize] * scale;
+        }
+    }
+}
+
+/// The largest magnitude an int8 code stores: codes are symmetric, `-127..=127`.
+pub const I8_MAX: f32 = 127.0;
+
+/// Quantizes one row symmetrically into `dst` (same length) and returns its scale:
+/// `scale = max|x| / 127` and `q = clamp(round_ties_even(x / scale), -127, 127)`, in
+/// f32 (NaNs count as zero). An all-zero row has scale 0 and codes 0.
+pub fn quantize_row_i8(dst: &mut [i8], src: &[f32]) -> f32 {
+    let amax = src
+        .iter()
+        .fold(0f32, |m, &x| if x.abs() > m { x.abs() } else { m });
+    if amax == 0.0 {
+        dst.fill(0);
+        return 0.0;
+    }
+    // An infinite row saturates: every finite value becomes 0, infinities ±127.
+    let scale = (amax / I8_MAX).min(f32::MAX);
+    for (d, &x) in dst.iter_mut().zip(src) {
+        let q = if x.is_nan() {
+            0.0
+        } else {
+            (x / scale).round_ties_even()
+        };
+        *d = q.clamp(-I8_MAX, I8_MAX) as i8;
+    }
+    scale
+}
+
+/// Reads `dst[i] = src[i] * scale` (same length).
+pub fn dequantize_row_i8(dst: &mut [f32], src: &[i8], scale: f32) {
+    for (d, &q) in dst.iter_mut().zip(src) {
+        *d = q as f32 * scale;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// The reference: the finite code nearest to `x` (saturating), ties to the even
+    /// code, found by searching every code's decoded value.
+    fn nearest(f: Fp8, x: f32) -> u8 {
+        let x = x.clamp(-f.max(), f.max());
+        let mut best: Option<(f64, u8)> = None;
+        for c in 0..=255u8 {
+            let v = f.decode(c);
+            if !v.is_finite() || (v == 0.0 && c == 0x80) {
+                continue; // -0 is x = -0's code only; checked separately
+            }
+            let d = (v as f64 - x as f64).abs();
+            let better = match best {
+                None => true,
+                Some((bd, bc)) => d < bd || (d == bd && c & 1 == 0 && bc & 1 == 1),
+            };
+            if better {
+                best = Some((d, c));
+            }
+        }
+        let c = best.expect("some code").1;
+        // A negative value that rounds to zero keeps its sign.
+        if c == 0 && x.is_sign_negative() {
+            0x80
+        } else {
+            c
+        }
+    }
+
+    #[test]
+    fn decoding_matches_the_formats_definitions() {
+        let e4 = Fp8::E4M3;
+        assert_eq!(e4.decode(0x7e), 448.0);
+        assert_eq!(e4.decode(0xfe), -448.0);
+        assert_eq!(e4.decode(0x08), f32::powi(2.0, -6)); // smallest normal
+        assert_eq!(e4.decode(0x01), f32::powi(2.0, -9)); // smallest subnormal
+        assert_eq!(e4.decode(0x38), 1.0);
+        assert!(e4.decode(0x7f).is_nan() && e4.decode(0xff).is_nan());
+        let e5 = Fp8::E5M2;
+        assert_eq!(e5.decode(0x7b), 57344.0);
+        assert_eq!(e5.decode(0x04), f32::powi(2.0, -14));
+        assert_eq!(e5.decode(0x01), f32::powi(2.0, -16));
+        assert_eq!(e5.decode(0x3c), 1.0);
+        assert_eq!(e5.decode(0x7c), f32::INFINITY);
+        assert!(e5.decode(0x7e).is_nan());
+        // E5M2 is the top byte of an IEEE half: every finite code agrees with half.
+        for c in 0..=255u8 {
+            let h = half::f16::from_bits((c as u16) << 8).to_f32();
+            let v = e5.decode(c);
+            assert!(v == h || (v.is_nan() && h.is_nan()), "{c:#x}");
+        }
+    }
+
+    #[test]
+    fn every_code_round_trips_and_saturation_never_makes_nan_or_inf() {
+        for f in [Fp8::E4M3, Fp8::E5M2] {
+            for c in 0..=255u8 {
+                let v = f.decode(c);
+                if v.is_finite() {
+                    assert_eq!(f.encode(v), c, "{f:?} {c:#x}");
+                }
+            }
+            for x in [f32::INFINITY, 1e30, f.max() * 1.06, f.max() + 1.0] {
+                assert_eq!(f.encode(x), f.max_code());
+                assert_eq!(f.encode(-x), 0x80 | f.max_code());
+            }
+            assert!(f.decode(f.encode(f32::NAN)).is_nan());
+            assert_eq!(f.encode(0.0), 0);
+            assert_eq!(f.encode(-0.0), 0x80);
+        }
+    }
+
+    #[test]
+    fn ties_go_to_the_even_code() {
+        let e4 = Fp8::E4M3;
+        // 1 + 1/16 is halfway between 1 (0x38) and 1 + 1/8 (0x39): even wins.
+        assert_eq!(e4.encode(1.0 + 1.0 / 16.0), 0x38);
+        // 1 + 3/16 is halfway between 0x39 and 0x3a: even (0x3a) wins.
+        assert_eq!(e4.encode(1.0 + 3.0 / 16.0), 0x3a);
+        // Halfway between the two smallest subnormals.
+        assert_eq!(e4.encode(1.5 * f32::powi(2.0, -9)), 0x02);
+        assert_eq!(e4.encode(0.5 * f32::powi(2.0, -9)), 0x00);
+    }
+
+    #[test]
+    fn int8_rows_are_symmetric_and_exact_at_the_extremes() {
+        let src = [0.5f32, -2.0, 1.0, 0.0, f32::NAN];
+        let mut q = [0i8; 5];
+        let scale = quantize_row_i8(&mut q, &src);
+        assert_eq!(scale, 2.0 / 127.0);
+        assert_eq!(q, [32, -127, 64, 0, 0]);
+        let mut back = [0f32; 5];
+        dequantize_row_i8(&mut back, &q, scale);
+        assert_eq!(back[1], -2.0);
+        assert_eq!(quantize_row_i8(&mut q, &[0.0; 5]), 0.0);
+        assert_eq!(q, [0; 5]);
+        let s = quantize_row_i8(&mut q[..2], &[f32::INFINITY, 1.0]);
+        assert!(s.is_finite() && q[..2] == [127, 0]);
+    }
+
+    proptest! {
+        #[test]
+        fn encoding_is_the_nearest_code(bits in any::<u32>(), small in -20.0f32..20.0) {
+            for f in [Fp8::E4M3, Fp8::E5M2] {
+                // Any f32, and values spread over the format's range (subnormals included).
+                for x in [f32::from_bits(bits), small.exp2() * if bits & 1 == 0 { 1.0 } else { -1.0 }] {
+                    if x.is_nan() {
+                        continue;
+                    }
+                    prop_assert_eq!(f.encode(x), nearest(f, x), "{:?} {}", f, x);
+                }
+            }
+        }
+
+        #[test]
+        fn int8_error_is_at_most_half_a_step(row in prop::collection::vec(-1e4f32..1e4, 1..64)) {
+            let mut q = vec![0i8; row.len()];
+            let scale = quantize_row_i8(&mut q, &row);
+            let mut back = vec![0f32; row.len()];
+            dequantize_row_i8(&mut back, &q, scale);
+            for (x, y) in row.iter().zip(&back) {
+                prop_assert!((x - y).abs() <= 0.5 * scale * (1.0 + 1e-5) + f32::EPSILON * x.abs());
+            }
+        }
+    }
+}
