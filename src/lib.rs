@@ -23,8 +23,10 @@
 //! [`layout`] (the shared vocabulary: devices, regions, paged shapes), [`dtype`]
 //! (element types and conversion), [`tensor`] (borrowed strided tensors and the
 //! strided copy), [`storage`] (the device-independent storage interface and its host
-//! backend), [`kv_cache`] (the contiguous cache), [`paged`] (the block pool shared by many
-//! sequences) and [`error`] (the one error type).
+//! backend), [`kv_cache`] (the contiguous cache's core, `CacheCore`), [`paged`] (the
+//! block pool's core, `PoolCore`), [`prefix`] (prefix caching), [`attention`] (attention
+//! over cached K/V in place), [`quant`] (8-bit codecs) and [`error`] (the one error
+//! type). [`typed`] wraps the cores for Rust callers.
 
 #![warn(missing_docs)]
 
