@@ -76,6 +76,7 @@ bench: .stamp-install ## kvrs against its peers: benches/compare.py (table and b
 	$(PY) benches/bench_paged.py
 	$(PY) benches/bench_prefix.py
 	$(PY) benches/bench_attention.py
+	$(PY) benches/bench_quantized.py
 
 bench-rust: ## criterion benchmarks of the core
 	cargo bench

@@ -6,6 +6,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use crate::error::KvError;
+use crate::quant::{Fp8, I8_MAX};
 
 /// The element type of a cache's storage (and of the tensors written into it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -16,26 +17,74 @@ pub enum DType {
     F16,
     /// bfloat16 (the upper half of a binary32).
     BF16,
+    /// OCP fp8 E4M3FN (largest finite 448), stored with a float32 scale per layer and
+    /// KV head ([`crate::quant::Fp8::E4M3`]). A storage dtype only.
+    F8E4M3,
+    /// OCP fp8 E5M2 (largest finite 57344), stored with a float32 scale per layer and KV
+    /// head ([`crate::quant::Fp8::E5M2`]). A storage dtype only.
+    F8E5M2,
+    /// Symmetric int8 codes with one float32 scale per (token, KV head) stored beside
+    /// them ([`crate::quant::quantize_row_i8`]). A storage dtype only.
+    I8,
 }
 
 impl DType {
+    /// The floating-point dtypes: what tensors written into a cache may hold, and what
+    /// reads of a cache return.
+    pub const FLOATS: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+    /// The 8-bit storage dtypes.
+    pub const QUANTIZED: [DType; 3] = [DType::F8E4M3, DType::F8E5M2, DType::I8];
+
     /// Every storage dtype, in the order documented to users.
-    pub const ALL: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+    pub const ALL: [DType; 6] = [
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::F8E4M3,
+        DType::F8E5M2,
+        DType::I8,
+    ];
 
     /// Size of one element in bytes.
     pub const fn size(self) -> usize {
         match self {
             DType::F32 => 4,
             DType::F16 | DType::BF16 => 2,
+            DType::F8E4M3 | DType::F8E5M2 | DType::I8 => 1,
         }
     }
 
-    /// The canonical name (`"float32"`, `"float16"`, `"bfloat16"`), as NumPy spells it.
+    /// Whether this is an 8-bit storage dtype (stored with scales).
+    pub const fn is_quantized(self) -> bool {
+        matches!(self, DType::F8E4M3 | DType::F8E5M2 | DType::I8)
+    }
+
+    /// The fp8 format of an fp8 dtype.
+    pub const fn fp8(self) -> Option<Fp8> {
+        match self {
+            DType::F8E4M3 => Some(Fp8::E4M3),
+            DType::F8E5M2 => Some(Fp8::E5M2),
+            _ => None,
+        }
+    }
+
+    /// Bytes one stored head vector of `head_dim` elements takes, its scale included
+    /// (int8 keeps a float32 scale beside every head vector).
+    pub const fn bytes_per_vector(self, head_dim: usize) -> usize {
+        head_dim * self.size() + if matches!(self, DType::I8) { 4 } else { 0 }
+    }
+
+    /// The canonical name: `"float32"`, `"float16"`, `"bfloat16"` (as NumPy spells
+    /// them), `"fp8_e4m3"`, `"fp8_e5m2"` or `"int8"` (as vLLM spells them).
     pub const fn name(self) -> &'static str {
         match self {
             DType::F32 => "float32",
             DType::F16 => "float16",
             DType::BF16 => "bfloat16",
+            DType::F8E4M3 => "fp8_e4m3",
+            DType::F8E5M2 => "fp8_e5m2",
+            DType::I8 => "int8",
         }
     }
 }
@@ -49,12 +98,16 @@ impl fmt::Display for DType {
 impl FromStr for DType {
     type Err = KvError;
 
-    /// Parses `float32`/`fp32`/`float`, `float16`/`fp16`/`half` and `bfloat16`/`bf16`.
+    /// Parses `float32`/`fp32`/`float`, `float16`/`fp16`/`half`, `bfloat16`/`bf16`,
+    /// `fp8_e4m3`/`fp8`/`float8_e4m3fn`, `fp8_e5m2`/`float8_e5m2` and `int8`/`i8`.
     fn from_str(s: &str) -> Result<Self, KvError> {
         match s.trim().to_ascii_lowercase().as_str() {
             "float32" | "fp32" | "f32" | "float" => Ok(DType::F32),
             "float16" | "fp16" | "f16" | "half" => Ok(DType::F16),
             "bfloat16" | "bf16" => Ok(DType::BF16),
+            "fp8_e4m3" | "fp8" | "float8_e4m3fn" | "fp8_e4m3fn" | "e4m3" => Ok(DType::F8E4M3),
+            "fp8_e5m2" | "float8_e5m2" | "e5m2" => Ok(DType::F8E5M2),
+            "int8" | "i8" => Ok(DType::I8),
             _ => Err(KvError::UnknownDType(s.to_string())),
         }
     }
@@ -87,7 +140,7 @@ pub unsafe fn convert_contiguous(
     // (rare: a NumPy view at an odd byte offset) take the scalar path.
     let aligned = (src as usize).is_multiple_of(src_dtype.size())
         && (dst as usize).is_multiple_of(dst_dtype.size());
-    if aligned {
+    if aligned && !src_dtype.is_quantized() && !dst_dtype.is_quantized() {
         use DType::*;
         match (dst_dtype, src_dtype) {
             (F16, F32) => slice_mut::<f16>(dst, n).convert_from_f32_slice(slice::<f32>(src, n)),
@@ -110,7 +163,7 @@ pub unsafe fn convert_contiguous(
                     *d = bf16::from_f32(s.to_f32());
                 }
             }
-            (F32, F32) | (F16, F16) | (BF16, BF16) => unreachable!("equal dtypes copied above"),
+            _ => unreachable!("equal and 8-bit dtypes are handled above and below"),
         }
         return;
     }
@@ -120,7 +173,8 @@ pub unsafe fn convert_contiguous(
     }
 }
 
-/// Reads one element of `dtype` at `p` (any alignment) as f32.
+/// Reads one element of `dtype` at `p` (any alignment) as f32. 8-bit elements read as
+/// their codes' values, unscaled (an int8 code reads as the integer).
 ///
 /// # Safety
 /// `p` must be valid for reading one element of `dtype`.
@@ -129,10 +183,14 @@ pub unsafe fn read_f32(p: *const u8, dtype: DType) -> f32 {
         DType::F32 => (p as *const f32).read_unaligned(),
         DType::F16 => (p as *const f16).read_unaligned().to_f32(),
         DType::BF16 => (p as *const bf16).read_unaligned().to_f32(),
+        DType::F8E4M3 => Fp8::E4M3.decode(p.read()),
+        DType::F8E5M2 => Fp8::E5M2.decode(p.read()),
+        DType::I8 => (p as *const i8).read() as f32,
     }
 }
 
-/// Writes `v` as one element of `dtype` at `p` (any alignment), rounding to nearest even.
+/// Writes `v` as one element of `dtype` at `p` (any alignment), rounding to nearest even;
+/// fp8 saturates at its largest finite value and int8 at ±127 (NaN becomes 0), unscaled.
 ///
 /// # Safety
 /// `p` must be valid for writing one element of `dtype`.
@@ -141,6 +199,12 @@ pub unsafe fn write_f32(p: *mut u8, dtype: DType, v: f32) {
         DType::F32 => (p as *mut f32).write_unaligned(v),
         DType::F16 => (p as *mut f16).write_unaligned(f16::from_f32(v)),
         DType::BF16 => (p as *mut bf16).write_unaligned(bf16::from_f32(v)),
+        DType::F8E4M3 => p.write(Fp8::E4M3.encode(v)),
+        DType::F8E5M2 => p.write(Fp8::E5M2.encode(v)),
+        DType::I8 => {
+            let q = if v.is_nan() { 0.0 } else { v.round_ties_even() };
+            (p as *mut i8).write(q.clamp(-I8_MAX, I8_MAX) as i8)
+        }
     }
 }
 
@@ -183,7 +247,12 @@ mod tests {
         assert_eq!("float16".parse::<DType>().unwrap(), DType::F16);
         assert_eq!("BF16".parse::<DType>().unwrap(), DType::BF16);
         assert_eq!("float".parse::<DType>().unwrap(), DType::F32);
-        assert!("int8".parse::<DType>().is_err());
+        assert_eq!("float8_e4m3fn".parse::<DType>().unwrap(), DType::F8E4M3);
+        assert_eq!("int8".parse::<DType>().unwrap(), DType::I8);
+        for d in DType::ALL {
+            assert_eq!(d.name().parse::<DType>().unwrap(), d);
+        }
+        assert!("int4".parse::<DType>().is_err());
     }
 
     #[test]

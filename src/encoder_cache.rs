@@ -5,6 +5,7 @@ use crate::attention::{AttnOptions, QueryRow};
 use crate::dtype::DType;
 use crate::error::{KvError, Result};
 use crate::kv_cache::{CacheCore, CacheShape};
+use crate::scales::KvScales;
 use crate::storage::Device;
 use crate::tensor::TensorRef;
 
@@ -22,6 +23,14 @@ impl EncoderCache {
         Ok(EncoderCache {
             cache: CacheCore::new(shape, dtype, device)?,
             length: None,
+        })
+    }
+
+    /// Sets the fp8 scales (an fp8 dtype; unit scales for any other).
+    pub fn with_scales(self, scales: KvScales) -> Result<Self> {
+        Ok(EncoderCache {
+            cache: self.cache.with_scales(scales)?,
+            length: self.length,
         })
     }
 

@@ -45,7 +45,7 @@ pub enum KvError {
         got: String,
     },
     /// A dtype name kvrs does not know (Python: `ValueError`).
-    #[error("dtype='{0}' is not supported: use 'float32', 'float16' or 'bfloat16'")]
+    #[error("dtype='{0}' is not supported: use 'float32', 'float16', 'bfloat16', or for storage 'fp8_e4m3', 'fp8_e5m2', 'int8'")]
     UnknownDType(String),
     /// Any other invalid argument value (Python: `ValueError`).
     #[error("{name}={value}: {reason}")]

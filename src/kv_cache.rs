@@ -9,7 +9,8 @@ use crate::dtype::DType;
 use crate::error::{check_count, check_index, check_positive, KvError, Result};
 pub use crate::layout::Kv;
 use crate::layout::{Device, Region};
-use crate::storage::{allocate, Storage};
+use crate::scales::{attention_scales, check_dtype, multiply_heads, with_divided, KvScales};
+use crate::storage::{allocate, RowScales, Storage};
 use crate::tensor::{expect_block_pair, TensorRef};
 
 /// The sizes that fix a cache's layout.
@@ -82,6 +83,7 @@ pub fn commit_target(seq_len: usize, layer_len: &[usize], n: i64) -> Result<usiz
 pub struct CacheCore {
     shape: CacheShape,
     storage: Box<dyn Storage>,
+    scales: KvScales,
     seq_len: usize,
     layer_len: Vec<usize>,
 }
@@ -90,13 +92,26 @@ impl CacheCore {
     /// Allocates a zero-filled cache of `dtype` on `device`; nothing is allocated later.
     pub fn new(shape: CacheShape, dtype: DType, device: Device) -> Result<Self> {
         let numel = shape.validate(dtype)?;
-        let storage = allocate(device, dtype, numel)?;
+        let storage = allocate(device, dtype, numel, shape.head_dim)?;
         Ok(CacheCore {
             shape,
             storage,
+            scales: KvScales::unit(shape.num_layers, shape.num_kv_heads),
             seq_len: 0,
             layer_len: vec![0; shape.num_layers],
         })
+    }
+
+    /// Sets the fp8 scales (an empty cache of an fp8 dtype; unit scales for any other).
+    pub fn with_scales(mut self, scales: KvScales) -> Result<Self> {
+        check_dtype(&scales, self.dtype())?;
+        self.scales = scales;
+        Ok(self)
+    }
+
+    /// The fp8 scales (all 1 for other dtypes).
+    pub fn scales(&self) -> &KvScales {
+        &self.scales
     }
 
     /// The sizes of this cache.
@@ -144,6 +159,12 @@ impl CacheCore {
         self.storage.data_ptr()
     }
 
+    /// The per-vector scales of an int8 cache (`[layer][K|V][head][position]`, one per
+    /// head vector); `None` for other dtypes.
+    pub fn row_scales(&self) -> Option<RowScales> {
+        self.storage.row_scales()
+    }
+
     /// Element offset of `[layer][kv][head][pos][0]`.
     pub fn offset(&self, layer: usize, kv: Kv, head: usize, pos: usize) -> usize {
         let s = &self.shape;
@@ -169,6 +190,13 @@ impl CacheCore {
                 self.device()
             )));
         }
+        if self.dtype().is_quantized() {
+            return Err(KvError::NotSupported(format!(
+                "copies between a pool and a {} KVCache; use a float KVCache (a pool of any \
+                 dtype copies into it, dequantized)",
+                self.dtype()
+            )));
+        }
         let r = self.region(layer, kv, 0, len.min(self.shape.max_seq_len));
         let strides = r.signed_strides();
         // SAFETY: the region lies inside this cache's host allocation, which outlives the borrow.
@@ -184,7 +212,7 @@ impl CacheCore {
 
     /// Where `layer`'s K/V lie, for the attention core: one run of `max_seq_len`
     /// positions per head. Host storage only.
-    pub fn kv_pages(&self, layer: usize) -> Result<KvPages<'static>> {
+    pub fn kv_pages(&self, layer: usize) -> Result<KvPages<'_>> {
         if self.device() != Device::Cpu {
             return Err(KvError::NotSupported(format!(
                 "attention over a cache on {} (the attention core reads host memory)",
@@ -203,6 +231,7 @@ impl CacheCore {
             v_offset: self.offset(layer, Kv::Value, 0, 0) - base,
             pos_stride: s.head_dim,
             head_stride: s.max_seq_len * s.head_dim,
+            scales: attention_scales(self.storage.as_ref(), &self.scales, layer),
         })
     }
 
@@ -307,8 +336,10 @@ impl CacheCore {
         vector.expect_shape(if kv == Kv::Key { "key" } else { "value" }, &[s.head_dim])?;
         // The write comes first: it is the step a bad vector (another device) fails, and
         // then nothing has changed.
-        self.storage
-            .write(self.heads_at(layer, kv, head..head + 1, pos), vector)?;
+        let region = self.heads_at(layer, kv, head..head + 1, pos);
+        let scale = &self.scales.heads(layer, kv)[head..head + 1];
+        let storage = &mut self.storage;
+        with_divided([(vector, scale)], 0, |[v]| storage.write(region, v))?;
         let held = self.layer_len[layer];
         if pos >= held {
             // Zero what the store brings in, all but the vector just written.
@@ -372,7 +403,9 @@ impl CacheCore {
                 shape: expected,
                 strides: [r.strides[1], r.strides[0], 1],
             };
-            self.storage.write(transposed, src)?;
+            let storage = &mut self.storage;
+            let scales = self.scales.heads(layer, kv);
+            with_divided([(src, scales)], 1, |[src]| storage.write(transposed, src))?;
         }
         self.layer_len[layer] = start + n;
         Ok(start)
@@ -423,10 +456,10 @@ impl CacheCore {
         let s = self.shape;
         expect_block_pair(keys, values, [s.num_kv_heads, bs, s.head_dim])?;
         for (kv, out) in [(Kv::Key, keys), (Kv::Value, values)] {
-            self.storage.read(
-                self.region(layer, kv, start, inside),
-                &out.slice(1, 0, inside),
-            )?;
+            let out_in = out.slice(1, 0, inside);
+            self.storage
+                .read(self.region(layer, kv, start, inside), &out_in)?;
+            multiply_heads(&out_in, 0, self.scales.heads(layer, kv))?;
             // Positions past max_seq_len read as zeros.
             self.storage.zero(&out.slice(1, inside, bs - inside))?;
         }
@@ -447,10 +480,12 @@ impl CacheCore {
         let s = self.shape;
         expect_block_pair(keys, values, [s.num_kv_heads, bs, s.head_dim])?;
         for (kv, src) in [(Kv::Key, keys), (Kv::Value, values)] {
-            self.storage.write(
-                self.region(layer, kv, start, inside),
-                &src.slice(1, 0, inside),
-            )?;
+            let region = self.region(layer, kv, start, inside);
+            let storage = &mut self.storage;
+            let scales = self.scales.heads(layer, kv);
+            with_divided([(&src.slice(1, 0, inside), scales)], 0, |[src]| {
+                storage.write(region, src)
+            })?;
         }
         Ok(())
     }

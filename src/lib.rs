@@ -25,7 +25,7 @@
 //! strided copy), [`storage`] (the device-independent storage interface and its host
 //! backend), [`kv_cache`] (the contiguous cache's core, `CacheCore`), [`paged`] (the
 //! block pool's core, `PoolCore`), [`prefix`] (prefix caching), [`attention`] (attention
-//! over cached K/V in place), [`quant`] (8-bit codecs) and [`error`] (the one error
+//! over cached K/V in place), [`quant`] (8-bit codecs), [`scales`] (fp8 scales) and [`error`] (the one error
 //! type). [`typed`] wraps the cores for Rust callers.
 
 #![warn(missing_docs)]
@@ -41,6 +41,7 @@ pub mod paged;
 pub mod prefix;
 pub mod quant;
 pub mod rope;
+pub mod scales;
 pub mod storage;
 pub mod tensor;
 pub mod typed;

@@ -304,6 +304,7 @@ fn paged_attention_kernel_equals_the_cpu_core() {
                             .chunks(2)
                             .map(|b| bf16::from_le_bytes(b.try_into().unwrap()).to_f32())
                             .collect(),
+                        other => unreachable!("{other} is not a device dtype"),
                     };
                     per_layer.push(got);
                 }
@@ -314,6 +315,7 @@ fn paged_attention_kernel_equals_the_cpu_core() {
                 DType::F32 => 1e-5,
                 DType::F16 => 2e-3,
                 DType::BF16 => 1.6e-2,
+                other => unreachable!("{other} is not a device dtype"),
             };
             for (layer, (cpu, dev)) in outs[0].iter().zip(&outs[1]).enumerate() {
                 for (i, (a, b)) in cpu.iter().zip(dev).enumerate() {

@@ -35,6 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo.add_argument("--device", default="cpu", help="where the model and the pool live (default cpu)")
     demo.add_argument(
+        "--kv-dtype",
+        default="float32",
+        choices=["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8"],
+        help="the pool's storage dtype (default float32, the model's; an 8-bit one reports the "
+        "greedy agreement with DynamicCache instead of requiring equal tokens)",
+    )
+    demo.add_argument(
         "--plot",
         default=DEMO_PLOT,
         help="PNG of pool occupancy per step (default kvrs-demo.png; with --concurrency: of throughput, "
@@ -93,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         plot_path=None if args.no_plot else args.plot,
         seed=args.seed,
         progress_bar=not args.no_progress,
+        kv_dtype=args.kv_dtype,
     )
 
 

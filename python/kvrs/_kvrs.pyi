@@ -35,7 +35,11 @@ def cuda_available() -> bool:
     """Whether a CUDA driver and at least one CUDA device are present."""
 
 _DTypeLike = str | np.dtype[Any] | type | Any
-"""'float32' | 'float16' | 'bfloat16' (or 'fp32', 'fp16', 'half', 'bf16'), a NumPy dtype, or a torch dtype."""
+"""'float32' | 'float16' | 'bfloat16' (or 'fp32', 'fp16', 'half', 'bf16'), the 8-bit storage
+dtypes 'fp8_e4m3' | 'fp8_e5m2' | 'int8', a NumPy or ml_dtypes dtype, or a torch dtype."""
+
+_ScaleLike = float | Iterable[float] | npt.NDArray[Any] | None
+"""An fp8 scale: one float, one per layer, or a [num_layers, num_kv_heads] array."""
 
 _ArrayLike = npt.NDArray[Any] | Any
 """A NumPy array, anything with ``__dlpack__`` (a torch CPU tensor), or anything with the buffer protocol."""
@@ -119,6 +123,8 @@ class KVCache(Generic[_View_co]):
         *,
         dtype: _DTypeLike = "float16",
         device: _Cpu = "cpu",
+        k_scale: _ScaleLike = None,
+        v_scale: _ScaleLike = None,
     ) -> KVCache[npt.NDArray[Any]]: ...
     @overload
     def __new__(
@@ -130,6 +136,8 @@ class KVCache(Generic[_View_co]):
         *,
         dtype: _DTypeLike = "float16",
         device: _Cuda,
+        k_scale: _ScaleLike = None,
+        v_scale: _ScaleLike = None,
     ) -> KVCache[DeviceTensor]: ...
     @overload
     def __new__(
@@ -141,6 +149,8 @@ class KVCache(Generic[_View_co]):
         *,
         dtype: _DTypeLike = "float16",
         device: str | Any,
+        k_scale: _ScaleLike = None,
+        v_scale: _ScaleLike = None,
     ) -> KVCache[_Either]: ...
     @property
     def seq_len(self) -> int:
@@ -159,10 +169,18 @@ class KVCache(Generic[_View_co]):
         """Elements per head vector."""
     @property
     def dtype(self) -> str:
-        """Storage dtype name: 'float32', 'float16' or 'bfloat16'."""
+        """Storage dtype name: 'float32', 'float16', 'bfloat16', 'fp8_e4m3', 'fp8_e5m2' or 'int8'."""
     @property
     def device(self) -> str:
         """Device name: 'cpu' (or 'cuda:N')."""
+    @property
+    def k_scale(self) -> npt.NDArray[np.float32] | None:
+        """The fp8 key scales, [num_layers, num_kv_heads] (None for other dtypes)."""
+    @property
+    def v_scale(self) -> npt.NDArray[np.float32] | None:
+        """The fp8 value scales, [num_layers, num_kv_heads] (None for other dtypes)."""
+    def scales(self, layer: int) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+        """(K, V) scales of get(layer)'s codes: int8 [num_kv_heads, length] views, else [num_kv_heads, 1]."""
     def layer_len(self, layer: int) -> int:
         """Positions written into `layer` (committed and appended)."""
     def store_key(self, layer: int, head: int, pos: int, key: _ArrayLike) -> None:
@@ -183,8 +201,10 @@ class KVCache(Generic[_View_co]):
         """Adds n to the device counter, on the device."""
     def sync_counter_from_gpu(self) -> int:
         """Reads the device counter back into seq_len and every layer's length; returns it."""
-    def get(self, layer: int) -> tuple[_View_co, _View_co]:
-        """Zero-copy read-only views (K, V) of shape [num_kv_heads, length, head_dim]."""
+    def get(self, layer: int, *, dequantize: bool = False) -> tuple[_View_co, _View_co]:
+        """Zero-copy read-only views (K, V) [num_kv_heads, length, head_dim] (8-bit: codes).
+
+        With dequantize=True: float32 copies of the values."""
     def attention(
         self,
         layer: int,
@@ -250,6 +270,8 @@ class BlockPool(Generic[_View_co]):
         sliding_window: int | None = None,
         chunk_size: int | None = None,
         swa_memory: int = 0,
+        k_scale: _ScaleLike = None,
+        v_scale: _ScaleLike = None,
     ) -> BlockPool[npt.NDArray[Any]]: ...
     @overload
     def __new__(
@@ -274,6 +296,8 @@ class BlockPool(Generic[_View_co]):
         sliding_window: int | None = None,
         chunk_size: int | None = None,
         swa_memory: int = 0,
+        k_scale: _ScaleLike = None,
+        v_scale: _ScaleLike = None,
     ) -> BlockPool[DeviceTensor]: ...
     @overload
     def __new__(
@@ -298,6 +322,8 @@ class BlockPool(Generic[_View_co]):
         sliding_window: int | None = None,
         chunk_size: int | None = None,
         swa_memory: int = 0,
+        k_scale: _ScaleLike = None,
+        v_scale: _ScaleLike = None,
     ) -> BlockPool[_Either]: ...
     @property
     def num_layers(self) -> int:
@@ -358,6 +384,14 @@ class BlockPool(Generic[_View_co]):
         """Block tables each sequence has: one per group of equally many layers of one kind."""
     def layer_group(self, layer: int) -> int:
         """The group (row of reserve()'s slot mapping, block table) of `layer`."""
+    @property
+    def k_scale(self) -> npt.NDArray[np.float32] | None:
+        """The fp8 key scales, [num_layers, num_kv_heads] (None for other dtypes)."""
+    @property
+    def v_scale(self) -> npt.NDArray[np.float32] | None:
+        """The fp8 value scales, [num_layers, num_kv_heads] (None for other dtypes)."""
+    def scale_cache(self, layer: int) -> npt.NDArray[np.float32]:
+        """Zero-copy writable view of an int8 pool's per-token scales: kv_cache's shape minus head_dim."""
     def kv_cache(self, layer: int) -> _View_co:
         """Zero-copy writable view of one layer's cache tensor, in FlashInfer's paged layout."""
     def stats(self) -> dict[str, Any]:
@@ -467,8 +501,12 @@ class Sequence(Generic[_View_co]):
         """Replaces `cache`'s content with this sequence's (lengths included)."""
     def copy_from_cache(self, cache: KVCache[Any]) -> None:
         """Fills this empty sequence from `cache`."""
-    def get(self, layer: int, out: tuple[_Either, _Either] | None = None) -> tuple[_View_co, _View_co]:
+    def get(
+        self, layer: int, out: tuple[_Either, _Either] | None = None, *, dequantize: bool = False
+    ) -> tuple[_View_co, _View_co]:
         """The layer's K and V gathered into contiguous [num_kv_heads, length, head_dim] arrays."""
+    def scales(self, layer: int) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+        """(K, V) scales of get(layer)'s codes: int8 [num_kv_heads, length], else [num_kv_heads, 1]."""
     def attention(
         self,
         layer: int,
@@ -586,6 +624,8 @@ class EncoderCache(Generic[_View_co]):
         *,
         dtype: _DTypeLike = "float16",
         device: _Cpu = "cpu",
+        k_scale: _ScaleLike = None,
+        v_scale: _ScaleLike = None,
     ) -> EncoderCache[npt.NDArray[Any]]: ...
     @overload
     def __new__(
@@ -597,6 +637,8 @@ class EncoderCache(Generic[_View_co]):
         *,
         dtype: _DTypeLike = "float16",
         device: _Cuda,
+        k_scale: _ScaleLike = None,
+        v_scale: _ScaleLike = None,
     ) -> EncoderCache[DeviceTensor]: ...
     @overload
     def __new__(
@@ -608,6 +650,8 @@ class EncoderCache(Generic[_View_co]):
         *,
         dtype: _DTypeLike = "float16",
         device: str | Any,
+        k_scale: _ScaleLike = None,
+        v_scale: _ScaleLike = None,
     ) -> EncoderCache[_Either]: ...
     @property
     def length(self) -> int | None:
@@ -625,13 +669,19 @@ class EncoderCache(Generic[_View_co]):
     def device(self) -> str:
         """Device name."""
     @property
+    def k_scale(self) -> npt.NDArray[np.float32] | None:
+        """The fp8 key scales, [num_layers, num_kv_heads] (None for other dtypes)."""
+    @property
+    def v_scale(self) -> npt.NDArray[np.float32] | None:
+        """The fp8 value scales, [num_layers, num_kv_heads] (None for other dtypes)."""
+    @property
     def is_complete(self) -> bool:
         """Whether every layer holds its K/V."""
     def is_set(self, layer: int) -> bool:
         """Whether `layer` holds its K/V."""
     def set(self, layer: int, k: _ArrayLike, v: _ArrayLike) -> None:
         """Writes `layer`'s K and V ([n, num_kv_heads, head_dim], the same n for every layer)."""
-    def get(self, layer: int) -> tuple[_View_co, _View_co]:
+    def get(self, layer: int, *, dequantize: bool = False) -> tuple[_View_co, _View_co]:
         """Zero-copy read-only views (K, V) [num_kv_heads, length, head_dim] of a set layer."""
     def attention(
         self,

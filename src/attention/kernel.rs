@@ -162,20 +162,23 @@ unsafe fn run_item_with<const SIMD: bool>(
             let first = kv.key_offset(pos, head);
             for j in 0..n {
                 let at = first + j * kv.pos_stride;
+                let ks = kv.scale(at, head, false);
                 if transposed {
                     // The key row goes through `s` into K's transposed tile ([head_dim][RUN]).
-                    load_row::<SIMD>(&mut s[..d], kv.data.add(at * size), kv.dtype);
+                    load_row::<SIMD>(&mut s[..d], kv.data.add(at * size), kv.dtype, ks);
                     for (i, &x) in s[..d].iter().enumerate() {
                         k[i * RUN + j] = x;
                     }
                 } else {
-                    load_row::<SIMD>(&mut k[j * d..(j + 1) * d], kv.data.add(at * size), kv.dtype);
+                    let row = &mut k[j * d..(j + 1) * d];
+                    load_row::<SIMD>(row, kv.data.add(at * size), kv.dtype, ks);
                 }
                 let vat = at + kv.v_offset;
                 load_row::<SIMD>(
                     &mut v[j * d..(j + 1) * d],
                     kv.data.add(vat * size),
                     kv.dtype,
+                    kv.scale(vat, head, true),
                 );
             }
             if pos + n < it.hi {
@@ -359,7 +362,7 @@ unsafe fn load_query<const SIMD: bool>(
     let at = token as isize * st[0] + head as isize * st[1];
     let base = q.as_ptr().offset(at * size as isize);
     if st[2] == 1 && (base as usize).is_multiple_of(size) {
-        load_row::<SIMD>(dst, base, q.dtype());
+        load_row::<SIMD>(dst, base, q.dtype(), 1.0);
     } else {
         for (i, x) in dst.iter_mut().enumerate() {
             *x = read_f32(base.offset(i as isize * st[2] * size as isize), q.dtype());

@@ -67,6 +67,31 @@ pub struct KvPages<'a> {
     pub pos_stride: usize,
     /// Elements between consecutive KV heads.
     pub head_stride: usize,
+    /// The scales of 8-bit storage.
+    pub scales: Scales<'a>,
+}
+
+/// What multiplies the stored K/V elements: nothing (float storage), one scale per KV
+/// head for K and for V (fp8), or one scale per stored head vector (int8).
+#[derive(Clone, Copy, Debug)]
+pub enum Scales<'a> {
+    /// Elements are their own values.
+    None,
+    /// `k[head]` multiplies every key of the head, `v[head]` every value.
+    PerHead {
+        /// Key scales, one per KV head.
+        k: &'a [f32],
+        /// Value scales, one per KV head.
+        v: &'a [f32],
+    },
+    /// The vector at element offset `at` has its scale at `ptr[at / row_len]` (host
+    /// memory laid out like the storage, valid for the whole call).
+    PerRow {
+        /// Scale 0.
+        ptr: *const f32,
+        /// Elements per scale.
+        row_len: usize,
+    },
 }
 
 // SAFETY: a KvPages is a read-only description of storage the caller keeps alive (and
@@ -75,6 +100,24 @@ unsafe impl Send for KvPages<'_> {}
 unsafe impl Sync for KvPages<'_> {}
 
 impl KvPages<'_> {
+    /// The scale of the head vector at element offset `at` (of KV head `head`; a value
+    /// when `value`).
+    #[inline(always)]
+    fn scale(&self, at: usize, head: usize, value: bool) -> f32 {
+        match self.scales {
+            Scales::None => 1.0,
+            Scales::PerHead { k, v } => {
+                if value {
+                    v[head]
+                } else {
+                    k[head]
+                }
+            }
+            // SAFETY: the caller's contract ([`attend`]) makes the scales valid.
+            Scales::PerRow { ptr, row_len } => unsafe { *ptr.add(at / row_len) },
+        }
+    }
+
     /// Element offset of the key at position `pos` of KV head `head`.
     fn key_offset(&self, pos: usize, head: usize) -> usize {
         let block = self.table[pos / self.block_size] as usize;

@@ -12,6 +12,7 @@ use super::seq::{SeqState, Table};
 use crate::attention::{self, AttnOptions, KvHeads, KvPages, QueryRow, SeqQueries};
 use crate::error::{check_index, KvError, Result};
 use crate::layout::KvLayout;
+use crate::scales::attention_scales;
 use crate::storage::cuda::attention::DeviceRow;
 use crate::storage::PagedTensor;
 use crate::tensor::TensorRef;
@@ -200,6 +201,7 @@ impl PoolCore {
             v_offset: bs * h * d,
             pos_stride,
             head_stride,
+            scales: attention_scales(self.storage.as_ref(), &self.scales, layer),
         }
     }
 

@@ -7,6 +7,7 @@ use super::seq::{SeqState, NO_BLOCK};
 use crate::error::{check_count, check_index, KvError, Result};
 use crate::kv_cache::{commit_target, CacheCore, Kv};
 use crate::layout::{BlockId, PagedShape};
+use crate::scales::with_divided;
 use crate::storage::PagedTensor;
 use crate::tensor::{expect_block_pair, TensorRef};
 
@@ -182,7 +183,14 @@ impl PoolCore {
         v: &TensorRef,
     ) -> Result<()> {
         let t = self.paged_tensor(layer);
-        self.storage.write_positions(t, blocks, start, k, v)
+        let (ks, vs) = (
+            self.scales.heads(layer, Kv::Key),
+            self.scales.heads(layer, Kv::Value),
+        );
+        let storage = &mut self.storage;
+        with_divided([(k, ks), (v, vs)], 1, |[k, v]| {
+            storage.write_positions(t, blocks, start, k, v)
+        })
     }
 
     /// Layer `layer`'s cache tensor, as the storage's paged operations take it.

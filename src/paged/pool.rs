@@ -20,7 +20,8 @@ use crate::layout::BlockId;
 use crate::layout::PagedShape;
 use crate::prefix::PrefixIndex;
 use crate::rope::Rope;
-use crate::storage::{allocate, Device, Storage};
+use crate::scales::{check_dtype, KvScales};
+use crate::storage::{allocate, Device, RowScales, Storage};
 
 /// Handle of a sequence in a pool (never reused within one pool).
 pub type SeqId = u64;
@@ -45,6 +46,7 @@ pub struct PoolCore {
     pub(crate) shape: PagedShape,
     pub(crate) groups: LayerGroups,
     pub(crate) storage: Box<dyn Storage>,
+    pub(crate) scales: KvScales,
     pub(crate) alloc: BlockAllocator,
     pub(crate) prefix: Option<PrefixIndex>,
     pub(crate) pins: FxHashMap<BlockId, u32>,
@@ -112,7 +114,7 @@ impl PoolCore {
                 value: shape.num_blocks.to_string(),
                 reason: "the pool would exceed the address space".into(),
             })?;
-        let storage = allocate(device, dtype, numel)?;
+        let storage = allocate(device, dtype, numel, shape.head_dim)?;
         let partial_ok = groups.all_full();
         let prefix = prefix.map(|p| {
             PrefixIndex::new(
@@ -128,6 +130,7 @@ impl PoolCore {
             shape,
             groups,
             storage,
+            scales: KvScales::unit(shape.num_layers, shape.num_kv_heads),
             alloc: BlockAllocator::new(shape.num_blocks),
             prefix,
             pins: FxHashMap::default(),
@@ -135,6 +138,24 @@ impl PoolCore {
             seqs: FxHashMap::default(),
             next_id: 0,
         })
+    }
+
+    /// Sets the fp8 scales (a new pool of an fp8 dtype; unit scales for any other).
+    pub fn with_scales(mut self, scales: KvScales) -> Result<Self> {
+        check_dtype(&scales, self.dtype())?;
+        self.scales = scales;
+        Ok(self)
+    }
+
+    /// The fp8 scales (all 1 for other dtypes).
+    pub fn scales(&self) -> &KvScales {
+        &self.scales
+    }
+
+    /// The per-vector scales of an int8 pool (laid out like the storage, one per head
+    /// vector); `None` for other dtypes.
+    pub fn row_scales(&self) -> Option<RowScales> {
+        self.storage.row_scales()
     }
 
     /// Gives the pool the rotary embedding its keys were computed with, so that a span can
@@ -195,9 +216,10 @@ impl PoolCore {
         self.prefix.as_ref()
     }
 
-    /// Bytes of one block id: one block of each layer of a group.
+    /// Bytes of one block id: one block of each layer of a group (int8's scales included).
     pub fn bytes_per_block(&self) -> usize {
-        self.groups.per_block * self.shape.block_elems() * self.dtype().size()
+        let vectors = self.shape.block_elems() / self.shape.head_dim;
+        self.groups.per_block * vectors * self.dtype().bytes_per_vector(self.shape.head_dim)
     }
 
     /// Blocks that allocation can hand out: free ones plus evictable cached ones.

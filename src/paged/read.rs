@@ -6,6 +6,8 @@ use rayon::prelude::*;
 use super::pool::{PoolCore, SeqId};
 use crate::error::{check_index, KvError, Result};
 use crate::layout::BlockId;
+use crate::layout::Kv;
+use crate::scales::multiply_heads;
 use crate::storage::Device;
 use crate::tensor::TensorRef;
 
@@ -64,6 +66,43 @@ impl PoolCore {
         Ok((first, len))
     }
 
+    /// The per-token scales of the positions sequence `id`'s `layer` holds (int8 pools):
+    /// `(first, n, k, v)` with `k` and `v` row-major `[heads, n]`.
+    pub fn gather_scales(
+        &self,
+        id: SeqId,
+        layer: i64,
+    ) -> Result<(usize, usize, Vec<f32>, Vec<f32>)> {
+        let sh = self.shape;
+        let layer = check_index("layer", layer, sh.num_layers)?;
+        let rows = self.storage.row_scales().ok_or_else(|| {
+            KvError::NotSupported(format!(
+                "a {} pool keeps no per-token scales (int8 does)",
+                self.dtype()
+            ))
+        })?;
+        let (first, end) = self.layer_span(id, layer)?;
+        let (n, h) = (end - first, sh.num_kv_heads);
+        let blocks = &self.seq(id)?.tables[self.groups.group_of[layer]].blocks;
+        let tensor = self.tensor_of(layer);
+        let mut out = [vec![0f32; h * n], vec![0f32; h * n]];
+        for (kv, dst) in [Kv::Key, Kv::Value].into_iter().zip(&mut out) {
+            for (i, p) in (first..end).enumerate() {
+                let b = blocks[p / sh.block_size];
+                let r = sh.positions(tensor, kv, b, p % sh.block_size, 1);
+                for head in 0..h {
+                    let at = (r.offset + head * r.strides[1]) / sh.head_dim;
+                    debug_assert!(at < rows.len);
+                    // SAFETY: the position's vectors lie in the storage, so their scales
+                    // lie in the scales (one per vector); the pool is borrowed.
+                    dst[head * n + i] = unsafe { *rows.ptr.add(at) };
+                }
+            }
+        }
+        let [k, v] = out;
+        Ok((first, n, k, v))
+    }
+
     /// Reads positions `start..start + n` of `layer` through its group's block table into
     /// `[H, >= n, D]` outputs.
     pub(crate) fn read_positions(
@@ -77,6 +116,10 @@ impl PoolCore {
     ) -> Result<()> {
         let t = self.paged_tensor(layer);
         self.storage
-            .read_positions(t, blocks, start, n, k_out, v_out)
+            .read_positions(t, blocks, start, n, k_out, v_out)?;
+        for (out, kv) in [(k_out, Kv::Key), (v_out, Kv::Value)] {
+            multiply_heads(&out.slice(1, 0, n), 0, self.scales.heads(layer, kv))?;
+        }
+        Ok(())
     }
 }

@@ -8,6 +8,8 @@ use super::pool::{PoolCore, SeqId};
 use super::seq::{SeqState, NO_BLOCK};
 use crate::error::{check_count, check_index, KvError, Result};
 use crate::layout::BlockId;
+use crate::layout::Kv;
+use crate::scales::with_divided;
 use crate::tensor::TensorRef;
 
 impl PoolCore {
@@ -112,7 +114,14 @@ impl PoolCore {
             });
         }
         let t = self.paged_tensor(layer);
-        self.storage.write_slots(t, slots, k, v)
+        let (ks, vs) = (
+            self.scales.heads(layer, Kv::Key),
+            self.scales.heads(layer, Kv::Value),
+        );
+        let storage = &mut self.storage;
+        with_divided([(k, ks), (v, vs)], 1, |[k, v]| {
+            storage.write_slots(t, slots, k, v)
+        })
     }
 
     /// FlashInfer's page table of group `g` for `ids`: `(indptr [B+1], indices,

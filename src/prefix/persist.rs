@@ -3,7 +3,11 @@
 //! Tensors: `tokens` (u32 `[n, block_size]`), `hashes` and `parents` (u8 `[n, 16]`,
 //! little-endian 128-bit), `first` (u8 `[n]`: 1 when the parent is a chain root) and
 //! `kv.{tensor}` (`[n, block_elems]` of the storage dtype: K then V of each block in each
-//! cache tensor, in the pool's layout). Blocks are stored least recently used first. The header's metadata
+//! cache tensor, in the pool's layout; fp8 and int8 as their codes) and, for int8,
+//! `scales.{tensor}` (f32 `[n, block_elems / head_dim]`: the scale of each head vector).
+//! fp8 pools record their scales in the metadata (`kv_scales`), so a file is refused by
+//! a pool whose codes would mean other values. Blocks are stored least recently used
+//! first. The header's metadata
 //! records the pool configuration and a BLAKE3 checksum of every tensor's bytes, so a
 //! truncated, corrupted or mismatched file is refused before anything is loaded.
 
@@ -52,7 +56,25 @@ fn st_dtype(d: DType) -> Dtype {
         DType::F32 => Dtype::F32,
         DType::F16 => Dtype::F16,
         DType::BF16 => Dtype::BF16,
+        DType::F8E4M3 => Dtype::F8_E4M3,
+        DType::F8E5M2 => Dtype::F8_E5M2,
+        DType::I8 => Dtype::I8,
     }
+}
+
+/// The names of the per-block tensors of `pool`: K/V of each cache tensor, then (int8)
+/// their per-vector scales.
+fn block_tensor_names(pool: &PoolCore) -> Vec<String> {
+    let tensors = pool.groups().per_block;
+    let scales = if pool.dtype() == DType::I8 {
+        tensors
+    } else {
+        0
+    };
+    (0..tensors)
+        .map(|l| format!("kv.{l}"))
+        .chain((0..scales).map(|l| format!("scales.{l}")))
+        .collect()
 }
 
 /// The metadata a file must carry to load into `pool`.
@@ -72,6 +94,22 @@ fn expected_metadata(pool: &PoolCore) -> Vec<(&'static str, String)> {
         ("hash", p.kind.to_string()),
         ("seed", format!("{:032x}", p.seed)),
     ]
+    .into_iter()
+    .chain(fp8_scales(pool).map(|s| ("kv_scales", s)))
+    .collect()
+}
+
+/// The fp8 scales the codes were stored with (`None` for other dtypes).
+fn fp8_scales(pool: &PoolCore) -> Option<String> {
+    pool.dtype().fp8()?;
+    let s = pool.scales();
+    let all: Vec<String> = s
+        .keys()
+        .iter()
+        .chain(s.values())
+        .map(|x| format!("{x:e}"))
+        .collect();
+    Some(all.join(","))
 }
 
 /// The pool's layer kinds, window and chunk size, as one string.
@@ -128,7 +166,9 @@ impl PoolCore {
         let es = self.dtype().size();
         let block_bytes = sh.block_elems() * es;
         let tensors = self.groups().per_block;
-        let mut kv: Vec<Vec<u8>> = Vec::with_capacity(tensors);
+        let vectors = sh.block_elems() / sh.head_dim;
+        let names = block_tensor_names(self);
+        let mut kv: Vec<Vec<u8>> = Vec::with_capacity(names.len());
         for layer in 0..tensors {
             let mut buf = vec![0u8; n * block_bytes];
             for (i, &b) in order.iter().enumerate() {
@@ -143,7 +183,14 @@ impl PoolCore {
             }
             kv.push(buf);
         }
-        let names: Vec<String> = (0..tensors).map(|l| format!("kv.{l}")).collect();
+        for layer in 0..names.len() - tensors {
+            let mut scales = vec![0f32; n * vectors];
+            for (&b, out) in order.iter().zip(scales.chunks_exact_mut(vectors)) {
+                self.storage()
+                    .read_row_scales(sh.whole_block(layer, b), out)?;
+            }
+            kv.push(scales.iter().flat_map(|x| x.to_le_bytes()).collect());
+        }
         let mut views: Vec<(String, TensorView<'_>)> = vec![
             (
                 "tokens".into(),
@@ -163,11 +210,15 @@ impl PoolCore {
                 TensorView::new(Dtype::U8, vec![n], &first).expect("sizes computed above"),
             ),
         ];
-        for (name, buf) in names.iter().zip(&kv) {
+        for (i, (name, buf)) in names.iter().zip(&kv).enumerate() {
+            let (dtype, width) = if i < tensors {
+                (st_dtype(self.dtype()), sh.block_elems())
+            } else {
+                (Dtype::F32, vectors)
+            };
             views.push((
                 name.clone(),
-                TensorView::new(st_dtype(self.dtype()), vec![n, sh.block_elems()], buf)
-                    .expect("sizes computed above"),
+                TensorView::new(dtype, vec![n, width], buf).expect("sizes computed above"),
             ));
         }
         let mut meta: HashMap<String, String> = expected_metadata(self)
@@ -237,8 +288,10 @@ impl PoolCore {
         let names: Vec<String> = ["tokens", "hashes", "parents", "first"]
             .into_iter()
             .map(String::from)
-            .chain((0..self.groups().per_block).map(|l| format!("kv.{l}")))
+            .chain(block_tensor_names(self))
             .collect();
+        let per_block = self.groups().per_block;
+        let vectors = sh.block_elems() / sh.head_dim;
         let mut tensors = Vec::with_capacity(names.len());
         for name in &names {
             tensors.push(
@@ -263,10 +316,8 @@ impl PoolCore {
             (Dtype::U8, vec![n]),
         ]
         .into_iter()
-        .chain(
-            (0..self.groups().per_block)
-                .map(|_| (st_dtype(self.dtype()), vec![n, sh.block_elems()])),
-        )
+        .chain((0..per_block).map(|_| (st_dtype(self.dtype()), vec![n, sh.block_elems()])))
+        .chain((per_block..names.len() - 4).map(|_| (Dtype::F32, vec![n, vectors])))
         .collect();
         for ((name, t), (dtype, shape)) in names.iter().zip(&tensors).zip(&expect) {
             if t.shape() != shape.as_slice() || t.dtype() != *dtype {
@@ -323,12 +374,22 @@ impl PoolCore {
         let block_bytes = sh.block_elems() * es;
         for &i in &keep {
             let b = self.take_free_block().expect("room counted above");
-            for layer in 0..self.groups().per_block {
+            for layer in 0..per_block {
                 let data = &tensors[4 + layer].data()[i * block_bytes..(i + 1) * block_bytes];
                 let src = unsafe {
                     TensorRef::contiguous(data.as_ptr(), self.dtype(), &[1, 1, sh.block_elems()])?
                 };
                 self.storage_mut().write(sh.whole_block(layer, b), &src)?;
+            }
+            for layer in 0..names.len() - 4 - per_block {
+                let data =
+                    &tensors[4 + per_block + layer].data()[i * vectors * 4..(i + 1) * vectors * 4];
+                let scales: Vec<f32> = data
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+                    .collect();
+                self.storage_mut()
+                    .write_row_scales(sh.whole_block(layer, b), &scales)?;
             }
             let tokens: Vec<u32> = tok[i * sh.block_size * 4..(i + 1) * sh.block_size * 4]
                 .chunks_exact(4)

@@ -11,6 +11,7 @@ use pyo3::types::PyTuple;
 use super::attention::{self, AttnArgs};
 use super::copying;
 use super::input::read_tensor;
+use super::quant::read_dtype;
 use super::shared_pool::{slot_array, SharedPool};
 use super::views::new_output;
 use crate::paged::ForwardPlan;
@@ -112,7 +113,8 @@ impl PyForwardBatch {
         Ok(())
     }
 
-    /// (K, V, mask): K and V [heads, history_len, head_dim] cover every sequence of the
+    /// (K, V, mask): K and V [heads, history_len, head_dim] (the storage dtype; float32,
+    /// dequantized, for 8-bit pools) cover every sequence of the
     /// batch, concatenated in order of first appearance; mask float32 [n_tokens,
     /// history_len] is 0 where a token may attend (its own sequence, up to its own
     /// position) and -inf elsewhere.
@@ -125,8 +127,9 @@ impl PyForwardBatch {
             self.history_len(layer)?,
             self.plan.num_tokens(),
         );
-        let (k, kt) = new_output(py, pool.device, pool.dtype, &[h, hist, d])?;
-        let (v, vt) = new_output(py, pool.device, pool.dtype, &[h, hist, d])?;
+        let dtype = read_dtype(pool.dtype);
+        let (k, kt) = new_output(py, pool.device, dtype, &[h, hist, d])?;
+        let (v, vt) = new_output(py, pool.device, dtype, &[h, hist, d])?;
         let mask = PyArray1::<f32>::zeros(py, n * hist, false);
         {
             let mut m = unsafe { mask.as_array_mut() };

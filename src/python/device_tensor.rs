@@ -98,6 +98,9 @@ impl PyDeviceTensor {
             DType::F32 => DLDataType::scalar(DLDataTypeCode::FLOAT, 32),
             DType::F16 => DLDataType::scalar(DLDataTypeCode::FLOAT, 16),
             DType::BF16 => DLDataType::scalar(DLDataTypeCode::BFLOAT, 16),
+            DType::F8E4M3 => DLDataType::scalar(DLDataTypeCode::FLOAT8_E4M3FN, 8),
+            DType::F8E5M2 => DLDataType::scalar(DLDataTypeCode::FLOAT8_E5M2, 8),
+            DType::I8 => DLDataType::scalar(DLDataTypeCode::INT, 8),
         }
     }
 

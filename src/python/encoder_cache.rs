@@ -9,6 +9,8 @@ use super::args::{parse_device, parse_dtype};
 use super::copying;
 use super::input::read_tensor;
 use super::kv_cache::layer_view;
+use super::quant::{parse_scales, scale_property};
+use super::views::new_output;
 use crate::dtype::DType;
 use crate::encoder_cache::EncoderCache;
 use crate::error::check_size;
@@ -40,10 +42,11 @@ impl PyEncoderCache {
     }
 
     #[new]
-    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, max_len, *, dtype = None, device = None))]
+    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, max_len, *, dtype = None, device = None, k_scale = None, v_scale = None))]
     #[pyo3(
-        text_signature = "(num_layers, num_kv_heads, head_dim, max_len, *, dtype='float16', device='cpu')"
+        text_signature = "(num_layers, num_kv_heads, head_dim, max_len, *, dtype='float16', device='cpu', k_scale=None, v_scale=None)"
     )]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         num_layers: i64,
         num_kv_heads: i64,
@@ -51,6 +54,8 @@ impl PyEncoderCache {
         max_len: i64,
         dtype: Option<&Bound<'_, PyAny>>,
         device: Option<&Bound<'_, PyAny>>,
+        k_scale: Option<&Bound<'_, PyAny>>,
+        v_scale: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let shape = CacheShape {
             num_layers: check_size("num_layers", num_layers)?,
@@ -60,7 +65,8 @@ impl PyEncoderCache {
         };
         let dtype = dtype.map(parse_dtype).transpose()?.unwrap_or(DType::F16);
         let device = device.map(parse_device).transpose()?.unwrap_or(Device::Cpu);
-        let cache = EncoderCache::new(shape, dtype, device)?;
+        let scales = parse_scales(k_scale, v_scale, shape.num_layers, shape.num_kv_heads)?;
+        let cache = EncoderCache::new(shape, dtype, device)?.with_scales(scales)?;
         let data = cache.cache().data_ptr() as usize;
         Ok(PyEncoderCache {
             inner: RwLock::new(cache),
@@ -155,8 +161,32 @@ impl PyEncoderCache {
         })?)
     }
 
-    /// Zero-copy read-only views (K, V) [num_kv_heads, length, head_dim] of a set layer.
-    fn get<'py>(slf: &Bound<'py, Self>, layer: i64) -> PyResult<Bound<'py, PyTuple>> {
+    /// The fp8 key scales, [num_layers, num_kv_heads] float32 (None for other dtypes).
+    #[getter]
+    fn k_scale<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        scale_property(py, self.dtype, self.inner.read().cache().scales(), Kv::Key)
+    }
+
+    /// The fp8 value scales, [num_layers, num_kv_heads] float32 (None for other dtypes).
+    #[getter]
+    fn v_scale<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        scale_property(
+            py,
+            self.dtype,
+            self.inner.read().cache().scales(),
+            Kv::Value,
+        )
+    }
+
+    /// Zero-copy read-only views (K, V) [num_kv_heads, length, head_dim] of a set layer
+    /// (the raw codes for 8-bit dtypes); float32 copies of the values with
+    /// `dequantize=True`.
+    #[pyo3(signature = (layer, *, dequantize = false))]
+    fn get<'py>(
+        slf: &Bound<'py, Self>,
+        layer: i64,
+        dequantize: bool,
+    ) -> PyResult<Bound<'py, PyTuple>> {
         let me = slf.get();
         let (layer, len) = {
             let c = me.inner.read();
@@ -171,6 +201,19 @@ impl PyEncoderCache {
             }
             (l, c.cache().layer_len(l))
         };
+        let py = slf.py();
+        if dequantize {
+            let shape = [me.shape.num_kv_heads, len, me.shape.head_dim];
+            let (k, kt) = new_output(py, me.device, DType::F32, &shape)?;
+            let (v, vt) = new_output(py, me.device, DType::F32, &shape)?;
+            copying(py, 2 * kt.nbytes(), || {
+                me.inner
+                    .read()
+                    .cache()
+                    .extract_block(layer as i64, 0, len as i64, &kt, &vt)
+            })?;
+            return PyTuple::new(py, [k, v]);
+        }
         // SAFETY: the storage lives as long as `slf`, the base of the views.
         let k = unsafe {
             layer_view(

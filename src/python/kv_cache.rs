@@ -8,6 +8,7 @@ use pyo3::types::PyTuple;
 use super::args::{parse_device, parse_dtype};
 use super::copying;
 use super::input::read_tensor;
+use super::quant::{head_scales, parse_scales, read_dtype, scale_property};
 use super::views::{borrowed_view, new_output};
 use crate::dtype::DType;
 use crate::error::{check_index, check_size, KvError};
@@ -231,10 +232,11 @@ impl PyKVCache {
     }
 
     #[new]
-    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, max_seq_len, *, dtype = None, device = None))]
+    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, max_seq_len, *, dtype = None, device = None, k_scale = None, v_scale = None))]
     #[pyo3(
-        text_signature = "(num_layers, num_kv_heads, head_dim, max_seq_len, *, dtype='float16', device='cpu')"
+        text_signature = "(num_layers, num_kv_heads, head_dim, max_seq_len, *, dtype='float16', device='cpu', k_scale=None, v_scale=None)"
     )]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         num_layers: i64,
         num_kv_heads: i64,
@@ -242,6 +244,8 @@ impl PyKVCache {
         max_seq_len: i64,
         dtype: Option<&Bound<'_, PyAny>>,
         device: Option<&Bound<'_, PyAny>>,
+        k_scale: Option<&Bound<'_, PyAny>>,
+        v_scale: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let shape = CacheShape {
             num_layers: check_size("num_layers", num_layers)?,
@@ -251,7 +255,8 @@ impl PyKVCache {
         };
         let dtype = dtype.map(parse_dtype).transpose()?.unwrap_or(DType::F16);
         let device = device.map(parse_device).transpose()?.unwrap_or(Device::Cpu);
-        let cache = CacheCore::new(shape, dtype, device)?;
+        let scales = parse_scales(k_scale, v_scale, shape.num_layers, shape.num_kv_heads)?;
+        let cache = CacheCore::new(shape, dtype, device)?.with_scales(scales)?;
         let data = cache.data_ptr() as usize;
         Ok(PyKVCache {
             inner: RwLock::new(cache),
@@ -292,10 +297,62 @@ impl PyKVCache {
         self.shape.head_dim
     }
 
-    /// Storage dtype name: 'float32', 'float16' or 'bfloat16'.
+    /// Storage dtype name: 'float32', 'float16', 'bfloat16', 'fp8_e4m3', 'fp8_e5m2' or
+    /// 'int8'.
     #[getter]
     fn dtype(&self) -> &'static str {
         self.dtype.name()
+    }
+
+    /// The fp8 key scales, [num_layers, num_kv_heads] float32 (None for other dtypes).
+    #[getter]
+    fn k_scale<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        scale_property(py, self.dtype, self.inner.read().scales(), Kv::Key)
+    }
+
+    /// The fp8 value scales, [num_layers, num_kv_heads] float32 (None for other dtypes).
+    #[getter]
+    fn v_scale<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        scale_property(py, self.dtype, self.inner.read().scales(), Kv::Value)
+    }
+
+    /// The scales (K, V) that multiply `get(layer)`'s codes: int8, zero-copy read-only
+    /// views [num_kv_heads, length] (one per token and head); fp8, [num_kv_heads, 1]
+    /// (one per head); float dtypes, ones [num_kv_heads, 1]. For every dtype,
+    /// `codes.astype(np.float32) * scales[..., None]` is what the cache holds.
+    fn scales<'py>(slf: &Bound<'py, Self>, layer: i64) -> PyResult<Bound<'py, PyTuple>> {
+        let me = slf.get();
+        let c = me.inner.read();
+        let layer = c.check_layer(layer)?;
+        let len = c.layer_len(layer);
+        let py = slf.py();
+        let pair = match c.row_scales() {
+            Some(r) => {
+                let s = me.shape;
+                let one = |kv: Kv| {
+                    let at = ((layer * 2 + kv as usize) * s.num_kv_heads) * s.max_seq_len;
+                    // SAFETY: the scales are allocated with the storage, never moved, and
+                    // live as long as `slf`, the array's base.
+                    unsafe {
+                        borrowed_view(
+                            slf.as_any(),
+                            me.device,
+                            r.ptr.add(at) as *mut u8,
+                            DType::F32,
+                            &[s.num_kv_heads, len],
+                            &[4 * s.max_seq_len as isize, 4],
+                            false,
+                        )
+                    }
+                };
+                [one(Kv::Key)?, one(Kv::Value)?]
+            }
+            None => [
+                head_scales(py, c.scales(), layer, Kv::Key)?,
+                head_scales(py, c.scales(), layer, Kv::Value)?,
+            ],
+        };
+        PyTuple::new(py, pair)
     }
 
     /// Device name: 'cpu' (or 'cuda:N').
@@ -360,16 +417,37 @@ impl PyKVCache {
     }
 
     /// Zero-copy read-only views (K, V) of shape [num_kv_heads, length, head_dim], where
-    /// length is what the layer holds (committed and appended).
-    fn get<'py>(slf: &Bound<'py, Self>, layer: i64) -> PyResult<Bound<'py, PyTuple>> {
-        let (layer, len) = {
-            let c = slf.get().inner.read();
+    /// length is what the layer holds (committed and appended): the raw codes for 8-bit
+    /// dtypes. With `dequantize=True`, float32 copies of the values instead.
+    #[pyo3(signature = (layer, *, dequantize = false))]
+    fn get<'py>(
+        slf: &Bound<'py, Self>,
+        layer: i64,
+        dequantize: bool,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let me = slf.get();
+        let (l, len) = {
+            let c = me.inner.read();
             let l = c.check_layer(layer)?;
             (l, c.layer_len(l))
         };
-        let k = Self::view(slf, layer, Kv::Key, None, len)?;
-        let v = Self::view(slf, layer, Kv::Value, None, len)?;
-        PyTuple::new(slf.py(), [k, v])
+        let py = slf.py();
+        if dequantize {
+            let shape = [me.shape.num_kv_heads, len, me.shape.head_dim];
+            let (k, kt) = new_output(py, me.device, DType::F32, &shape)?;
+            let (v, vt) = new_output(py, me.device, DType::F32, &shape)?;
+            if len > 0 {
+                copying(py, 2 * kt.nbytes(), || {
+                    me.inner
+                        .read()
+                        .extract_block(layer, 0, len as i64, &kt, &vt)
+                })?;
+            }
+            return PyTuple::new(py, [k, v]);
+        }
+        let k = Self::view(slf, l, Kv::Key, None, len)?;
+        let v = Self::view(slf, l, Kv::Value, None, len)?;
+        PyTuple::new(py, [k, v])
     }
 
     /// Zero-copy read-only view [seq_len, head_dim] of one head's keys (default: the
@@ -411,8 +489,9 @@ impl PyKVCache {
         Ok(self.inner.write().set_seq_len(n)?)
     }
 
-    /// Copies [num_kv_heads, block_size, head_dim] keys and values from start_pos;
-    /// positions past max_seq_len come back as zeros.
+    /// Copies [num_kv_heads, block_size, head_dim] keys and values from start_pos (of the
+    /// storage dtype; float32, dequantized, for 8-bit dtypes); positions past
+    /// max_seq_len come back as zeros.
     fn extract_block<'py>(
         &self,
         py: Python<'py>,
@@ -428,8 +507,9 @@ impl PyKVCache {
             block_size as usize,
             self.shape.head_dim,
         ];
-        let (k, kt) = new_output(py, self.device, self.dtype, &shape)?;
-        let (v, vt) = new_output(py, self.device, self.dtype, &shape)?;
+        let dtype = read_dtype(self.dtype);
+        let (k, kt) = new_output(py, self.device, dtype, &shape)?;
+        let (v, vt) = new_output(py, self.device, dtype, &shape)?;
         copying(py, 2 * kt.nbytes(), || {
             self.inner
                 .read()

@@ -9,6 +9,7 @@ mod errors;
 mod input;
 mod kv_cache;
 mod pool;
+mod quant;
 mod rope;
 mod sequence;
 mod shared_pool;

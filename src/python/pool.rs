@@ -15,12 +15,15 @@ use super::args::{parse_device, parse_dtype};
 use super::batch::PyForwardBatch;
 use super::copying;
 use super::input::{read_ints, read_tensor, read_token_ids};
+use super::quant::{parse_scales, scale_property};
 use super::rope::PyRope;
 use super::sequence::PySequence;
 use super::shared_pool::{i32_array, slot_array, SharedPool};
+use super::views::borrowed_view;
 use crate::bytes::parse_size;
 use crate::dtype::DType;
 use crate::error::{check_size, KvError};
+use crate::layout::Kv;
 use crate::paged::{
     Attention, KvLayout, LayerGroups, LayerKind, PagedShape, PoolCore, PrefixConfig, SeqId,
 };
@@ -103,9 +106,9 @@ impl PyBlockPool {
     }
 
     #[new]
-    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, *, block_size = 16, num_blocks = None, memory_bytes = None, dtype = None, device = None, layout = "NHD", prefix_caching = true, hash = "blake3", seed = None, partial_hits = true, events = false, rope = None, layer_types = None, sliding_window = None, chunk_size = None, swa_memory = 0))]
+    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, *, block_size = 16, num_blocks = None, memory_bytes = None, dtype = None, device = None, layout = "NHD", prefix_caching = true, hash = "blake3", seed = None, partial_hits = true, events = false, rope = None, layer_types = None, sliding_window = None, chunk_size = None, swa_memory = 0, k_scale = None, v_scale = None))]
     #[pyo3(
-        text_signature = "(num_layers, num_kv_heads, head_dim, *, block_size=16, num_blocks=None, memory_bytes=None, dtype='float16', device='cpu', layout='NHD', prefix_caching=True, hash='blake3', seed=None, partial_hits=True, events=False, rope=None, layer_types=None, sliding_window=None, chunk_size=None, swa_memory=0)"
+        text_signature = "(num_layers, num_kv_heads, head_dim, *, block_size=16, num_blocks=None, memory_bytes=None, dtype='float16', device='cpu', layout='NHD', prefix_caching=True, hash='blake3', seed=None, partial_hits=True, events=False, rope=None, layer_types=None, sliding_window=None, chunk_size=None, swa_memory=0, k_scale=None, v_scale=None)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -128,6 +131,8 @@ impl PyBlockPool {
         sliding_window: Option<i64>,
         chunk_size: Option<i64>,
         swa_memory: i64,
+        k_scale: Option<&Bound<'_, PyAny>>,
+        v_scale: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let dtype = dtype.map(parse_dtype).transpose()?.unwrap_or(DType::F16);
         let device = device.map(parse_device).transpose()?.unwrap_or(Device::Cpu);
@@ -161,8 +166,7 @@ impl PyBlockPool {
             * 2
             * shape.block_size
             * shape.num_kv_heads
-            * shape.head_dim
-            * dtype.size();
+            * dtype.bytes_per_vector(shape.head_dim);
         shape.num_blocks = match (num_blocks, memory_bytes) {
             (Some(n), None) => check_size("num_blocks", n)?,
             (None, Some(m)) => {
@@ -223,6 +227,12 @@ impl PyBlockPool {
         if let Some(r) = rope {
             pool = pool.with_rope(r.get().rope)?;
         }
+        pool = pool.with_scales(parse_scales(
+            k_scale,
+            v_scale,
+            shape.num_layers,
+            shape.num_kv_heads,
+        )?)?;
         let data = pool.data_ptr() as usize;
         Ok(PyBlockPool {
             core: Arc::new(SharedPool {
@@ -359,6 +369,60 @@ impl PyBlockPool {
     /// The group (row of reserve()'s slot mapping, block table) of `layer`.
     fn layer_group(&self, layer: i64) -> PyResult<usize> {
         Ok(self.inner.lock().group_for(Some(layer))?)
+    }
+
+    /// The fp8 key scales, [num_layers, num_kv_heads] float32 (None for other dtypes).
+    #[getter]
+    fn k_scale<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        scale_property(py, self.dtype, self.inner.lock().scales(), Kv::Key)
+    }
+
+    /// The fp8 value scales, [num_layers, num_kv_heads] float32 (None for other dtypes).
+    #[getter]
+    fn v_scale<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        scale_property(py, self.dtype, self.inner.lock().scales(), Kv::Value)
+    }
+
+    /// Zero-copy writable view of the per-token scales of one layer's cache tensor (int8
+    /// pools): kv_cache(layer)'s shape without head_dim, [num_blocks, 2, block_size,
+    /// num_kv_heads] (NHD) or [num_blocks, 2, num_kv_heads, block_size] (HND), float32.
+    fn scale_cache<'py>(slf: &Bound<'py, Self>, layer: i64) -> PyResult<Bound<'py, PyAny>> {
+        let me = slf.get();
+        let sh = me.shape;
+        let layer = crate::error::check_index("layer", layer, sh.num_layers)?;
+        let (tensor, rows) = {
+            let p = me.inner.lock();
+            (p.tensor_of(layer), p.row_scales())
+        };
+        let Some(rows) = rows else {
+            return Err(KvError::NotSupported(format!(
+                "scale_cache: a {} pool keeps no per-token scales (int8 does; fp8 scales are \
+                 k_scale and v_scale)",
+                me.dtype
+            ))
+            .into());
+        };
+        let d5 = sh.layer_tensor_shape();
+        let dims = [d5[0], d5[1], d5[2], d5[3]];
+        let mut strides = [1isize; 4];
+        for i in (0..3).rev() {
+            strides[i] = strides[i + 1] * dims[i + 1] as isize;
+        }
+        let bytes: Vec<isize> = strides.iter().map(|s| s * 4).collect();
+        let at = sh.block_offset(tensor, 0) / sh.head_dim;
+        // SAFETY: the scales are allocated with the pool's storage, never moved, and live
+        // as long as the pool, the array's base.
+        unsafe {
+            borrowed_view(
+                slf.as_any(),
+                me.device,
+                rows.ptr.add(at) as *mut u8,
+                DType::F32,
+                &dims,
+                &bytes,
+                true,
+            )
+        }
     }
 
     /// Zero-copy writable view of one layer's cache tensor, in FlashInfer's paged layout.

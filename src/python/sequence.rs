@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use numpy::PyArray1;
+use numpy::{PyArray1, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
@@ -11,8 +11,10 @@ use super::attention::{self, AttnArgs};
 use super::copying;
 use super::input::{read_tensor, read_token_ids, writable};
 use super::kv_cache::PyKVCache;
+use super::quant::{head_scales, read_dtype};
 use super::shared_pool::{i32_array, SharedPool};
 use super::views::new_output;
+use crate::dtype::DType;
 use crate::kv_cache::Kv;
 use crate::paged::{KvLayout, PoolCore, SeqId, NO_BLOCK};
 
@@ -212,7 +214,8 @@ impl PySequence {
     }
 
     /// Copies [num_kv_heads, block_size, head_dim] keys and values of `layer` from
-    /// start_pos; positions the layer does not hold come back as zeros.
+    /// start_pos (of the storage dtype; float32, dequantized, for 8-bit pools); positions
+    /// the layer does not hold come back as zeros.
     fn extract_block<'py>(
         &self,
         py: Python<'py>,
@@ -229,8 +232,9 @@ impl PySequence {
             block_size as usize,
             pool.shape.head_dim,
         ];
-        let (k, kt) = new_output(py, pool.device, pool.dtype, &shape)?;
-        let (v, vt) = new_output(py, pool.device, pool.dtype, &shape)?;
+        let dtype = read_dtype(pool.dtype);
+        let (k, kt) = new_output(py, pool.device, dtype, &shape)?;
+        let (v, vt) = new_output(py, pool.device, dtype, &shape)?;
         copying(py, 2 * kt.nbytes(), || {
             pool.inner
                 .lock()
@@ -316,17 +320,20 @@ impl PySequence {
     }
 
     /// The layer's K and V gathered into contiguous [num_kv_heads, length, head_dim]
-    /// arrays (into `out`, a (K, V) pair of writable arrays [num_kv_heads, >= length,
-    /// head_dim], when given: the result is then a view of `out`).
-    #[pyo3(signature = (layer, out = None))]
+    /// arrays of the storage dtype (8-bit pools: the raw codes; float32 values with
+    /// `dequantize=True`), or into `out`, a (K, V) pair of writable float arrays
+    /// [num_kv_heads, >= length, head_dim] (the result is then a view of `out`).
+    #[pyo3(signature = (layer, out = None, *, dequantize = false))]
     fn get<'py>(
         &self,
         py: Python<'py>,
         layer: i64,
         out: Option<&Bound<'py, PyAny>>,
+        dequantize: bool,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let pool = self.pool_ref();
-        let fresh = |shape: &[usize]| new_output(py, pool.device, pool.dtype, shape);
+        let dtype = if dequantize { DType::F32 } else { pool.dtype };
+        let fresh = |shape: &[usize]| new_output(py, pool.device, dtype, shape);
         let (k_arr, v_arr, kt_ref, vt_ref) = match out {
             Some(pair) => {
                 let (k, v): (Bound<'py, PyAny>, Bound<'py, PyAny>) = pair.extract()?;
@@ -353,6 +360,31 @@ impl PySequence {
             pyo3::types::PySlice::new(py, 0, len as isize, 1),
         );
         PyTuple::new(py, [k_arr.get_item(&cut)?, v_arr.get_item(&cut)?])
+    }
+
+    /// The scales (K, V) that multiply `get(layer)`'s codes: int8, float32 copies
+    /// [num_kv_heads, length] (one per token and head); fp8, [num_kv_heads, 1] (one per
+    /// head); float dtypes, ones [num_kv_heads, 1].
+    fn scales<'py>(&self, py: Python<'py>, layer: i64) -> PyResult<Bound<'py, PyTuple>> {
+        let pool = self.pool_ref();
+        let p = pool.inner.lock();
+        if p.row_scales().is_none() {
+            let l = crate::error::check_index("layer", layer, pool.shape.num_layers)?;
+            p.seq(self.id)?;
+            return PyTuple::new(
+                py,
+                [
+                    head_scales(py, p.scales(), l, Kv::Key)?,
+                    head_scales(py, p.scales(), l, Kv::Value)?,
+                ],
+            );
+        }
+        let (_, n, k, v) = p.gather_scales(self.id, layer)?;
+        let h = pool.shape.num_kv_heads;
+        let arr = |x: Vec<f32>| -> PyResult<Bound<'py, PyAny>> {
+            Ok(PyArray1::from_vec(py, x).reshape([h, n])?.into_any())
+        };
+        PyTuple::new(py, [arr(k)?, arr(v)?])
     }
 
     /// Zero-copy read-only per-block views of the layer: a list of (start, length, K, V),

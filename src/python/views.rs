@@ -18,13 +18,19 @@ const NPY_ARRAY_ALIGNED: i32 = 0x0100;
 const NPY_ARRAY_WRITEABLE: i32 = 0x0400;
 
 static BFLOAT16: PyOnceLock<Py<PyArrayDescr>> = PyOnceLock::new();
+static FLOAT8_E4M3FN: PyOnceLock<Py<PyArrayDescr>> = PyOnceLock::new();
+static FLOAT8_E5M2: PyOnceLock<Py<PyArrayDescr>> = PyOnceLock::new();
 
-/// The NumPy dtype of `dtype` (`ml_dtypes.bfloat16` for bfloat16).
+/// The NumPy dtype of `dtype`: NumPy's own for float32, float16 and int8; ml_dtypes'
+/// `bfloat16`, `float8_e4m3fn` and `float8_e5m2` for the others.
 pub fn descr<'py>(py: Python<'py>, dtype: DType) -> PyResult<Bound<'py, PyArrayDescr>> {
     match dtype {
         DType::F32 => Ok(builtin(py, NPY_TYPES::NPY_FLOAT)),
         DType::F16 => Ok(builtin(py, NPY_TYPES::NPY_HALF)),
+        DType::I8 => Ok(builtin(py, NPY_TYPES::NPY_BYTE)),
         DType::BF16 => bfloat16(py).cloned(),
+        DType::F8E4M3 => ml_dtype(py, &FLOAT8_E4M3FN, "float8_e4m3fn").cloned(),
+        DType::F8E5M2 => ml_dtype(py, &FLOAT8_E5M2, "float8_e5m2").cloned(),
     }
 }
 
@@ -38,17 +44,25 @@ fn builtin(py: Python<'_>, t: NPY_TYPES) -> Bound<'_, PyArrayDescr> {
 
 /// The cached `numpy.dtype(ml_dtypes.bfloat16)`.
 pub fn bfloat16(py: Python<'_>) -> PyResult<&Bound<'_, PyArrayDescr>> {
-    BFLOAT16
-        .get_or_try_init(py, || {
-            let ml = py.import("ml_dtypes").map_err(|e| {
-                pyo3::exceptions::PyImportError::new_err(format!(
-                    "bfloat16 arrays need the ml_dtypes package (pip install ml_dtypes): {e}"
-                ))
-            })?;
-            let d = PyArrayDescr::new(py, ml.getattr("bfloat16")?)?;
-            Ok::<_, PyErr>(d.unbind())
-        })
-        .map(|d| d.bind(py))
+    ml_dtype(py, &BFLOAT16, "bfloat16")
+}
+
+/// The cached `numpy.dtype(ml_dtypes.<name>)`.
+fn ml_dtype<'py>(
+    py: Python<'py>,
+    cell: &'static PyOnceLock<Py<PyArrayDescr>>,
+    name: &str,
+) -> PyResult<&'py Bound<'py, PyArrayDescr>> {
+    cell.get_or_try_init(py, || {
+        let ml = py.import("ml_dtypes").map_err(|e| {
+            pyo3::exceptions::PyImportError::new_err(format!(
+                "{name} arrays need the ml_dtypes package (pip install ml_dtypes): {e}"
+            ))
+        })?;
+        let d = PyArrayDescr::new(py, ml.getattr(name)?)?;
+        Ok::<_, PyErr>(d.unbind())
+    })
+    .map(|d| d.bind(py))
 }
 
 /// Calls `PyArray_NewFromDescr` for an ndarray of `dtype` and `shape`: over `data` with byte

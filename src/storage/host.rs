@@ -45,7 +45,8 @@ impl HostStorage {
         })
     }
 
-    fn check(&self, r: &Region) {
+    /// Panics unless `r` lies inside the allocation.
+    pub(crate) fn check_region(&self, r: &Region) {
         // Regions are computed by the caches from validated arguments; one that runs past
         // the allocation is a bug in kvrs, and stopping beats corrupting memory.
         assert!(
@@ -105,7 +106,7 @@ impl Storage for HostStorage {
     }
 
     fn write(&mut self, dst: Region, src: &TensorRef) -> Result<()> {
-        self.check(&dst);
+        self.check_region(&dst);
         on_host("the source", src)?;
         debug_assert_eq!(dst.shape, src.shape3());
         // SAFETY: dst checked above; src validity is the TensorRef's contract.
@@ -124,7 +125,7 @@ impl Storage for HostStorage {
     }
 
     fn read(&self, src: Region, dst: &TensorRef) -> Result<()> {
-        self.check(&src);
+        self.check_region(&src);
         on_host("the destination", dst)?;
         debug_assert_eq!(src.shape, dst.shape3());
         // SAFETY: as in `write`, with the roles swapped.
@@ -143,8 +144,8 @@ impl Storage for HostStorage {
     }
 
     fn copy_within(&mut self, src: Region, dst: Region) -> Result<()> {
-        self.check(&src);
-        self.check(&dst);
+        self.check_region(&src);
+        self.check_region(&dst);
         assert!(
             src.end() <= dst.offset || dst.end() <= src.offset,
             "overlapping copy {src:?} -> {dst:?}"
@@ -169,7 +170,7 @@ impl Storage for HostStorage {
     }
 
     fn fill_zero(&mut self, dst: Region) -> Result<()> {
-        self.check(&dst);
+        self.check_region(&dst);
         // SAFETY: dst checked above, inside the allocation.
         unsafe {
             TensorRef::new(

@@ -6,15 +6,17 @@
 
 pub mod cuda;
 mod host;
+mod int8;
 pub mod paged_ops;
 
 pub use host::HostStorage;
+pub use int8::Int8Storage;
 pub use paged_ops::PagedTensor;
 
 use std::fmt;
 
 use crate::dtype::DType;
-use crate::error::Result;
+use crate::error::{KvError, Result};
 use crate::layout::{BlockId, PagedShape};
 pub use crate::layout::{Device, Region};
 use crate::tensor::TensorRef;
@@ -96,6 +98,25 @@ pub trait Storage: Send + Sync + fmt::Debug {
         paged_ops::copy_blocks(self, shape, tensors, pairs)
     }
 
+    /// Reads the scales of `src`'s head vectors, row-major, into `dst` (int8 storages;
+    /// the others hold none and fail).
+    fn read_row_scales(&self, src: Region, dst: &mut [f32]) -> Result<()> {
+        let _ = (src, dst);
+        Err(no_row_scales(self.dtype()))
+    }
+
+    /// Sets the scales of `dst`'s head vectors from `src`, row-major (int8 storages,
+    /// whose writes of int8 codes store them as they are).
+    fn write_row_scales(&mut self, dst: Region, src: &[f32]) -> Result<()> {
+        let _ = (dst, src);
+        Err(no_row_scales(self.dtype()))
+    }
+
+    /// The per-vector scales of an int8 storage (host memory); `None` for the others.
+    fn row_scales(&self) -> Option<RowScales> {
+        None
+    }
+
     /// This storage as the CUDA backend, for what only a device does (the captured
     /// decode loop's position counter, streams); `None` on the host.
     fn as_cuda(&self) -> Option<&cuda::CudaStorage> {
@@ -108,10 +129,37 @@ pub trait Storage: Send + Sync + fmt::Debug {
     }
 }
 
-/// Allocates zero-filled storage of `numel` elements of `dtype` on `device`.
-pub fn allocate(device: Device, dtype: DType, numel: usize) -> Result<Box<dyn Storage>> {
+fn no_row_scales(dtype: DType) -> KvError {
+    KvError::NotSupported(format!("{dtype} storage keeps no per-vector scales"))
+}
+
+/// The float32 scales of an int8 storage: element `i` of the codes is
+/// `code * ptr[i / row_len]`.
+#[derive(Clone, Copy, Debug)]
+pub struct RowScales {
+    /// Scale 0 (host memory, valid while the storage lives).
+    pub ptr: *mut f32,
+    /// Elements per scale (the head dimension).
+    pub row_len: usize,
+    /// Number of scales.
+    pub len: usize,
+}
+
+/// Allocates zero-filled storage of `numel` elements of `dtype` on `device`, for head
+/// vectors of `head_dim` elements (int8 keeps a scale per vector).
+pub fn allocate(
+    device: Device,
+    dtype: DType,
+    numel: usize,
+    head_dim: usize,
+) -> Result<Box<dyn Storage>> {
     match device {
+        Device::Cpu if dtype == DType::I8 => Ok(Box::new(Int8Storage::zeroed(numel, head_dim)?)),
         Device::Cpu => Ok(Box::new(HostStorage::zeroed(dtype, numel)?)),
+        Device::Cuda(_) if dtype.is_quantized() => Err(KvError::NotSupported(format!(
+            "{dtype} storage lives on the host for now; use dtype='float16' or 'bfloat16' \
+             on {device}"
+        ))),
         Device::Cuda(ordinal) => Ok(Box::new(cuda::CudaStorage::zeroed(ordinal, dtype, numel)?)),
     }
 }
@@ -148,9 +196,20 @@ mod tests {
     }
 
     #[test]
+    fn eight_bit_storage_lives_on_the_host_only() {
+        for dtype in DType::QUANTIZED {
+            let e = allocate(Device::Cuda(0), dtype, 16, 4).unwrap_err();
+            assert!(matches!(e, KvError::NotSupported(_)), "{e}");
+            let host = allocate(Device::Cpu, dtype, 16, 4).unwrap();
+            assert_eq!(host.dtype(), dtype);
+            assert_eq!(host.row_scales().is_some(), dtype == DType::I8);
+        }
+    }
+
+    #[test]
     #[cfg(not(feature = "cuda-sim"))]
     fn cuda_is_a_device_error_or_a_device_storage() {
-        match allocate(Device::Cuda(0), DType::F16, 4) {
+        match allocate(Device::Cuda(0), DType::F16, 4, 4) {
             Ok(s) => assert_eq!(s.device(), Device::Cuda(0)),
             Err(e) => assert!(matches!(e, crate::error::KvError::Device(_)), "{e}"),
         }

@@ -21,3 +21,38 @@ def random_kv(rng: np.random.Generator, n: int, heads: int, dim: int, dtype=np.f
     k = rng.standard_normal((n, heads, dim)).astype(dtype)
     v = rng.standard_normal((n, heads, dim)).astype(dtype)
     return k, v
+
+
+FP8 = {"fp8_e4m3": ("float8_e4m3fn", 448.0), "fp8_e5m2": ("float8_e5m2", 57344.0)}
+
+
+def fp8_codes(x, dtype: str, scale=1.0):
+    """The reference fp8 codes of `x / scale` (float32 arithmetic): ml_dtypes' cast, which
+    rounds to nearest even, after saturating at the format's largest finite value."""
+    import ml_dtypes
+
+    name, top = FP8[dtype]
+    y = np.asarray(x, np.float32) / np.float32(scale)
+    return np.clip(y, -top, top).astype(getattr(ml_dtypes, name))
+
+
+def int8_codes(x):
+    """The reference symmetric int8 codes and scales of `x`, one scale per row of the last
+    axis: scale = max|row| / 127, code = clip(rint(x / scale), -127, 127), in float32."""
+    x = np.asarray(x, np.float32)
+    amax = np.abs(x).max(axis=-1, keepdims=True)
+    scale = amax / np.float32(127)
+    safe = np.where(scale > 0, scale, np.float32(1))
+    codes = np.clip(np.rint(x / safe), -127, 127).astype(np.int8)
+    return codes, scale[..., 0].astype(np.float32)
+
+
+def quantized(x, dtype: str, scale=1.0):
+    """What a cache of `dtype` returns (dequantized, float32) after storing `x` ([..., D])."""
+    x = np.asarray(x, np.float32)
+    if dtype in FP8:
+        return fp8_codes(x, dtype, scale).astype(np.float32) * np.float32(scale)
+    if dtype == "int8":
+        codes, scales = int8_codes(x)
+        return codes.astype(np.float32) * scales[..., None]
+    return x

@@ -80,7 +80,7 @@ def test_bad_input_raises_and_leaves_cache_unchanged(cache, call, exc, match):
 @pytest.mark.parametrize(
     ("kwargs", "exc", "match"),
     [
-        ({"dtype": "int8"}, ValueError, "dtype='int8' is not supported"),
+        ({"dtype": "int4"}, ValueError, "dtype='int4' is not supported"),
         ({"dtype": np.float64}, ValueError, "float64"),
         ({"device": "tpu"}, ValueError, "device="),
         pytest.param({"device": "cuda"}, kvrs.DeviceError, NO_CUDA, marks=needs_no_gpu),

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import kvrs
+from conftest import quantized
 
 H, D, BS = 2, 2, 4
 
@@ -67,6 +68,7 @@ class PoolMachine(RuleBasedStateMachine):
     layer_types = ("full", "full")
     window, chunk, swa_memory = None, None, 0
     blocks = 12
+    k_scale = v_scale = None
 
     def __init__(self):
         super().__init__()
@@ -82,14 +84,21 @@ class PoolMachine(RuleBasedStateMachine):
             sliding_window=self.window,
             chunk_size=self.chunk,
             swa_memory=self.swa_memory,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
         self.L = len(self.layer_types)
+        self.eight_bit = self.dtype in ("int8", "fp8_e4m3", "fp8_e5m2")
         # One layer per block table.
         self.group_layers = {self.pool.layer_group(i): i for i in reversed(range(self.L))}
         self.live: list[tuple[kvrs.Sequence, Ref]] = []
 
     def pick(self, i):
         return self.live[i % len(self.live)]
+
+    def stored(self, x, scale):
+        """What the pool holds after a write of `x`: `x` itself, or its 8-bit round trip."""
+        return quantized(x, self.dtype, 1.0 if scale is None else scale)
 
     def first_visible(self, layer, pos):
         kind = self.layer_types[layer]
@@ -183,8 +192,8 @@ class PoolMachine(RuleBasedStateMachine):
                 return
             raise AssertionError("append should have been refused")
         assert seq.append(layer, k, v) == start
-        ref.k[layer].extend(k)
-        ref.v[layer].extend(v)
+        ref.k[layer].extend(self.stored(k, self.k_scale))
+        ref.v[layer].extend(self.stored(v, self.v_scale))
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 20), n=st.integers(0, 4))
@@ -254,6 +263,7 @@ class PoolMachine(RuleBasedStateMachine):
             else:
                 row = slots if slots.ndim == 1 else slots[self.pool.layer_group(layer)]
                 self.pool.write(layer, k, v, row)
+            k, v = self.stored(k, self.k_scale), self.stored(v, self.v_scale)
             for t, (_, r, _) in enumerate(order):
                 r.k[layer].append(k[t])
                 r.v[layer].append(v[t])
@@ -300,7 +310,7 @@ class PoolMachine(RuleBasedStateMachine):
                 first, length = ref.start[layer], len(ref.k[layer])
                 assert seq.layer_len(layer) == length
                 assert seq.layer_start(layer) == first
-                K, V = seq.get(layer)
+                K, V = seq.get(layer, dequantize=self.eight_bit)
                 assert K.shape[1] == length - first
                 if length > first:
                     np.testing.assert_array_equal(
@@ -347,6 +357,20 @@ class ChunkedMachine(PoolMachine):
     blocks = 18
 
 
+class Int8Machine(PoolMachine):
+    """int8 with a scale per token and head: copies, forks and copy-on-write carry them."""
+
+    dtype = "int8"
+
+
+class Fp8SlidingMachine(SlidingMachine):
+    """fp8 E4M3 with different K and V scales, HND, sliding and full layers."""
+
+    layout = "HND"
+    dtype = "fp8_e4m3"
+    k_scale, v_scale = 0.25, 2.0
+
+
 SETTINGS = settings(max_examples=80, stateful_step_count=40, deadline=None)
 TestNhdFloat16Pool = PoolMachine.TestCase
 TestNhdFloat16Pool.settings = SETTINGS
@@ -356,3 +380,7 @@ TestSlidingPool = SlidingMachine.TestCase
 TestSlidingPool.settings = SETTINGS
 TestChunkedPool = ChunkedMachine.TestCase
 TestChunkedPool.settings = SETTINGS
+TestInt8Pool = Int8Machine.TestCase
+TestInt8Pool.settings = SETTINGS
+TestFp8SlidingPool = Fp8SlidingMachine.TestCase
+TestFp8SlidingPool.settings = SETTINGS

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import kvrs
+from conftest import quantized
 
 L, H, D, BS, BLOCKS = 2, 2, 2, 4, 14
 
@@ -27,9 +28,11 @@ def kv_of(tokens, start, n):
 
 
 class PrefixMachine(RuleBasedStateMachine):
+    dtype = "float32"
+
     def __init__(self):
         super().__init__()
-        self.pool = kvrs.BlockPool(L, H, D, block_size=BS, num_blocks=BLOCKS, dtype="float32", seed=5)
+        self.pool = kvrs.BlockPool(L, H, D, block_size=BS, num_blocks=BLOCKS, dtype=self.dtype, seed=5)
         self.live: list[tuple[kvrs.Sequence, list[int]]] = []
 
     def extend(self, seq, tokens, n):
@@ -141,13 +144,24 @@ class PrefixMachine(RuleBasedStateMachine):
             for layer in range(L):
                 held = seq.layer_len(layer)
                 if held:
-                    K, V = seq.get(layer)
+                    K, V = seq.get(layer, dequantize=True)
                     k = kv_of(tokens, 0, held)
-                    np.testing.assert_array_equal(K, k.transpose(1, 0, 2))
-                    np.testing.assert_array_equal(V, -k.transpose(1, 0, 2))
+                    want_k, want_v = quantized(k, self.dtype), quantized(-k, self.dtype)
+                    np.testing.assert_array_equal(K, want_k.transpose(1, 0, 2))
+                    np.testing.assert_array_equal(V, want_v.transpose(1, 0, 2))
         st_ = self.pool.stats()
         assert st_["free_blocks"] + st_["used_blocks"] == BLOCKS
 
 
 TestPrefixCaching = PrefixMachine.TestCase
 TestPrefixCaching.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+
+
+class Int8PrefixMachine(PrefixMachine):
+    """The same with int8 blocks: each block's scales go wherever its codes go."""
+
+    dtype = "int8"
+
+
+TestInt8PrefixCaching = Int8PrefixMachine.TestCase
+TestInt8PrefixCaching.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)

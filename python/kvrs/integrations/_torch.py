@@ -33,6 +33,9 @@ if not SpecifierSet(SUPPORTED_TRANSFORMERS).contains(Version(transformers.__vers
 STORAGE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 """The torch dtypes kvrs stores, by their kvrs names."""
 
+QUANTIZED_DTYPES = frozenset({"fp8_e4m3", "fp8_e5m2", "int8"})
+"""kvrs's 8-bit storage dtypes: their reads are codes unless dequantized."""
+
 
 def as_torch(view: np.ndarray | kvrs.DeviceTensor) -> torch.Tensor:
     """A torch tensor over a kvrs array (host) or DeviceTensor (CUDA), without a copy."""

@@ -24,6 +24,7 @@ from typing import Any
 
 import kvrs
 from kvrs.integrations._torch import (
+    QUANTIZED_DTYPES,
     STORAGE_DTYPES,
     as_torch,
     block_pool_from_config,
@@ -101,7 +102,7 @@ class KvrsLayer(CacheLayerMixin):
         return x.detach().permute(2, 0, 1, 3).reshape(q, b * h, d)
 
     def _tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = self.store.get(0)
+        keys, values = self.store.get(0, dequantize=self.store.dtype in QUANTIZED_DTYPES)
         out = []
         for view in (keys, values):
             t = as_torch(view).view(self.batch, self.heads, view.shape[1], self.head_dim)
@@ -118,7 +119,12 @@ class KvrsLayer(CacheLayerMixin):
             )
         self.store.append(0, self._rows(key_states), self._rows(value_states))
         self.store.advance(key_states.shape[2])
-        self.keys, self.values = self._tensors()
+        if self.in_place and self.store.dtype in QUANTIZED_DTYPES:
+            # Attention reads the 8-bit blocks in place; dequantized copies of the whole
+            # history would cost a pass over it at every step, so none is made.
+            self.keys = self.values = None
+        else:
+            self.keys, self.values = self._tensors()
         if self.in_place:
             # The attention function reads the cache itself (see KvrsCache.attend_in_place).
             key_states._kvrs_source = self  # type: ignore[attr-defined]  # read by the attention function
@@ -222,7 +228,8 @@ class KvrsCache(Cache):
         cls, config: Any, max_seq_len: int, dtype: str | None = None, device: str = "cpu"
     ) -> KvrsCache:
         """A cache for a model config (its `num_hidden_layers`), `max_seq_len` positions per layer,
-        stored in `dtype` ('float32', 'float16', 'bfloat16'; default: the model's dtype) on `device`."""
+        stored in `dtype` on `device`: 'float32', 'float16', 'bfloat16' (default: the model's
+        dtype) or 8-bit 'fp8_e4m3', 'fp8_e5m2', 'int8'."""
         return cls(text_config(config).num_hidden_layers, max_seq_len, dtype, device)
 
 
@@ -355,7 +362,7 @@ class KvrsPagedCache(Cache):
                 layer, key_states[row].detach().transpose(0, 1), value_states[row].detach().transpose(0, 1)
             )
             if dtype is not None:
-                k, v = seq.get(layer)
+                k, v = seq.get(layer, dequantize=self.pool.dtype in QUANTIZED_DTYPES)
                 keys.append(as_torch(k))
                 values.append(as_torch(v))
         if layer == self.pool.num_layers - 1:

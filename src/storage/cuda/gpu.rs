@@ -8,7 +8,7 @@ use std::fmt;
 use smallvec::SmallVec;
 
 use crate::dtype::DType;
-use crate::error::Result;
+use crate::error::{KvError, Result};
 
 /// A device address.
 pub type DevicePtr = u64;
@@ -159,16 +159,23 @@ macro_rules! pair_names {
     };
 }
 
+/// The kernels' index of a float dtype. Device storages are never 8-bit (`allocate`
+/// refuses them) and [`pair_kernel`] refuses 8-bit inputs, so only float dtypes come here.
 fn dtype_index(dtype: DType) -> usize {
     match dtype {
         DType::F32 => 0,
         DType::F16 => 1,
-        DType::BF16 => 2,
+        DType::BF16 | DType::F8E4M3 | DType::F8E5M2 | DType::I8 => 2,
     }
 }
 
 /// The name of `kernel` for inputs of `src` and storage of `dst` (no allocation).
-pub fn pair_kernel(kernel: PairKernel, src: DType, dst: DType) -> &'static str {
+pub fn pair_kernel(kernel: PairKernel, src: DType, dst: DType) -> Result<&'static str> {
+    if let Some(d) = [src, dst].into_iter().find(|d| d.is_quantized()) {
+        return Err(KvError::NotSupported(format!(
+            "{d} tensors on a CUDA device; pass float32, float16 or bfloat16"
+        )));
+    }
     const SCATTER: [[&str; 3]; 3] = pair_names!("scatter");
     const APPEND: [[&str; 3]; 3] = pair_names!("append_contiguous");
     const COPY3: [[&str; 3]; 3] = pair_names!("copy3");
@@ -177,7 +184,7 @@ pub fn pair_kernel(kernel: PairKernel, src: DType, dst: DType) -> &'static str {
         PairKernel::AppendContiguous => &APPEND,
         PairKernel::Copy3 => &COPY3,
     };
-    table[dtype_index(src)][dtype_index(dst)]
+    Ok(table[dtype_index(src)][dtype_index(dst)])
 }
 
 /// The paged attention kernel for storage (and queries) of `dtype`.

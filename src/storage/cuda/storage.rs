@@ -236,7 +236,7 @@ impl CudaStorage {
         for d in shape {
             args = args.i64(d as i64);
         }
-        let name = pair_kernel(PairKernel::Copy3, src_dtype, dst_dtype);
+        let name = pair_kernel(PairKernel::Copy3, src_dtype, dst_dtype)?;
         // SAFETY: both ranges were checked by the callers (regions against the storage,
         // tensors by their TensorRef contract).
         unsafe {
@@ -386,7 +386,7 @@ impl CudaStorage {
             .i64(max_seq_len as i64)
             .i32(heads as i32)
             .i32(head_dim as i32);
-        let name = pair_kernel(PairKernel::AppendContiguous, k.dtype(), self.dtype);
+        let name = pair_kernel(PairKernel::AppendContiguous, k.dtype(), self.dtype)?;
         // SAFETY: the layer lies in this storage (checked by the cache); the kernel drops
         // positions past max_seq_len; the inputs are device tensors of [n, H, D].
         unsafe {
@@ -438,7 +438,7 @@ impl CudaStorage {
                 .i64(vs[1] as i64);
             // Slots were validated against the pool by the caller; k and v are [n, H, D]
             // device tensors (their contract).
-            let name = pair_kernel(PairKernel::Scatter, k.dtype(), self.dtype);
+            let name = pair_kernel(PairKernel::Scatter, k.dtype(), self.dtype)?;
             self.launch_rows(name, n, &sh, args)
         })
     }

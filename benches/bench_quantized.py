@@ -1,0 +1,177 @@
+"""8-bit K/V: capacity, decode attention and the demo workload against float16 storage,
+and the accuracy of each dtype, in one process.
+
+    python benches/bench_quantized.py            # the README's tables
+    python benches/bench_quantized.py --quick    # smaller sizes, seconds
+
+- capacity: tokens a 1 GiB pool holds (Llama-3-8B's shape: 32 layers, 8 KV heads x 128,
+  blocks of 16), scales included;
+- decode attention over one sequence of 32k tokens (32 query / 8 KV heads x 128): kvrs
+  reading each storage dtype in place, against float16 storage, torch SDPA on
+  contiguous float16 K/V, and a NumPy copy of the bytes each dtype stores;
+- the demo workload (24 chat requests sharing a 1024-token system prompt): a float16
+  pool of a given size against 8-bit pools of the same bytes and of half the bytes;
+- accuracy: the relative L2 error of decode logits against DynamicCache (float32) on the
+  demo's model and a tiny random Llama, and the demo's greedy agreement.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import torch
+from bench_attention import best
+
+import kvrs
+from kvrs import demo
+
+DTYPES = ("float16", "fp8_e4m3", "fp8_e5m2", "int8")
+
+
+def capacity() -> None:
+    print("capacity of a 1 GiB pool (32 layers, 8 KV heads x 128, blocks of 16)")
+    print(f"{'storage':<9} {'bytes/token':>12} {'tokens':>9} {'vs float16':>11}")
+    base = 0
+    for dtype in DTYPES:
+        pool = kvrs.BlockPool(
+            32, 8, 128, block_size=16, memory_bytes="1GiB", dtype=dtype, prefix_caching=False
+        )
+        tokens = pool.num_blocks * pool.block_size
+        base = base or tokens
+        print(f"{dtype:<9} {pool.bytes_per_block // 16:>12,} {tokens:>9,} {tokens / base:>10.2f}x")
+
+
+def decode(n: int, repeat: int) -> None:
+    hkv, hq, d = 8, 32, 128
+    rng = np.random.default_rng(0)
+    k, v = rng.standard_normal((2, n, hkv, d), dtype=np.float32)
+    q = rng.standard_normal((1, hq, d), dtype=np.float32)
+    times, outs, stored = {}, {}, {}
+    for dtype in DTYPES:
+        pool = kvrs.BlockPool(
+            1, hkv, d, block_size=16, num_blocks=n // 16 + 1, dtype=dtype, prefix_caching=False
+        )
+        seq = pool.new_sequence()
+        for i in range(0, n, 4096):
+            seq.append(0, k[i : i + 4096], v[i : i + 4096])
+        seq.advance(n)
+        times[dtype] = best(lambda seq=seq: seq.attention(0, q), repeat)
+        outs[dtype] = seq.attention(0, q)
+        stored[dtype] = seq.memory_bytes()
+    tk = torch.from_numpy(k.astype(np.float16)).transpose(0, 1)[None]
+    tv = torch.from_numpy(v.astype(np.float16)).transpose(0, 1)[None]
+    tq = torch.from_numpy(q.astype(np.float16)).transpose(0, 1)[None]
+    sdpa = best(lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True), repeat)
+    print(f"\ndecode attention, one sequence of {n:,} tokens, 32 query / 8 KV heads x 128 "
+          f"(kvrs SIMD: {kvrs.attention_simd()}, {torch.get_num_threads()} torch threads)")  # fmt: skip
+    print(f"{'storage':<9} {'kvrs':>9} {'vs float16':>11} {'SDPA f16':>9} {'vs SDPA':>8} "
+          f"{'K/V MiB':>8} {'copy':>8} {'max |out - f16 out|':>20}")  # fmt: skip
+    for dtype in DTYPES:
+        src = np.ones(stored[dtype], np.uint8)
+        dst = np.empty_like(src)
+        copy = best(lambda src=src, dst=dst: np.copyto(dst, src), repeat)
+        diff = np.abs(outs[dtype] - outs["float16"]).max()
+        print(
+            f"{dtype:<9} {times[dtype] * 1e3:>7.2f}ms {times['float16'] / times[dtype]:>10.2f}x "
+            f"{sdpa * 1e3:>7.2f}ms {sdpa / times[dtype]:>7.2f}x {stored[dtype] / 2**20:>8.1f} "
+            f"{copy * 1e3:>6.2f}ms {diff:>20.4f}"
+        )
+
+
+def workload(quick: bool) -> None:
+    layers, blocks = (4, 64) if quick else (8, 128)
+    n, system_len, new = (8, 256, 16) if quick else (24, 1024, 64)
+    model = demo.make_model(0, layers)
+    requests = demo.make_requests(n, system_len, new, model.config.vocab_size, 0)
+    expected, _ = demo.serve_with_dynamic_cache(model, requests)
+    f16_bytes = kvrs.BlockPool(layers, 2, 32, num_blocks=1, dtype="float16").bytes_per_block * blocks
+    print(f"\nthe demo workload: {n} requests, {system_len}-token system prompt, {layers} layers; "
+          f"float16 pool of {blocks} blocks ({f16_bytes / 2**20:.2f} MiB)")  # fmt: skip
+    print(f"{'storage':<9} {'pool MiB':>9} {'blocks':>7} {'admitted on arrival':>20} {'waited':>7} "
+          f"{'mean wait':>10} {'tokens/s':>9} {'same tokens':>12}")  # fmt: skip
+    cases = [("float16", 1.0)] + [(d, f) for d in DTYPES[1:] for f in (1.0, 0.5)]
+    for dtype, fraction in cases:
+        pool = kvrs.BlockPool(
+            layers, 2, 32, block_size=16, memory_bytes=int(f16_bytes * fraction), dtype=dtype
+        )
+        for r in requests:
+            r.tokens, r.admitted, r.finished, r.cached = [], -1, -1, 0
+        trace = demo.serve(model, pool, requests, _Quiet())
+        waits = [r.admitted - r.arrival for r in requests]
+        same, total = demo.agreement([r.generated for r in requests], expected)
+        generated = sum(len(r.generated) for r in requests)
+        print(
+            f"{dtype:<9} {pool.num_blocks * pool.bytes_per_block / 2**20:>9.2f} {pool.num_blocks:>7} "
+            f"{sum(w == 0 for w in waits):>20} {sum(w > 0 for w in waits):>7} {np.mean(waits):>8.1f} st "
+            f"{generated / trace.seconds:>9,.0f} {same / total:>11.1%}"
+        )
+
+
+class _Quiet:
+    """A progress bar that shows nothing."""
+
+    def update(self, _n: int) -> None:
+        pass
+
+    def set_postfix(self, **_kw: object) -> None:
+        pass
+
+
+def accuracy(quick: bool) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvrs.integrations.transformers import use_paged_attention
+
+    demo_model = demo.make_model(0, 8)
+    torch.manual_seed(0)
+    tiny = use_paged_attention(
+        LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=128,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=1024,
+                pad_token_id=0,
+            )
+        ).eval()
+    )
+    g = torch.Generator().manual_seed(1)
+    prompts = {
+        "demo model (8 layers, demo prompt)": (demo_model, demo.make_requests(1, 1024, 8, 2048, 0)[0].prompt),
+        "tiny Llama (2 layers, 200 random tokens)": (
+            tiny,
+            torch.randint(3, 128, (200,), generator=g).tolist(),
+        ),
+    }
+    steps = 8 if quick else 32
+    print(f"\naccuracy: relative L2 error of {steps} decode steps' logits against DynamicCache (float32), "
+          "and the steps whose argmax agrees")  # fmt: skip
+    unit = {"float16": 2**-11, "bfloat16": 2**-8, "int8": 1 / 254, "fp8_e4m3": 2**-4, "fp8_e5m2": 2**-3}
+    for name, (model, prompt) in prompts.items():
+        print(name)
+        for dtype, u in unit.items():
+            err, agree = demo.logits_error(model, dtype, prompt, steps)
+            print(
+                f"  {dtype:<9} error {err:.2e} ({err / u:.2f} x its unit roundoff {u:.2e}), "
+                f"argmax agrees {agree:.0%}"
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="smaller sizes (seconds)")
+    args = parser.parse_args()
+    capacity()
+    decode(4096 if args.quick else 32768, 3 if args.quick else 7)
+    workload(args.quick)
+    accuracy(args.quick)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+//! The Python side of 8-bit caches: the fp8 scales constructors take and properties
+//! return, and the scale arrays that go with the raw codes.
+
+use numpy::{PyArray1, PyArrayMethods};
+use pyo3::prelude::*;
+
+use crate::dtype::DType;
+use crate::error::KvError;
+use crate::layout::Kv;
+use crate::scales::KvScales;
+
+/// The scales `k_scale` and `v_scale` give (each a float, `num_layers` floats or a
+/// `[num_layers, num_kv_heads]` array; a missing one is 1.0); unit scales when neither
+/// is given.
+pub fn parse_scales(
+    k: Option<&Bound<'_, PyAny>>,
+    v: Option<&Bound<'_, PyAny>>,
+    num_layers: usize,
+    num_kv_heads: usize,
+) -> PyResult<KvScales> {
+    if k.is_none() && v.is_none() {
+        return Ok(KvScales::unit(num_layers, num_kv_heads));
+    }
+    let read = |name: &'static str, obj: Option<&Bound<'_, PyAny>>| -> PyResult<Vec<f32>> {
+        let Some(obj) = obj else {
+            return Ok(vec![1.0]);
+        };
+        let py = obj.py();
+        let np = py.import("numpy")?;
+        let arr = np
+            .call_method1("asarray", (obj,))
+            .and_then(|a| a.call_method1("astype", ("float32",)))
+            .map_err(|e| {
+                pyo3::exceptions::PyTypeError::new_err(format!(
+                    "{name} must be a float or an array of floats: {e}"
+                ))
+            })?;
+        let shape: Vec<usize> = arr.getattr("shape")?.extract()?;
+        let fits = match shape.as_slice() {
+            [] | [_] => true,
+            [l, h] => *l == num_layers && *h == num_kv_heads,
+            _ => false,
+        };
+        if !fits {
+            return Err(KvError::Shape {
+                name,
+                got: shape,
+                expected: format!(
+                    "a float, [{num_layers}] (per layer) or [{num_layers}, {num_kv_heads}] \
+                     (per layer and KV head)"
+                ),
+            }
+            .into());
+        }
+        let flat = arr.call_method0("ravel")?;
+        let flat = flat.cast::<PyArray1<f32>>()?;
+        Ok(flat.to_vec()?)
+    };
+    Ok(KvScales::new(
+        num_layers,
+        num_kv_heads,
+        &read("k_scale", k)?,
+        &read("v_scale", v)?,
+    )?)
+}
+
+/// The `[num_layers, num_kv_heads]` scales of K or V of an fp8 cache; `None` for others.
+pub fn scale_property<'py>(
+    py: Python<'py>,
+    dtype: DType,
+    scales: &KvScales,
+    kv: Kv,
+) -> PyResult<Option<Bound<'py, PyAny>>> {
+    if dtype.fp8().is_none() {
+        return Ok(None);
+    }
+    let all = match kv {
+        Kv::Key => scales.keys(),
+        Kv::Value => scales.values(),
+    };
+    let h = scales.num_kv_heads();
+    let arr = PyArray1::from_slice(py, all).reshape([all.len() / h, h])?;
+    Ok(Some(arr.into_any()))
+}
+
+/// A layer's per-head scales as `[num_kv_heads, 1]` float32 (ones for float dtypes): the
+/// shape that broadcasts against `[num_kv_heads, len]` per-token scales.
+pub fn head_scales<'py>(
+    py: Python<'py>,
+    scales: &KvScales,
+    layer: usize,
+    kv: Kv,
+) -> PyResult<Bound<'py, PyAny>> {
+    let s = scales.heads(layer, kv);
+    Ok(PyArray1::from_slice(py, s)
+        .reshape([s.len(), 1])?
+        .into_any())
+}
+
+/// The dtype copies out of a cache of `storage` come in: the storage dtype, or float32
+/// (dequantized) for 8-bit storage.
+pub fn read_dtype(storage: DType) -> DType {
+    if storage.is_quantized() {
+        DType::F32
+    } else {
+        storage
+    }
+}

@@ -1,0 +1,334 @@
+//! Host storage of int8 keys and values with one float32 scale per head vector.
+//!
+//! Codes and scales are two allocations addressed by the same regions: element `i` of
+//! the codes has its scale at `i / head_dim` of the scales. Every region the caches
+//! build keeps whole head vectors (the last axis is contiguous and a multiple of
+//! `head_dim` long, and every offset and stride is a multiple of `head_dim`), so a
+//! region of codes maps to a region of scales by dividing it by `head_dim`, and every
+//! copy of a block (copy-on-write, forks, shifts) carries its scales with it.
+//!
+//! A write quantizes each head vector on its own ([`quantize_row_i8`]); a read into a
+//! float tensor dequantizes, and a read into an int8 tensor returns the raw codes.
+
+use std::cell::RefCell;
+
+use super::{Device, HostStorage, Region, RowScales, Storage};
+use crate::dtype::DType;
+use crate::error::{KvError, Result};
+use crate::quant::{dequantize_row_i8, quantize_row_i8};
+use crate::tensor::{copy_strided, TensorRef};
+
+thread_local! {
+    /// Rows of f32 between a caller's tensor and the codes, reused across calls so that
+    /// a decode step allocates nothing.
+    static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// int8 codes and their per-vector scales in host memory.
+#[derive(Debug)]
+pub struct Int8Storage {
+    codes: HostStorage,
+    scales: HostStorage,
+    head_dim: usize,
+}
+
+impl Int8Storage {
+    /// Allocates `numel` zero codes (and `numel / head_dim` zero scales).
+    pub fn zeroed(numel: usize, head_dim: usize) -> Result<Self> {
+        if head_dim == 0 || !numel.is_multiple_of(head_dim) {
+            return Err(KvError::InvalidArgument {
+                name: "head_dim",
+                value: head_dim.to_string(),
+                reason: format!("must divide the storage's {numel} elements"),
+            });
+        }
+        Ok(Int8Storage {
+            codes: HostStorage::zeroed(DType::I8, numel)?,
+            scales: HostStorage::zeroed(DType::F32, numel / head_dim)?,
+            head_dim,
+        })
+    }
+
+    /// The region of scales that belongs to the region `r` of codes.
+    fn scale_region(&self, r: &Region) -> Region {
+        let d = self.head_dim;
+        // Regions of whole head vectors only (see the module docs); anything else is a
+        // bug in the cache that built it.
+        assert!(
+            r.offset.is_multiple_of(d)
+                && r.shape[2].is_multiple_of(d)
+                && (r.shape[2] <= d || r.strides[2] == 1)
+                && (0..2).all(|i| r.shape[i] <= 1 || r.strides[i].is_multiple_of(d)),
+            "region {r:?} splits head vectors of {d}"
+        );
+        Region {
+            offset: r.offset / d,
+            shape: [r.shape[0], r.shape[1], r.shape[2] / d],
+            strides: [r.strides[0] / d, r.strides[1] / d, 1],
+        }
+    }
+
+    /// Calls `f` with the row-major f32 scratch of `n` elements.
+    fn with_scratch<R>(n: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+        SCRATCH.with(|s| {
+            let mut s = s.borrow_mut();
+            if s.len() < n {
+                s.resize(n, 0.0);
+            }
+            f(&mut s[..n])
+        })
+    }
+
+    /// Each head vector of `r`, in row-major order of the region: (element offset of
+    /// its codes, index of its scale).
+    fn vectors(&self, r: &Region) -> impl Iterator<Item = (usize, usize)> + '_ {
+        let d = self.head_dim;
+        let [a, b, c] = r.shape;
+        let (offset, strides) = (r.offset, r.strides);
+        (0..a).flat_map(move |i| {
+            (0..b).flat_map(move |j| {
+                (0..c / d).map(move |k| {
+                    let at = offset + i * strides[0] + j * strides[1] + k * d;
+                    (at, at / d)
+                })
+            })
+        })
+    }
+}
+
+impl Storage for Int8Storage {
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+
+    fn dtype(&self) -> DType {
+        DType::I8
+    }
+
+    fn numel(&self) -> usize {
+        self.codes.numel()
+    }
+
+    fn data_ptr(&self) -> *mut u8 {
+        self.codes.data_ptr()
+    }
+
+    fn write(&mut self, dst: Region, src: &TensorRef) -> Result<()> {
+        self.scale_region(&dst);
+        if src.dtype() == DType::I8 {
+            // Codes as they are; their scales come through `write_row_scales`.
+            return self.codes.write(dst, src);
+        }
+        self.codes.check_region(&dst);
+        if src.device() != Device::Cpu {
+            return Err(KvError::Device(format!(
+                "the source lives on {}; this cache lives on the host, so pass a CPU tensor",
+                src.device()
+            )));
+        }
+        let n = dst.numel();
+        let d = self.head_dim;
+        let codes = self.codes.data_ptr() as *mut i8;
+        let scales = self.scales.data_ptr() as *mut f32;
+        Self::with_scratch(n, |rows| {
+            let [_, b, c] = dst.shape;
+            // SAFETY: `rows` holds n f32s; src's validity is the TensorRef's contract.
+            unsafe {
+                copy_strided(
+                    rows.as_mut_ptr() as *mut u8,
+                    DType::F32,
+                    [(b * c) as isize, c as isize, 1],
+                    src.as_ptr(),
+                    src.dtype(),
+                    src.strides3(),
+                    dst.shape,
+                )
+            };
+            for ((at, s), row) in self.vectors(&dst).zip(rows.chunks_exact(d)) {
+                // SAFETY: the region was checked against both allocations above.
+                unsafe {
+                    let q = std::slice::from_raw_parts_mut(codes.add(at), d);
+                    *scales.add(s) = quantize_row_i8(q, row);
+                }
+            }
+        });
+        Ok(())
+    }
+
+    fn read(&self, src: Region, dst: &TensorRef) -> Result<()> {
+        if dst.dtype() == DType::I8 {
+            return self.codes.read(src, dst);
+        }
+        self.scale_region(&src);
+        self.codes.check_region(&src);
+        if dst.device() != Device::Cpu {
+            return Err(KvError::Device(format!(
+                "the destination lives on {}; this cache lives on the host, so pass a CPU tensor",
+                dst.device()
+            )));
+        }
+        let d = self.head_dim;
+        let codes = self.codes.data_ptr() as *const i8;
+        let scales = self.scales.data_ptr() as *const f32;
+        Self::with_scratch(src.numel(), |rows| {
+            for ((at, s), row) in self.vectors(&src).zip(rows.chunks_exact_mut(d)) {
+                // SAFETY: the region was checked against both allocations above.
+                unsafe {
+                    let q = std::slice::from_raw_parts(codes.add(at), d);
+                    dequantize_row_i8(row, q, *scales.add(s));
+                }
+            }
+            let [_, b, c] = src.shape;
+            // SAFETY: `rows` holds the region's values row-major; dst's validity is the
+            // TensorRef's contract.
+            unsafe {
+                copy_strided(
+                    dst.as_mut_ptr(),
+                    dst.dtype(),
+                    dst.strides3(),
+                    rows.as_ptr() as *const u8,
+                    DType::F32,
+                    [(b * c) as isize, c as isize, 1],
+                    src.shape,
+                )
+            };
+        });
+        Ok(())
+    }
+
+    fn copy_within(&mut self, src: Region, dst: Region) -> Result<()> {
+        let (ss, ds) = (self.scale_region(&src), self.scale_region(&dst));
+        self.codes.copy_within(src, dst)?;
+        self.scales.copy_within(ss, ds)
+    }
+
+    fn fill_zero(&mut self, dst: Region) -> Result<()> {
+        let ds = self.scale_region(&dst);
+        self.codes.fill_zero(dst)?;
+        self.scales.fill_zero(ds)
+    }
+
+    fn zero(&self, t: &TensorRef) -> Result<()> {
+        self.codes.zero(t)
+    }
+
+    fn read_row_scales(&self, src: Region, dst: &mut [f32]) -> Result<()> {
+        let r = self.scale_region(&src);
+        let t = scales_tensor(dst, &r)?;
+        self.scales.read(r, &t)
+    }
+
+    fn write_row_scales(&mut self, dst: Region, src: &[f32]) -> Result<()> {
+        let r = self.scale_region(&dst);
+        let t = scales_tensor(src, &r)?;
+        self.scales.write(r, &t)
+    }
+
+    fn row_scales(&self) -> Option<RowScales> {
+        Some(RowScales {
+            ptr: self.scales.data_ptr() as *mut f32,
+            row_len: self.head_dim,
+            len: self.scales.numel(),
+        })
+    }
+
+    fn nbytes(&self) -> usize {
+        self.codes.nbytes() + self.scales.nbytes()
+    }
+}
+
+/// `buf` as the row-major tensor of region `r`'s shape, after checking its length.
+fn scales_tensor(buf: &[f32], r: &Region) -> Result<TensorRef> {
+    if buf.len() != r.numel() {
+        return Err(KvError::Shape {
+            name: "scales",
+            got: vec![buf.len()],
+            expected: format!("[{}]", r.numel()),
+        });
+    }
+    // SAFETY: `buf` holds exactly the region's elements and outlives the tensor's use.
+    unsafe { TensorRef::contiguous(buf.as_ptr() as *const u8, DType::F32, &r.shape) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::I8_MAX;
+
+    fn tensor(data: &[f32], shape: &[usize]) -> TensorRef {
+        unsafe { TensorRef::contiguous(data.as_ptr() as *const u8, DType::F32, shape).unwrap() }
+    }
+
+    /// A tensor the storage may write into.
+    fn out(data: &mut [f32], shape: &[usize]) -> TensorRef {
+        unsafe { TensorRef::contiguous(data.as_mut_ptr() as *const u8, DType::F32, shape).unwrap() }
+    }
+
+    #[test]
+    fn a_row_quantizes_with_its_own_scale_and_reads_back_within_half_a_step() {
+        // Two positions x two heads of four, in a [pos][head][dim] region of 2 x 8.
+        let mut s = Int8Storage::zeroed(32, 4).unwrap();
+        let region = Region {
+            offset: 8,
+            shape: [2, 2, 4],
+            strides: [8, 4, 1],
+        };
+        let x: Vec<f32> = (0..16).map(|i| (i as f32 - 7.5) * 0.3).collect();
+        s.write(region, &tensor(&x, &[2, 2, 4])).unwrap();
+        let mut back = vec![0f32; 16];
+        s.read(region, &out(&mut back, &[2, 2, 4])).unwrap();
+        let scales = s.row_scales().unwrap();
+        for (r, (row, got)) in x.chunks(4).zip(back.chunks_mut(4)).enumerate() {
+            let scale = unsafe { *scales.ptr.add(2 + r) };
+            let amax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+            assert_eq!(scale, amax / I8_MAX);
+            for (a, b) in row.iter().zip(got.iter()) {
+                assert!((a - b).abs() <= scale / 2.0 + 1e-7, "{a} vs {b}");
+            }
+        }
+        // Raw codes read back as int8; the untouched rows stay zero.
+        let mut codes = [0i8; 16];
+        let raw = unsafe {
+            TensorRef::contiguous(codes.as_mut_ptr() as *const u8, DType::I8, &[2, 2, 4]).unwrap()
+        };
+        s.read(region, &raw).unwrap();
+        assert!(codes.iter().any(|&c| c == 127 || c == -127));
+        assert_eq!(unsafe { *scales.ptr }, 0.0);
+    }
+
+    #[test]
+    fn copies_and_zero_fills_carry_the_scales() {
+        let mut s = Int8Storage::zeroed(16, 4).unwrap();
+        let at = |offset| Region {
+            offset,
+            shape: [1, 1, 8],
+            strides: [0, 0, 1],
+        };
+        let x = [1.0, -2.0, 3.0, 4.0, 100.0, 0.0, -50.0, 25.0];
+        s.write(at(0), &tensor(&x, &[1, 1, 8])).unwrap();
+        s.copy_within(at(0), at(8)).unwrap();
+        let mut back = [0f32; 8];
+        s.read(at(8), &out(&mut back, &[1, 1, 8])).unwrap();
+        let mut first = [0f32; 8];
+        s.read(at(0), &out(&mut first, &[1, 1, 8])).unwrap();
+        assert_eq!(back, first);
+        assert_eq!(back[4], 100.0);
+        s.fill_zero(at(0)).unwrap();
+        s.read(at(0), &out(&mut back, &[1, 1, 8])).unwrap();
+        assert_eq!(back, [0.0; 8]);
+        assert_eq!(s.nbytes(), 16 + 4 * 4);
+    }
+
+    #[test]
+    #[should_panic(expected = "splits head vectors")]
+    fn a_region_that_splits_a_vector_is_a_bug() {
+        let mut s = Int8Storage::zeroed(16, 4).unwrap();
+        let x = [0f32; 2];
+        let r = Region {
+            offset: 2,
+            shape: [1, 1, 2],
+            strides: [0, 0, 1],
+        };
+        let _ = s.write(r, &tensor(&x, &[1, 1, 2]));
+    }
+}
