@@ -408,3 +408,83 @@ fn bad_sizes_and_shapes_are_errors_not_panics() {
     pool.free(s).unwrap();
     assert!(pool.seq_len(s).is_err());
 }
+
+/// What a pool storing `dtype` returns for `x` (rows of `d`): int8 rows quantized with
+/// their own scale, fp8 elements divided by `scale`, rounded, multiplied back.
+fn stored(x: &[f32], d: usize, dtype: kvrs::DType, scale: f32) -> Vec<f32> {
+    use kvrs::quant::{dequantize_row_i8, quantize_row_i8};
+    let mut out = vec![0f32; x.len()];
+    for (row, o) in x.chunks(d).zip(out.chunks_mut(d)) {
+        match dtype.fp8() {
+            Some(f) => {
+                let mut codes = vec![0u8; d];
+                f.quantize_row(&mut codes, row, scale);
+                f.dequantize_row(o, &codes, scale);
+            }
+            None => {
+                let mut codes = vec![0i8; d];
+                let s = quantize_row_i8(&mut codes, row);
+                dequantize_row_i8(o, &codes, s);
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn eight_bit_pools_take_and_return_floats_and_attend_over_what_they_hold() {
+    use kvrs::scales::KvScales;
+    use kvrs::DType;
+    let (heads, dim, n) = (2, 8, 11);
+    let x: Vec<f32> = (0..n * heads * dim)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.13)
+        .collect();
+    for dtype in [DType::F8E4M3, DType::F8E5M2, DType::I8] {
+        let scale = if dtype == DType::I8 { 1.0 } else { 0.25 };
+        let mut config = PoolConfig::new(1, heads, dim, 4, 8).storage(dtype);
+        if dtype != DType::I8 {
+            config = config.scales(KvScales::new(1, heads, &[scale], &[scale]).unwrap());
+        }
+        let mut pool = BlockPool::<f32>::new(config).unwrap();
+        let seq = pool.new_sequence();
+        pool.append(seq, 0, &x, &x).unwrap();
+        pool.advance(seq, n).unwrap();
+        let (keys, _) = pool.read(seq, 0).unwrap();
+        // `read` is [heads, n, dim]; the reference goes token by token ([n, heads, dim]).
+        let want = stored(&x, dim, dtype, scale);
+        for t in 0..n {
+            for h in 0..heads {
+                let got = &keys[(h * n + t) * dim..][..dim];
+                assert_eq!(
+                    got,
+                    &want[(t * heads + h) * dim..][..dim],
+                    "{dtype} token {t} head {h}"
+                );
+            }
+        }
+        // Attention over the 8-bit blocks equals attention over their values in f32.
+        let mut exact = BlockPool::<f32>::new(PoolConfig::new(1, heads, dim, 4, 8)).unwrap();
+        let twin = exact.new_sequence();
+        exact.append(twin, 0, &want, &want).unwrap();
+        exact.advance(twin, n).unwrap();
+        let q: Vec<f32> = (0..4 * dim).map(|i| (i as f32 * 0.7).sin()).collect();
+        let (mut a, mut b) = (vec![0f32; 4 * dim], vec![0f32; 4 * dim]);
+        pool.attention(seq, 0, 4, &q, &mut a).unwrap();
+        exact.attention(twin, 0, 4, &q, &mut b).unwrap();
+        for (p, r) in a.iter().zip(&b) {
+            assert!((p - r).abs() < 1e-5, "{dtype}: {p} vs {r}");
+        }
+        assert_eq!(
+            pool.bytes_per_block(),
+            2 * 4 * heads * dtype.bytes_per_vector(dim)
+        );
+    }
+    // Scales belong to fp8 pools only.
+    let config = PoolConfig::new(1, 2, 8, 4, 8)
+        .storage(DType::I8)
+        .scales(KvScales::new(1, 2, &[0.5], &[1.0]).unwrap());
+    assert!(matches!(
+        BlockPool::<f32>::new(config),
+        Err(KvError::InvalidArgument { .. })
+    ));
+}

@@ -5,10 +5,12 @@ use std::ops::Range;
 
 use super::element::{index, query_tensors, tensor, tensor_mut, token_count, Element};
 use crate::attention::AttnOptions;
+use crate::dtype::DType;
 use crate::error::{check_index, Result};
 use crate::layout::{Device, KvLayout, PagedShape};
 use crate::paged::{Attention, PoolCore, PoolStats, PrefixConfig, SeqId};
 use crate::prefix::HashKind;
+use crate::scales::KvScales;
 
 /// The shape and options of a [`BlockPool`]: sizes by [`PoolConfig::new`], the rest by
 /// the builder methods.
@@ -20,6 +22,11 @@ pub struct PoolConfig {
     pub attention: Option<Attention>,
     /// Prefix caching, when on.
     pub prefix: Option<PrefixConfig>,
+    /// What the blocks store; `None`: `T` itself. An 8-bit dtype quantizes the `T`
+    /// slices written and dequantizes reads back into `T`.
+    pub storage: Option<DType>,
+    /// fp8 scales (`None`: 1.0 everywhere).
+    pub scales: Option<KvScales>,
 }
 
 impl PoolConfig {
@@ -44,6 +51,8 @@ impl PoolConfig {
             },
             attention: None,
             prefix: None,
+            storage: None,
+            scales: None,
         }
     }
 
@@ -58,6 +67,20 @@ impl PoolConfig {
     /// window sees).
     pub fn attention(mut self, attention: Attention) -> Self {
         self.attention = Some(attention);
+        self
+    }
+
+    /// Stores the blocks in `dtype` instead of the element type: `DType::F8E4M3`,
+    /// `DType::F8E5M2` (with [`PoolConfig::scales`]) or `DType::I8` hold twice the tokens
+    /// of 16-bit blocks in the same memory.
+    pub fn storage(mut self, dtype: DType) -> Self {
+        self.storage = Some(dtype);
+        self
+    }
+
+    /// Sets an fp8 pool's scales (per layer, for K and for V, optionally per KV head).
+    pub fn scales(mut self, scales: KvScales) -> Self {
+        self.scales = Some(scales);
         self
     }
 
@@ -115,14 +138,19 @@ impl<T: Element> BlockPool<T> {
         let attention = config
             .attention
             .unwrap_or_else(|| Attention::full(config.shape.num_layers));
+        let sh = config.shape;
+        let core = PoolCore::with_attention(
+            sh,
+            attention,
+            config.storage.unwrap_or(T::DTYPE),
+            Device::Cpu,
+            config.prefix,
+        )?;
+        let scales = config
+            .scales
+            .unwrap_or_else(|| KvScales::unit(sh.num_layers, sh.num_kv_heads));
         Ok(BlockPool {
-            core: PoolCore::with_attention(
-                config.shape,
-                attention,
-                T::DTYPE,
-                Device::Cpu,
-                config.prefix,
-            )?,
+            core: core.with_scales(scales)?,
             elem: PhantomData,
         })
     }
