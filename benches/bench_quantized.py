@@ -119,26 +119,8 @@ class _Quiet:
 
 
 def accuracy(quick: bool) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from kvrs.integrations.transformers import use_paged_attention
-
     demo_model = demo.make_model(0, 8)
-    torch.manual_seed(0)
-    tiny = use_paged_attention(
-        LlamaForCausalLM(
-            LlamaConfig(
-                vocab_size=128,
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                max_position_embeddings=1024,
-                pad_token_id=0,
-            )
-        ).eval()
-    )
+    tiny = demo.make_tiny_model(0)
     g = torch.Generator().manual_seed(1)
     prompts = {
         "demo model (8 layers, demo prompt)": (demo_model, demo.make_requests(1, 1024, 8, 2048, 0)[0].prompt),

@@ -89,6 +89,29 @@ def make_model(seed: int, layers: int) -> Any:
     return use_paged_attention(model)
 
 
+def make_tiny_model(seed: int = 0) -> Any:
+    """A 2-layer Llama of 64 hidden units and a 128-token vocabulary with random weights
+    (4 query / 2 KV heads of 16), switched to kvrs's paged attention: the accuracy
+    benchmark's and tests' second model."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvrs.integrations.transformers import use_paged_attention
+
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    return use_paged_attention(LlamaForCausalLM(config).eval())
+
+
 def make_requests(n: int, system_len: int, new_tokens: int, vocab: int, seed: int) -> list[Request]:
     """`n` requests: a shared system prompt, then a question of 16 to 64 tokens each; one
     arrives every 4 steps on average and generates new_tokens/2 to new_tokens tokens."""

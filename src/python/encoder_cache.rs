@@ -9,8 +9,7 @@ use super::args::{parse_device, parse_dtype};
 use super::copying;
 use super::input::read_tensor;
 use super::kv_cache::layer_view;
-use super::quant::{parse_scales, scale_property};
-use super::views::new_output;
+use super::quant::{dequantized_pair, parse_scales, scale_property};
 use crate::dtype::DType;
 use crate::encoder_cache::EncoderCache;
 use crate::error::check_size;
@@ -204,15 +203,10 @@ impl PyEncoderCache {
         let py = slf.py();
         if dequantize {
             let shape = [me.shape.num_kv_heads, len, me.shape.head_dim];
-            let (k, kt) = new_output(py, me.device, DType::F32, &shape)?;
-            let (v, vt) = new_output(py, me.device, DType::F32, &shape)?;
-            copying(py, 2 * kt.nbytes(), || {
-                me.inner
-                    .read()
-                    .cache()
-                    .extract_block(layer as i64, 0, len as i64, &kt, &vt)
-            })?;
-            return PyTuple::new(py, [k, v]);
+            return dequantized_pair(py, me.device, shape, |k, v| {
+                let c = me.inner.read();
+                c.cache().extract_block(layer as i64, 0, len as i64, k, v)
+            });
         }
         // SAFETY: the storage lives as long as `slf`, the base of the views.
         let k = unsafe {

@@ -8,7 +8,7 @@ use pyo3::types::PyTuple;
 use super::args::{parse_device, parse_dtype};
 use super::copying;
 use super::input::read_tensor;
-use super::quant::{head_scales, parse_scales, read_dtype, scale_property};
+use super::quant::{dequantized_pair, head_scales, parse_scales, read_dtype, scale_property};
 use super::views::{borrowed_view, new_output};
 use crate::dtype::DType;
 use crate::error::{check_index, check_size, KvError};
@@ -434,16 +434,9 @@ impl PyKVCache {
         let py = slf.py();
         if dequantize {
             let shape = [me.shape.num_kv_heads, len, me.shape.head_dim];
-            let (k, kt) = new_output(py, me.device, DType::F32, &shape)?;
-            let (v, vt) = new_output(py, me.device, DType::F32, &shape)?;
-            if len > 0 {
-                copying(py, 2 * kt.nbytes(), || {
-                    me.inner
-                        .read()
-                        .extract_block(layer, 0, len as i64, &kt, &vt)
-                })?;
-            }
-            return PyTuple::new(py, [k, v]);
+            return dequantized_pair(py, me.device, shape, |k, v| {
+                me.inner.read().extract_block(layer, 0, len as i64, k, v)
+            });
         }
         let k = Self::view(slf, l, Kv::Key, None, len)?;
         let v = Self::view(slf, l, Kv::Value, None, len)?;

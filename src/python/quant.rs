@@ -3,11 +3,16 @@
 
 use numpy::{PyArray1, PyArrayMethods};
 use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+
+use super::copying;
+use super::views::new_output;
 
 use crate::dtype::DType;
 use crate::error::KvError;
-use crate::layout::Kv;
+use crate::layout::{Device, Kv};
 use crate::scales::KvScales;
+use crate::tensor::TensorRef;
 
 /// The scales `k_scale` and `v_scale` give (each a float, `num_layers` floats or a
 /// `[num_layers, num_kv_heads]` array; a missing one is 1.0); unit scales when neither
@@ -105,4 +110,20 @@ pub fn read_dtype(storage: DType) -> DType {
     } else {
         storage
     }
+}
+
+/// Float32 `[heads, len, head_dim]` copies (K, V) of a layer on `device`, filled by
+/// `read` (a cache's `extract_block` over the layer's positions; not called for `len` 0).
+pub fn dequantized_pair<'py>(
+    py: Python<'py>,
+    device: Device,
+    shape: [usize; 3],
+    read: impl FnOnce(&TensorRef, &TensorRef) -> crate::error::Result<()> + Send,
+) -> PyResult<Bound<'py, PyTuple>> {
+    let (k, kt) = new_output(py, device, DType::F32, &shape)?;
+    let (v, vt) = new_output(py, device, DType::F32, &shape)?;
+    if shape[1] > 0 {
+        copying(py, 2 * kt.nbytes(), || read(&kt, &vt))?;
+    }
+    PyTuple::new(py, [k, v])
 }

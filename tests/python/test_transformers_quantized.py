@@ -18,10 +18,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
-
-from kvrs.demo import logits_error, make_model, make_requests  # noqa: E402
-from kvrs.integrations.transformers import KvrsCache, KvrsPagedCache, use_paged_attention  # noqa: E402
+from kvrs.demo import logits_error, make_model, make_requests, make_tiny_model  # noqa: E402
+from kvrs.integrations.transformers import KvrsCache, KvrsPagedCache  # noqa: E402
 
 UNIT_ROUNDOFF = {
     "float16": 2**-11,
@@ -39,18 +37,7 @@ def demo_model():
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        pad_token_id=0,
-    )
-    return use_paged_attention(LlamaForCausalLM(config).eval())
+    return make_tiny_model(0)
 
 
 @pytest.mark.parametrize("dtype", list(UNIT_ROUNDOFF))
