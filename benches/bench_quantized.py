@@ -9,6 +9,8 @@ and the accuracy of each dtype, in one process.
 - decode attention over one sequence of 32k tokens (32 query / 8 KV heads x 128): kvrs
   reading each storage dtype in place, against float16 storage, torch SDPA on
   contiguous float16 K/V, and a NumPy copy of the bytes each dtype stores;
+- prefill writes: 4k float16 tokens appended, quantized on the way in, against float16
+  storage and a NumPy copy of the input;
 - the demo workload (24 chat requests sharing a 1024-token system prompt): a float16
   pool of a given size against 8-bit pools of the same bytes and of half the bytes;
 - accuracy: the relative L2 error of decode logits against DynamicCache (float32) on the
@@ -77,6 +79,32 @@ def decode(n: int, repeat: int) -> None:
             f"{sdpa * 1e3:>7.2f}ms {sdpa / times[dtype]:>7.2f}x {stored[dtype] / 2**20:>8.1f} "
             f"{copy * 1e3:>6.2f}ms {diff:>20.4f}"
         )
+
+
+def writes(n: int, repeat: int) -> None:
+    """Prefill writes: `n` float16 tokens appended to one layer (quantized on the way in)."""
+    rng = np.random.default_rng(3)
+    k = rng.standard_normal((n, 8, 128), dtype=np.float32).astype(np.float16)
+    src = np.ones(2 * k.nbytes, np.uint8)
+    dst = np.empty_like(src)
+    copy = best(lambda: np.copyto(dst, src), repeat)
+    print(f"\nprefill write: {n:,} float16 tokens (8 KV heads x 128), K and V, into one layer "
+          f"(NumPy copy of the input bytes: {copy * 1e3:.2f} ms)")  # fmt: skip
+    print(f"{'storage':<9} {'append':>9} {'vs float16':>11} {'input GB/s':>11}")
+    base = 0.0
+    for dtype in DTYPES:
+        pool = kvrs.BlockPool(
+            1, 8, 128, block_size=16, num_blocks=n // 16 + 1, dtype=dtype, prefix_caching=False
+        )
+
+        def append(pool=pool):
+            seq = pool.new_sequence()
+            seq.append(0, k, k)
+            seq.free()
+
+        t = best(append, repeat)
+        base = base or t
+        print(f"{dtype:<9} {t * 1e3:>7.2f}ms {base / t:>10.2f}x {2 * k.nbytes / t / 1e9:>11.2f}")
 
 
 def workload(quick: bool) -> None:
@@ -151,6 +179,7 @@ def main() -> None:
     args = parser.parse_args()
     capacity()
     decode(4096 if args.quick else 32768, 3 if args.quick else 7)
+    writes(1024 if args.quick else 4096, 3 if args.quick else 7)
     workload(args.quick)
     accuracy(args.quick)
 

@@ -167,6 +167,23 @@ pub unsafe fn convert_contiguous(
         }
         return;
     }
+    if let (Some(f), false) = (dst_dtype.fp8(), src_dtype.is_quantized()) {
+        // Floats to fp8 a chunk at a time through f32, with the vectorised encoder.
+        let mut buf = [0f32; 256];
+        for start in (0..n).step_by(buf.len()) {
+            let len = buf.len().min(n - start);
+            let chunk = &mut buf[..len];
+            convert_contiguous(
+                chunk.as_mut_ptr() as *mut u8,
+                DType::F32,
+                src.add(start * src_dtype.size()),
+                src_dtype,
+                len,
+            );
+            f.encode_slice(slice_mut::<u8>(dst.add(start), len), chunk);
+        }
+        return;
+    }
     for i in 0..n {
         let v = read_f32(src.add(i * src_dtype.size()), src_dtype);
         write_f32(dst.add(i * dst_dtype.size()), dst_dtype, v);

@@ -43,51 +43,54 @@ impl Fp8 {
         }
     }
 
-    /// The code of the largest finite value (sign bit clear).
-    const fn max_code(self) -> u8 {
-        match self {
-            Fp8::E4M3 => 0x7e,
-            Fp8::E5M2 => 0x7b,
-        }
-    }
-
-    /// The code NaN encodes to (sign bit clear).
-    const fn nan_code(self) -> u8 {
-        match self {
-            Fp8::E4M3 => 0x7f,
-            Fp8::E5M2 => 0x7e,
-        }
-    }
-
     /// The smallest positive normal value, `2^(1 - bias)`.
     fn min_normal(self) -> f32 {
         f32::powi(2.0, 1 - self.bias())
     }
 
     /// Encodes `x`: round to nearest even, saturating at `±max()`.
+    #[inline]
     pub fn encode(self, x: f32) -> u8 {
-        let sign = ((x.to_bits() >> 24) & 0x80) as u8;
-        if x.is_nan() {
-            return sign | self.nan_code();
+        match self {
+            Fp8::E4M3 => encode_as::<3, 7, 0x7e, 0x7f>(x, 448.0),
+            Fp8::E5M2 => encode_as::<2, 15, 0x7b, 0x7e>(x, 57344.0),
         }
-        let a = x.abs();
-        if a >= self.max() {
-            return sign | self.max_code();
+    }
+
+    /// Encodes every element of `src` into `dst` (same length), as [`Fp8::encode`]:
+    /// one branch-free loop per format, which the compiler vectorises (with AVX2 where
+    /// the CPU has it, chosen at run time).
+    pub fn encode_slice(self, dst: &mut [u8], src: &[f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2.
+            return unsafe { self.encode_slice_avx2(dst, src) };
         }
-        let m = self.mantissa_bits();
-        let code = if a < self.min_normal() {
-            // Subnormal: a multiple of 2^(1 - bias - m); scaling by a power of two is
-            // exact, and a result of 2^m is the smallest normal's code, as it should be.
-            (a * f32::powi(2.0, self.bias() - 1 + m as i32)).round_ties_even() as u32
-        } else {
-            // Normal: round the f32 mantissa to m bits (a carry moves into the
-            // exponent), then move the exponent from bias 127 to the format's bias.
-            let bits = a.to_bits();
-            let drop = 23 - m;
-            let rounded = (bits + (1 << (drop - 1)) - 1 + ((bits >> drop) & 1)) >> drop;
-            rounded - (((127 - self.bias()) as u32) << m)
-        };
-        sign | code.min(self.max_code() as u32) as u8
+        self.encode_slice_with(dst, src)
+    }
+
+    /// [`Fp8::encode_slice`] compiled for AVX2.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn encode_slice_avx2(self, dst: &mut [u8], src: &[f32]) {
+        self.encode_slice_with(dst, src)
+    }
+
+    /// The loop of [`Fp8::encode_slice`], inlined into each build.
+    #[inline(always)]
+    fn encode_slice_with(self, dst: &mut [u8], src: &[f32]) {
+        match self {
+            Fp8::E4M3 => {
+                for (d, &x) in dst.iter_mut().zip(src) {
+                    *d = encode_as::<3, 7, 0x7e, 0x7f>(x, 448.0);
+                }
+            }
+            Fp8::E5M2 => {
+                for (d, &x) in dst.iter_mut().zip(src) {
+                    *d = encode_as::<2, 15, 0x7b, 0x7e>(x, 57344.0);
+                }
+            }
+        }
     }
 
     /// The value of `code`.
@@ -143,6 +146,44 @@ impl Fp8 {
     }
 }
 
+/// `y` rounded to the nearest integer, ties to even, for `|y| < 2^22`: adding 1.5 * 2^23
+/// leaves the rounding to the FPU and the integer in the sum's low mantissa bits, so no
+/// call, branch or float-to-int conversion is needed (a loop of it vectorises).
+#[inline(always)]
+fn round_small(y: f32) -> i32 {
+    const MAGIC: f32 = 12_582_912.0;
+    (y + MAGIC).to_bits() as i32 - MAGIC.to_bits() as i32
+}
+
+/// [`Fp8::encode`] for a format of `M` mantissa bits and exponent bias `BIAS`, whose
+/// largest finite value is `max`, its code `MAX`, and NaN code `NAN` (sign bit clear). Both paths are
+/// computed and the result selected, so that a loop of it vectorises: subnormals are a
+/// multiple of `2^(1 - BIAS - M)` (scaling by a power of two is exact, and a result of
+/// `2^M` is the smallest normal's code, as it should be); normals round the f32
+/// mantissa to `M` bits (a carry moves into the exponent) and rebias the exponent.
+#[inline(always)]
+fn encode_as<const M: u32, const BIAS: i32, const MAX: u32, const NAN: u32>(
+    x: f32,
+    max: f32,
+) -> u8 {
+    let bits = x.to_bits();
+    let sign = (bits >> 24) & 0x80;
+    let a = f32::from_bits(bits & 0x7fff_ffff);
+    let abits = bits & 0x7fff_ffff;
+    // 2^(1 - BIAS), the smallest normal, and 2^(BIAS - 1 + M), the subnormal step's
+    // inverse, built from their exponent fields.
+    let min_normal = f32::from_bits(((128 - BIAS) as u32) << 23);
+    let sub_scale = f32::from_bits(((126 + BIAS + M as i32) as u32) << 23);
+    let drop = 23 - M;
+    let subnormal = round_small(a * sub_scale) as u32;
+    let normal = ((abits + (1 << (drop - 1)) - 1 + ((abits >> drop) & 1)) >> drop)
+        .wrapping_sub(((127 - BIAS) as u32) << M);
+    let code = if a < min_normal { subnormal } else { normal };
+    let code = if a >= max { MAX } else { code.min(MAX) };
+    let code = if a.is_nan() { NAN } else { code };
+    (sign | code) as u8
+}
+
 /// The largest magnitude an int8 code stores: codes are symmetric, `-127..=127`.
 pub const I8_MAX: f32 = 127.0;
 
@@ -150,6 +191,24 @@ pub const I8_MAX: f32 = 127.0;
 /// `scale = max|x| / 127` and `q = clamp(round_ties_even(x / scale), -127, 127)`, in
 /// f32 (NaNs count as zero). An all-zero row has scale 0 and codes 0.
 pub fn quantize_row_i8(dst: &mut [i8], src: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2.
+        return unsafe { quantize_row_i8_avx2(dst, src) };
+    }
+    quantize_row_i8_with(dst, src)
+}
+
+/// [`quantize_row_i8`] compiled for AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn quantize_row_i8_avx2(dst: &mut [i8], src: &[f32]) -> f32 {
+    quantize_row_i8_with(dst, src)
+}
+
+/// The loop of [`quantize_row_i8`], inlined into each build.
+#[inline(always)]
+fn quantize_row_i8_with(dst: &mut [i8], src: &[f32]) -> f32 {
     let amax = src
         .iter()
         .fold(0f32, |m, &x| if x.abs() > m { x.abs() } else { m });
@@ -160,12 +219,10 @@ pub fn quantize_row_i8(dst: &mut [i8], src: &[f32]) -> f32 {
     // An infinite row saturates: every finite value becomes 0, infinities ±127.
     let scale = (amax / I8_MAX).min(f32::MAX);
     for (d, &x) in dst.iter_mut().zip(src) {
-        let q = if x.is_nan() {
-            0.0
-        } else {
-            (x / scale).round_ties_even()
-        };
-        *d = q.clamp(-I8_MAX, I8_MAX) as i8;
+        // |x / scale| <= 127 except for infinities, which the clamp saturates (before
+        // rounding, so that the rounding trick stays in its range).
+        let q = round_small((x / scale).clamp(-I8_MAX, I8_MAX));
+        *d = if x.is_nan() { 0 } else { q as i8 };
     }
     scale
 }
@@ -211,6 +268,20 @@ mod tests {
     }
 
     #[test]
+    fn the_slice_encoder_equals_the_scalar_one_on_any_bits() {
+        let xs: Vec<f32> = (0..200_000u32)
+            .map(|i| f32::from_bits(i.wrapping_mul(2_654_435_761)))
+            .collect();
+        for f in [Fp8::E4M3, Fp8::E5M2] {
+            let mut out = vec![0u8; xs.len()];
+            f.encode_slice(&mut out, &xs);
+            for (x, c) in xs.iter().zip(&out) {
+                assert_eq!(*c, f.encode(*x), "{f:?} {x}");
+            }
+        }
+    }
+
+    #[test]
     fn decoding_matches_the_formats_definitions() {
         let e4 = Fp8::E4M3;
         assert_eq!(e4.decode(0x7e), 448.0);
@@ -243,9 +314,11 @@ mod tests {
                     assert_eq!(f.encode(v), c, "{f:?} {c:#x}");
                 }
             }
+            let max_code = f.encode(f.max());
+            assert_eq!(f.decode(max_code), f.max());
             for x in [f32::INFINITY, 1e30, f.max() * 1.06, f.max() + 1.0] {
-                assert_eq!(f.encode(x), f.max_code());
-                assert_eq!(f.encode(-x), 0x80 | f.max_code());
+                assert_eq!(f.encode(x), max_code);
+                assert_eq!(f.encode(-x), 0x80 | max_code);
             }
             assert!(f.decode(f.encode(f32::NAN)).is_nan());
             assert_eq!(f.encode(0.0), 0);

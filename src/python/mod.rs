@@ -9,6 +9,7 @@ mod errors;
 mod input;
 mod kv_cache;
 mod pool;
+mod pool_args;
 mod quant;
 mod rope;
 mod sequence;

@@ -15,19 +15,16 @@ use super::args::{parse_device, parse_dtype};
 use super::batch::PyForwardBatch;
 use super::copying;
 use super::input::{read_ints, read_tensor, read_token_ids};
+use super::pool_args;
 use super::quant::{parse_scales, scale_property};
 use super::rope::PyRope;
 use super::sequence::PySequence;
 use super::shared_pool::{i32_array, slot_array, SharedPool};
 use super::views::borrowed_view;
-use crate::bytes::parse_size;
 use crate::dtype::DType;
 use crate::error::{check_size, KvError};
 use crate::layout::Kv;
-use crate::paged::{
-    Attention, KvLayout, LayerGroups, LayerKind, PagedShape, PoolCore, PrefixConfig, SeqId,
-};
-use crate::prefix::HashKind;
+use crate::paged::{KvLayout, LayerGroups, PagedShape, PoolCore, SeqId};
 use crate::storage::Device;
 
 /// A pool of fixed-size KV blocks for every layer, allocated once and shared by many
@@ -145,85 +142,21 @@ impl PyBlockPool {
             layout: layout.parse::<KvLayout>()?,
         };
         crate::paged::pool::check_layer_count(shape.num_layers)?;
-        let attention = Attention {
-            kinds: match layer_types {
-                None => vec![LayerKind::Full; shape.num_layers],
-                Some(names) => names
-                    .iter()
-                    .map(|n| n.parse::<LayerKind>())
-                    .collect::<Result<_, _>>()?,
-            },
-            sliding_window: sliding_window
-                .map(|w| check_size("sliding_window", w))
-                .transpose()?,
-            chunk_size: chunk_size
-                .map(|c| check_size("chunk_size", c))
-                .transpose()?,
-            swa_memory: crate::error::check_count("swa_memory", swa_memory)?,
-        };
-        attention.validate(shape.num_layers)?;
+        let attention = pool_args::attention(
+            shape.num_layers,
+            layer_types,
+            sliding_window,
+            chunk_size,
+            swa_memory,
+        )?;
         let per_block = LayerGroups::new(attention.clone()).per_block
             * 2
             * shape.block_size
             * shape.num_kv_heads
             * dtype.bytes_per_vector(shape.head_dim);
-        shape.num_blocks = match (num_blocks, memory_bytes) {
-            (Some(n), None) => check_size("num_blocks", n)?,
-            (None, Some(m)) => {
-                let bytes = match m.extract::<i64>() {
-                    Ok(b) if b >= 0 => b as usize,
-                    Ok(b) => {
-                        return Err(KvError::InvalidArgument {
-                            name: "memory_bytes",
-                            value: b.to_string(),
-                            reason: "must be >= 0".into(),
-                        }
-                        .into())
-                    }
-                    Err(_) => parse_size(&m.str()?.to_string())?,
-                };
-                if bytes < per_block {
-                    return Err(KvError::InvalidArgument {
-                        name: "memory_bytes",
-                        value: bytes.to_string(),
-                        reason: format!(
-                            "holds no block: one block id (a block of each layer of a group) takes {per_block} bytes"
-                        ),
-                    }
-                    .into());
-                }
-                bytes / per_block
-            }
-            _ => {
-                return Err(KvError::InvalidArgument {
-                    name: "num_blocks",
-                    value: format!("{num_blocks:?}"),
-                    reason: "give exactly one of num_blocks and memory_bytes".into(),
-                }
-                .into())
-            }
-        };
-        let hash: HashKind = hash.parse()?;
-        let prefix = prefix_caching.then(|| -> PyResult<PrefixConfig> {
-            let seed = match seed {
-                Some(s) => s,
-                None => {
-                    let mut b = [0u8; 16];
-                    getrandom::fill(&mut b).map_err(|e| {
-                        KvError::Device(format!("no OS randomness for the hash seed: {e}"))
-                    })?;
-                    u128::from_le_bytes(b)
-                }
-            };
-            Ok(PrefixConfig {
-                hash,
-                seed,
-                partial_hits,
-                events,
-            })
-        });
-        let mut pool =
-            PoolCore::with_attention(shape, attention, dtype, device, prefix.transpose()?)?;
+        shape.num_blocks = pool_args::num_blocks(num_blocks, memory_bytes, per_block)?;
+        let prefix = pool_args::prefix(prefix_caching, hash, seed, partial_hits, events)?;
+        let mut pool = PoolCore::with_attention(shape, attention, dtype, device, prefix)?;
         if let Some(r) = rope {
             pool = pool.with_rope(r.get().rope)?;
         }

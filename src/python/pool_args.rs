@@ -1,0 +1,111 @@
+//! The arguments of `kvrs.BlockPool(...)` that need more than a type: layer kinds, the
+//! pool's size from `num_blocks` or `memory_bytes`, and prefix caching with its seed.
+
+use pyo3::prelude::*;
+
+use crate::bytes::parse_size;
+use crate::error::{check_count, check_size, KvError};
+use crate::paged::{Attention, LayerKind, PrefixConfig};
+use crate::prefix::HashKind;
+
+/// Each layer's kind from `layer_types` (default: all full attention) with the window,
+/// chunk and extra memory of windowed layers, validated for `num_layers` layers.
+pub fn attention(
+    num_layers: usize,
+    layer_types: Option<Vec<String>>,
+    sliding_window: Option<i64>,
+    chunk_size: Option<i64>,
+    swa_memory: i64,
+) -> PyResult<Attention> {
+    let attention = Attention {
+        kinds: match layer_types {
+            None => vec![LayerKind::Full; num_layers],
+            Some(names) => names
+                .iter()
+                .map(|n| n.parse::<LayerKind>())
+                .collect::<Result<_, _>>()?,
+        },
+        sliding_window: sliding_window
+            .map(|w| check_size("sliding_window", w))
+            .transpose()?,
+        chunk_size: chunk_size
+            .map(|c| check_size("chunk_size", c))
+            .transpose()?,
+        swa_memory: check_count("swa_memory", swa_memory)?,
+    };
+    attention.validate(num_layers)?;
+    Ok(attention)
+}
+
+/// The number of blocks: exactly one of `num_blocks` and `memory_bytes` (an int or a size
+/// such as `"4GiB"`, divided by `per_block` bytes) must be given.
+pub fn num_blocks(
+    num_blocks: Option<i64>,
+    memory_bytes: Option<&Bound<'_, PyAny>>,
+    per_block: usize,
+) -> PyResult<usize> {
+    match (num_blocks, memory_bytes) {
+        (Some(n), None) => Ok(check_size("num_blocks", n)?),
+        (None, Some(m)) => {
+            let bytes = match m.extract::<i64>() {
+                Ok(b) if b >= 0 => b as usize,
+                Ok(b) => {
+                    return Err(KvError::InvalidArgument {
+                        name: "memory_bytes",
+                        value: b.to_string(),
+                        reason: "must be >= 0".into(),
+                    }
+                    .into())
+                }
+                Err(_) => parse_size(&m.str()?.to_string())?,
+            };
+            if bytes < per_block {
+                return Err(KvError::InvalidArgument {
+                    name: "memory_bytes",
+                    value: bytes.to_string(),
+                    reason: format!(
+                        "holds no block: one block id (a block of each layer of a group) takes {per_block} bytes"
+                    ),
+                }
+                .into());
+            }
+            Ok(bytes / per_block)
+        }
+        _ => Err(KvError::InvalidArgument {
+            name: "num_blocks",
+            value: format!("{num_blocks:?}"),
+            reason: "give exactly one of num_blocks and memory_bytes".into(),
+        }
+        .into()),
+    }
+}
+
+/// Prefix caching's configuration when `on`: the hash kind, the chains' seed (from the
+/// OS when not given) and the options.
+pub fn prefix(
+    on: bool,
+    hash: &str,
+    seed: Option<u128>,
+    partial_hits: bool,
+    events: bool,
+) -> PyResult<Option<PrefixConfig>> {
+    let hash: HashKind = hash.parse()?;
+    if !on {
+        return Ok(None);
+    }
+    let seed = match seed {
+        Some(s) => s,
+        None => {
+            let mut b = [0u8; 16];
+            getrandom::fill(&mut b)
+                .map_err(|e| KvError::Device(format!("no OS randomness for the hash seed: {e}")))?;
+            u128::from_le_bytes(b)
+        }
+    };
+    Ok(Some(PrefixConfig {
+        hash,
+        seed,
+        partial_hits,
+        events,
+    }))
+}
