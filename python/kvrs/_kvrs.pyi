@@ -683,6 +683,8 @@ class EncoderCache(Generic[_View_co]):
         """Writes `layer`'s K and V ([n, num_kv_heads, head_dim], the same n for every layer)."""
     def get(self, layer: int, *, dequantize: bool = False) -> tuple[_View_co, _View_co]:
         """Zero-copy read-only views (K, V) [num_kv_heads, length, head_dim] of a set layer."""
+    def scales(self, layer: int) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+        """(K, V) scales of get(layer)'s codes: int8 [num_kv_heads, length] views, else [num_kv_heads, 1]."""
     def attention(
         self,
         layer: int,

@@ -9,7 +9,7 @@ use super::args::{parse_device, parse_dtype};
 use super::copying;
 use super::input::read_tensor;
 use super::kv_cache::layer_view;
-use super::quant::{dequantized_pair, parse_scales, scale_property};
+use super::quant::{dequantized_pair, layer_scales, parse_scales, scale_property};
 use crate::dtype::DType;
 use crate::encoder_cache::EncoderCache;
 use crate::error::check_size;
@@ -175,6 +175,14 @@ impl PyEncoderCache {
             self.inner.read().cache().scales(),
             Kv::Value,
         )
+    }
+
+    /// The scales (K, V) that multiply `get(layer)`'s codes: int8, zero-copy read-only
+    /// views [num_kv_heads, length]; fp8, [num_kv_heads, 1]; float dtypes, ones.
+    fn scales<'py>(slf: &Bound<'py, Self>, layer: i64) -> PyResult<Bound<'py, PyTuple>> {
+        let c = slf.get().inner.read();
+        let layer = c.cache().check_layer(layer)?;
+        layer_scales(slf.as_any(), c.cache(), layer)
     }
 
     /// Zero-copy read-only views (K, V) [num_kv_heads, length, head_dim] of a set layer

@@ -8,7 +8,7 @@ use pyo3::types::PyTuple;
 use super::args::{parse_device, parse_dtype};
 use super::copying;
 use super::input::read_tensor;
-use super::quant::{dequantized_pair, head_scales, parse_scales, read_dtype, scale_property};
+use super::quant::{dequantized_pair, layer_scales, parse_scales, read_dtype, scale_property};
 use super::views::{borrowed_view, new_output};
 use crate::dtype::DType;
 use crate::error::{check_index, check_size, KvError};
@@ -324,35 +324,7 @@ impl PyKVCache {
         let me = slf.get();
         let c = me.inner.read();
         let layer = c.check_layer(layer)?;
-        let len = c.layer_len(layer);
-        let py = slf.py();
-        let pair = match c.row_scales() {
-            Some(r) => {
-                let s = me.shape;
-                let one = |kv: Kv| {
-                    let at = ((layer * 2 + kv as usize) * s.num_kv_heads) * s.max_seq_len;
-                    // SAFETY: the scales are allocated with the storage, never moved, and
-                    // live as long as `slf`, the array's base.
-                    unsafe {
-                        borrowed_view(
-                            slf.as_any(),
-                            me.device,
-                            r.ptr.add(at) as *mut u8,
-                            DType::F32,
-                            &[s.num_kv_heads, len],
-                            &[4 * s.max_seq_len as isize, 4],
-                            false,
-                        )
-                    }
-                };
-                [one(Kv::Key)?, one(Kv::Value)?]
-            }
-            None => [
-                head_scales(py, c.scales(), layer, Kv::Key)?,
-                head_scales(py, c.scales(), layer, Kv::Value)?,
-            ],
-        };
-        PyTuple::new(py, pair)
+        layer_scales(slf.as_any(), &c, layer)
     }
 
     /// Device name: 'cpu' (or 'cuda:N').

@@ -6,10 +6,11 @@ use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
 use super::copying;
-use super::views::new_output;
+use super::views::{borrowed_view, new_output};
 
 use crate::dtype::DType;
 use crate::error::KvError;
+use crate::kv_cache::CacheCore;
 use crate::layout::{Device, Kv};
 use crate::scales::KvScales;
 use crate::tensor::TensorRef;
@@ -126,4 +127,43 @@ pub fn dequantized_pair<'py>(
         copying(py, 2 * kt.nbytes(), || read(&kt, &vt))?;
     }
     PyTuple::new(py, [k, v])
+}
+
+/// The scales (K, V) of a contiguous cache's `layer` (a checked index), owned by `owner`
+/// (the Python cache object): int8, zero-copy read-only views `[heads, length]` of the
+/// per-token scales; fp8, `[heads, 1]`; float dtypes, ones.
+pub fn layer_scales<'py>(
+    owner: &Bound<'py, PyAny>,
+    cache: &CacheCore,
+    layer: usize,
+) -> PyResult<Bound<'py, PyTuple>> {
+    let py = owner.py();
+    let len = cache.layer_len(layer);
+    let pair = match cache.row_scales() {
+        Some(r) => {
+            let s = cache.shape();
+            let one = |kv: Kv| {
+                let at = ((layer * 2 + kv as usize) * s.num_kv_heads) * s.max_seq_len;
+                // SAFETY: the scales are allocated with the storage, never moved, and
+                // live as long as `owner`, the array's base.
+                unsafe {
+                    borrowed_view(
+                        owner,
+                        cache.device(),
+                        r.ptr.add(at) as *mut u8,
+                        DType::F32,
+                        &[s.num_kv_heads, len],
+                        &[4 * s.max_seq_len as isize, 4],
+                        false,
+                    )
+                }
+            };
+            [one(Kv::Key)?, one(Kv::Value)?]
+        }
+        None => [
+            head_scales(py, cache.scales(), layer, Kv::Key)?,
+            head_scales(py, cache.scales(), layer, Kv::Value)?,
+        ],
+    };
+    PyTuple::new(py, pair)
 }

@@ -207,6 +207,8 @@ def test_attention_reads_the_quantized_blocks_in_place(dtype):
     enc = kvrs.EncoderCache(1, h, d, 64, dtype=dtype, **kw)
     enc.set(0, k, v)
     ek, ev = enc.get(0, dequantize=True)
+    codes, _ = enc.get(0)
+    np.testing.assert_array_equal(codes.astype(np.float32) * enc.scales(0)[0][..., None], ek)
     np.testing.assert_allclose(
         enc.attention(0, q), reference_attention(q, ek, ev, [0] * 3, [n] * 3), atol=2e-5, rtol=1e-4
     )
