@@ -13,6 +13,7 @@ scale, a wrong rounding) and on nothing else."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -94,3 +95,34 @@ def test_generate_with_8bit_contiguous_and_paged_caches_agrees(tiny_model, dtype
     assert torch.equal(contiguous[:, 12], full[:, 12])
     if dtype == "int8":
         assert torch.equal(contiguous, full)
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+def test_checkpoint_scales_reach_every_layer_and_head(tiny_model, kind):
+    """fp8 caches take a checkpoint's scales per layer and KV head: the paged cache's pool
+    holds them as given, and each contiguous layer's cache (batch rows x KV heads) holds
+    its layer's scales repeated for every row."""
+    config = tiny_model.config
+    k_scale = np.array([[0.02, 0.03], [0.04, 0.05]], np.float32)  # [layers, kv heads]
+    v_scale = np.array([0.01, 0.02], np.float32)  # per layer
+    if kind == "contiguous":
+        cache = KvrsCache.from_config(
+            config, max_seq_len=64, dtype="fp8_e4m3", k_scale=k_scale, v_scale=v_scale
+        )
+    else:
+        cache = KvrsPagedCache.from_config(
+            config, max_seq_len=64, dtype="fp8_e4m3", k_scale=k_scale, v_scale=v_scale
+        )
+    ids = torch.randint(3, 128, (2, 10), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        tiny_model(ids, past_key_values=cache, use_cache=True)
+    if kind == "paged":
+        np.testing.assert_array_equal(cache.pool.k_scale, k_scale)
+        np.testing.assert_array_equal(cache.pool.v_scale, np.repeat(v_scale[:, None], 2, axis=1))
+    else:
+        for layer, held in enumerate(cache.layers):
+            # The layer's KVCache holds batch x kv-heads heads: the per-head scales repeat.
+            np.testing.assert_array_equal(held.store.k_scale, [np.tile(k_scale[layer], 2)])
+            np.testing.assert_array_equal(held.store.v_scale, [[v_scale[layer]] * 4])
+    with pytest.raises(ValueError, match="k_scale"):
+        KvrsCache.from_config(config, max_seq_len=8, dtype="fp8_e4m3", k_scale=[1.0, 2.0, 3.0])

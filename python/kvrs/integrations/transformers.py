@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 import kvrs
 from kvrs.integrations._torch import (
     QUANTIZED_DTYPES,
@@ -65,11 +67,18 @@ class KvrsLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = True
 
-    def __init__(self, max_seq_len: int, dtype: str | None = None, device: str = "cpu"):
+    def __init__(
+        self,
+        max_seq_len: int,
+        dtype: str | None = None,
+        device: str = "cpu",
+        scales: tuple[Any, Any] = (None, None),
+    ):
         super().__init__()
         self.max_seq_len = max_seq_len
         self.storage_dtype = dtype
         self.storage_device = device
+        self.scales = scales  # this layer's fp8 (k_scale, v_scale): floats or one per KV head
         self.cache: kvrs.KVCache | None = None
         self.batch = self.heads = self.head_dim = 0
         self.in_place = False
@@ -91,8 +100,23 @@ class KvrsLayer(CacheLayerMixin):
     def _allocate(self, batch: int, heads: int, head_dim: int) -> None:
         self.batch, self.heads, self.head_dim = batch, heads, head_dim
         dtype = self.storage_dtype or STORAGE_DTYPES.get(self.dtype, "float32")
+
+        # The cache's heads are the batch's rows times the KV heads: per-head scales repeat.
+        def tiled(x: Any) -> Any:
+            if x is None or np.ndim(x) == 0:
+                return x
+            return np.tile(np.asarray(x, np.float32), batch)[None]  # [1, batch * heads]
+
+        k_scale, v_scale = tiled(self.scales[0]), tiled(self.scales[1])
         self.cache = kvrs.KVCache(
-            1, batch * heads, head_dim, self.max_seq_len, dtype=dtype, device=self.storage_device
+            1,
+            batch * heads,
+            head_dim,
+            self.max_seq_len,
+            dtype=dtype,
+            device=self.storage_device,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
 
     @staticmethod
@@ -175,7 +199,7 @@ class KvrsLayer(CacheLayerMixin):
 
     def __deepcopy__(self, memo: dict) -> KvrsLayer:
         """A copy with its own storage (for reusing a prompt cache across calls)."""
-        copy = KvrsLayer(self.max_seq_len, self.storage_dtype, self.storage_device)
+        copy = KvrsLayer(self.max_seq_len, self.storage_dtype, self.storage_device, self.scales)
         if self.is_initialized:
             copy.dtype, copy.device, copy.is_initialized = self.dtype, self.device, True
             copy._rewrite(*self._tensors())
@@ -198,6 +222,22 @@ class KvrsLayer(CacheLayerMixin):
             self._rewrite(keys[indices], values[indices])
 
 
+def _per_layer(scale: Any, name: str, num_layers: int) -> list[Any]:
+    """`scale` (None, a float, one per layer, or [num_layers, num_kv_heads]) as one entry
+    per layer: None, a float, or that layer's per-head scales."""
+    if scale is None:
+        return [None] * num_layers
+    arr = np.asarray(scale, np.float32)
+    if arr.ndim == 0:
+        return [float(arr)] * num_layers
+    if arr.ndim > 2 or arr.shape[0] != num_layers:
+        raise ValueError(
+            f"{name} has shape {list(arr.shape)}: give a float, [{num_layers}] (per layer) or "
+            f"[{num_layers}, num_kv_heads]"
+        )
+    return [arr[i] if arr.ndim == 2 else float(arr[i]) for i in range(num_layers)]
+
+
 class KvrsCache(Cache):
     """A ``transformers`` cache whose keys and values live in kvrs (one KVCache per layer).
 
@@ -217,20 +257,41 @@ class KvrsCache(Cache):
         for layer in self.layers:
             layer.in_place = value  # type: ignore[union-attr]  # every layer is a KvrsLayer
 
-    def __init__(self, num_layers: int, max_seq_len: int, dtype: str | None = None, device: str = "cpu"):
+    def __init__(
+        self,
+        num_layers: int,
+        max_seq_len: int,
+        dtype: str | None = None,
+        device: str = "cpu",
+        *,
+        k_scale: Any = None,
+        v_scale: Any = None,
+    ):
         if max_seq_len < 1:
             raise ValueError(f"max_seq_len={max_seq_len}: must be >= 1")
         _check_device(device)
-        super().__init__(layers=[KvrsLayer(max_seq_len, dtype, device) for _ in range(num_layers)])
+        k, v = _per_layer(k_scale, "k_scale", num_layers), _per_layer(v_scale, "v_scale", num_layers)
+        super().__init__(
+            layers=[KvrsLayer(max_seq_len, dtype, device, (k[i], v[i])) for i in range(num_layers)]
+        )
 
     @classmethod
     def from_config(
-        cls, config: Any, max_seq_len: int, dtype: str | None = None, device: str = "cpu"
+        cls,
+        config: Any,
+        max_seq_len: int,
+        dtype: str | None = None,
+        device: str = "cpu",
+        *,
+        k_scale: Any = None,
+        v_scale: Any = None,
     ) -> KvrsCache:
         """A cache for a model config (its `num_hidden_layers`), `max_seq_len` positions per layer,
         stored in `dtype` on `device`: 'float32', 'float16', 'bfloat16' (default: the model's
-        dtype) or 8-bit 'fp8_e4m3', 'fp8_e5m2', 'int8'."""
-        return cls(text_config(config).num_hidden_layers, max_seq_len, dtype, device)
+        dtype) or 8-bit 'fp8_e4m3', 'fp8_e5m2', 'int8'. fp8 takes a checkpoint's `k_scale`
+        and `v_scale`: a float, one per layer, or [num_layers, num_kv_heads]."""
+        layers = text_config(config).num_hidden_layers
+        return cls(layers, max_seq_len, dtype, device, k_scale=k_scale, v_scale=v_scale)
 
 
 class KvrsPagedLayer(CacheLayerMixin):
@@ -305,10 +366,13 @@ class KvrsPagedCache(Cache):
         dtype: str | None = None,
         device: str = "cpu",
         swa_memory: int = 0,
+        k_scale: Any = None,
+        v_scale: Any = None,
     ) -> KvrsPagedCache:
         """A cache with a new pool shaped for the model config (its layer types included):
         room for `max_batch_size` rows of `max_seq_len` positions, or exactly `num_blocks`
-        blocks or `memory_bytes` bytes. `dtype` defaults to the model's. `swa_memory`
+        blocks or `memory_bytes` bytes. `dtype` defaults to the model's (8-bit dtypes as
+        for :class:`KvrsCache`, with fp8 `k_scale` / `v_scale`). `swa_memory`
         positions are kept beyond sliding windows so that `crop` (assisted decoding) can
         roll back that far from the longest length reached."""
         given = [n for n, v in (("max_seq_len", max_seq_len), ("num_blocks", num_blocks),
@@ -334,6 +398,8 @@ class KvrsPagedCache(Cache):
             device=device,
             swa_memory=swa_memory,
             prefix_caching=False,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
         return cls(pool)
 
