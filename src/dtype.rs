@@ -29,10 +29,6 @@ pub enum DType {
 }
 
 impl DType {
-    /// The floating-point dtypes: what tensors written into a cache may hold, and what
-    /// reads of a cache return.
-    pub const FLOATS: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
-
     /// The 8-bit storage dtypes.
     pub const QUANTIZED: [DType; 3] = [DType::F8E4M3, DType::F8E5M2, DType::I8];
 

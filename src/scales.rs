@@ -204,9 +204,18 @@ pub fn with_divided<const N: usize, R>(
                     [a, b, c],
                 )
             };
-            for (i, x) in mine.iter_mut().enumerate() {
-                let index = [i / (b * c), i / c % b, i % c];
-                *x /= head_scale(scales, head_axis, index);
+            // Row by row ([i][j] of c elements): the scale changes per element only when
+            // the heads lie along the last axis.
+            for (r, row) in mine.chunks_exact_mut(c.max(1)).enumerate() {
+                let (i, j) = (r / b.max(1), r % b.max(1));
+                if head_axis == 2 && scales.len() > 1 {
+                    for (x, s) in row.iter_mut().zip(scales.iter()) {
+                        *x /= s;
+                    }
+                } else {
+                    let s = head_scale(scales, head_axis, [i, j, 0]);
+                    row.iter_mut().for_each(|x| *x /= s);
+                }
             }
             // SAFETY: the copy outlives every use of the TensorRef (inside `f`).
             *slot = Some(unsafe {

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         "--kv-dtype",
         default="float32",
         choices=["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8"],
-        help="the pool's storage dtype (default float32, the model's; an 8-bit one reports the "
+        help="the pool's storage dtype (default float32, the model's; any other reports the "
         "greedy agreement with DynamicCache instead of requiring equal tokens)",
     )
     demo.add_argument(

@@ -285,7 +285,7 @@ def run(
     kv_dtype: str = "float32",
 ) -> int:
     """Runs the demo; returns the process exit code (0 when every output matches, or, with
-    an 8-bit `kv_dtype`, once the agreement with DynamicCache is reported)."""
+    a `kv_dtype` other than float32, once the agreement with DynamicCache is reported)."""
     from tqdm import tqdm  # type: ignore[import-untyped]
 
     model = make_model(seed, layers)
@@ -363,7 +363,7 @@ def run(
     waited = sum(r.admitted > r.arrival for r in requests)
     print(f"admission: {requests_n - waited} of {requests_n} requests admitted on arrival, {waited} waited")
     differ = [r.rid for r, out in zip(requests, expected, strict=True) if r.generated != out]
-    if kv_dtype in ("fp8_e4m3", "fp8_e5m2", "int8"):
+    if kv_dtype != "float32":  # fewer bits than the model computes in: report, not require
         same, total = agreement([r.generated for r in requests], expected)
         print(
             f"check: {kv_dtype} K/V: {requests_n - len(differ)} of {requests_n} requests generated exactly "

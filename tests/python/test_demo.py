@@ -41,6 +41,16 @@ def test_demo_detects_a_cache_that_loses_history(monkeypatch, capsys):
     assert "FAILED: requests" in capsys.readouterr().out
 
 
+def test_demo_with_8bit_kv_reports_its_agreement_and_admissions(capsys):
+    """An int8 pool serves every request; the demo reports how many tokens agree with
+    DynamicCache's float32 ones instead of requiring them all, and the admissions."""
+    assert main(SMALL + ["--pool-blocks", "9", "--kv-dtype", "int8", "--no-plot", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "check: int8 K/V:" in out and "of 6 requests generated exactly" in out
+    assert "came before a request's first difference" in out
+    assert "admission: " in out and " of 6 requests admitted on arrival" in out
+
+
 def test_demo_refuses_what_it_cannot_run(capsys):
     assert main(SMALL + ["--pool-blocks", "3", "--no-plot", "--no-progress"]) == 2
     assert "--pool-blocks=3 cannot hold one request" in capsys.readouterr().out
