@@ -153,6 +153,19 @@ def main() -> int:
     rows.append(("attention 256 x 2k decode: SDPA padded", t_sdpa_b * 1e6, "us"))
     rows.append(("attention 256 x 2k: kvrs K/V read", 256 * 2049 * heads * dim * 4 / t_batch / 1e9, "GB/s"))
 
+    # 8-bit storage: the same prefill scatter (float16 inputs quantized on write) and
+    # decode attention over 32k tokens (float16 queries), against the float16 rows above.
+    for dtype in ("fp8_e4m3", "fp8_e5m2", "int8"):
+        q8 = kvrs.BlockPool(1, heads, dim, block_size=bs, num_blocks=n // bs + 8, dtype=dtype, device="cuda")
+        s8 = q8.new_sequence()
+        slots8 = q8.reserve([s8], [n])
+        t_write = timed(torch, lambda q8=q8, slots8=slots8: q8.write(0, k, k, slots8))
+        rows.append((f"prefill scatter 32k tokens: {dtype}", nbytes / t_write / 1e9, "GB/s in"))
+        q8.write(0, k, k, slots8)
+        s8.advance(n)
+        t_att = timed(torch, lambda s8=s8: s8.attention(0, q))
+        rows.append((f"attention decode 32k: kvrs {dtype}", t_att * 1e6, "us"))
+
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     for name, value, unit in rows:
         print(f"{name:40s} {value:10.1f} {unit}")

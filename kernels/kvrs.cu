@@ -28,6 +28,100 @@ template <> __device__ __forceinline__ float from_f32<float>(float x) { return x
 template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
+// The bits of a float and back (a union: the same code compiles for the simulator).
+__device__ __forceinline__ float bits_f32(uint32_t u) {
+    union { uint32_t u; float f; } x;
+    x.u = u;
+    return x.f;
+}
+__device__ __forceinline__ uint32_t f32_bits(float f) {
+    union { float f; uint32_t u; } x;
+    x.f = f;
+    return x.u;
+}
+
+// fp8 storage types: the OCP formats (ml_dtypes' float8_e4m3fn and float8_e5m2).
+struct kvrs_e4m3 {
+    uint8_t bits;
+};
+struct kvrs_e5m2 {
+    uint8_t bits;
+};
+
+// Encodes x in an fp8 format of M mantissa bits and exponent bias BIAS whose largest
+// finite value is `max` (code MAXC) and NaN code NANC, exactly as the host codec
+// (src/quant.rs): round to nearest even, saturate at +-max, NaN stays NaN.
+template <int M, int BIAS, uint32_t MAXC, uint32_t NANC>
+__device__ __forceinline__ uint8_t fp8_encode(float x, float max) {
+    const uint32_t bits = f32_bits(x);
+    const uint32_t sign = (bits >> 24) & 0x80u;
+    const uint32_t abits = bits & 0x7fffffffu;
+    const float a = bits_f32(abits);
+    if (a != a) return (uint8_t)(sign | NANC);
+    if (a >= max) return (uint8_t)(sign | MAXC);
+    uint32_t code;
+    if (a < bits_f32((uint32_t)(128 - BIAS) << 23)) {
+        // Subnormal: a multiple of 2^(1 - BIAS - M); scaling by a power of two is exact.
+        code = (uint32_t)rintf(a * bits_f32((uint32_t)(126 + BIAS + M) << 23));
+    } else {
+        // Normal: round the f32 mantissa to M bits (a carry moves into the exponent).
+        const int drop = 23 - M;
+        code = ((abits + (1u << (drop - 1)) - 1u + ((abits >> drop) & 1u)) >> drop) - ((uint32_t)(127 - BIAS) << M);
+    }
+    return (uint8_t)(sign | (code < MAXC ? code : MAXC));
+}
+
+// The value of fp8 code c (IEEE: E5M2's infinities and NaNs; otherwise E4M3's single NaN
+// per sign, 0x7f).
+template <int M, int BIAS, bool IEEE>
+__device__ __forceinline__ float fp8_decode(uint8_t c) {
+    const uint32_t e = (uint32_t)(c & 0x7f) >> M, m = c & ((1u << M) - 1u);
+    const bool special = IEEE ? e == (0x7fu >> M) : (c & 0x7f) == 0x7f;
+    if (special && !(IEEE && m == 0)) return bits_f32(0x7fc00000u);
+    float v;
+    if (special) {
+        v = bits_f32(0x7f800000u);
+    } else if (e == 0) {
+        v = (float)m * bits_f32((uint32_t)(128 - BIAS - M) << 23);
+    } else {
+        v = bits_f32(((e + 127u - BIAS) << 23) | (m << (23 - M)));
+    }
+    return (c & 0x80) ? -v : v;
+}
+
+template <> __device__ __forceinline__ float to_f32<kvrs_e4m3>(kvrs_e4m3 x) { return fp8_decode<3, 7, false>(x.bits); }
+template <> __device__ __forceinline__ float to_f32<kvrs_e5m2>(kvrs_e5m2 x) { return fp8_decode<2, 15, true>(x.bits); }
+template <> __device__ __forceinline__ float to_f32<int8_t>(int8_t x) { return (float)x; }
+template <> __device__ __forceinline__ kvrs_e4m3 from_f32<kvrs_e4m3>(float x) {
+    return kvrs_e4m3{fp8_encode<3, 7, 0x7eu, 0x7fu>(x, 448.0f)};
+}
+template <> __device__ __forceinline__ kvrs_e5m2 from_f32<kvrs_e5m2>(float x) {
+    return kvrs_e5m2{fp8_encode<2, 15, 0x7bu, 0x7eu>(x, 57344.0f)};
+}
+
+// Quantizes the head vector src[0], src[src_stride], ... (n elements) into dst[0..n) as
+// the host does (quantize_row_i8 in src/quant.rs): scale = max|x| / 127 (NaNs ignored),
+// codes rint(x / scale) clamped to +-127 (NaN: 0). Returns the scale (0 for a zero vector).
+template <typename S>
+__device__ float quantize_vector(int8_t* dst, int64_t dst_stride, const S* src, int64_t src_stride, int n) {
+    float amax = 0.0f;
+    for (int e = 0; e < n; ++e) {
+        const float a = fabsf(to_f32(src[e * src_stride]));
+        if (a > amax) amax = a;
+    }
+    if (amax == 0.0f) {
+        for (int e = 0; e < n; ++e) dst[e * dst_stride] = 0;
+        return 0.0f;
+    }
+    const float scale = fminf(amax / 127.0f, 3.40282347e38f);
+    for (int e = 0; e < n; ++e) {
+        const float x = to_f32(src[e * src_stride]);
+        const float q = rintf(fminf(fmaxf(x / scale, -127.0f), 127.0f));
+        dst[e * dst_stride] = x != x ? (int8_t)0 : (int8_t)q;
+    }
+    return scale;
+}
+
 // Element offset of (block, kv, offset in block, head, dim) in one layer's paged tensor.
 __device__ __forceinline__ int64_t paged_offset(int64_t block, int kv, int64_t off, int64_t head, int64_t dim,
                                                 int64_t bs, int64_t heads, int64_t head_dim, int hnd) {
@@ -162,6 +256,93 @@ __device__ void append_contiguous(const S* k, const S* v, TokenStrides ks, Token
     }
 }
 
+// int8 storage keeps one float32 scale per head vector: the vector at element offset o
+// of the codes has its scale at o / head_dim of the scales (the same regions, divided).
+
+// The scatter into int8 storage: each thread quantizes whole head vectors of one token.
+// Grid (tokens, layers); threads stride over heads.
+template <typename S>
+__device__ void scatter_q8(const S* const* k, const S* const* v, int8_t* const* cache, float* const* scales,
+                           const int64_t* slots, TokenStrides ks, TokenStrides vs, int bs, int heads, int head_dim,
+                           int hnd) {
+    const int64_t t = blockIdx.x;
+    const int layer = blockIdx.y;
+    const int64_t slot = slots[t];
+    if (slot < 0) return;
+    const int64_t block = slot / bs, off = slot % bs;
+    for (int h = threadIdx.x; h < heads; h += blockDim.x) {
+        const int64_t ko = paged_offset(block, 0, off, h, 0, bs, heads, head_dim, hnd);
+        const int64_t vo = paged_offset(block, 1, off, h, 0, bs, heads, head_dim, hnd);
+        scales[layer][ko / head_dim] = quantize_vector(cache[layer] + ko, 1, k[layer] + t * ks.tok + h * ks.head, 1, head_dim);
+        scales[layer][vo / head_dim] = quantize_vector(cache[layer] + vo, 1, v[layer] + t * vs.tok + h * vs.head, 1, head_dim);
+    }
+}
+
+// append_contiguous into int8 storage (`scales` holds the scales of `cache`'s vectors).
+// Grid (tokens, layers); threads stride over heads.
+template <typename S>
+__device__ void append_contiguous_q8(const S* k, const S* v, TokenStrides ks, TokenStrides vs, int64_t k_layer,
+                                     int64_t v_layer, int8_t* cache, float* scales, const int64_t* position,
+                                     int64_t max_seq_len, int heads, int head_dim) {
+    const int64_t t = blockIdx.x;
+    const int64_t layer = blockIdx.y;
+    const int64_t p = *position + t;
+    if (p >= max_seq_len) return;
+    const int64_t plane = (int64_t)heads * max_seq_len * head_dim;
+    for (int h = threadIdx.x; h < heads; h += blockDim.x) {
+        const int64_t ko = layer * 2 * plane + (h * max_seq_len + p) * head_dim, vo = ko + plane;
+        scales[ko / head_dim] =
+            quantize_vector(cache + ko, 1, k + layer * k_layer + t * ks.tok + h * ks.head, 1, head_dim);
+        scales[vo / head_dim] =
+            quantize_vector(cache + vo, 1, v + layer * v_layer + t * vs.tok + h * vs.head, 1, head_dim);
+    }
+}
+
+// A rank-3 region of int8 codes written from floats: dst[i][j][k] (element strides d*;
+// n2 a multiple of head_dim) quantized one head vector at a time, each vector's scale
+// stored at scales[i * c0 + j * c1 + k / head_dim]. A 1-D grid-stride loop over vectors.
+template <typename S>
+__device__ void quantize3(int8_t* dst, int64_t d0, int64_t d1, int64_t d2, float* scales, int64_t c0, int64_t c1,
+                          const S* src, int64_t s0, int64_t s1, int64_t s2, int64_t n0, int64_t n1, int64_t n2,
+                          int head_dim) {
+    const int64_t per_row = n2 / head_dim, total = n0 * n1 * per_row;
+    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t k = (e % per_row) * head_dim, j = (e / per_row) % n1, i = e / (per_row * n1);
+        scales[i * c0 + j * c1 + k / head_dim] =
+            quantize_vector(dst + i * d0 + j * d1 + k * d2, d2, src + i * s0 + j * s1 + k * s2, s2, head_dim);
+    }
+}
+
+// The reverse of quantize3: dst[i][j][k] = code * its vector's scale, in T. A 1-D
+// grid-stride loop over the elements.
+template <typename T>
+__device__ void dequantize3(T* dst, int64_t d0, int64_t d1, int64_t d2, const int8_t* codes, int64_t q0, int64_t q1,
+                            int64_t q2, const float* scales, int64_t c0, int64_t c1, int64_t n0, int64_t n1,
+                            int64_t n2, int head_dim) {
+    const int64_t total = n0 * n1 * n2;
+    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t k = e % n2, j = (e / n2) % n1, i = e / (n1 * n2);
+        const float x = (float)codes[i * q0 + j * q1 + k * q2] * scales[i * c0 + j * c1 + k / head_dim];
+        dst[i * d0 + j * d1 + k * d2] = from_f32<T>(x);
+    }
+}
+
+// dst[i][j][k] = src[i][j][k] divided (divide != 0) or multiplied by the scale of its
+// index along `axis` (scales[0] for all when n_scales is 1), through f32: an fp8 cache's
+// per-head scales applied to tensors on the device (src may be dst).
+template <typename S, typename T>
+__device__ void scale3(T* dst, int64_t d0, int64_t d1, int64_t d2, const S* src, int64_t s0, int64_t s1, int64_t s2,
+                       int64_t n0, int64_t n1, int64_t n2, const float* scales, int64_t n_scales, int axis,
+                       int divide) {
+    const int64_t total = n0 * n1 * n2;
+    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t idx[3] = {e / (n1 * n2), (e / n2) % n1, e % n2};
+        const float s = n_scales == 1 ? scales[0] : scales[idx[axis]];
+        const float x = to_f32(src[idx[0] * s0 + idx[1] * s1 + idx[2] * s2]);
+        dst[idx[0] * d0 + idx[1] * d1 + idx[2] * d2] = from_f32<T>(divide ? x / s : x * s);
+    }
+}
+
 // Largest head_dim the attention kernel takes (its accumulator lives in registers).
 constexpr int KVRS_MAX_HEAD_DIM = 256;
 
@@ -189,7 +370,10 @@ __device__ void finish_head(T* o, const float* acc, float m, float l, const floa
 // position) attends, for each query head, over positions lo..hi of its own sequence,
 // read through the block table; f32 scores and an online softmax; scale, soft-capping
 // (softcap > 0), sinks and ALiBi slopes (null: none) as in kvrs::attention. q is
-// [tokens, q_heads, head_dim] with element strides (token, head); out is C-contiguous.
+// [tokens, q_heads, head_dim] with element strides (token, head); out is C-contiguous, of
+// q's type Q. The cache's elements C may be 8-bit codes, converted in registers and
+// multiplied by their scale: scale_mode 0 none, 1 one per KV head (k_scales[kvh], fp8),
+// 2 one per head vector (k_scales[element offset / head_dim], int8; v_scales likewise).
 //
 // Flash-decoding: grid (rows, splits), one thread per query head; split s of a row reads
 // positions lo + s * chunk .. min(hi, lo + (s + 1) * chunk), so a long history is read
@@ -197,11 +381,12 @@ __device__ void finish_head(T* o, const float* acc, float m, float l, const floa
 // denominator and unnormalised output there, [rows, splits, q_heads, 2 + head_dim] f32,
 // and kvrs_attention_merge combines them; without it (one split) the thread finishes the
 // row itself. No shared memory, no barriers, so the simulated device runs it exactly.
-template <typename T>
-__device__ void paged_attention(const T* q, TokenStrides qs, T* out, const T* cache, const int32_t* tables,
+template <typename Q, typename C>
+__device__ void paged_attention(const Q* q, TokenStrides qs, Q* out, const C* cache, const int32_t* tables,
                                 const int64_t* rows, int q_heads, float scale, float softcap, const float* sinks,
                                 const float* alibi, int64_t chunk, float* partial, int bs, int heads,
-                                int head_dim, int hnd) {
+                                int head_dim, int hnd, const float* k_scales, const float* v_scales,
+                                int scale_mode) {
     const int64_t* row = rows + 5 * (int64_t)blockIdx.x;
     const int64_t token = row[0], pos = row[2], hi = row[4];
     const int64_t begin = row[3] + (int64_t)blockIdx.y * chunk;
@@ -209,7 +394,7 @@ __device__ void paged_attention(const T* q, TokenStrides qs, T* out, const T* ca
     const int32_t* table = tables + row[1];
     for (int h = threadIdx.x; h < q_heads; h += blockDim.x) {
         const int kvh = h / (q_heads / heads);
-        const T* qv = q + token * qs.tok + h * qs.head;
+        const Q* qv = q + token * qs.tok + h * qs.head;
         float qf[KVRS_MAX_HEAD_DIM], acc[KVRS_MAX_HEAD_DIM];
         for (int d = 0; d < head_dim; ++d) {
             qf[d] = to_f32(qv[d]) * scale;
@@ -219,17 +404,22 @@ __device__ void paged_attention(const T* q, TokenStrides qs, T* out, const T* ca
         float m = neg_inf, l = 0.0f;
         for (int64_t p = begin; p < end; ++p) {
             const int64_t block = table[p / bs], off = p % bs;
-            const T* k = cache + paged_offset(block, 0, off, kvh, 0, bs, heads, head_dim, hnd);
-            const T* v = cache + paged_offset(block, 1, off, kvh, 0, bs, heads, head_dim, hnd);
+            const int64_t ko = paged_offset(block, 0, off, kvh, 0, bs, heads, head_dim, hnd);
+            const int64_t vo = paged_offset(block, 1, off, kvh, 0, bs, heads, head_dim, hnd);
+            const C* k = cache + ko;
+            const C* v = cache + vo;
+            // What multiplies the codes: 1, the KV head's scale (fp8), the vector's (int8).
+            const float ks = scale_mode == 1 ? k_scales[kvh] : scale_mode == 2 ? k_scales[ko / head_dim] : 1.0f;
+            const float vs = scale_mode == 1 ? v_scales[kvh] : scale_mode == 2 ? v_scales[vo / head_dim] : 1.0f;
             float s = 0.0f;
-            for (int d = 0; d < head_dim; ++d) s += qf[d] * to_f32(k[d]);
+            for (int d = 0; d < head_dim; ++d) s += qf[d] * (to_f32(k[d]) * ks);
             if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
             if (alibi) s += alibi[h] * (float)(p - pos);
             const float mx = fmaxf(m, s);
             const float f = m == neg_inf ? 0.0f : expf(m - mx);
             const float w = expf(s - mx);
             l = l * f + w;
-            for (int d = 0; d < head_dim; ++d) acc[d] = acc[d] * f + w * to_f32(v[d]);
+            for (int d = 0; d < head_dim; ++d) acc[d] = acc[d] * f + w * (to_f32(v[d]) * vs);
             m = mx;
         }
         if (partial) {
@@ -238,7 +428,7 @@ __device__ void paged_attention(const T* q, TokenStrides qs, T* out, const T* ca
             w[1] = l;
             for (int d = 0; d < head_dim; ++d) w[2 + d] = acc[d];
         } else {
-            finish_head<T>(out + (token * q_heads + h) * head_dim, acc, m, l, sinks, h, head_dim);
+            finish_head<Q>(out + (token * q_heads + h) * head_dim, acc, m, l, sinks, h, head_dim);
         }
     }
 }
@@ -307,21 +497,33 @@ extern "C" __global__ void kvrs_advance_counter(int64_t* position, int64_t n) {
                                                  int64_t n2) {                                                \
         copy3<S, T>(dst, d0, d1, d2, src, s0, s1, s2, n0, n1, n2);                                            \
     }
+#define KVRS_SCALE3(NAME, S, T)                                                                               \
+    extern "C" __global__ void kvrs_scale3_##NAME(T* dst, int64_t d0, int64_t d1, int64_t d2, const S* src,   \
+                                                  int64_t s0, int64_t s1, int64_t s2, int64_t n0, int64_t n1, \
+                                                  int64_t n2, const float* scales, int64_t n_scales, int axis, \
+                                                  int divide) {                                               \
+        scale3<S, T>(dst, d0, d1, d2, src, s0, s1, s2, n0, n1, n2, scales, n_scales, axis, divide);           \
+    }
+#define KVRS_ATTENTION(NAME, Q, C)                                                                            \
+    extern "C" __global__ void kvrs_paged_attention_##NAME(                                                  \
+        const Q* q, int64_t q_tok, int64_t q_head, Q* out, const C* cache, const int32_t* tables,              \
+        const int64_t* rows, int q_heads, float scale, float softcap, const float* sinks, const float* alibi,  \
+        int64_t chunk, float* partial, int bs, int heads, int head_dim, int hnd, const float* k_scales,        \
+        const float* v_scales, int scale_mode) {                                                               \
+        paged_attention<Q, C>(q, {q_tok, q_head}, out, cache, tables, rows, q_heads, scale, softcap, sinks,    \
+                              alibi, chunk, partial, bs, heads, head_dim, hnd, k_scales, v_scales, scale_mode); \
+    }
 #define KVRS_FOR_INPUTS(MACRO, T, TN) \
     MACRO(f32_##TN, float, T)         \
     MACRO(f16_##TN, __half, T)        \
     MACRO(bf16_##TN, __nv_bfloat16, T)
+// Float storage (T, named TN): writes from every float input, reads and attention in T.
 #define KVRS_PER_STORAGE(T, TN)                                                                               \
     KVRS_FOR_INPUTS(KVRS_SCATTER, T, TN)                                                                      \
     KVRS_FOR_INPUTS(KVRS_APPEND, T, TN)                                                                       \
     KVRS_FOR_INPUTS(KVRS_COPY3, T, TN)                                                                        \
-    extern "C" __global__ void kvrs_paged_attention_##TN(                                                    \
-        const T* q, int64_t q_tok, int64_t q_head, T* out, const T* cache, const int32_t* tables,              \
-        const int64_t* rows, int q_heads, float scale, float softcap, const float* sinks, const float* alibi,  \
-        int64_t chunk, float* partial, int bs, int heads, int head_dim, int hnd) {                             \
-        paged_attention<T>(q, {q_tok, q_head}, out, cache, tables, rows, q_heads, scale, softcap, sinks,       \
-                           alibi, chunk, partial, bs, heads, head_dim, hnd);                                   \
-    }                                                                                                          \
+    KVRS_FOR_INPUTS(KVRS_SCALE3, T, TN)                                                                       \
+    KVRS_ATTENTION(TN, T, T)                                                                                   \
     extern "C" __global__ void kvrs_attention_merge_##TN(const float* partial, int splits, const int64_t* rows, \
                                                          T* out, int q_heads, const float* sinks, int head_dim) { \
         attention_merge<T>(partial, splits, rows, out, q_heads, sinks, head_dim);                              \
@@ -338,12 +540,73 @@ extern "C" __global__ void kvrs_advance_counter(int64_t* position, int64_t n) {
                                                      int style, int bs, int heads, int head_dim, int hnd) {   \
         rope_rotate<T>(cache, table, start, cos_t, sin_t, rotary_dim, style, bs, heads, head_dim, hnd);       \
     }
+// fp8 storage (T, named TN): encoding writes from every float input, decoding copies to
+// every float type, attention for every float query type.
+#define KVRS_PER_FP8(T, TN)                                 \
+    KVRS_FOR_INPUTS(KVRS_SCATTER, T, TN)                    \
+    KVRS_FOR_INPUTS(KVRS_APPEND, T, TN)                     \
+    KVRS_FOR_INPUTS(KVRS_COPY3, T, TN)                      \
+    KVRS_COPY3(TN##_f32, T, float)                          \
+    KVRS_COPY3(TN##_f16, T, __half)                         \
+    KVRS_COPY3(TN##_bf16, T, __nv_bfloat16)                 \
+    KVRS_ATTENTION(f32_##TN, float, T)                      \
+    KVRS_ATTENTION(f16_##TN, __half, T)                     \
+    KVRS_ATTENTION(bf16_##TN, __nv_bfloat16, T)
 
 KVRS_PER_STORAGE(float, f32)
 KVRS_PER_STORAGE(__half, f16)
 KVRS_PER_STORAGE(__nv_bfloat16, bf16)
+KVRS_PER_FP8(kvrs_e4m3, e4m3)
+KVRS_PER_FP8(kvrs_e5m2, e5m2)
 
-// Zeroing by element width: 2 bytes (float16, bfloat16) or 4 (float32).
+// int8 storage, per float input S (named SN): quantizing scatter, append and region
+// write; dequantizing region read into S; attention with S queries.
+#define KVRS_PER_INT8_INPUT(S, SN)                                                                            \
+    extern "C" __global__ void kvrs_scatter_##SN##_i8(const S* const* k, const S* const* v,                   \
+                                                      int8_t* const* cache, float* const* scales,              \
+                                                      const int64_t* slots, int64_t k_tok, int64_t k_head,     \
+                                                      int64_t v_tok, int64_t v_head, int bs, int heads,        \
+                                                      int head_dim, int hnd) {                                 \
+        scatter_q8<S>(k, v, cache, scales, slots, {k_tok, k_head}, {v_tok, v_head}, bs, heads, head_dim, hnd); \
+    }                                                                                                          \
+    extern "C" __global__ void kvrs_append_contiguous_##SN##_i8(                                              \
+        const S* k, const S* v, int64_t k_tok, int64_t k_head, int64_t v_tok, int64_t v_head, int64_t k_layer, \
+        int64_t v_layer, int8_t* cache, float* scales, const int64_t* position, int64_t max_seq_len, int heads, \
+        int head_dim) {                                                                                        \
+        append_contiguous_q8<S>(k, v, {k_tok, k_head}, {v_tok, v_head}, k_layer, v_layer, cache, scales,       \
+                                position, max_seq_len, heads, head_dim);                                       \
+    }                                                                                                          \
+    extern "C" __global__ void kvrs_quantize3_##SN(int8_t* dst, int64_t d0, int64_t d1, int64_t d2,           \
+                                                   float* scales, int64_t c0, int64_t c1, const S* src,        \
+                                                   int64_t s0, int64_t s1, int64_t s2, int64_t n0, int64_t n1, \
+                                                   int64_t n2, int head_dim) {                                 \
+        quantize3<S>(dst, d0, d1, d2, scales, c0, c1, src, s0, s1, s2, n0, n1, n2, head_dim);                  \
+    }                                                                                                          \
+    extern "C" __global__ void kvrs_dequantize3_##SN(S* dst, int64_t d0, int64_t d1, int64_t d2,              \
+                                                     const int8_t* codes, int64_t q0, int64_t q1, int64_t q2,  \
+                                                     const float* scales, int64_t c0, int64_t c1, int64_t n0,  \
+                                                     int64_t n1, int64_t n2, int head_dim) {                   \
+        dequantize3<S>(dst, d0, d1, d2, codes, q0, q1, q2, scales, c0, c1, n0, n1, n2, head_dim);              \
+    }                                                                                                          \
+    KVRS_ATTENTION(SN##_i8, S, int8_t)
+
+KVRS_PER_INT8_INPUT(float, f32)
+KVRS_PER_INT8_INPUT(__half, f16)
+KVRS_PER_INT8_INPUT(__nv_bfloat16, bf16)
+
+// 1-byte storage of any kind: raw copies and gathers of the codes.
+KVRS_COPY3(b8_b8, uint8_t, uint8_t)
+extern "C" __global__ void kvrs_gather_b8(const uint8_t* const* cache, const int32_t* table, int64_t start,
+                                          uint8_t* const* out_k, uint8_t* const* out_v, int64_t k_head, int64_t k_pos,
+                                          int64_t v_head, int64_t v_pos, int bs, int heads, int head_dim, int hnd) {
+    gather<uint8_t>(cache, table, start, out_k, out_v, {k_head, k_pos}, {v_head, v_pos}, bs, heads, head_dim, hnd);
+}
+
+// Zeroing by element width: 1 byte (8-bit codes), 2 (float16, bfloat16) or 4 (float32).
+extern "C" __global__ void kvrs_zero3_b8(uint8_t* dst, int64_t d0, int64_t d1, int64_t d2, int64_t n0, int64_t n1,
+                                         int64_t n2) {
+    zero3<uint8_t>(dst, d0, d1, d2, n0, n1, n2);
+}
 extern "C" __global__ void kvrs_zero3_b16(uint16_t* dst, int64_t d0, int64_t d1, int64_t d2, int64_t n0, int64_t n1,
                                           int64_t n2) {
     zero3<uint16_t>(dst, d0, d1, d2, n0, n1, n2);

@@ -339,7 +339,9 @@ impl CacheCore {
         let region = self.heads_at(layer, kv, head..head + 1, pos);
         let scale = &self.scales.heads(layer, kv)[head..head + 1];
         let storage = &mut self.storage;
-        with_divided([(vector, scale)], 0, |[v]| storage.write(region, v))?;
+        with_divided(storage.scaler(), [(vector, scale)], 0, |[v]| {
+            storage.write(region, v)
+        })?;
         let held = self.layer_len[layer];
         if pos >= held {
             // Zero what the store brings in, all but the vector just written.
@@ -405,7 +407,9 @@ impl CacheCore {
             };
             let storage = &mut self.storage;
             let scales = self.scales.heads(layer, kv);
-            with_divided([(src, scales)], 1, |[src]| storage.write(transposed, src))?;
+            with_divided(storage.scaler(), [(src, scales)], 1, |[src]| {
+                storage.write(transposed, src)
+            })?;
         }
         self.layer_len[layer] = start + n;
         Ok(start)
@@ -459,7 +463,12 @@ impl CacheCore {
             let out_in = out.slice(1, 0, inside);
             self.storage
                 .read(self.region(layer, kv, start, inside), &out_in)?;
-            multiply_heads(&out_in, 0, self.scales.heads(layer, kv))?;
+            multiply_heads(
+                self.storage.scaler(),
+                &out_in,
+                0,
+                self.scales.heads(layer, kv),
+            )?;
             // Positions past max_seq_len read as zeros.
             self.storage.zero(&out.slice(1, inside, bs - inside))?;
         }
@@ -483,9 +492,12 @@ impl CacheCore {
             let region = self.region(layer, kv, start, inside);
             let storage = &mut self.storage;
             let scales = self.scales.heads(layer, kv);
-            with_divided([(&src.slice(1, 0, inside), scales)], 0, |[src]| {
-                storage.write(region, src)
-            })?;
+            with_divided(
+                storage.scaler(),
+                [(&src.slice(1, 0, inside), scales)],
+                0,
+                |[src]| storage.write(region, src),
+            )?;
         }
         Ok(())
     }
@@ -519,6 +531,15 @@ impl CacheCore {
         k.expect_shape("k", &expected)?;
         v.expect_shape("v", &expected)?;
         let c = self.cuda("append_at_counter")?;
+        if !self.scales.is_unit() {
+            // A captured step takes plain values only; dividing by the scales would
+            // upload them from the host on every replay.
+            return Err(KvError::NotSupported(
+                "append_at_counter on an fp8 cache with k_scale/v_scale other than 1.0; \
+                 use append (or scales of 1.0) for a captured decode loop"
+                    .into(),
+            ));
+        }
         c.append_at_counter(self.offset(layer, Kv::Key, 0, 0), s.max_seq_len, k, v)
     }
 

@@ -14,6 +14,7 @@ use crate::attention;
 use crate::dtype::{read_f32, write_f32, DType};
 use crate::error::{KvError, Result};
 use crate::layout::{Device, Kv};
+use crate::storage::cuda::DeviceScaler;
 use crate::storage::Storage;
 use crate::tensor::{copy_strided, TensorRef};
 
@@ -160,9 +161,11 @@ fn head_scale(scales: &[f32], head_axis: usize, index: [usize; 3]) -> f32 {
     }
 }
 
-/// Calls `f` with each of `inputs` divided by its scales along `head_axis` (f32 host
-/// copies), or with the inputs themselves when every scale is 1.
+/// Calls `f` with each of `inputs` divided by its scales along `head_axis` (float32
+/// copies: on the host, or through `device` for inputs on a CUDA cache's device), or with
+/// the inputs themselves when every scale is 1.
 pub fn with_divided<const N: usize, R>(
+    device: Option<DeviceScaler>,
     inputs: [(&TensorRef, &[f32]); N],
     head_axis: usize,
     f: impl FnOnce([&TensorRef; N]) -> Result<R>,
@@ -171,10 +174,15 @@ pub fn with_divided<const N: usize, R>(
         return f(inputs.map(|(t, _)| t));
     }
     if let Some((t, _)) = inputs.iter().find(|(t, _)| t.device() != Device::Cpu) {
-        return Err(KvError::Device(format!(
-            "the input lives on {}; this cache lives on the host, so pass a CPU tensor",
-            t.device()
-        )));
+        let Some(scaler) = device.filter(|_| inputs.iter().all(|(t, _)| t.device() != Device::Cpu))
+        else {
+            return Err(KvError::Device(format!(
+                "the input lives on {}; pass every input on the cache's device",
+                t.device()
+            )));
+        };
+        let copies = scaler.divided(inputs, head_axis)?;
+        return f(std::array::from_fn(|i| &copies[i]));
     }
     SCRATCH.with(|scratch| {
         let mut scratch = scratch.borrow_mut();
@@ -230,17 +238,26 @@ pub fn with_divided<const N: usize, R>(
     })
 }
 
-/// Multiplies every element of `t` (host memory, a float dtype) by its head's scale
-/// along `head_axis`; nothing happens when every scale is 1 or `t` holds raw codes.
-pub fn multiply_heads(t: &TensorRef, head_axis: usize, scales: &[f32]) -> Result<()> {
+/// Multiplies every element of `t` (a float dtype; host memory, or through `device` on
+/// a CUDA cache's device) by its head's scale along `head_axis`; nothing happens when
+/// every scale is 1 or `t` holds raw codes.
+pub fn multiply_heads(
+    device: Option<DeviceScaler>,
+    t: &TensorRef,
+    head_axis: usize,
+    scales: &[f32],
+) -> Result<()> {
     if is_unit(scales) || t.dtype().is_quantized() {
         return Ok(());
     }
     if t.device() != Device::Cpu {
-        return Err(KvError::Device(format!(
-            "the output lives on {}; this cache lives on the host",
-            t.device()
-        )));
+        return match device {
+            Some(scaler) => scaler.multiply(t, head_axis, scales),
+            None => Err(KvError::Device(format!(
+                "the output lives on {}; this cache lives on the host",
+                t.device()
+            ))),
+        };
     }
     let [a, b, c] = t.shape3();
     let st = t.strides3();
@@ -287,7 +304,7 @@ mod tests {
         let t = unsafe { TensorRef::contiguous(x.as_ptr() as *const u8, DType::F32, &[2, 2, 2]) }
             .unwrap();
         let scales = [2.0, 4.0];
-        let got = with_divided([(&t, &scales[..])], 1, |[d]| {
+        let got = with_divided(None, [(&t, &scales[..])], 1, |[d]| {
             let mut out = vec![0f32; 8];
             unsafe {
                 copy_strided(
@@ -309,7 +326,7 @@ mod tests {
             TensorRef::contiguous(back.as_mut_ptr() as *const u8, DType::F32, &[2, 2, 2])
         }
         .unwrap();
-        multiply_heads(&t, 1, &scales).unwrap();
+        multiply_heads(None, &t, 1, &scales).unwrap();
         assert_eq!(back, x);
     }
 }

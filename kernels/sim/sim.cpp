@@ -42,14 +42,22 @@ struct Entry {
 
 #define K(NAME) Entry{#NAME, [](void** p) { invoke(NAME, p); }}
 #define K_INPUTS(PREFIX, TN) K(PREFIX##_f32_##TN), K(PREFIX##_f16_##TN), K(PREFIX##_bf16_##TN)
-#define K_STORAGE(TN) \
+#define K_STORAGE(TN)                                                                           \
     K_INPUTS(kvrs_scatter, TN), K_INPUTS(kvrs_append_contiguous, TN), K_INPUTS(kvrs_copy3, TN), \
-        K(kvrs_gather_##TN), K(kvrs_rope_rotate_##TN), K(kvrs_paged_attention_##TN),              \
-        K(kvrs_attention_merge_##TN)
+        K_INPUTS(kvrs_scale3, TN), K(kvrs_gather_##TN), K(kvrs_rope_rotate_##TN),                \
+        K(kvrs_paged_attention_##TN), K(kvrs_attention_merge_##TN)
+#define K_FP8(TN)                                                                               \
+    K_INPUTS(kvrs_scatter, TN), K_INPUTS(kvrs_append_contiguous, TN), K_INPUTS(kvrs_copy3, TN), \
+        K(kvrs_copy3_##TN##_f32), K(kvrs_copy3_##TN##_f16), K(kvrs_copy3_##TN##_bf16),          \
+        K_INPUTS(kvrs_paged_attention, TN)
+#define K_INT8(SN)                                                                             \
+    K(kvrs_scatter_##SN##_i8), K(kvrs_append_contiguous_##SN##_i8), K(kvrs_quantize3_##SN), \
+        K(kvrs_dequantize3_##SN), K(kvrs_paged_attention_##SN##_i8)
 
 const Entry KERNELS[] = {
     K(kvrs_copy_blocks), K(kvrs_advance_counter), K_STORAGE(f32), K_STORAGE(f16), K_STORAGE(bf16),
-    K(kvrs_zero3_b16),   K(kvrs_zero3_b32),
+    K_FP8(e4m3),         K_FP8(e5m2),             K_INT8(f32),    K_INT8(f16),    K_INT8(bf16),
+    K(kvrs_copy3_b8_b8), K(kvrs_gather_b8),       K(kvrs_zero3_b8), K(kvrs_zero3_b16), K(kvrs_zero3_b32),
 };
 
 }  // namespace

@@ -11,7 +11,7 @@ use super::pool::{PoolCore, SeqId};
 use super::seq::{SeqState, Table};
 use crate::attention::{self, AttnOptions, KvHeads, KvPages, QueryRow, SeqQueries};
 use crate::error::{check_index, KvError, Result};
-use crate::layout::KvLayout;
+use crate::layout::{Kv, KvLayout};
 use crate::scales::attention_scales;
 use crate::storage::cuda::attention::DeviceRow;
 use crate::storage::PagedTensor;
@@ -163,7 +163,11 @@ impl PoolCore {
             shape: self.shape,
             index: self.tensor_of(layer),
         };
-        cuda.paged_attention(t, q, out, &tables, &device_rows, scale, opts)
+        let head_scales = [
+            self.scales.heads(layer, Kv::Key),
+            self.scales.heads(layer, Kv::Value),
+        ];
+        cuda.paged_attention(t, q, out, &tables, &device_rows, scale, opts, head_scales)
     }
 
     /// The row of a token at `pos` of `layer`: from its window's first position (or the

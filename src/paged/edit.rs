@@ -188,7 +188,7 @@ impl PoolCore {
             self.scales.heads(layer, Kv::Value),
         );
         let storage = &mut self.storage;
-        with_divided([(k, ks), (v, vs)], 1, |[k, v]| {
+        with_divided(storage.scaler(), [(k, ks), (v, vs)], 1, |[k, v]| {
             storage.write_positions(t, blocks, start, k, v)
         })
     }

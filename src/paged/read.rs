@@ -75,28 +75,32 @@ impl PoolCore {
     ) -> Result<(usize, usize, Vec<f32>, Vec<f32>)> {
         let sh = self.shape;
         let layer = check_index("layer", layer, sh.num_layers)?;
-        let rows = self.storage.row_scales().ok_or_else(|| {
-            KvError::NotSupported(format!(
+        if self.storage.row_scales().is_none() {
+            return Err(KvError::NotSupported(format!(
                 "a {} pool keeps no per-token scales (int8 does)",
                 self.dtype()
-            ))
-        })?;
+            )));
+        }
         let (first, end) = self.layer_span(id, layer)?;
-        let (n, h) = (end - first, sh.num_kv_heads);
+        let (n, h, bs) = (end - first, sh.num_kv_heads, sh.block_size);
         let blocks = &self.seq(id)?.tables[self.groups.group_of[layer]].blocks;
         let tensor = self.tensor_of(layer);
         let mut out = [vec![0f32; h * n], vec![0f32; h * n]];
+        // One block's run of positions at a time, [positions, heads], transposed into
+        // the [heads, n] outputs (the scales may live on a device).
+        let mut run = vec![0f32; bs * h];
         for (kv, dst) in [Kv::Key, Kv::Value].into_iter().zip(&mut out) {
-            for (i, p) in (first..end).enumerate() {
-                let b = blocks[p / sh.block_size];
-                let r = sh.positions(tensor, kv, b, p % sh.block_size, 1);
-                for head in 0..h {
-                    let at = (r.offset + head * r.strides[1]) / sh.head_dim;
-                    debug_assert!(at < rows.len);
-                    // SAFETY: the position's vectors lie in the storage, so their scales
-                    // lie in the scales (one per vector); the pool is borrowed.
-                    dst[head * n + i] = unsafe { *rows.ptr.add(at) };
+            let mut p = first;
+            while p < end {
+                let len = (bs - p % bs).min(end - p);
+                let r = sh.positions(tensor, kv, blocks[p / bs], p % bs, len);
+                self.storage.read_row_scales(r, &mut run[..len * h])?;
+                for (i, row) in run[..len * h].chunks_exact(h).enumerate() {
+                    for (head, &x) in row.iter().enumerate() {
+                        dst[head * n + p - first + i] = x;
+                    }
                 }
+                p += len;
             }
         }
         let [k, v] = out;
@@ -118,7 +122,12 @@ impl PoolCore {
         self.storage
             .read_positions(t, blocks, start, n, k_out, v_out)?;
         for (out, kv) in [(k_out, Kv::Key), (v_out, Kv::Value)] {
-            multiply_heads(&out.slice(1, 0, n), 0, self.scales.heads(layer, kv))?;
+            multiply_heads(
+                self.storage.scaler(),
+                &out.slice(1, 0, n),
+                0,
+                self.scales.heads(layer, kv),
+            )?;
         }
         Ok(())
     }

@@ -119,7 +119,7 @@ impl PoolCore {
             self.scales.heads(layer, Kv::Value),
         );
         let storage = &mut self.storage;
-        with_divided([(k, ks), (v, vs)], 1, |[k, v]| {
+        with_divided(storage.scaler(), [(k, ks), (v, vs)], 1, |[k, v]| {
             storage.write_slots(t, slots, k, v)
         })
     }

@@ -74,7 +74,7 @@ impl PyDeviceTensor {
         shape: &[usize],
     ) -> PyResult<(Bound<'py, PyAny>, TensorRef)> {
         let numel: usize = shape.iter().product();
-        let storage = Arc::new(CudaStorage::zeroed(ordinal, dtype, numel)?);
+        let storage = Arc::new(CudaStorage::zeroed(ordinal, dtype, numel, 1)?);
         let ptr = storage.data_ptr();
         // SAFETY: the storage holds `numel` elements and lives in the tensor.
         let tensor = unsafe { TensorRef::contiguous(ptr, dtype, shape)? }.on(Device::Cuda(ordinal));

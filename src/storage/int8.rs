@@ -24,6 +24,24 @@ thread_local! {
     static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
+/// The region of scales that belongs to the region `r` of int8 codes, for head vectors of
+/// `d` elements (one scale each). Panics on a region that splits head vectors (see the
+/// module docs): that is a bug in the cache that built it.
+pub(crate) fn scale_region(r: &Region, d: usize) -> Region {
+    assert!(
+        r.offset.is_multiple_of(d)
+            && r.shape[2].is_multiple_of(d)
+            && (r.shape[2] <= d || r.strides[2] == 1)
+            && (0..2).all(|i| r.shape[i] <= 1 || r.strides[i].is_multiple_of(d)),
+        "region {r:?} splits head vectors of {d}"
+    );
+    Region {
+        offset: r.offset / d,
+        shape: [r.shape[0], r.shape[1], r.shape[2] / d],
+        strides: [r.strides[0] / d, r.strides[1] / d, 1],
+    }
+}
+
 /// int8 codes and their per-vector scales in host memory.
 #[derive(Debug)]
 pub struct Int8Storage {
@@ -51,21 +69,7 @@ impl Int8Storage {
 
     /// The region of scales that belongs to the region `r` of codes.
     fn scale_region(&self, r: &Region) -> Region {
-        let d = self.head_dim;
-        // Regions of whole head vectors only (see the module docs); anything else is a
-        // bug in the cache that built it.
-        assert!(
-            r.offset.is_multiple_of(d)
-                && r.shape[2].is_multiple_of(d)
-                && (r.shape[2] <= d || r.strides[2] == 1)
-                && (0..2).all(|i| r.shape[i] <= 1 || r.strides[i].is_multiple_of(d)),
-            "region {r:?} splits head vectors of {d}"
-        );
-        Region {
-            offset: r.offset / d,
-            shape: [r.shape[0], r.shape[1], r.shape[2] / d],
-            strides: [r.strides[0] / d, r.strides[1] / d, 1],
-        }
+        scale_region(r, self.head_dim)
     }
 
     /// Calls `f` with the row-major f32 scratch of `n` elements.
@@ -238,7 +242,7 @@ impl Storage for Int8Storage {
 }
 
 /// `buf` as the row-major tensor of region `r`'s shape, after checking its length.
-fn scales_tensor(buf: &[f32], r: &Region) -> Result<TensorRef> {
+pub(crate) fn scales_tensor(buf: &[f32], r: &Region) -> Result<TensorRef> {
     if buf.len() != r.numel() {
         return Err(KvError::Shape {
             name: "scales",

@@ -6,7 +6,7 @@
 
 pub mod cuda;
 mod host;
-mod int8;
+pub(crate) mod int8;
 pub mod paged_ops;
 
 pub use host::HostStorage;
@@ -112,8 +112,14 @@ pub trait Storage: Send + Sync + fmt::Debug {
         Err(no_row_scales(self.dtype()))
     }
 
-    /// The per-vector scales of an int8 storage (host memory); `None` for the others.
+    /// The per-vector scales of an int8 storage (on its device); `None` for the others.
     fn row_scales(&self) -> Option<RowScales> {
+        None
+    }
+
+    /// What applies an fp8 cache's per-head scales to tensors on this storage's device
+    /// (`None` on the host, where [`crate::scales`] does it in host memory).
+    fn scaler(&self) -> Option<cuda::DeviceScaler> {
         None
     }
 
@@ -134,10 +140,11 @@ fn no_row_scales(dtype: DType) -> KvError {
 }
 
 /// The float32 scales of an int8 storage: element `i` of the codes is
-/// `code * ptr[i / row_len]`.
+/// `code * ptr[i / row_len]`. They live where the storage does (host memory, or device
+/// memory for a CUDA storage: read them there with [`Storage::read_row_scales`]).
 #[derive(Clone, Copy, Debug)]
 pub struct RowScales {
-    /// Scale 0 (host memory, valid while the storage lives).
+    /// Scale 0 (on the storage's device, valid while the storage lives).
     pub ptr: *mut f32,
     /// Elements per scale (the head dimension).
     pub row_len: usize,
@@ -156,11 +163,9 @@ pub fn allocate(
     match device {
         Device::Cpu if dtype == DType::I8 => Ok(Box::new(Int8Storage::zeroed(numel, head_dim)?)),
         Device::Cpu => Ok(Box::new(HostStorage::zeroed(dtype, numel)?)),
-        Device::Cuda(_) if dtype.is_quantized() => Err(KvError::NotSupported(format!(
-            "{dtype} storage lives on the host for now; use dtype='float16' or 'bfloat16' \
-             on {device}"
-        ))),
-        Device::Cuda(ordinal) => Ok(Box::new(cuda::CudaStorage::zeroed(ordinal, dtype, numel)?)),
+        Device::Cuda(ordinal) => Ok(Box::new(cuda::CudaStorage::zeroed(
+            ordinal, dtype, numel, head_dim,
+        )?)),
     }
 }
 
@@ -196,13 +201,13 @@ mod tests {
     }
 
     #[test]
-    fn eight_bit_storage_lives_on_the_host_only() {
+    fn eight_bit_storage_keeps_scales_only_for_int8() {
         for dtype in DType::QUANTIZED {
-            let e = allocate(Device::Cuda(0), dtype, 16, 4).unwrap_err();
-            assert!(matches!(e, KvError::NotSupported(_)), "{e}");
             let host = allocate(Device::Cpu, dtype, 16, 4).unwrap();
             assert_eq!(host.dtype(), dtype);
             assert_eq!(host.row_scales().is_some(), dtype == DType::I8);
+            assert_eq!(host.nbytes(), 16 + if dtype == DType::I8 { 16 } else { 0 });
+            assert!(allocate(Device::Cpu, DType::I8, 18, 4).is_err());
         }
     }
 

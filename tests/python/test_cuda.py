@@ -228,3 +228,59 @@ def test_sequence_attention_on_the_gpu_matches_torch_sdpa():
     vv = v.float().permute(1, 0, 2).repeat_interleave(4, 0)
     ref = torch.nn.functional.scaled_dot_product_attention(q.float().permute(1, 0, 2), kk, vv)
     torch.testing.assert_close(out, ref.permute(1, 0, 2), atol=2e-3, rtol=2e-3)
+
+
+def raw(x: kvrs.DeviceTensor | np.ndarray) -> torch.Tensor:
+    """The bytes of 8-bit codes (a device view or a host array) as a host uint8 tensor."""
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(x).view(np.uint8))
+    return torch.from_dlpack(x).contiguous().view(torch.uint8).cpu()
+
+
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2", "int8"])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_eight_bit_pool_on_the_device_equals_the_host(dtype, layout):
+    """The quantize-on-write kernels against the host codecs: codes, scales and
+    dequantized values bit for bit (float32 and float16 inputs on the device, per-head
+    fp8 scales), through forks with copy-on-write and slot writes; attention over the
+    codes within float rounding."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    scales = {"k_scale": [[0.5, 2.0], [1.0, 0.25]], "v_scale": 3.0} if dtype != "int8" else {}
+    kw = dict(block_size=4, num_blocks=32, dtype=dtype, layout=layout, **scales)
+    pools = [kvrs.BlockPool(2, 2, 64, device="cuda", **kw), kvrs.BlockPool(2, 2, 64, **kw)]
+    sizes = (9, 9, 3, 3, 2, 2)
+    data = [
+        (torch.randn(n, 2, 64, device="cuda", generator=g) * 40).to(torch.float16 if i % 2 else torch.float32)
+        for i, n in enumerate(sizes)
+    ]
+    q = torch.randn(2, 8, 64, device="cuda", generator=g)
+    results = []
+    for pool in pools:
+        conv = (lambda x: x.cpu()) if pool.device == "cpu" else (lambda x: x)
+        a = pool.new_sequence()
+        for layer in range(2):
+            a.append(layer, conv(data[0]), conv(data[1]))
+        a.advance(9)
+        b = a.fork()
+        for layer in range(2):  # copy-on-write of the shared last block
+            b.append(layer, conv(data[2]), conv(data[3]))
+        b.advance(3)
+        with pool.start_forward([a, b]) as batch:
+            outs = []
+            for layer in range(2):
+                batch.put(layer, conv(data[4]), conv(data[5]))
+                outs.append(t(batch.attention(layer, conv(q))).float().cpu())
+        reads = []
+        for s in (a, b):
+            for layer in range(2):
+                reads += [raw(x) for x in s.get(layer)]
+                reads += [t(x).cpu() for x in s.get(layer, dequantize=True)]
+                reads += [torch.from_numpy(np.asarray(x)) for x in s.scales(layer)]
+        results.append((outs, reads))
+    (gpu_outs, gpu_reads), (cpu_outs, cpu_reads) = results
+    assert len(gpu_reads) == len(cpu_reads) == 28
+    for got, want in zip(gpu_reads, cpu_reads, strict=True):
+        assert torch.equal(got, want)
+    for got, want in zip(gpu_outs, cpu_outs, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert pools[0].stats()["bytes_total"] == pools[1].stats()["bytes_total"]

@@ -3,7 +3,8 @@
 //! simulated device checks it. Long histories are split across threads (flash-decoding)
 //! and the splits merged by `kvrs_attention_merge_*`.
 
-use super::gpu::{attention_kernel, attention_merge_kernel, Args};
+use super::gpu::Args;
+use super::kernels::{attention_merge_kernel, kernel, Kernel};
 use super::storage::CudaStorage;
 use crate::attention::AttnOptions;
 use crate::error::{KvError, Result};
@@ -70,10 +71,12 @@ fn split_plan(rows: &[DeviceRow], q_heads: usize, head_dim: usize) -> SplitPlan 
 pub type DeviceRow = [i64; 5];
 
 impl CudaStorage {
-    /// Attention of `q` (`[tokens, q_heads, head_dim]` on this device, the storage's
-    /// dtype, head_dim contiguous) into `out` (same shape, C-contiguous, on this device)
-    /// over cache tensor `t`: each of `rows` reads its sequence's block table at its
-    /// offset in `tables`. `scale` and `opts` were validated by the caller.
+    /// Attention of `q` (`[tokens, q_heads, head_dim]` on this device, head_dim
+    /// contiguous; the storage's dtype, or any float dtype over 8-bit storage) into `out`
+    /// (q's shape and dtype, C-contiguous, on this device) over cache tensor `t`: each of
+    /// `rows` reads its sequence's block table at its offset in `tables`. An fp8 storage
+    /// multiplies its codes by `head_scales` (K's and V's, one per KV head); int8 by
+    /// its own per-vector scales. `scale` and `opts` were validated by the caller.
     #[allow(clippy::too_many_arguments)]
     pub fn paged_attention(
         &self,
@@ -84,6 +87,7 @@ impl CudaStorage {
         rows: &[DeviceRow],
         scale: f32,
         opts: &AttnOptions<'_>,
+        head_scales: [&[f32]; 2],
     ) -> Result<()> {
         for (name, x) in [("q", q), ("out", out)] {
             if !self.is_local(name, x)? {
@@ -92,7 +96,8 @@ impl CudaStorage {
                     self.device()
                 )));
             }
-            if x.dtype() != self.dtype() {
+            let eight_bit = self.dtype().is_quantized();
+            if (!eight_bit && x.dtype() != self.dtype()) || x.dtype() != q.dtype() {
                 return Err(KvError::InvalidArgument {
                     name,
                     value: x.dtype().to_string(),
@@ -123,13 +128,31 @@ impl CudaStorage {
         let tables_at = 5 * rows.len();
         let sinks_at = tables_at + tables.len().div_ceil(2);
         let alibi_at = sinks_at + opts.sinks.map_or(0, |s| s.len().div_ceil(2));
+        let k_scales_at = alibi_at + opts.alibi_slopes.map_or(0, |s| s.len().div_ceil(2));
+        let v_scales_at = k_scales_at + head_scales[0].len().div_ceil(2);
+        // What multiplies the codes: 0 nothing, 1 a scale per KV head (fp8, uploaded
+        // below), 2 a scale per head vector (int8, this storage's own).
+        let scale_mode = match (&self.scales, self.dtype().fp8()) {
+            (Some(_), _) => 2,
+            (None, Some(_)) => 1,
+            (None, None) => 0,
+        };
         let fill = |w: &mut Vec<u64>| {
             w.extend(rows.iter().flatten().map(|&x| x as u64));
             pack(w, &mut tables.iter().copied());
             for v in [opts.sinks, opts.alibi_slopes].into_iter().flatten() {
                 pack(w, &mut v.iter().map(|x| x.to_bits()));
             }
+            if scale_mode == 1 {
+                for v in head_scales {
+                    pack(w, &mut v.iter().map(|x| x.to_bits()));
+                }
+            }
         };
+        let vector_scales = self
+            .scales
+            .as_ref()
+            .map(|sc| sc.device_addr(sh.block_offset(t.index, 0) / sh.head_dim));
         let cache = self.device_addr(sh.block_offset(t.index, 0));
         let SplitPlan {
             chunk,
@@ -157,13 +180,19 @@ impl CudaStorage {
                 .i32(sh.num_kv_heads as i32)
                 .i32(sh.head_dim as i32)
                 .i32(i32::from(sh.layout == KvLayout::Hnd));
+            let args = match (scale_mode, vector_scales) {
+                (2, Some(p)) => args.u64(p).u64(p),
+                (1, _) => args.u64(at(k_scales_at)).u64(at(v_scales_at)),
+                _ => args.u64(0).u64(0),
+            }
+            .i32(scale_mode);
             let threads = (q_heads as u32).clamp(1, 1024);
             // SAFETY: the rows' positions are held by their tables (the pool built them),
             // q and out are device tensors of the checked shape and dtype, and the
             // workspace holds rows x splits x q_heads x (2 + head_dim) f32.
             unsafe {
                 self.gpu().launch(
-                    attention_kernel(self.dtype()),
+                    kernel(Kernel::Attention, q.dtype(), self.dtype())?,
                     [rows.len() as u32, splits as u32, 1],
                     [threads, 1, 1],
                     &args,
@@ -186,7 +215,7 @@ impl CudaStorage {
             // holds rows' tokens x q_heads x head_dim.
             unsafe {
                 self.gpu().launch(
-                    attention_merge_kernel(self.dtype()),
+                    attention_merge_kernel(q.dtype()),
                     [rows.len() as u32, 1, 1],
                     [threads, 1, 1],
                     &merge,

@@ -7,8 +7,7 @@ use std::fmt;
 
 use smallvec::SmallVec;
 
-use crate::dtype::DType;
-use crate::error::{KvError, Result};
+use crate::error::Result;
 
 /// A device address.
 pub type DevicePtr = u64;
@@ -124,88 +123,4 @@ impl Args {
 /// at most 65535, after which each thread takes several elements).
 pub fn blocks_for(n: usize) -> u32 {
     n.div_ceil(THREADS as usize).clamp(1, 65535) as u32
-}
-
-/// Kernels with one variant per (input dtype, storage dtype) pair.
-#[derive(Clone, Copy, Debug)]
-pub enum PairKernel {
-    /// `kvrs_scatter_*`: tokens by slot mapping.
-    Scatter,
-    /// `kvrs_append_contiguous_*`: the contiguous cache's append at the device counter.
-    AppendContiguous,
-    /// `kvrs_copy3_*`: strided rank-3 copy with conversion.
-    Copy3,
-}
-
-macro_rules! pair_names {
-    ($op:literal) => {
-        [
-            [
-                concat!("kvrs_", $op, "_f32_f32"),
-                concat!("kvrs_", $op, "_f32_f16"),
-                concat!("kvrs_", $op, "_f32_bf16"),
-            ],
-            [
-                concat!("kvrs_", $op, "_f16_f32"),
-                concat!("kvrs_", $op, "_f16_f16"),
-                concat!("kvrs_", $op, "_f16_bf16"),
-            ],
-            [
-                concat!("kvrs_", $op, "_bf16_f32"),
-                concat!("kvrs_", $op, "_bf16_f16"),
-                concat!("kvrs_", $op, "_bf16_bf16"),
-            ],
-        ]
-    };
-}
-
-/// The kernels' index of a float dtype. Device storages are never 8-bit (`allocate`
-/// refuses them) and [`pair_kernel`] refuses 8-bit inputs, so only float dtypes come here.
-fn dtype_index(dtype: DType) -> usize {
-    match dtype {
-        DType::F32 => 0,
-        DType::F16 => 1,
-        DType::BF16 | DType::F8E4M3 | DType::F8E5M2 | DType::I8 => 2,
-    }
-}
-
-/// The name of `kernel` for inputs of `src` and storage of `dst` (no allocation).
-pub fn pair_kernel(kernel: PairKernel, src: DType, dst: DType) -> Result<&'static str> {
-    if let Some(d) = [src, dst].into_iter().find(|d| d.is_quantized()) {
-        return Err(KvError::NotSupported(format!(
-            "{d} tensors on a CUDA device; pass float32, float16 or bfloat16"
-        )));
-    }
-    const SCATTER: [[&str; 3]; 3] = pair_names!("scatter");
-    const APPEND: [[&str; 3]; 3] = pair_names!("append_contiguous");
-    const COPY3: [[&str; 3]; 3] = pair_names!("copy3");
-    let table = match kernel {
-        PairKernel::Scatter => &SCATTER,
-        PairKernel::AppendContiguous => &APPEND,
-        PairKernel::Copy3 => &COPY3,
-    };
-    Ok(table[dtype_index(src)][dtype_index(dst)])
-}
-
-/// The paged attention kernel for storage (and queries) of `dtype`.
-pub fn attention_kernel(dtype: DType) -> &'static str {
-    [
-        "kvrs_paged_attention_f32",
-        "kvrs_paged_attention_f16",
-        "kvrs_paged_attention_bf16",
-    ][dtype_index(dtype)]
-}
-
-/// The kernel that merges the attention kernel's splits, for storage of `dtype`.
-pub fn attention_merge_kernel(dtype: DType) -> &'static str {
-    [
-        "kvrs_attention_merge_f32",
-        "kvrs_attention_merge_f16",
-        "kvrs_attention_merge_bf16",
-    ][dtype_index(dtype)]
-}
-
-/// The gather kernel for storage of `dtype`.
-pub fn gather_kernel(dtype: DType) -> &'static str {
-    ["kvrs_gather_f32", "kvrs_gather_f16", "kvrs_gather_bf16"][dtype_index(dtype)]
 }

@@ -3,23 +3,34 @@
 //! `kernels/kvrs.cu` (PTX embedded in the library).
 //!
 //! - [`attention`]: the paged attention kernel's launch;
+//! - `counter`: the device-resident position counter of captured decode loops;
 //! - [`detect`]: finds the driver without touching it when it is absent;
 //! - [`gpu`]: the few device operations the storage needs, and kernel arguments;
+//! - [`kernels`]: the kernels' names by operation and dtypes;
+//! - `paged`: the pool's scatter, gather and block copies, one launch each;
+//! - `int8`: int8 codes quantized and dequantized on the device;
+//! - [`scaling`]: fp8 per-head scales applied to device tensors;
 //! - `driver`: those operations on the CUDA driver (cudarc, loaded at run time);
 //! - `sim`: the same on the host, running the kernels compiled for the CPU (feature
 //!   `cuda-sim`, for testing on machines without a GPU);
 //! - [`storage`]: [`CudaStorage`], the [`super::Storage`] on a device.
 
 pub mod attention;
+mod counter;
 pub mod detect;
 #[cfg(all(feature = "cuda", not(feature = "cuda-sim")))]
 mod driver;
 pub mod gpu;
+mod int8;
+pub mod kernels;
+mod paged;
+pub mod scaling;
 #[cfg(feature = "cuda-sim")]
 mod sim;
 pub mod storage;
 
 pub use detect::device_count;
+pub use scaling::DeviceScaler;
 pub use storage::CudaStorage;
 
 use std::sync::Arc;

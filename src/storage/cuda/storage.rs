@@ -8,35 +8,43 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::gpu::{
-    blocks_for, gather_kernel, pair_kernel, Args, DevicePtr, Gpu, PairKernel, StreamHandle, THREADS,
-};
+use super::gpu::{blocks_for, Args, DevicePtr, Gpu, StreamHandle, THREADS};
+use super::kernels::{kernel, zero_kernel, Kernel};
+use super::scaling::{DeviceScaler, Scratch};
 use crate::dtype::DType;
 use crate::error::{KvError, Result};
 use crate::layout::{BlockId, KvLayout, PagedShape};
-use crate::storage::{paged_ops, Device, PagedTensor, Region, Storage};
+use crate::storage::int8::{scale_region, scales_tensor};
+use crate::storage::{paged_ops, Device, PagedTensor, Region, RowScales, Storage};
 use crate::tensor::{copy_strided, TensorRef, MAX_RANK};
 
 /// Keys and values in the memory of one CUDA device.
 #[derive(Debug)]
 pub struct CudaStorage {
-    gpu: Arc<dyn Gpu>,
+    pub(super) gpu: Arc<dyn Gpu>,
     ptr: DevicePtr,
     dtype: DType,
     numel: usize,
     /// The stream launches go to (see [`CudaStorage::set_stream`]).
     stream: AtomicU64,
-    staging: Mutex<Staging>,
+    pub(super) staging: Mutex<Staging>,
     /// The device-resident position counter of a contiguous cache, made on first use.
-    counter: Mutex<Option<DevicePtr>>,
+    pub(super) counter: Mutex<Option<DevicePtr>>,
+    /// int8: the float32 scale of every head vector (`numel / head_dim`, addressed by
+    /// the codes' regions divided by `head_dim`, as on the host).
+    pub(super) scales: Option<Box<CudaStorage>>,
+    /// Elements per scale (int8); 1 otherwise.
+    pub(super) head_dim: usize,
+    /// Device memory for fp8 scaling of device tensors ([`DeviceScaler`]).
+    scratch: Arc<Mutex<Scratch>>,
 }
 
 /// Device memory for a launch's small arguments (pointer arrays, slots, block tables)
 /// and for host transfers, and the host buffer they are assembled in; both grow when a
 /// call needs more, never per call.
 #[derive(Debug)]
-struct Staging {
-    ptr: DevicePtr,
+pub(super) struct Staging {
+    pub(super) ptr: DevicePtr,
     bytes: usize,
     host: Vec<u64>,
     /// The stream the last upload was queued on: before another stream may overwrite
@@ -48,13 +56,32 @@ struct Staging {
 const MIN_STAGING: usize = 64 << 10;
 
 impl CudaStorage {
-    /// `numel` zeroed elements of `dtype` on CUDA device `ordinal`.
-    pub fn zeroed(ordinal: usize, dtype: DType, numel: usize) -> Result<Self> {
-        Self::on(super::gpu_for(ordinal)?, dtype, numel)
+    /// `numel` zeroed elements of `dtype` on CUDA device `ordinal`, in head vectors of
+    /// `head_dim` (int8 keeps a scale per vector; other dtypes ignore it).
+    pub fn zeroed(ordinal: usize, dtype: DType, numel: usize, head_dim: usize) -> Result<Self> {
+        Self::on(super::gpu_for(ordinal)?, dtype, numel, head_dim)
     }
 
-    /// `numel` zeroed elements of `dtype` on `gpu`.
-    pub fn on(gpu: Arc<dyn Gpu>, dtype: DType, numel: usize) -> Result<Self> {
+    /// `numel` zeroed elements of `dtype` on `gpu`, in head vectors of `head_dim` (int8
+    /// keeps a scale per vector; other dtypes ignore it).
+    pub fn on(gpu: Arc<dyn Gpu>, dtype: DType, numel: usize, head_dim: usize) -> Result<Self> {
+        let scales = if dtype == DType::I8 {
+            if head_dim == 0 || !numel.is_multiple_of(head_dim) {
+                return Err(KvError::InvalidArgument {
+                    name: "head_dim",
+                    value: head_dim.to_string(),
+                    reason: format!("must divide the storage's {numel} elements"),
+                });
+            }
+            Some(Box::new(Self::on(
+                gpu.clone(),
+                DType::F32,
+                numel / head_dim,
+                1,
+            )?))
+        } else {
+            None
+        };
         let bytes = numel
             .checked_mul(dtype.size())
             .ok_or_else(|| KvError::InvalidArgument {
@@ -85,6 +112,9 @@ impl CudaStorage {
                 stream,
             }),
             counter: Mutex::new(None),
+            scales,
+            head_dim: if dtype == DType::I8 { head_dim } else { 1 },
+            scratch: Arc::new(Mutex::new(Scratch::default())),
         })
     }
 
@@ -92,6 +122,9 @@ impl CudaStorage {
     pub fn set_stream(&self, stream: Option<StreamHandle>) {
         let s = stream.unwrap_or_else(|| self.gpu.default_stream());
         self.stream.store(s, Ordering::Relaxed);
+        if let Some(scales) = &self.scales {
+            scales.set_stream(stream);
+        }
     }
 
     /// The stream launches go to now.
@@ -173,7 +206,13 @@ impl CudaStorage {
 
     /// Launches a paged kernel over `n` rows whose arguments end with the pool's
     /// `block_size, heads, head_dim, hnd` (`args` holds the ones before).
-    fn launch_rows(&self, name: &str, n: usize, sh: &PagedShape, args: Args) -> Result<()> {
+    pub(super) fn launch_rows(
+        &self,
+        name: &str,
+        n: usize,
+        sh: &PagedShape,
+        args: Args,
+    ) -> Result<()> {
         let args = args
             .i32(sh.block_size as i32)
             .i32(sh.num_kv_heads as i32)
@@ -193,7 +232,12 @@ impl CudaStorage {
     }
 
     /// Makes the staging buffer at least `bytes` long and safe to overwrite on `stream`.
-    fn reserve_staging(&self, st: &mut Staging, bytes: usize, stream: StreamHandle) -> Result<()> {
+    pub(super) fn reserve_staging(
+        &self,
+        st: &mut Staging,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<()> {
         if st.stream != stream {
             self.gpu.synchronize(st.stream)?;
             st.stream = stream;
@@ -211,7 +255,7 @@ impl CudaStorage {
 
     /// Launches the strided copy with conversion: `dst[i, j, k] = src[i, j, k]`.
     #[allow(clippy::too_many_arguments)]
-    fn copy3(
+    pub(super) fn copy3(
         &self,
         dst: DevicePtr,
         dst_dtype: DType,
@@ -236,7 +280,7 @@ impl CudaStorage {
         for d in shape {
             args = args.i64(d as i64);
         }
-        let name = pair_kernel(PairKernel::Copy3, src_dtype, dst_dtype)?;
+        let name = kernel(Kernel::Copy3, src_dtype, dst_dtype)?;
         // SAFETY: both ranges were checked by the callers (regions against the storage,
         // tensors by their TensorRef contract).
         unsafe {
@@ -269,11 +313,7 @@ impl CudaStorage {
         for d in shape {
             args = args.i64(d as i64);
         }
-        let name = if dtype.size() == 2 {
-            "kvrs_zero3_b16"
-        } else {
-            "kvrs_zero3_b32"
-        };
+        let name = zero_kernel(dtype);
         // SAFETY: the range was checked by the caller.
         unsafe {
             self.gpu.launch(
@@ -286,165 +326,8 @@ impl CudaStorage {
         }
     }
 
-    /// The address of the device-resident position counter (an int64), made on first use.
-    pub fn counter(&self) -> Result<DevicePtr> {
-        let mut c = self.counter.lock();
-        if let Some(p) = *c {
-            return Ok(p);
-        }
-        let p = self.gpu.alloc_zeroed(8)?;
-        *c = Some(p);
-        Ok(p)
-    }
-
-    /// Sets the counter to `value` (ordered on the current stream).
-    pub fn write_counter(&self, value: i64) -> Result<()> {
-        let p = self.counter()?;
-        // SAFETY: 8 bytes of counter, from a host value.
-        unsafe {
-            self.gpu
-                .htod(p, &value as *const i64 as *const u8, 8, self.stream())
-        }
-    }
-
-    /// Waits for the current stream and reads the counter.
-    pub fn read_counter(&self) -> Result<i64> {
-        let p = self.counter()?;
-        let mut value = 0i64;
-        // SAFETY: 8 bytes of counter into a host value.
-        unsafe {
-            self.gpu
-                .dtoh(&mut value as *mut i64 as *mut u8, p, 8, self.stream())?
-        };
-        Ok(value)
-    }
-
-    /// Launches `counter += n`: the end of a captured decode step.
-    pub fn advance_counter(&self, n: i64) -> Result<()> {
-        let args = Args::new().u64(self.counter()?).i64(n);
-        // SAFETY: the counter is 8 bytes of this storage's device.
-        unsafe {
-            self.gpu.launch(
-                "kvrs_advance_counter",
-                [1, 1, 1],
-                [1, 1, 1],
-                &args,
-                self.stream(),
-            )
-        }
-    }
-
-    /// Launches the contiguous cache's append of `k`, `v` (`[n, H, D]` on this device,
-    /// `head_dim` contiguous) at the position the counter holds, into the layer whose K
-    /// starts at element `layer_offset` (`max_seq_len` positions per head). Arguments are
-    /// plain values, so the launch can be captured in a CUDA graph and replayed.
-    pub fn append_at_counter(
-        &self,
-        layer_offset: usize,
-        max_seq_len: usize,
-        k: &TensorRef,
-        v: &TensorRef,
-    ) -> Result<()> {
-        for (name, t) in [("k", k), ("v", v)] {
-            if !self.is_local(name, t)? {
-                return Err(KvError::Device(format!(
-                    "{name} lives on the host; a captured append reads tensors on {}",
-                    self.device()
-                )));
-            }
-            if t.strides3()[2] != 1 {
-                return Err(KvError::InvalidArgument {
-                    name: if name == "k" { "k" } else { "v" },
-                    value: format!("strides {:?}", t.strides3()),
-                    reason: "the last dimension must be contiguous".into(),
-                });
-            }
-        }
-        if k.dtype() != v.dtype() {
-            return Err(KvError::InvalidArgument {
-                name: "v",
-                value: v.dtype().to_string(),
-                reason: format!("must have k's dtype {}", k.dtype()),
-            });
-        }
-        let [n, heads, head_dim] = k.shape3();
-        if n == 0 {
-            return Ok(());
-        }
-        let (ks, vs) = (k.strides3(), v.strides3());
-        let args = Args::new()
-            .u64(k.as_ptr() as DevicePtr)
-            .u64(v.as_ptr() as DevicePtr)
-            .i64(ks[0] as i64)
-            .i64(ks[1] as i64)
-            .i64(vs[0] as i64)
-            .i64(vs[1] as i64)
-            .i64(0)
-            .i64(0)
-            .u64(self.device_addr(layer_offset))
-            .u64(self.counter()?)
-            .i64(max_seq_len as i64)
-            .i32(heads as i32)
-            .i32(head_dim as i32);
-        let name = pair_kernel(PairKernel::AppendContiguous, k.dtype(), self.dtype)?;
-        // SAFETY: the layer lies in this storage (checked by the cache); the kernel drops
-        // positions past max_seq_len; the inputs are device tensors of [n, H, D].
-        unsafe {
-            self.gpu.launch(
-                name,
-                [n as u32, 1, 1],
-                [Self::row_threads(heads * head_dim), 1, 1],
-                &args,
-                self.stream(),
-            )
-        }
-    }
-
-    /// Whether the scatter kernel can write `k`, `v`: both on this device, of one dtype,
-    /// with `head_dim` contiguous (otherwise the region copies do it).
-    fn scatters(&self, k: &TensorRef, v: &TensorRef) -> Result<bool> {
-        let local = self.is_local("k", k)? && self.is_local("v", v)?;
-        Ok(local && k.strides3()[2] == 1 && v.strides3()[2] == 1 && k.dtype() == v.dtype())
-    }
-
-    /// Launches the scatter of `n` token rows of `k`, `v` to the slots `slots` writes.
-    fn scatter(
-        &self,
-        t: PagedTensor,
-        n: usize,
-        k: &TensorRef,
-        v: &TensorRef,
-        slots: impl FnOnce(&mut Vec<u64>),
-    ) -> Result<()> {
-        if n == 0 {
-            return Ok(());
-        }
-        let sh = t.shape;
-        let cache = self.device_addr(sh.block_offset(t.index, 0));
-        let (ks, vs) = (k.strides3(), v.strides3());
-        let fill = |w: &mut Vec<u64>| {
-            w.extend([k.as_ptr() as u64, v.as_ptr() as u64, cache]);
-            slots(w);
-        };
-        self.with_upload(fill, |base| {
-            let args = Args::new()
-                .u64(base)
-                .u64(base + 8)
-                .u64(base + 16)
-                .u64(base + 24)
-                .i64(ks[0] as i64)
-                .i64(ks[1] as i64)
-                .i64(vs[0] as i64)
-                .i64(vs[1] as i64);
-            // Slots were validated against the pool by the caller; k and v are [n, H, D]
-            // device tensors (their contract).
-            let name = pair_kernel(PairKernel::Scatter, k.dtype(), self.dtype)?;
-            self.launch_rows(name, n, &sh, args)
-        })
-    }
-
     /// Threads per block for kernels striding over `heads * head_dim` elements.
-    fn row_threads(elems: usize) -> u32 {
+    pub(super) fn row_threads(elems: usize) -> u32 {
         (elems.div_ceil(32) * 32).clamp(32, THREADS as usize) as u32
     }
 }
@@ -482,6 +365,7 @@ impl Drop for CudaStorage {
             self.gpu.free(self.staging.get_mut().ptr);
             self.gpu.free(self.ptr);
         }
+        DeviceScaler::free(self.gpu.as_ref(), &self.scratch);
     }
 }
 
@@ -508,6 +392,9 @@ impl Storage for CudaStorage {
 
     fn write(&mut self, dst: Region, src: &TensorRef) -> Result<()> {
         self.check(&dst);
+        if self.scales.is_some() && src.dtype() != DType::I8 {
+            return self.write_quantized(dst, src);
+        }
         let to = (
             self.device_addr(dst.offset),
             self.dtype,
@@ -542,6 +429,9 @@ impl Storage for CudaStorage {
 
     fn read(&self, src: Region, dst: &TensorRef) -> Result<()> {
         self.check(&src);
+        if self.scales.is_some() && dst.dtype() != DType::I8 {
+            return self.read_dequantized(src, dst);
+        }
         let from = self.device_addr(src.offset);
         if self.is_local("the destination", dst)? {
             return self.copy3(
@@ -604,7 +494,14 @@ impl Storage for CudaStorage {
             self.dtype,
             src.signed_strides(),
             src.shape,
-        )
+        )?;
+        match &mut self.scales {
+            Some(sc) => sc.copy_within(
+                scale_region(&src, self.head_dim),
+                scale_region(&dst, self.head_dim),
+            ),
+            None => Ok(()),
+        }
     }
 
     fn fill_zero(&mut self, dst: Region) -> Result<()> {
@@ -614,7 +511,11 @@ impl Storage for CudaStorage {
             self.dtype,
             dst.signed_strides(),
             dst.shape,
-        )
+        )?;
+        match &mut self.scales {
+            Some(sc) => sc.fill_zero(scale_region(&dst, self.head_dim)),
+            None => Ok(()),
+        }
     }
 
     fn zero(&self, t: &TensorRef) -> Result<()> {
@@ -672,36 +573,7 @@ impl Storage for CudaStorage {
         if !local || !same_dtype || k_out.strides3()[2] != 1 || v_out.strides3()[2] != 1 {
             return paged_ops::read_positions(self, t, blocks, start, n, k_out, v_out);
         }
-        if n == 0 {
-            return Ok(());
-        }
-        let sh = t.shape;
-        let cache = self.device_addr(sh.block_offset(t.index, 0));
-        let (ks, vs) = (k_out.strides3(), v_out.strides3());
-        let fill = |w: &mut Vec<u64>| {
-            w.extend([cache, k_out.as_ptr() as u64, v_out.as_ptr() as u64]);
-            // The int32 block table, two entries per word.
-            w.extend(
-                blocks
-                    .chunks(2)
-                    .map(|c| c[0] as u64 | (c.get(1).copied().unwrap_or(0) as u64) << 32),
-            );
-        };
-        self.with_upload(fill, |base| {
-            let args = Args::new()
-                .u64(base)
-                .u64(base + 24)
-                .i64(start as i64)
-                .u64(base + 8)
-                .u64(base + 16)
-                .i64(ks[0] as i64)
-                .i64(ks[1] as i64)
-                .i64(vs[0] as i64)
-                .i64(vs[1] as i64);
-            // The positions are held by the table and the outputs are [H, >= n, D] device
-            // tensors (both checked by the pool).
-            self.launch_rows(gather_kernel(self.dtype), n, &sh, args)
-        })
+        self.gather(t, blocks, start, n, k_out, v_out)
     }
 
     fn copy_blocks(
@@ -713,26 +585,61 @@ impl Storage for CudaStorage {
         if pairs.is_empty() || tensors == 0 {
             return Ok(());
         }
-        let fill = |w: &mut Vec<u64>| {
-            w.extend((0..tensors).map(|t| self.device_addr(shape.block_offset(t, 0))));
-            w.extend(pairs.iter().flat_map(|&(s, d)| [s as u64, d as u64]));
+        let block_bytes = shape.block_elems() * self.dtype.size();
+        if !block_bytes.is_multiple_of(4) {
+            // The kernel moves 32-bit words; odd 8-bit blocks go region by region.
+            return paged_ops::copy_blocks(self, shape, tensors, pairs);
+        }
+        let codes = (0..tensors).map(|t| self.device_addr(shape.block_offset(t, 0)));
+        self.launch_copy_blocks(codes, pairs, block_bytes / 4)?;
+        if let Some(sc) = &self.scales {
+            let d = self.head_dim;
+            let scales = (0..tensors).map(|t| sc.device_addr(shape.block_offset(t, 0) / d));
+            self.launch_copy_blocks(scales, pairs, shape.block_elems() / d)?;
+        }
+        Ok(())
+    }
+
+    fn read_row_scales(&self, src: Region, dst: &mut [f32]) -> Result<()> {
+        let Some(sc) = &self.scales else {
+            return Err(KvError::NotSupported(format!(
+                "{} storage keeps no per-vector scales",
+                self.dtype
+            )));
         };
-        let block_words = (shape.block_elems() * self.dtype.size() / 4) as i64;
-        self.with_upload(fill, |base| {
-            let args = Args::new()
-                .u64(base)
-                .u64(base + 8 * tensors as u64)
-                .i64(block_words);
-            // SAFETY: block ids come from the pool's allocator, inside every tensor.
-            unsafe {
-                self.gpu.launch(
-                    "kvrs_copy_blocks",
-                    [pairs.len() as u32, tensors as u32, 1],
-                    [THREADS, 1, 1],
-                    &args,
-                    self.stream(),
-                )
-            }
+        let r = scale_region(&src, self.head_dim);
+        sc.read(r, &scales_tensor(dst, &r)?)
+    }
+
+    fn write_row_scales(&mut self, dst: Region, src: &[f32]) -> Result<()> {
+        let d = self.head_dim;
+        let Some(sc) = &mut self.scales else {
+            return Err(KvError::NotSupported(format!(
+                "{} storage keeps no per-vector scales",
+                self.dtype
+            )));
+        };
+        let r = scale_region(&dst, d);
+        sc.write(r, &scales_tensor(src, &r)?)
+    }
+
+    fn row_scales(&self) -> Option<RowScales> {
+        self.scales.as_ref().map(|sc| RowScales {
+            ptr: sc.ptr as *mut f32,
+            row_len: self.head_dim,
+            len: sc.numel,
         })
+    }
+
+    fn scaler(&self) -> Option<DeviceScaler> {
+        Some(DeviceScaler::new(
+            self.gpu.clone(),
+            self.scratch.clone(),
+            self.stream(),
+        ))
+    }
+
+    fn nbytes(&self) -> usize {
+        self.numel * self.dtype.size() + self.scales.as_ref().map_or(0, |sc| sc.nbytes())
     }
 }

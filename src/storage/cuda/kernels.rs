@@ -1,0 +1,173 @@
+//! The names of the kernels in `kernels/kvrs.cu`, by operation and dtypes: a table made
+//! once, so a launch looks its kernel up without allocating.
+
+use std::sync::OnceLock;
+
+use crate::dtype::DType;
+use crate::error::{KvError, Result};
+
+/// Kernels with one variant per pair of dtypes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernel {
+    /// `kvrs_scatter_*`: tokens by slot mapping (input, storage).
+    Scatter,
+    /// `kvrs_append_contiguous_*`: the contiguous cache's append at the device counter
+    /// (input, storage).
+    AppendContiguous,
+    /// `kvrs_copy3_*`: strided rank-3 copy with conversion (source, destination).
+    Copy3,
+    /// `kvrs_scale3_*`: copy dividing or multiplying by per-head scales (source,
+    /// destination; floats only).
+    Scale3,
+    /// `kvrs_quantize3_*`: a region of int8 codes written from floats (source, int8).
+    Quantize3,
+    /// `kvrs_dequantize3_*`: a region of int8 codes read into floats (int8, destination).
+    Dequantize3,
+    /// `kvrs_paged_attention_*`: attention (query dtype, storage dtype).
+    Attention,
+}
+
+const KERNELS: [Kernel; 7] = [
+    Kernel::Scatter,
+    Kernel::AppendContiguous,
+    Kernel::Copy3,
+    Kernel::Scale3,
+    Kernel::Quantize3,
+    Kernel::Dequantize3,
+    Kernel::Attention,
+];
+
+/// Every dtype, in the table's order.
+const DTYPES: [DType; 6] = [
+    DType::F32,
+    DType::F16,
+    DType::BF16,
+    DType::F8E4M3,
+    DType::F8E5M2,
+    DType::I8,
+];
+
+/// A dtype's part of kernel names.
+fn part(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "f32",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        DType::F8E4M3 => "e4m3",
+        DType::F8E5M2 => "e5m2",
+        DType::I8 => "i8",
+    }
+}
+
+/// The name of `kernel` for dtypes `(a, b)` as `kernels/kvrs.cu` defines it, or `None`
+/// where it defines none.
+fn defined(kernel: Kernel, a: DType, b: DType) -> Option<String> {
+    let float = |d: DType| !d.is_quantized();
+    let (pa, pb) = (part(a), part(b));
+    match kernel {
+        Kernel::Scatter | Kernel::AppendContiguous if float(a) => {
+            let op = if kernel == Kernel::Scatter {
+                "scatter"
+            } else {
+                "append_contiguous"
+            };
+            Some(format!("kvrs_{op}_{pa}_{pb}"))
+        }
+        Kernel::Copy3 if a == b && a.size() == 1 => Some("kvrs_copy3_b8_b8".into()),
+        Kernel::Copy3 if b != DType::I8 && a != DType::I8 && (float(a) || float(b)) => {
+            Some(format!("kvrs_copy3_{pa}_{pb}"))
+        }
+        Kernel::Scale3 if float(a) && float(b) => Some(format!("kvrs_scale3_{pa}_{pb}")),
+        Kernel::Quantize3 if float(a) && b == DType::I8 => Some(format!("kvrs_quantize3_{pa}")),
+        Kernel::Dequantize3 if a == DType::I8 && float(b) => Some(format!("kvrs_dequantize3_{pb}")),
+        Kernel::Attention if a == b && float(a) => Some(format!("kvrs_paged_attention_{pa}")),
+        Kernel::Attention if float(a) && !float(b) => {
+            Some(format!("kvrs_paged_attention_{pa}_{pb}"))
+        }
+        _ => None,
+    }
+}
+
+/// The name of `kernel` for dtypes `(a, b)` (their order as [`Kernel`] says), or
+/// `NotSupported` when the backend has no such kernel.
+pub fn kernel(kernel: Kernel, a: DType, b: DType) -> Result<&'static str> {
+    type Table = Vec<Option<&'static str>>;
+    static TABLE: OnceLock<Table> = OnceLock::new();
+    let index = |k: usize, a: usize, b: usize| (k * DTYPES.len() + a) * DTYPES.len() + b;
+    let table = TABLE.get_or_init(|| {
+        let mut t = vec![None; KERNELS.len() * DTYPES.len() * DTYPES.len()];
+        for (k, &kern) in KERNELS.iter().enumerate() {
+            for (i, &x) in DTYPES.iter().enumerate() {
+                for (j, &y) in DTYPES.iter().enumerate() {
+                    // A fixed set of names, made once for the process.
+                    t[index(k, i, j)] = defined(kern, x, y).map(|n| &*n.leak());
+                }
+            }
+        }
+        t
+    });
+    let at = |d: DType| DTYPES.iter().position(|&x| x == d).expect("every dtype");
+    let k = KERNELS
+        .iter()
+        .position(|&x| x == kernel)
+        .expect("every kernel");
+    table[index(k, at(a), at(b))].ok_or_else(|| {
+        KvError::NotSupported(format!(
+            "{kernel:?} from {a} to {b} on a CUDA device (8-bit tensors are written and \
+             read as float32, float16 or bfloat16)"
+        ))
+    })
+}
+
+/// The kernel that merges the attention kernel's splits, for queries of `dtype`.
+pub fn attention_merge_kernel(dtype: DType) -> &'static str {
+    match dtype {
+        DType::F32 => "kvrs_attention_merge_f32",
+        DType::F16 => "kvrs_attention_merge_f16",
+        _ => "kvrs_attention_merge_bf16",
+    }
+}
+
+/// The gather kernel (raw copies, no conversion) for storage of `dtype`.
+pub fn gather_kernel(dtype: DType) -> &'static str {
+    match dtype {
+        DType::F32 => "kvrs_gather_f32",
+        DType::F16 => "kvrs_gather_f16",
+        DType::BF16 => "kvrs_gather_bf16",
+        _ => "kvrs_gather_b8",
+    }
+}
+
+/// The zeroing kernel for elements of `dtype`.
+pub fn zero_kernel(dtype: DType) -> &'static str {
+    match dtype.size() {
+        1 => "kvrs_zero3_b8",
+        2 => "kvrs_zero3_b16",
+        _ => "kvrs_zero3_b32",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_named_kernel_is_in_the_ptx() {
+        let ptx = include_str!("../../../kernels/kvrs.ptx");
+        let mut named = 0;
+        for k in KERNELS {
+            for a in DTYPES {
+                for b in DTYPES {
+                    if let Ok(name) = kernel(k, a, b) {
+                        named += 1;
+                        let entry = format!(".visible .entry {name}(");
+                        assert!(ptx.contains(&entry), "{name} is not in kernels/kvrs.ptx");
+                    }
+                }
+            }
+        }
+        assert!(named > 60, "{named}");
+        assert!(kernel(Kernel::Copy3, DType::I8, DType::F32).is_err());
+        assert!(kernel(Kernel::Attention, DType::I8, DType::F16).is_err());
+    }
+}

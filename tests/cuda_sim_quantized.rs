@@ -1,0 +1,576 @@
+//! 8-bit storage on the simulated CUDA device (`cargo test --features cuda-sim`) against
+//! the host: the device's codecs equal the host's on every float32 bit pattern class,
+//! and a property test runs random pool operations on a host pool and a device pool of
+//! the same 8-bit dtype side by side. After every step both hold the same codes and
+//! scales, bit for bit, read back through every path (device gathers, host reads,
+//! dequantized floats), and attention over them agrees.
+#![cfg(feature = "cuda-sim")]
+
+use kvrs::attention::AttnOptions;
+use kvrs::kv_cache::{CacheCore, CacheShape};
+use kvrs::paged::{Attention, KvLayout, LayerKind, PagedShape, PoolCore, SeqId};
+use kvrs::quant::Fp8;
+use kvrs::rope::{Rope, RopeStyle};
+use kvrs::scales::KvScales;
+use kvrs::storage::cuda::gpu::Args;
+use kvrs::storage::cuda::gpu_for;
+use kvrs::tensor::TensorRef;
+use kvrs::{DType, Device};
+use proptest::prelude::*;
+
+const L: usize = 2;
+const H: usize = 2;
+const D: usize = 4;
+const BS: usize = 4;
+const BLOCKS: usize = 24;
+const CUDA: Device = Device::Cuda(0);
+
+/// Launches a rank-1 `kvrs_copy3_*` of `n` elements on the simulated device (its memory
+/// is host memory, so host buffers serve as device buffers).
+fn copy3(name: &str, dst: *mut u8, src: *const u8, n: usize) {
+    let args = Args::new()
+        .u64(dst as u64)
+        .i64(0)
+        .i64(0)
+        .i64(1)
+        .u64(src as u64)
+        .i64(0)
+        .i64(0)
+        .i64(1)
+        .i64(1)
+        .i64(1)
+        .i64(n as i64);
+    unsafe {
+        gpu_for(0)
+            .unwrap()
+            .launch(name, [64, 1, 1], [256, 1, 1], &args, 0)
+    }
+    .unwrap();
+}
+
+/// Float32 bit patterns around every exponent, both signs, with mantissas near the fp8
+/// rounding boundaries, plus zeros, infinities and NaNs.
+fn patterns() -> Vec<f32> {
+    let mut out = vec![
+        0.0,
+        -0.0,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        -f32::NAN,
+    ];
+    for exp in 0u32..255 {
+        for man in [
+            0u32, 1, 0x7ffff, 0x80000, 0x80001, 0xfffff, 0x100000, 0x180000, 0x3fffff, 0x7fffff,
+        ] {
+            for sign in [0u32, 1] {
+                out.push(f32::from_bits(sign << 31 | exp << 23 | man));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn device_fp8_codecs_equal_the_host_codec_bit_for_bit() {
+    let x = patterns();
+    for (fp8, name) in [(Fp8::E4M3, "e4m3"), (Fp8::E5M2, "e5m2")] {
+        let mut codes = vec![0u8; x.len()];
+        copy3(
+            &format!("kvrs_copy3_f32_{name}"),
+            codes.as_mut_ptr(),
+            x.as_ptr() as *const u8,
+            x.len(),
+        );
+        for (v, c) in x.iter().zip(&codes) {
+            assert_eq!(
+                *c,
+                fp8.encode(*v),
+                "{name} encode {v:e} ({:#x})",
+                v.to_bits()
+            );
+        }
+        let all: Vec<u8> = (0..=255).collect();
+        let mut back = vec![0f32; 256];
+        copy3(
+            &format!("kvrs_copy3_{name}_f32"),
+            back.as_mut_ptr() as *mut u8,
+            all.as_ptr(),
+            256,
+        );
+        for (c, v) in all.iter().zip(&back) {
+            let want = fp8.decode(*c);
+            assert!(
+                v.to_bits() == want.to_bits() || (v.is_nan() && want.is_nan()),
+                "{name} decode {c:#x}: {v} vs {want}"
+            );
+        }
+    }
+}
+
+#[test]
+fn device_int8_rows_equal_the_host_quantizer() {
+    // Rows of 4: ordinary, all zero, with an infinity, with a NaN, tiny, huge.
+    let rows: Vec<[f32; 4]> = vec![
+        [1.0, -2.5, 3.25, 0.1],
+        [0.0, -0.0, 0.0, 0.0],
+        [f32::INFINITY, 1.0, -3.0, 0.0],
+        [f32::NAN, 2.0, -1.0, 0.5],
+        [1e-40, -3e-41, 0.0, 2e-45],
+        [3e38, -3.4e38, 1.0, -1.0],
+    ];
+    for (i, row) in rows.iter().enumerate() {
+        let shape = CacheShape {
+            num_layers: 1,
+            num_kv_heads: 1,
+            head_dim: 4,
+            max_seq_len: 2,
+        };
+        let caches: Vec<CacheCore> = [Device::Cpu, CUDA]
+            .into_iter()
+            .map(|dev| CacheCore::new(shape, DType::I8, dev).unwrap())
+            .collect();
+        let mut codes = Vec::new();
+        for mut c in caches {
+            let dev = c.device();
+            let t =
+                unsafe { TensorRef::contiguous(row.as_ptr() as *const u8, DType::F32, &[1, 1, 4]) }
+                    .unwrap()
+                    .on(dev);
+            c.append(0, &t, &t).unwrap();
+            let mut raw = [0i8; 4];
+            let out = unsafe {
+                TensorRef::contiguous(raw.as_mut_ptr() as *const u8, DType::I8, &[1, 1, 4])
+            }
+            .unwrap();
+            c.extract_block(0, 0, 1, &out, &out).unwrap();
+            let rs = c.row_scales().unwrap();
+            codes.push((raw, unsafe { *rs.ptr }));
+        }
+        assert_eq!(codes[0].0, codes[1].0, "row {i}: {row:?}");
+        assert_eq!(
+            codes[0].1.to_bits(),
+            codes[1].1.to_bits(),
+            "row {i}: {row:?}"
+        );
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    New,
+    Free(usize),
+    Fork(usize),
+    Append {
+        seq: usize,
+        layer: usize,
+        n: usize,
+        seed: u32,
+        device_input: bool,
+    },
+    Advance(usize, usize),
+    Truncate(usize, usize),
+    Remove(usize, usize, usize),
+    CopyPrefix(usize, usize, usize),
+    Forward {
+        seqs: Vec<usize>,
+        seed: u32,
+    },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let i = 0..6usize;
+    prop_oneof![
+        2 => Just(Op::New),
+        1 => i.clone().prop_map(Op::Free),
+        1 => i.clone().prop_map(Op::Fork),
+        5 => (i.clone(), 0..L, 0..7usize, any::<u32>(), any::<bool>()).prop_map(
+            |(seq, layer, n, seed, device_input)| Op::Append { seq, layer, n, seed, device_input }),
+        2 => (i.clone(), 0..5usize).prop_map(|(s, n)| Op::Advance(s, n)),
+        1 => (i.clone(), 0..12usize).prop_map(|(s, n)| Op::Truncate(s, n)),
+        1 => (i.clone(), 0..8usize, 1..6usize).prop_map(|(s, b, n)| Op::Remove(s, b, b + n)),
+        1 => (i.clone(), i.clone(), 0..10usize).prop_map(|(a, b, n)| Op::CopyPrefix(a, b, n)),
+        2 => (prop::collection::vec(i, 1..4), any::<u32>()).prop_map(|(seqs, seed)| Op::Forward { seqs, seed }),
+    ]
+}
+
+/// Values over many magnitudes: saturating, subnormal in fp8, zeros, both signs.
+fn values(seed: u32, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            let h = seed.wrapping_mul(2654435761).wrapping_add(i as u32 * 40503);
+            let m = (h % 201) as f32 - 100.0;
+            m * [1e-5, 1e-3, 0.05, 1.0, 30.0, 1e4][(h >> 8) as usize % 6]
+        })
+        .collect()
+}
+
+fn tensor(v: &[f32], shape: &[usize], device: Device) -> TensorRef {
+    unsafe { TensorRef::contiguous(v.as_ptr() as *const u8, DType::F32, shape) }
+        .unwrap()
+        .on(device)
+}
+
+fn tensor_mut(v: &mut [u8], dtype: DType, shape: &[usize], device: Device) -> TensorRef {
+    unsafe { TensorRef::contiguous(v.as_mut_ptr() as *const u8, dtype, shape) }
+        .unwrap()
+        .on(device)
+}
+
+/// The host pool and the device pool, and the sequences they hold (same ids in both).
+struct Twins {
+    pools: [PoolCore; 2],
+    live: Vec<[SeqId; 2]>,
+    dtype: DType,
+}
+
+impl Twins {
+    fn new(dtype: DType, layout: KvLayout) -> Self {
+        let shape = PagedShape {
+            num_layers: L,
+            num_kv_heads: H,
+            head_dim: D,
+            block_size: BS,
+            num_blocks: BLOCKS,
+            layout,
+        };
+        let attention = Attention {
+            kinds: vec![LayerKind::Full, LayerKind::Sliding],
+            sliding_window: Some(6),
+            chunk_size: None,
+            swa_memory: 2,
+        };
+        let rope = Rope {
+            theta: 10000.0,
+            rotary_dim: None,
+            style: RopeStyle::Neox,
+            linear_factor: 1.0,
+        };
+        let pools = [Device::Cpu, CUDA].map(|dev| {
+            let mut p = PoolCore::with_attention(shape, attention.clone(), dtype, dev, None)
+                .unwrap()
+                .with_rope(rope)
+                .unwrap();
+            if dtype.fp8().is_some() {
+                // Per-head scales, different for K and V and per layer.
+                let k: Vec<f32> = (0..L * H).map(|i| 0.5 + i as f32 * 0.75).collect();
+                let v: Vec<f32> = (0..L * H).map(|i| 2.0 - i as f32 * 0.25).collect();
+                p = p.with_scales(KvScales::new(L, H, &k, &v).unwrap()).unwrap();
+            }
+            p
+        });
+        Twins {
+            pools,
+            live: Vec::new(),
+            dtype,
+        }
+    }
+
+    fn pick(&self, i: usize) -> Option<usize> {
+        (!self.live.is_empty()).then(|| i % self.live.len())
+    }
+
+    /// Runs `f` on both pools and checks that they agree on the outcome.
+    fn both<R: PartialEq + std::fmt::Debug>(
+        &mut self,
+        what: &Op,
+        mut f: impl FnMut(&mut PoolCore, usize) -> kvrs::Result<R>,
+    ) -> Option<[R; 2]> {
+        let a = f(&mut self.pools[0], 0);
+        let b = f(&mut self.pools[1], 1);
+        match (a, b) {
+            (Ok(a), Ok(b)) => Some([a, b]),
+            (Err(a), Err(b)) => {
+                assert_eq!(a.to_string(), b.to_string(), "{what:?}");
+                None
+            }
+            (a, b) => panic!("{what:?}: host {a:?} vs device {b:?}"),
+        }
+    }
+
+    fn apply(&mut self, op: &Op) {
+        match op {
+            Op::New => {
+                let ids = self.pools.each_mut().map(|p| p.new_sequence());
+                self.live.push(ids);
+            }
+            Op::Free(i) => {
+                if let Some(i) = self.pick(*i) {
+                    let ids = self.live.remove(i);
+                    self.both(op, |p, j| p.free_sequence(ids[j]));
+                }
+            }
+            Op::Fork(i) => {
+                if let Some(i) = self.pick(*i) {
+                    let ids = self.live[i];
+                    if let Some(new) = self.both(op, |p, j| p.fork(ids[j])) {
+                        self.live.push(new);
+                    }
+                }
+            }
+            Op::Append {
+                seq,
+                layer,
+                n,
+                seed,
+                device_input,
+            } => {
+                let Some(i) = self.pick(*seq) else { return };
+                let ids = self.live[i];
+                let (k, v) = (values(*seed, n * H * D), values(seed ^ 0xabcd, n * H * D));
+                let dev = |j: usize| {
+                    if j == 1 && *device_input {
+                        CUDA
+                    } else {
+                        Device::Cpu
+                    }
+                };
+                self.both(op, |p, j| {
+                    p.append(
+                        ids[j],
+                        *layer as i64,
+                        &tensor(&k, &[*n, H, D], dev(j)),
+                        &tensor(&v, &[*n, H, D], dev(j)),
+                    )
+                });
+            }
+            Op::Advance(i, n) => {
+                let Some(i) = self.pick(*i) else { return };
+                let ids = self.live[i];
+                self.both(op, |p, j| p.advance(ids[j], *n as i64, None));
+            }
+            Op::Truncate(i, n) => {
+                let Some(i) = self.pick(*i) else { return };
+                let ids = self.live[i];
+                self.both(op, |p, j| p.truncate(ids[j], *n as i64));
+            }
+            Op::Remove(i, b, e) => {
+                let Some(i) = self.pick(*i) else { return };
+                let ids = self.live[i];
+                self.both(op, |p, j| p.remove(ids[j], *b as i64, Some(*e as i64)));
+            }
+            Op::CopyPrefix(a, b, n) => {
+                let (Some(a), Some(b)) = (self.pick(*a), self.pick(*b)) else {
+                    return;
+                };
+                let (x, y) = (self.live[a], self.live[b]);
+                self.both(op, |p, j| p.copy_prefix(x[j], y[j], *n as i64));
+            }
+            Op::Forward { seqs, seed } => self.forward(op, seqs, *seed),
+        }
+    }
+
+    /// One forward step of a token per chosen sequence: slot writes (device tensors on
+    /// the device pool) and attention with float32 queries, compared, then committed.
+    fn forward(&mut self, op: &Op, seqs: &[usize], seed: u32) {
+        let mut chosen: Vec<usize> = seqs.iter().filter_map(|&i| self.pick(i)).collect();
+        chosen.dedup();
+        chosen.sort_unstable();
+        chosen.dedup();
+        if chosen.is_empty() {
+            return;
+        }
+        let batch: [Vec<SeqId>; 2] =
+            [0, 1].map(|j| chosen.iter().map(|&i| self.live[i][j]).collect());
+        let Some(plans) = self.both(op, |p, j| p.start_forward(&batch[j], None, None).map(Some))
+        else {
+            return;
+        };
+        let plans = plans.map(|p| p.unwrap());
+        let (n, hq) = (chosen.len(), 2 * H);
+        let devs = [Device::Cpu, CUDA];
+        let q = values(seed ^ 0x1234, n * hq * D)
+            .iter()
+            .map(|x| x.clamp(-3.0, 3.0))
+            .collect::<Vec<f32>>();
+        for layer in 0..L {
+            let k = values(seed.wrapping_add(layer as u32), n * H * D);
+            let v = values(seed ^ 0x7777 ^ layer as u32, n * H * D);
+            let mut outs = [vec![0u8; 4 * n * hq * D], vec![0u8; 4 * n * hq * D]];
+            for j in 0..2 {
+                let p = &mut self.pools[j];
+                let g = p.group_for(Some(layer as i64)).unwrap();
+                p.write(
+                    layer as i64,
+                    &tensor(&k, &[n, H, D], devs[j]),
+                    &tensor(&v, &[n, H, D], devs[j]),
+                    plans[j].group_slots(g),
+                )
+                .unwrap();
+                let out = tensor_mut(&mut outs[j], DType::F32, &[n, hq, D], devs[j]);
+                p.forward_attention(
+                    &plans[j],
+                    layer as i64,
+                    &tensor(&q, &[n, hq, D], devs[j]),
+                    &out,
+                    &AttnOptions::default(),
+                )
+                .unwrap();
+            }
+            let f = |b: &[u8]| -> Vec<f32> {
+                b.chunks(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                    .collect()
+            };
+            let (a, b) = (f(&outs[0]), f(&outs[1]));
+            for (x, y) in a.iter().zip(&b) {
+                assert!(
+                    (x - y).abs() <= 1e-4 * (1.0 + x.abs()),
+                    "{op:?} layer {layer}: {a:?} vs {b:?}"
+                );
+            }
+        }
+        for (pool, plan) in self.pools.iter_mut().zip(&plans) {
+            pool.finish_forward(plan).unwrap();
+        }
+    }
+
+    /// Both pools hold the same codes, scales and dequantized values for every live
+    /// sequence and layer, read through every path.
+    fn check(&self) {
+        let size = |n: usize| H * n.max(1) * D;
+        for ids in &self.live {
+            for layer in 0..L {
+                // Raw codes: the host pool; the device pool into device and host buffers.
+                let mut raws = Vec::new();
+                for (j, dev) in [(0, Device::Cpu), (1, CUDA), (1, Device::Cpu)] {
+                    let p = &self.pools[j];
+                    let cap = p.seq(ids[j]).unwrap().layer_len[layer].max(1);
+                    let (mut k, mut v) = (vec![0u8; size(cap)], vec![0u8; size(cap)]);
+                    let got = p
+                        .gather(
+                            ids[j],
+                            layer as i64,
+                            &tensor_mut(&mut k, self.dtype, &[H, cap, D], dev),
+                            &tensor_mut(&mut v, self.dtype, &[H, cap, D], dev),
+                        )
+                        .unwrap();
+                    let (mut kf, mut vf) = (vec![0u8; 4 * size(cap)], vec![0u8; 4 * size(cap)]);
+                    p.gather(
+                        ids[j],
+                        layer as i64,
+                        &tensor_mut(&mut kf, DType::F32, &[H, cap, D], dev),
+                        &tensor_mut(&mut vf, DType::F32, &[H, cap, D], dev),
+                    )
+                    .unwrap();
+                    let scales = (self.dtype == DType::I8)
+                        .then(|| p.gather_scales(ids[j], layer as i64).unwrap());
+                    raws.push((got, k, v, kf, vf, scales));
+                }
+                for other in &raws[1..] {
+                    let (got, k, v, kf, vf, s) = &raws[0];
+                    assert_eq!(got, &other.0, "layer {layer}");
+                    assert_eq!(k, &other.1, "K codes, layer {layer}");
+                    assert_eq!(v, &other.2, "V codes, layer {layer}");
+                    assert_eq!(kf, &other.3, "K floats, layer {layer}");
+                    assert_eq!(vf, &other.4, "V floats, layer {layer}");
+                    let bits = |s: &Option<(usize, usize, Vec<f32>, Vec<f32>)>| {
+                        s.as_ref().map(|(a, b, k, v)| {
+                            (
+                                *a,
+                                *b,
+                                k.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                                v.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                            )
+                        })
+                    };
+                    assert_eq!(bits(s), bits(&other.5), "scales, layer {layer}");
+                }
+            }
+        }
+        let stats = self.pools.each_ref().map(|p| p.stats());
+        assert_eq!(stats[0].used_blocks, stats[1].used_blocks);
+        assert_eq!(stats[0].bytes_total, stats[1].bytes_total);
+    }
+}
+
+fn run(dtype: DType, layout: KvLayout, ops: &[Op]) {
+    let mut t = Twins::new(dtype, layout);
+    for op in ops {
+        t.apply(op);
+        t.check();
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 60, ..ProptestConfig::default() })]
+
+    #[test]
+    fn e4m3_pool_on_cuda_equals_the_host(ops in prop::collection::vec(op(), 1..40)) {
+        run(DType::F8E4M3, KvLayout::Nhd, &ops);
+    }
+
+    #[test]
+    fn e5m2_pool_on_cuda_equals_the_host(ops in prop::collection::vec(op(), 1..40)) {
+        run(DType::F8E5M2, KvLayout::Hnd, &ops);
+    }
+
+    #[test]
+    fn int8_nhd_pool_on_cuda_equals_the_host(ops in prop::collection::vec(op(), 1..40)) {
+        run(DType::I8, KvLayout::Nhd, &ops);
+    }
+
+    #[test]
+    fn int8_hnd_pool_on_cuda_equals_the_host(ops in prop::collection::vec(op(), 1..40)) {
+        run(DType::I8, KvLayout::Hnd, &ops);
+    }
+}
+
+/// A contiguous fp8 cache with per-head scales: appends from device and host tensors and
+/// dequantized reads into device and host tensors equal the host cache's, bit for bit.
+#[test]
+fn contiguous_fp8_cache_with_scales_equals_the_host() {
+    let shape = CacheShape {
+        num_layers: 2,
+        num_kv_heads: H,
+        head_dim: D,
+        max_seq_len: 12,
+    };
+    for dtype in [DType::F8E4M3, DType::F8E5M2, DType::I8] {
+        let scales = || {
+            let k: Vec<f32> = (0..2 * H).map(|i| 0.25 + i as f32).collect();
+            KvScales::new(2, H, &k, &[3.0]).unwrap()
+        };
+        let mut outs = Vec::new();
+        for (dev, input) in [
+            (Device::Cpu, Device::Cpu),
+            (CUDA, CUDA),
+            (CUDA, Device::Cpu),
+        ] {
+            let mut c = CacheCore::new(shape, dtype, dev).unwrap();
+            if dtype != DType::I8 {
+                c = c.with_scales(scales()).unwrap();
+            }
+            for (step, n) in [5usize, 1, 3].into_iter().enumerate() {
+                for layer in 0..2 {
+                    let k = values(step as u32 * 10 + layer, n * H * D);
+                    let v = values(step as u32 * 10 + layer + 5, n * H * D);
+                    c.append(
+                        layer as i64,
+                        &tensor(&k, &[n, H, D], input),
+                        &tensor(&v, &[n, H, D], input),
+                    )
+                    .unwrap();
+                }
+                c.advance(n as i64).unwrap();
+            }
+            let mut got = Vec::new();
+            for layer in 0..2 {
+                let (mut k, mut v) = (vec![0u8; 4 * H * 9 * D], vec![0u8; 4 * H * 9 * D]);
+                c.extract_block(
+                    layer,
+                    0,
+                    9,
+                    &tensor_mut(&mut k, DType::F32, &[H, 9, D], dev),
+                    &tensor_mut(&mut v, DType::F32, &[H, 9, D], dev),
+                )
+                .unwrap();
+                got.push((k, v));
+            }
+            outs.push(got);
+        }
+        assert!(outs[0].iter().any(|(k, _)| k.iter().any(|&b| b != 0)));
+        assert_eq!(outs[0], outs[1], "{dtype}: device inputs");
+        assert_eq!(outs[0], outs[2], "{dtype}: host inputs");
+    }
+}
