@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 SOURCES := Cargo.toml Cargo.lock pyproject.toml $(shell find src python -type f \( -name '*.rs' -o -name '*.py' -o -name '*.pyi' \) 2>/dev/null)
 
 .DEFAULT_GOAL := help
-.PHONY: help demo test test-rust test-python test-wheel stubtest check-ptx ptx lint fmt bench bench-rust install wheel clean
+.PHONY: help redis demo test test-rust test-python test-wheel stubtest check-ptx ptx lint fmt bench bench-rust install wheel clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "} {printf "  make %-12s %s\n", $$1, $$2}'
@@ -36,7 +36,7 @@ test-rust: ## cargo test (the core without Python, doc examples, the README's Ru
 	cargo run --release --quiet --features cuda --example paged_batch
 	cargo test --release --quiet --features cuda-sim --test cuda_sim --test cuda_sim_quantized --test kv_cache_model --test paged_model
 
-test-python: .stamp-install ## pytest (hypothesis state machines, errors, interop)
+test-python: .stamp-install redis ## pytest (hypothesis state machines, errors, interop; a real Redis server for the tier tests)
 	$(PY) -m pytest
 
 wheel: $(VENV)/bin/activate ## build the abi3 wheel (one for every CPython >= 3.10) and the sdist into dist/
@@ -51,6 +51,9 @@ test-wheel: wheel ## install the wheel into a fresh virtual environment without 
 stubtest: .stamp-install ## check python/kvrs/_kvrs.pyi against the compiled module, and typed user code against it (mypy --strict tests/typing)
 	$(PY) -m mypy.stubtest kvrs._kvrs
 	$(PY) -m mypy --strict tests/typing
+
+redis: ## install a Redis server for the tests into .redis/ (Debian's redis-tools, unpacked; no root needed)
+	tests/redis/install.sh
 
 check-ptx: $(VENV)/bin/activate ## the committed PTX matches kernels/kvrs.cu and assembles for sm_80 and sm_90
 	PY=$(PY) kernels/build.sh check
@@ -69,7 +72,7 @@ fmt: .stamp-install ## format Rust and Python sources
 	cargo fmt --all
 	$(VENV)/bin/ruff format python tests benches
 
-bench: .stamp-install ## kvrs against its peers: benches/compare.py (table and benches/compare.png), then each bench in detail
+bench: .stamp-install redis ## kvrs against its peers: benches/compare.py (table and benches/compare.png), then each bench in detail
 	$(PIP) install --quiet -r benches/requirements.txt
 	$(PY) benches/compare.py
 	$(PY) benches/bench_contiguous.py
@@ -77,6 +80,7 @@ bench: .stamp-install ## kvrs against its peers: benches/compare.py (table and b
 	$(PY) benches/bench_prefix.py
 	$(PY) benches/bench_attention.py
 	$(PY) benches/bench_quantized.py
+	$(PY) benches/bench_tiers.py
 
 bench-rust: ## criterion benchmarks of the core
 	cargo bench

@@ -44,6 +44,7 @@ pub mod rope;
 pub mod scales;
 pub mod storage;
 pub mod tensor;
+pub mod tier;
 pub mod typed;
 
 #[cfg(feature = "python")]

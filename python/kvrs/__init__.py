@@ -4,9 +4,11 @@ The contiguous cache (:class:`KVCache`) preallocates K and V for every layer of 
 sequence and hands them out as zero-copy NumPy views. The paged pool
 (:class:`BlockPool`) shares fixed-size blocks between many :class:`Sequence` objects,
 with copy-on-write forks, vLLM slot mappings, FlashInfer page tables and ollama-style
-batched forwards (:class:`ForwardBatch`). Errors derive from :class:`KvrsError` where they are
-kvrs-specific (:class:`CacheFullError`, :class:`NotSupportedError`, :class:`DeviceError`)
-and are plain ``ValueError`` / ``IndexError`` / ``TypeError`` otherwise.
+batched forwards (:class:`ForwardBatch`); evicted cached blocks can go to offload tiers
+(:class:`DiskTier`, :class:`RedisTier`) and come back from them. Errors derive from
+:class:`KvrsError` where they are kvrs-specific (:class:`CacheFullError`,
+:class:`NotSupportedError`, :class:`DeviceError`) and are plain ``ValueError`` /
+``IndexError`` / ``TypeError`` otherwise.
 """
 
 from kvrs._kvrs import (
@@ -14,11 +16,13 @@ from kvrs._kvrs import (
     CacheFullError,
     DeviceError,
     DeviceTensor,
+    DiskTier,
     EncoderCache,
     ForwardBatch,
     KVCache,
     KvrsError,
     NotSupportedError,
+    RedisTier,
     RoPE,
     Sequence,
     __version__,
@@ -31,11 +35,13 @@ __all__ = [
     "CacheFullError",
     "DeviceError",
     "DeviceTensor",
+    "DiskTier",
     "EncoderCache",
     "ForwardBatch",
     "KVCache",
     "KvrsError",
     "NotSupportedError",
+    "RedisTier",
     "RoPE",
     "Sequence",
     "__version__",

@@ -14,11 +14,13 @@ __all__ = [
     "CacheFullError",
     "DeviceError",
     "DeviceTensor",
+    "DiskTier",
     "EncoderCache",
     "ForwardBatch",
     "KVCache",
     "KvrsError",
     "NotSupportedError",
+    "RedisTier",
     "RoPE",
     "Sequence",
     "__version__",
@@ -241,6 +243,45 @@ class KVCache(Generic[_View_co]):
     def __len__(self) -> int: ...
 
 @final
+class DiskTier:
+    """A directory of cached blocks bounded to `max_bytes`, least recently used out first."""
+
+    def __new__(cls, path: str | os.PathLike[str], max_bytes: int | str) -> DiskTier: ...
+    @property
+    def path(self) -> str:
+        """The directory."""
+    @property
+    def max_bytes(self) -> int:
+        """The size bound in bytes."""
+    def used_bytes(self) -> int:
+        """Bytes of blocks in the directory now (every process's)."""
+    def get(self, keys: list[str]) -> list[bytes | None]:
+        """The raw payloads stored under `keys` (None where absent), in one batched request."""
+    def stats(self) -> dict[str, Any]:
+        """What the tier did, as a dict of counters."""
+
+@final
+class RedisTier:
+    """A Redis (or Valkey) server holding cached blocks for every process that uses it."""
+
+    def __new__(
+        cls,
+        url: str = "redis://127.0.0.1:6379/0",
+        *,
+        timeout: float = 0.1,
+        ttl: int | None = None,
+        max_idle: int = 8,
+        retry_after: float = 1.0,
+    ) -> RedisTier: ...
+    @property
+    def url(self) -> str:
+        """The server's URL."""
+    def get(self, keys: list[str]) -> list[bytes | None]:
+        """The raw payloads stored under `keys` (None where absent), in one batched request."""
+    def stats(self) -> dict[str, Any]:
+        """What the tier did, as a dict of counters."""
+
+@final
 class BlockPool(Generic[_View_co]):
     """A pool of fixed-size KV blocks for every layer, allocated once and shared by many sequences."""
 
@@ -272,6 +313,9 @@ class BlockPool(Generic[_View_co]):
         swa_memory: int = 0,
         k_scale: _ScaleLike = None,
         v_scale: _ScaleLike = None,
+        tiers: list[DiskTier | RedisTier] | None = None,
+        model_id: str = "",
+        tier_queue: int = 1024,
     ) -> BlockPool[npt.NDArray[Any]]: ...
     @overload
     def __new__(
@@ -298,6 +342,9 @@ class BlockPool(Generic[_View_co]):
         swa_memory: int = 0,
         k_scale: _ScaleLike = None,
         v_scale: _ScaleLike = None,
+        tiers: list[DiskTier | RedisTier] | None = None,
+        model_id: str = "",
+        tier_queue: int = 1024,
     ) -> BlockPool[DeviceTensor]: ...
     @overload
     def __new__(
@@ -324,6 +371,9 @@ class BlockPool(Generic[_View_co]):
         swa_memory: int = 0,
         k_scale: _ScaleLike = None,
         v_scale: _ScaleLike = None,
+        tiers: list[DiskTier | RedisTier] | None = None,
+        model_id: str = "",
+        tier_queue: int = 1024,
     ) -> BlockPool[_Either]: ...
     @property
     def num_layers(self) -> int:
@@ -402,6 +452,14 @@ class BlockPool(Generic[_View_co]):
         """Starts a sequence; with `tokens` it attaches the longest cached prefix."""
     def match_prefix(self, tokens: _IntsLike, namespace: _Key = None, extra_key: _Key = None) -> int:
         """Tokens of `tokens` a new sequence would find cached, without attaching anything."""
+    def prefetch(self, tokens: _IntsLike, namespace: _Key = None, extra_key: _Key = None) -> int:
+        """Loads what the offload tiers hold of `tokens`' prefix into the cache; returns tokens cached."""
+    def store_to_tiers(self, seqs: Iterable[Sequence[Any]]) -> int:
+        """Queues the cached blocks `seqs` hold for the offload tiers now; returns how many."""
+    def flush_tiers(self) -> None:
+        """Waits until every block queued for the offload tiers is written (or refused)."""
+    def drop_tier_namespace(self, namespace: _Key = None) -> int:
+        """Removes every block of `namespace` from the offload tiers; returns how many."""
     def pin(self, tokens: _IntsLike, namespace: _Key = None, extra_key: _Key = None) -> int:
         """Keeps the cached whole blocks of `tokens` from eviction until unpin(); returns tokens pinned."""
     def unpin(self, tokens: _IntsLike, namespace: _Key = None, extra_key: _Key = None) -> int:
@@ -486,6 +544,9 @@ class Sequence(Generic[_View_co]):
     @property
     def num_cached_tokens(self) -> int:
         """Prompt tokens served from the prefix cache when the sequence started."""
+    @property
+    def cached_tokens_by_tier(self) -> dict[str, int]:
+        """Of num_cached_tokens, what the pool ("pool") and each offload tier (by name) served."""
     @property
     def token_ids(self) -> npt.NDArray[np.uint32]:
         """The token ids the sequence knows (its prompt and committed tokens)."""

@@ -10,7 +10,7 @@ use super::pool::{PoolCore, SeqId};
 use super::seq::{Table, NO_BLOCK};
 use crate::error::{KvError, Result};
 use crate::layout::BlockId;
-use crate::prefix::{BlockHash, PrefixEvent, PrefixIndex};
+use crate::prefix::{BlockHash, CachedBlock, PrefixEvent, PrefixIndex};
 
 /// The key of block hash `h` in group `g`'s part of the index: group 0 uses the chain
 /// hash itself, other groups a fixed per-group mask of it (a collision between groups
@@ -47,9 +47,12 @@ impl PoolCore {
     /// as `num_cached_tokens`; at least one prompt token is always left to compute.
     pub fn new_sequence_with(&mut self, tokens: &[u32], namespace: &[u8], extra: &[u8]) -> SeqId {
         let root = self.prefix.as_ref().map_or(0, |p| p.root(namespace));
+        let limit = tokens.len().saturating_sub(1);
+        // What the pool lacks of the prompt's prefix, the tiers may hold.
+        let tier_tokens = self.promote(root, tokens, extra, limit);
         let mut s = self.empty_state(root, Arc::from(extra));
         s.tokens = tokens.to_vec();
-        let hit = self.match_blocks(root, tokens, extra, tokens.len().saturating_sub(1));
+        let hit = self.match_blocks(root, tokens, extra, limit);
         for b in hit.blocks().collect::<Vec<_>>() {
             self.hold_block(b);
         }
@@ -71,6 +74,16 @@ impl PoolCore {
         s.layer_len.fill(cached);
         s.seq_len = cached;
         s.num_cached_tokens = cached;
+        // Tiers' blocks are the hit's last ones: what the hit covers past the pool's own.
+        let mut from_tiers = tier_tokens.iter().sum::<usize>().min(cached);
+        s.tier_tokens = tier_tokens
+            .iter()
+            .map(|&n| {
+                let n = n.min(from_tiers);
+                from_tiers -= n;
+                n
+            })
+            .collect();
         if let Some(p) = self.prefix.as_mut() {
             p.counters.queries += 1;
             p.counters.query_tokens += tokens.len() as u64;
@@ -242,7 +255,13 @@ impl PoolCore {
                 if let Some(&b) = t.blocks.get(i).filter(|&&b| b != NO_BLOCK) {
                     // A block already cached under another hash, or a hash already cached
                     // in another block, stays as it is: the first copy wins.
-                    p.register(b, group_key(h, g), group_key(parent, g), i == 0, toks);
+                    let meta = CachedBlock {
+                        hash: group_key(h, g),
+                        parent: group_key(parent, g),
+                        first: i == 0,
+                        root: s.root,
+                    };
+                    p.register(b, meta, toks);
                 }
             }
         }
@@ -304,13 +323,15 @@ impl PoolCore {
 
     /// Drops every cached block no sequence holds; returns how many.
     pub fn evict_all(&mut self) -> usize {
-        let Some(p) = self.prefix.as_mut() else {
-            return 0;
-        };
         let mut n = 0;
-        while let Some(b) = p.lru.pop_front() {
-            p.unregister(b);
+        while let Some(p) = self.prefix.as_mut() {
+            let Some(b) = p.lru.pop_front() else { break };
+            let meta = p.unregister(b);
             p.counters.evictions += 1;
+            if self.tiers.is_some() {
+                let tokens = p.block_tokens(b).to_vec();
+                self.write_back(b, &meta, &tokens);
+            }
             self.alloc.push_free(b);
             n += 1;
         }
@@ -329,18 +350,11 @@ impl PoolCore {
             })
     }
 
-    /// Caches `tokens`' block `b` under `hash` (from a saved cache) as evictable, most
-    /// recently used. For loading; `b` must be unreferenced and uncached.
-    pub(crate) fn adopt_cached(
-        &mut self,
-        b: BlockId,
-        hash: BlockHash,
-        parent: BlockHash,
-        first: bool,
-        tokens: &[u32],
-    ) -> bool {
+    /// Caches `tokens`' block `b` as `meta` says (from a saved cache or a tier) as
+    /// evictable, most recently used. For loading; `b` must be unreferenced and uncached.
+    pub(crate) fn adopt_cached(&mut self, b: BlockId, meta: CachedBlock, tokens: &[u32]) -> bool {
         let p = self.prefix.as_mut().expect("prefix caching on");
-        if !p.register(b, hash, parent, first, tokens) {
+        if !p.register(b, meta, tokens) {
             return false;
         }
         p.lru.push_back(b);

@@ -16,6 +16,7 @@ pub mod seq;
 pub mod shift;
 pub mod slots;
 pub mod stats;
+pub mod tiering;
 
 pub use crate::layout::{BlockId, KvLayout, PagedShape};
 pub use allocator::BlockAllocator;

@@ -53,6 +53,8 @@ pub struct PoolCore {
     pub(crate) rope: Option<Rope>,
     pub(crate) seqs: FxHashMap<SeqId, SeqState>,
     next_id: SeqId,
+    /// Offload tiers below the prefix cache ([`super::tiering`]).
+    pub(crate) tiers: Option<super::tiering::TierSet>,
 }
 
 impl PoolCore {
@@ -137,6 +139,7 @@ impl PoolCore {
             rope: None,
             seqs: FxHashMap::default(),
             next_id: 0,
+            tiers: None,
         })
     }
 
@@ -277,8 +280,14 @@ impl PoolCore {
             .lru
             .pop_front()
             .expect("free blocks checked by the caller");
-        p.unregister(b);
+        let meta = p.unregister(b);
         p.counters.evictions += 1;
+        if self.tiers.is_some() {
+            // The block leaves the pool: its payload goes to the tiers (read before the
+            // caller overwrites it).
+            let tokens = self.prefix.as_ref().expect("on").block_tokens(b).to_vec();
+            self.write_back(b, &meta, &tokens);
+        }
         self.alloc.revive(b);
         b
     }
@@ -342,6 +351,7 @@ impl PoolCore {
             root,
             extra,
             num_cached_tokens: 0,
+            tier_tokens: Default::default(),
             cache_limit: usize::MAX,
         }
     }

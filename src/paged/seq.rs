@@ -62,6 +62,8 @@ pub struct SeqState {
     pub extra: Arc<[u8]>,
     /// Prompt tokens served from the prefix cache when the sequence started.
     pub num_cached_tokens: usize,
+    /// Of those, the tokens each offload tier served (by tier index; empty without tiers).
+    pub tier_tokens: smallvec::SmallVec<[usize; 2]>,
     /// Blocks at or past this position are never cached: their K/V were moved by a
     /// middle removal and no longer match what the model computes for the tokens.
     pub cache_limit: usize,

@@ -17,6 +17,8 @@ pub struct CachedBlock {
     pub parent: BlockHash,
     /// Whether it is the first block of its chain (its parent is a root).
     pub first: bool,
+    /// The root of its chain (its namespace's): where the offload tiers file it.
+    pub root: BlockHash,
 }
 
 /// A block entering or leaving the index, as vLLM's KV events report it.
@@ -129,25 +131,15 @@ impl PrefixIndex {
         self.by_hash.is_empty()
     }
 
-    /// Caches block `b` under `hash`; false (and nothing changes) when the hash is
-    /// already cached or the block already is.
-    pub fn register(
-        &mut self,
-        b: BlockId,
-        hash: BlockHash,
-        parent: BlockHash,
-        first: bool,
-        tokens: &[u32],
-    ) -> bool {
+    /// Caches block `b` under `hash` (`meta` without its hash); false (and nothing
+    /// changes) when the hash is already cached or the block already is.
+    pub fn register(&mut self, b: BlockId, meta: CachedBlock, tokens: &[u32]) -> bool {
+        let CachedBlock { hash, parent, .. } = meta;
         if self.by_hash.contains_key(&hash) || self.meta[b as usize].is_some() {
             return false;
         }
         self.by_hash.insert(hash, b);
-        self.meta[b as usize] = Some(CachedBlock {
-            hash,
-            parent,
-            first,
-        });
+        self.meta[b as usize] = Some(meta);
         self.tokens[b as usize * self.block_size..(b as usize + 1) * self.block_size]
             .copy_from_slice(tokens);
         self.children.entry(parent).or_default().push(b);

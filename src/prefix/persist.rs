@@ -20,6 +20,7 @@ use rustc_hash::FxHashSet;
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 
 use super::hash::BlockHash;
+use super::index::CachedBlock;
 use crate::dtype::DType;
 use crate::error::{KvError, Result};
 use crate::paged::{BlockId, PoolCore};
@@ -78,7 +79,7 @@ fn block_tensor_names(pool: &PoolCore) -> Vec<String> {
 }
 
 /// The metadata a file must carry to load into `pool`.
-fn expected_metadata(pool: &PoolCore) -> Vec<(&'static str, String)> {
+pub(crate) fn expected_metadata(pool: &PoolCore) -> Vec<(&'static str, String)> {
     let sh = pool.shape();
     let p = pool.prefix().expect("prefix caching on");
     vec![
@@ -372,41 +373,96 @@ impl PoolCore {
         }
         let es = self.dtype().size();
         let block_bytes = sh.block_elems() * es;
-        for &i in &keep {
-            let b = self.take_free_block().expect("room counted above");
-            for layer in 0..per_block {
-                let data = &tensors[4 + layer].data()[i * block_bytes..(i + 1) * block_bytes];
-                let src = unsafe {
-                    TensorRef::contiguous(data.as_ptr(), self.dtype(), &[1, 1, sh.block_elems()])?
+        // Each block's chain root (where the offload tiers file it): a first block's
+        // parent, or its parent's root, from the index or from the file. Parents come
+        // first, so the file's blocks are taken in rounds.
+        let mut roots: rustc_hash::FxHashMap<BlockHash, BlockHash> = Default::default();
+        let mut pending = keep.clone();
+        while !pending.is_empty() {
+            let before = pending.len();
+            let mut later = Vec::new();
+            for i in pending {
+                let (hash, parent) = (u128_at(hashes, i), u128_at(parents, i));
+                let index = self.prefix().expect("checked");
+                let root = if first[i] == 1 {
+                    Some(parent)
+                } else {
+                    roots.get(&parent).copied().or_else(|| {
+                        index
+                            .lookup(parent)
+                            .and_then(|b| index.meta(b))
+                            .map(|m| m.root)
+                    })
                 };
-                self.storage_mut().write(sh.whole_block(layer, b), &src)?;
+                let Some(root) = root else {
+                    later.push(i);
+                    continue;
+                };
+                roots.insert(hash, root);
+                self.load_file_block(
+                    &tensors,
+                    names.len(),
+                    i,
+                    CachedBlock {
+                        hash,
+                        parent,
+                        first: first[i] == 1,
+                        root,
+                    },
+                    &tok[i * sh.block_size * 4..(i + 1) * sh.block_size * 4],
+                    block_bytes,
+                )?;
             }
-            for layer in 0..names.len() - 4 - per_block {
-                let data =
-                    &tensors[4 + per_block + layer].data()[i * vectors * 4..(i + 1) * vectors * 4];
-                let scales: Vec<f32> = data
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
-                    .collect();
-                self.storage_mut()
-                    .write_row_scales(sh.whole_block(layer, b), &scales)?;
-            }
-            let tokens: Vec<u32> = tok[i * sh.block_size * 4..(i + 1) * sh.block_size * 4]
-                .chunks_exact(4)
-                .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
-                .collect();
-            let adopted = self.adopt_cached(
-                b,
-                u128_at(hashes, i),
-                u128_at(parents, i),
-                first[i] == 1,
-                &tokens,
+            assert!(
+                later.len() < before,
+                "every kept block's chain reaches a root"
             );
-            assert!(adopted, "block {i} of the file was checked to be new");
+            pending = later;
         }
         Ok(LoadReport {
             loaded: keep.len(),
             skipped: n - keep.len(),
         })
+    }
+
+    /// Loads block `i` of a file's tensors into a fresh block and caches it as `meta`.
+    fn load_file_block(
+        &mut self,
+        tensors: &[TensorView<'_>],
+        names: usize,
+        i: usize,
+        meta: CachedBlock,
+        tok: &[u8],
+        block_bytes: usize,
+    ) -> Result<()> {
+        let sh = self.shape();
+        let per_block = self.groups().per_block;
+        let vectors = sh.block_elems() / sh.head_dim;
+        let b = self.take_free_block().expect("room counted above");
+        for layer in 0..per_block {
+            let data = &tensors[4 + layer].data()[i * block_bytes..(i + 1) * block_bytes];
+            // SAFETY: `data` holds one block of the storage dtype, alive for the write.
+            let src = unsafe {
+                TensorRef::contiguous(data.as_ptr(), self.dtype(), &[1, 1, sh.block_elems()])?
+            };
+            self.storage_mut().write(sh.whole_block(layer, b), &src)?;
+        }
+        for layer in 0..names - 4 - per_block {
+            let data =
+                &tensors[4 + per_block + layer].data()[i * vectors * 4..(i + 1) * vectors * 4];
+            let scales: Vec<f32> = data
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+                .collect();
+            self.storage_mut()
+                .write_row_scales(sh.whole_block(layer, b), &scales)?;
+        }
+        let tokens: Vec<u32> = tok
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+            .collect();
+        let adopted = self.adopt_cached(b, meta, &tokens);
+        assert!(adopted, "block {i} of the file was checked to be new");
+        Ok(())
     }
 }

@@ -14,6 +14,7 @@ mod quant;
 mod rope;
 mod sequence;
 mod shared_pool;
+mod tiers;
 mod views;
 
 use pyo3::prelude::*;
@@ -67,6 +68,8 @@ fn _kvrs(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<rope::PyRope>()?;
     m.add_class::<encoder_cache::PyEncoderCache>()?;
     m.add_class::<device_tensor::PyDeviceTensor>()?;
+    m.add_class::<tiers::PyDiskTier>()?;
+    m.add_class::<tiers::PyRedisTier>()?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(attention_simd, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -103,9 +103,9 @@ impl PyBlockPool {
     }
 
     #[new]
-    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, *, block_size = 16, num_blocks = None, memory_bytes = None, dtype = None, device = None, layout = "NHD", prefix_caching = true, hash = "blake3", seed = None, partial_hits = true, events = false, rope = None, layer_types = None, sliding_window = None, chunk_size = None, swa_memory = 0, k_scale = None, v_scale = None))]
+    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, *, block_size = 16, num_blocks = None, memory_bytes = None, dtype = None, device = None, layout = "NHD", prefix_caching = true, hash = "blake3", seed = None, partial_hits = true, events = false, rope = None, layer_types = None, sliding_window = None, chunk_size = None, swa_memory = 0, k_scale = None, v_scale = None, tiers = None, model_id = "", tier_queue = 1024))]
     #[pyo3(
-        text_signature = "(num_layers, num_kv_heads, head_dim, *, block_size=16, num_blocks=None, memory_bytes=None, dtype='float16', device='cpu', layout='NHD', prefix_caching=True, hash='blake3', seed=None, partial_hits=True, events=False, rope=None, layer_types=None, sliding_window=None, chunk_size=None, swa_memory=0, k_scale=None, v_scale=None)"
+        text_signature = "(num_layers, num_kv_heads, head_dim, *, block_size=16, num_blocks=None, memory_bytes=None, dtype='float16', device='cpu', layout='NHD', prefix_caching=True, hash='blake3', seed=None, partial_hits=True, events=False, rope=None, layer_types=None, sliding_window=None, chunk_size=None, swa_memory=0, k_scale=None, v_scale=None, tiers=None, model_id='', tier_queue=1024)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -130,7 +130,21 @@ impl PyBlockPool {
         swa_memory: i64,
         k_scale: Option<&Bound<'_, PyAny>>,
         v_scale: Option<&Bound<'_, PyAny>>,
+        tiers: Option<&Bound<'_, pyo3::types::PyList>>,
+        model_id: &str,
+        tier_queue: usize,
     ) -> PyResult<Self> {
+        let tiers = super::tiers::parse_tiers(tiers)?;
+        if !tiers.is_empty() && seed.is_none() {
+            return Err(KvError::InvalidArgument {
+                name: "seed",
+                value: "None".into(),
+                reason: "pools that share offload tiers (or find a disk tier again after a \
+                         restart) must share the hash seed: pass seed=<int>"
+                    .into(),
+            }
+            .into());
+        }
         let dtype = dtype.map(parse_dtype).transpose()?.unwrap_or(DType::F16);
         let device = device.map(parse_device).transpose()?.unwrap_or(Device::Cpu);
         let mut shape = PagedShape {
@@ -166,6 +180,9 @@ impl PyBlockPool {
             shape.num_layers,
             shape.num_kv_heads,
         )?)?;
+        if !tiers.is_empty() {
+            pool = pool.with_tiers(tiers, model_id, tier_queue)?;
+        }
         let data = pool.data_ptr() as usize;
         Ok(PyBlockPool {
             core: Arc::new(SharedPool {
@@ -413,6 +430,7 @@ impl PyBlockPool {
             kinds.set_item(k.kind.name(), e)?;
         }
         d.set_item("by_layer_type", kinds)?;
+        super::tiers::tier_stats(py, &self.inner.lock(), &d)?;
         Ok(d)
     }
 
@@ -432,7 +450,10 @@ impl PyBlockPool {
         let id = match tokens {
             Some(t) => {
                 let t = read_token_ids(t, "tokens")?;
-                slf.get().inner.lock().new_sequence_with(&t, &ns, &extra)
+                // Tier lookups may wait on a disk or a server: without the GIL.
+                let pool = slf.get();
+                slf.py()
+                    .detach(|| pool.inner.lock().new_sequence_with(&t, &ns, &extra))
             }
             None if ns.is_empty() && extra.is_empty() => slf.get().inner.lock().new_sequence(),
             None => slf.get().inner.lock().new_sequence_with(&[], &ns, &extra),
@@ -455,6 +476,53 @@ impl PyBlockPool {
             key_bytes(extra_key, "extra_key")?,
         );
         Ok(self.inner.lock().match_prefix(&t, &ns, &extra))
+    }
+
+    /// Loads what the offload tiers hold of `tokens`' prefix into the pool's cache
+    /// without starting a sequence; returns the tokens a new sequence would now find
+    /// cached.
+    #[pyo3(signature = (tokens, namespace = None, extra_key = None))]
+    fn prefetch(
+        &self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        namespace: Option<&Bound<'_, PyAny>>,
+        extra_key: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<usize> {
+        let (t, ns, extra) = (
+            read_token_ids(tokens, "tokens")?,
+            key_bytes(namespace, "namespace")?,
+            key_bytes(extra_key, "extra_key")?,
+        );
+        Ok(py.detach(|| self.inner.lock().prefetch(&t, &ns, &extra))?)
+    }
+
+    /// Queues the cached blocks `seqs` hold for the offload tiers now (as eviction
+    /// would); returns how many were queued. flush_tiers() waits for them.
+    fn store_to_tiers(slf: &Bound<'_, Self>, seqs: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let ids = Self::ids(slf, seqs, "seqs")?;
+        let pool = slf.get().inner.lock();
+        let mut n = 0;
+        for id in ids {
+            n += pool.store_to_tiers(id)?;
+        }
+        Ok(n)
+    }
+
+    /// Waits until every block queued for the offload tiers is written (or refused).
+    fn flush_tiers(&self, py: Python<'_>) {
+        py.detach(|| self.inner.lock().flush_tiers());
+    }
+
+    /// Removes every block of `namespace` from the offload tiers; returns how many.
+    #[pyo3(signature = (namespace = None))]
+    fn drop_tier_namespace(
+        &self,
+        py: Python<'_>,
+        namespace: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<usize> {
+        let ns = key_bytes(namespace, "namespace")?;
+        Ok(py.detach(|| self.inner.lock().drop_tier_namespace(&ns))?)
     }
 
     /// Keeps the cached whole blocks of `tokens` from eviction until unpin(); returns the

@@ -200,6 +200,18 @@ impl PySequence {
         self.with(|s, _| s.num_cached_tokens)
     }
 
+    /// Of num_cached_tokens, what the pool itself served ("pool") and what each offload
+    /// tier served (by its name), when the sequence started.
+    #[getter]
+    fn cached_tokens_by_tier<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+        let pool = self.pool_ref().inner.lock();
+        let s = pool.seq(self.id)?;
+        super::tiers::cached_by_tier(py, &pool, s)
+    }
+
     /// The token ids the sequence knows (its prompt and committed tokens), as uint32.
     #[getter]
     fn token_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<u32>>> {

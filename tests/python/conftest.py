@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import kvrs
 
@@ -56,3 +57,26 @@ def quantized(x, dtype: str, scale=1.0):
         codes, scales = int8_codes(x)
         return codes.astype(np.float32) * scales[..., None]
     return x
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """A real Redis server for the session (started here, stopped at the end)."""
+    from redis_server import RedisServer, server_binary
+
+    binary = server_binary()
+    if binary is None:
+        pytest.fail("no redis-server: run `make redis` (the tier tests need a real server)")
+    server = RedisServer(binary)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server):
+    """The session's server, running and empty."""
+    if not redis_server.running():
+        redis_server.start()
+    redis_server.client().flushall()
+    return redis_server.url

@@ -2,14 +2,20 @@
 
 Sequences start from prompts sharing a preamble, are prefilled, decoded (tiny
 vocabularies, so chains collide), batched, forked, truncated and freed while a small pool
-evicts. K/V at position p is a function of the token ids up to p, as a model's would be,
+evicts; the same machines run with offload tiers below the pool (a small DiskTier that
+evicts too, and a real Redis server whose payloads a rule corrupts), so blocks leave and
+come back. K/V at position p is a function of the token ids up to p, as a model's would be,
 so every live sequence's K/V must equal that function of its ids whatever was shared,
 copied for a partial hit or evicted. Invariants are checked after every step.
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+
 import numpy as np
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -32,8 +38,14 @@ class PrefixMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.pool = kvrs.BlockPool(L, H, D, block_size=BS, num_blocks=BLOCKS, dtype=self.dtype, seed=5)
+        self.pool = kvrs.BlockPool(
+            L, H, D, block_size=BS, num_blocks=BLOCKS, dtype=self.dtype, seed=5, tiers=self.tiers()
+        )
         self.live: list[tuple[kvrs.Sequence, list[int]]] = []
+
+    def tiers(self) -> list | None:
+        """The offload tiers below the pool (none here)."""
+        return None
 
     def extend(self, seq, tokens, n):
         """Computes positions seq_len..seq_len+n of `tokens` and commits them; False if full."""
@@ -54,7 +66,13 @@ class PrefixMachine(RuleBasedStateMachine):
         seq = self.pool.new_sequence(tokens=tokens)
         got = seq.num_cached_tokens
         assert got < max(len(tokens), 1)
-        assert got == expect or (got % BS == 0 and expect - BS < got <= expect)
+        by_tier = seq.cached_tokens_by_tier
+        assert sum(by_tier.values()) == got and by_tier["pool"] <= got
+        if self.tiers():
+            # Tiers add whole blocks past the pool's hit (whose partial block a load may evict).
+            assert got > expect - BS
+        else:
+            assert got == expect or (got % BS == 0 and expect - BS < got <= expect)
         self.live.append((seq, tokens))
 
     @precondition(lambda self: self.live)
@@ -134,6 +152,7 @@ class PrefixMachine(RuleBasedStateMachine):
     def evict_all(self):
         before = self.pool.stats()
         assert self.pool.evict_all() == before["evictable_blocks"]
+        self.pool.flush_tiers()
 
     @invariant()
     def contents_follow_the_tokens(self):
@@ -165,3 +184,56 @@ class Int8PrefixMachine(PrefixMachine):
 
 TestInt8PrefixCaching = Int8PrefixMachine.TestCase
 TestInt8PrefixCaching.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+class DiskTierPrefixMachine(PrefixMachine):
+    """The same with a DiskTier of a few blocks below the pool: evicted blocks go to disk
+    (which evicts its own least recently used) and come back to later prompts."""
+
+    def tiers(self):
+        if not hasattr(self, "dir"):
+            self.dir = tempfile.mkdtemp(prefix="kvrs-machine-")
+            self.disk = kvrs.DiskTier(self.dir, 3000)  # about 7 blocks
+        return [self.disk]
+
+    def teardown(self):
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+TestDiskTierPrefixCaching = DiskTierPrefixMachine.TestCase
+TestDiskTierPrefixCaching.settings = settings(max_examples=50, stateful_step_count=40, deadline=None)
+
+
+REDIS: dict[str, object] = {}
+
+
+@pytest.fixture(autouse=True)
+def _redis_for_the_machines(redis_url, redis_server):
+    REDIS["url"], REDIS["client"] = redis_url, redis_server.client()
+
+
+class RedisTierPrefixMachine(PrefixMachine):
+    """The same with a real Redis server below the pool, whose stored payloads a rule
+    corrupts (bit flips, truncation): a corrupted block is refused, never loaded."""
+
+    def tiers(self):
+        if not hasattr(self, "redis"):
+            self.redis = kvrs.RedisTier(str(REDIS["url"]))
+        return [self.redis]
+
+    @rule(pick=st.integers(0, 1000), at=st.integers(0, 1000), truncate=st.booleans())
+    def corrupt(self, pick, at, truncate):
+        client = REDIS["client"]
+        keys = sorted(client.keys("kvrs:*"))
+        if keys:
+            key = keys[pick % len(keys)]
+            raw = bytearray(client.get(key) or b"")
+            if raw:
+                raw = raw[: at % len(raw)] if truncate else raw
+                if not truncate:
+                    raw[at % len(raw)] ^= 0x40
+                client.set(key, bytes(raw))
+
+
+TestRedisTierPrefixCaching = RedisTierPrefixMachine.TestCase
+TestRedisTierPrefixCaching.settings = settings(max_examples=50, stateful_step_count=40, deadline=None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import ml_dtypes
@@ -44,6 +45,23 @@ assert seq.seq_len == fork.seq_len == 6
 seq.free()
 assert pool.new_sequence(tokens=[1, 2, 3, 4, 5, 6, 7]).num_cached_tokens == 4
 pool.check_invariants()
+
+# An offload tier: evicted blocks go to disk and come back to a new pool.
+with tempfile.TemporaryDirectory() as tier_dir:
+    tiered = kvrs.BlockPool(
+        1, 2, 8, block_size=4, num_blocks=8, seed=3, tiers=[kvrs.DiskTier(tier_dir, "1MiB")]
+    )
+    s = tiered.new_sequence(tokens=list(range(9)))
+    s.append(0, np.ones((9, 2, 8), np.float32), np.ones((9, 2, 8), np.float32))
+    s.advance(9)
+    s.free()
+    tiered.evict_all()
+    tiered.flush_tiers()
+    again = kvrs.BlockPool(
+        1, 2, 8, block_size=4, num_blocks=8, seed=3, tiers=[kvrs.DiskTier(tier_dir, "1MiB")]
+    )
+    assert again.new_sequence(tokens=list(range(9))).num_cached_tokens == 8
+    assert callable(kvrs.RedisTier)
 
 # EncoderCache, RoPE, the errors and the device probe.
 enc = kvrs.EncoderCache(1, 2, 8, 16, dtype="float16")

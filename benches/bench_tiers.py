@@ -1,0 +1,141 @@
+"""Offload tiers: what loading a cached prefix from a tier costs, against recomputing it
+and against the raw transfer of the same bytes; and a shared-prefix workload served by
+two processes, with and without a Redis tier between them.
+
+    python benches/bench_tiers.py
+
+Starts its own Redis server on a loopback port (`make redis` installs one). The model is
+the demo's (8 layers, 2 KV heads x 32, float32 K/V, random weights), on the CPU.
+Ratios come from one run on one machine; the disk tier reads from the page cache.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import kvrs
+from kvrs.demo import make_model
+from kvrs.integrations.transformers import block_pool_from_config, forward_batch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests" / "python"))
+from redis_server import RedisServer, server_binary  # noqa: E402
+
+PREFIX = 4096
+SEED = 2026
+
+
+def median_time(fn, reps: int = 5) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def new_pool(model, tiers=None, blocks: int = PREFIX // 16 + 16):
+    kw = dict(seed=SEED, model_id="kvrs-demo", tiers=tiers) if tiers else {}
+    return block_pool_from_config(model.config, num_blocks=blocks, block_size=16, **kw)
+
+
+def prefill(model, pool, prompt):
+    seq = pool.new_sequence(tokens=prompt)
+    todo = prompt[seq.seq_len :]
+    with torch.no_grad(), pool.start_forward([seq] * len(todo), tokens=todo) as batch:
+        forward_batch(model, batch, todo)
+    return seq
+
+
+def load_benchmark(model, server: RedisServer, disk_dir: str) -> list[tuple[str, str]]:
+    prompt = np.random.default_rng(1).integers(0, model.config.vocab_size, PREFIX + 1).tolist()
+    rows = []
+    t_compute = median_time(lambda: prefill(model, new_pool(model), prompt), reps=3)
+    rows.append(("recompute the 4k-token prefix (demo model, CPU)", f"{t_compute * 1e3:.0f} ms"))
+    tiers = {
+        "disk": kvrs.DiskTier(disk_dir, "2GiB"),
+        "redis": kvrs.RedisTier(server.url, timeout=5.0),
+    }
+    for name, tier in tiers.items():
+        src = new_pool(model, [tier])
+        seq = prefill(model, src, prompt)
+        src.store_to_tiers([seq])
+        src.flush_tiers()
+        nbytes = src.stats()["tiers"][0]["store_bytes"]
+
+        def load(tier=tier):
+            p = new_pool(model, [tier])
+            t0 = time.perf_counter()
+            s = p.new_sequence(tokens=prompt)
+            took = time.perf_counter() - t0
+            assert s.num_cached_tokens == PREFIX, s.num_cached_tokens
+            return took
+
+        t_load = statistics.median(load() for _ in range(5))
+        rows.append(
+            (f"load it from the {name} tier", f"{t_load * 1e3:.1f} ms ({nbytes / t_load / 1e9:.2f} GB/s)")
+        )
+        rows.append((f"  {name} load vs recompute", f"{t_compute / t_load:.0f}x faster"))
+        if name == "redis":
+            client = server.client()
+            keys = sorted(k.decode() for k in client.keys("kvrs:*"))
+            t_raw = median_time(lambda keys=keys, tier=tier: tier.get(keys))
+            pipe_keys = [keys[i : i + 256] for i in range(0, len(keys), 256)]
+            t_py = median_time(lambda client=client, pipe_keys=pipe_keys: [client.mget(k) for k in pipe_keys])
+            rows.append(
+                (
+                    "  raw MGET of the same bytes, same client",
+                    f"{t_raw * 1e3:.1f} ms ({nbytes / t_raw / 1e9:.2f} GB/s)",
+                )
+            )
+            rows.append(("  load / raw GET bandwidth", f"{t_raw / t_load:.0%}"))
+            rows.append(("  raw MGET from redis-py (for reference)", f"{t_py * 1e3:.1f} ms"))
+    return rows
+
+
+def workload(url: str | None, seed: int, out: Path) -> dict:
+    subprocess.run(
+        [sys.executable, str(HERE / "tier_serve.py"), url or "none", str(seed), str(out)], check=True
+    )
+    return json.loads(out.read_text())
+
+
+def main() -> int:
+    binary = server_binary()
+    if binary is None:
+        print("bench_tiers: no redis-server; run `make redis`", file=sys.stderr)
+        return 1
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    server = RedisServer(binary)
+    server.start()
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvrs-bench-tier-") as d:
+            model = make_model(0, 8)
+            rows = load_benchmark(model, server, d)
+        print(f"\n4k-token prefix ({PREFIX} tokens, 8 layers x 2 KV heads x 32, float32 K/V):")
+        for name, value in rows:
+            print(f"  {name:50s} {value}")
+        server.client().flushall()
+        print("\nshared-prefix workload over two processes (16 requests each, one 1024-token system prompt):")
+        print(f"  {'':28s} {'process':>8} {'prompt tokens computed':>23} {'wall':>8}")
+        with tempfile.TemporaryDirectory() as d:
+            for label, url in (("without a tier", None), ("with a Redis tier", server.url)):
+                for i in (0, 1):
+                    r = workload(url, i, Path(d) / f"{label}-{i}.json")
+                    print(f"  {label:28s} {i + 1:>8} {r['computed']:>23} {r['seconds']:>7.1f}s")
+    finally:
+        server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,403 @@
+//! Offload tiers on a pool ([`crate::tier`]): evicted cached blocks are written back to
+//! the first tier that takes them (through the write-back thread), and a prompt whose
+//! prefix misses in the pool asks the tiers for the blocks that follow, loads the
+//! checked hits into fresh blocks and caches them, so the ordinary prefix match then
+//! attaches them.
+//!
+//! Invariants: a block is loaded only after its payload passed every check (format,
+//! configuration fingerprint, key, checksum) and its parent key, chain root and token
+//! ids equal the prompt's, so a tier can never make a sequence see K/V of another token
+//! prefix. Loads stop at the first block some tier lacks (a chain must be whole). The
+//! blocks of the chain already in the pool are held while loading, so the room the
+//! loads take never evicts them.
+
+use std::sync::Arc;
+
+use smallvec::SmallVec;
+
+use super::caching::group_key;
+use super::pool::{PoolCore, SeqId};
+use crate::error::{KvError, Result};
+use crate::layout::BlockId;
+use crate::prefix::persist::expected_metadata;
+use crate::prefix::{BlockHash, CachedBlock};
+use crate::tensor::TensorRef;
+use crate::tier::payload::{self, BlockMeta, Checked, Fingerprint, PayloadShape, Refusal};
+use crate::tier::writer::Writer;
+use crate::tier::{Tier, TierCounters};
+
+/// Tokens of a prompt that each tier served (by the tier's index).
+pub type TierTokens = SmallVec<[usize; 2]>;
+
+/// A pool's tiers, the fingerprint its payloads carry and the write-back thread.
+#[derive(Debug)]
+pub struct TierSet {
+    /// The tiers, fastest first: write-back goes to the first that takes a block, and
+    /// lookups ask them in order.
+    pub tiers: Vec<Arc<dyn Tier>>,
+    /// The pool-configuration fingerprint, prefixed to every key.
+    pub fingerprint: Fingerprint,
+    /// The shape of this pool's payloads.
+    pub shape: PayloadShape,
+    /// The write-back queue and thread.
+    pub writer: Writer,
+}
+
+/// A payload's bytes copied through 8-byte-aligned memory (K/V are read and written as
+/// their dtype).
+fn aligned_copy(bytes: &[u8]) -> Vec<u64> {
+    let mut out = vec![0u64; bytes.len().div_ceil(8)];
+    // SAFETY: `out` holds at least `bytes.len()` bytes.
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), out.as_mut_ptr() as *mut u8, bytes.len())
+    };
+    out
+}
+
+impl PoolCore {
+    /// Attaches offload `tiers` (fastest first) to this pool, which must cache prefixes.
+    /// `model_id` joins the configuration fingerprint, so pools of different models
+    /// sharing a store never read each other's blocks; `queue` bounds the write-back
+    /// queue (payloads).
+    pub fn with_tiers(
+        mut self,
+        tiers: Vec<Arc<dyn Tier>>,
+        model_id: &str,
+        queue: usize,
+    ) -> Result<Self> {
+        if self.prefix.is_none() {
+            return Err(KvError::InvalidArgument {
+                name: "tiers",
+                value: format!("{} tiers", tiers.len()),
+                reason: "offload tiers hold cached prefixes: turn prefix caching on".into(),
+            });
+        }
+        if tiers.is_empty() {
+            return Ok(self);
+        }
+        let meta = expected_metadata(&self);
+        let fingerprint = payload::fingerprint(
+            meta.iter()
+                .map(|(k, v)| (*k, v.as_str()))
+                .chain([("model_id", model_id), ("payload", "1")]),
+        );
+        let sh = self.shape;
+        let tensor_bytes = sh.block_elems() * self.dtype().size();
+        let scale_bytes = if self.storage.row_scales().is_some() {
+            4 * sh.block_elems() / sh.head_dim
+        } else {
+            0
+        };
+        let shape = PayloadShape {
+            block_size: sh.block_size,
+            tensors: self.groups.per_block,
+            tensor_bytes,
+            scale_bytes,
+        };
+        let writer = Writer::start(tiers.clone(), queue).map_err(|e| KvError::Io {
+            path: "(tier writer thread)".into(),
+            reason: e.to_string(),
+        })?;
+        self.tiers = Some(TierSet {
+            tiers,
+            fingerprint,
+            shape,
+            writer,
+        });
+        Ok(self)
+    }
+
+    /// The attached tiers, if any.
+    pub fn tiers(&self) -> Option<&TierSet> {
+        self.tiers.as_ref()
+    }
+
+    /// The payload of cached block `b` (its index entry `meta`, token ids `tokens`).
+    fn payload_of(
+        &self,
+        ts: &TierSet,
+        b: BlockId,
+        meta: &CachedBlock,
+        tokens: &[u32],
+    ) -> Result<Vec<u8>> {
+        let sh = self.shape;
+        let bm = BlockMeta {
+            key: meta.hash,
+            parent: meta.parent,
+            root: meta.root,
+            first: meta.first,
+        };
+        let mut out = payload::begin(&ts.fingerprint, &ts.shape, &bm, tokens);
+        let mut buf = vec![0u64; ts.shape.tensor_bytes.div_ceil(8)];
+        for t in 0..ts.shape.tensors {
+            // SAFETY: `buf` holds one block of the storage dtype and outlives the read.
+            let dst = unsafe {
+                TensorRef::contiguous(
+                    buf.as_mut_ptr() as *const u8,
+                    self.dtype(),
+                    &[1, 1, sh.block_elems()],
+                )?
+            };
+            self.storage.read(sh.whole_block(t, b), &dst)?;
+            // SAFETY: `buf` holds tensor_bytes initialised bytes.
+            let bytes = unsafe {
+                std::slice::from_raw_parts(buf.as_ptr() as *const u8, ts.shape.tensor_bytes)
+            };
+            out[ts.shape.kv_range(t)].copy_from_slice(bytes);
+        }
+        if ts.shape.scale_bytes > 0 {
+            let mut scales = vec![0f32; ts.shape.scale_bytes / 4];
+            for t in 0..ts.shape.tensors {
+                self.storage
+                    .read_row_scales(sh.whole_block(t, b), &mut scales)?;
+                let r = ts.shape.scale_range(t);
+                for (dst, s) in out[r].chunks_exact_mut(4).zip(&scales) {
+                    dst.copy_from_slice(&s.to_le_bytes());
+                }
+            }
+        }
+        payload::seal(&mut out);
+        Ok(out)
+    }
+
+    /// Queues cached block `b` (about to leave the pool) for the tiers; a block that
+    /// cannot be read is counted as unstored, never an error.
+    pub(crate) fn write_back(&self, b: BlockId, meta: &CachedBlock, tokens: &[u32]) {
+        let Some(ts) = self.tiers.as_ref() else {
+            return;
+        };
+        match self.payload_of(ts, b, meta, tokens) {
+            Ok(p) => {
+                let key = payload::block_key(&ts.fingerprint, meta.root, meta.hash);
+                ts.writer.submit(key, Arc::new(p));
+            }
+            Err(_) => {
+                let c = &ts.writer.counters().unstored;
+                c.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Writes a checked payload's K/V (and int8 scales) into block `b`.
+    fn load_payload(&mut self, shape: &PayloadShape, b: BlockId, bytes: &[u8]) -> Result<()> {
+        let sh = self.shape;
+        for t in 0..shape.tensors {
+            let data = aligned_copy(&bytes[shape.kv_range(t)]);
+            // SAFETY: `data` holds one block of the storage dtype and outlives the write.
+            let src = unsafe {
+                TensorRef::contiguous(
+                    data.as_ptr() as *const u8,
+                    self.dtype(),
+                    &[1, 1, sh.block_elems()],
+                )?
+            };
+            self.storage.write(sh.whole_block(t, b), &src)?;
+            if shape.scale_bytes > 0 {
+                let scales: Vec<f32> = bytes[shape.scale_range(t)]
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+                    .collect();
+                self.storage
+                    .write_row_scales(sh.whole_block(t, b), &scales)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Asks the tiers for the whole blocks of `tokens` (from `root`, with `extra`, up to
+    /// `limit` tokens) that follow what the pool caches, and caches the consecutive ones
+    /// found; returns the tokens each tier served.
+    pub(crate) fn promote(
+        &mut self,
+        root: BlockHash,
+        tokens: &[u32],
+        extra: &[u8],
+        limit: usize,
+    ) -> TierTokens {
+        let (Some(ts), Some(p)) = (self.tiers.as_ref(), self.prefix.as_ref()) else {
+            return TierTokens::new();
+        };
+        let mut served: TierTokens = smallvec::smallvec![0; ts.tiers.len()];
+        let (bs, ng) = (self.shape.block_size, self.groups.groups.len());
+        let mut hashes = Vec::new();
+        let mut parent = root;
+        let mut buf = Vec::new();
+        while (hashes.len() + 1) * bs <= limit.min(tokens.len()) {
+            let at = hashes.len() * bs;
+            let h = p
+                .kind
+                .block_with(&mut buf, parent, &tokens[at..at + bs], extra);
+            hashes.push(h);
+            parent = h;
+        }
+        let missing = |j: usize, g: usize| p.lookup(group_key(hashes[j], g)).is_none();
+        let Some(start) = (0..hashes.len()).find(|&j| (0..ng).any(|g| missing(j, g))) else {
+            return served;
+        };
+        let held: Vec<BlockId> = (0..hashes.len())
+            .flat_map(|j| (0..ng).map(move |g| (j, g)))
+            .filter_map(|(j, g)| p.lookup(group_key(hashes[j], g)))
+            .collect();
+        let mut wanted: Vec<(usize, usize)> = Vec::new();
+        // Room: free and evictable blocks, less the chain's own (held while loading).
+        let evictable_held = held
+            .iter()
+            .filter(|&&b| self.alloc.refcount(b) == 0)
+            .count();
+        let room = self.num_free_blocks().saturating_sub(evictable_held);
+        for j in start..hashes.len() {
+            let miss: Vec<(usize, usize)> =
+                (0..ng).filter(|&g| missing(j, g)).map(|g| (j, g)).collect();
+            if wanted.len() + miss.len() > room {
+                break;
+            }
+            wanted.extend(miss);
+        }
+        if wanted.is_empty() {
+            return served;
+        }
+        let keys: Vec<String> = wanted
+            .iter()
+            .map(|&(j, g)| payload::block_key(&ts.fingerprint, root, group_key(hashes[j], g)))
+            .collect();
+        let chain = |j: usize, g: usize, c: &Checked| -> bool {
+            let parent = if j == 0 { root } else { hashes[j - 1] };
+            c.meta.parent == group_key(parent, g)
+                && c.meta.root == root
+                && c.meta.first == (j == 0)
+                && c.tokens == tokens[j * bs..(j + 1) * bs]
+        };
+        let mut found: Vec<Option<(usize, Vec<u8>, Checked)>> =
+            (0..wanted.len()).map(|_| None).collect();
+        for (t, tier) in ts.tiers.iter().enumerate() {
+            let ask: Vec<usize> = (0..wanted.len()).filter(|&i| found[i].is_none()).collect();
+            if ask.is_empty() {
+                break;
+            }
+            let got = tier.get_many(&ask.iter().map(|&i| keys[i].clone()).collect::<Vec<_>>());
+            for (&i, bytes) in ask.iter().zip(got) {
+                let Some(bytes) = bytes else { continue };
+                let (j, g) = wanted[i];
+                let key = group_key(hashes[j], g);
+                let checked =
+                    payload::decode(&bytes, &ts.fingerprint, &ts.shape, key).and_then(|c| {
+                        if chain(j, g, &c) {
+                            Ok(c)
+                        } else {
+                            Err(Refusal::Key)
+                        }
+                    });
+                match checked {
+                    Ok(c) => found[i] = Some((t, bytes, c)),
+                    Err(_) => {
+                        TierCounters::add(&tier.counters().rejected, 1);
+                        tier.discard(&keys[i]);
+                    }
+                }
+            }
+        }
+        let shape = ts.shape;
+        for &b in &held {
+            self.hold_block(b);
+        }
+        let mut loaded = Vec::new();
+        let mut i = 0;
+        while i < wanted.len() {
+            let j = wanted[i].0;
+            let end = wanted[i..]
+                .iter()
+                .position(|w| w.0 != j)
+                .map_or(wanted.len(), |n| i + n);
+            if found[i..end].iter().any(Option::is_none) {
+                break;
+            }
+            let mut whole = true;
+            let first_tier = found[i].as_ref().expect("checked found").0;
+            for entry in found[i..end].iter_mut() {
+                let (t, bytes, c) = entry.take().expect("checked found");
+                let b = self.take_block();
+                if self.load_payload(&shape, b, &bytes).is_err() {
+                    self.release_block(b);
+                    whole = false;
+                    break;
+                }
+                let meta = CachedBlock {
+                    hash: c.meta.key,
+                    parent: c.meta.parent,
+                    first: c.meta.first,
+                    root,
+                };
+                let p = self.prefix.as_mut().expect("prefix caching on");
+                if !p.register(b, meta, &c.tokens) {
+                    self.release_block(b);
+                    whole = false;
+                    break;
+                }
+                loaded.push(b);
+                let tier = &self.tiers.as_ref().expect("tiers on").tiers[t];
+                TierCounters::add(&tier.counters().hits, 1);
+                TierCounters::add(&tier.counters().hit_bytes, bytes.len() as u64);
+            }
+            if !whole {
+                break;
+            }
+            served[first_tier] += bs;
+            i = end;
+        }
+        self.release_all(held.into_iter().chain(loaded));
+        served
+    }
+
+    /// Queues every cached block sequence `id` holds for the tiers now (write-back
+    /// without eviction); returns how many were queued.
+    pub fn store_to_tiers(&self, id: SeqId) -> Result<usize> {
+        let s = self.seq(id)?;
+        let (Some(_), Some(p)) = (self.tiers.as_ref(), self.prefix.as_ref()) else {
+            return Err(no_tiers());
+        };
+        let mut n = 0;
+        for t in &s.tables {
+            for &b in t.held_blocks().collect::<Vec<_>>().iter() {
+                if let Some(meta) = p.meta(b) {
+                    self.write_back(b, &meta, p.block_tokens(b));
+                    n += 1;
+                }
+            }
+        }
+        Ok(n)
+    }
+
+    /// Loads what the tiers hold of `tokens`' prefix (in `namespace`, with `extra`) into
+    /// the pool's cache without starting a sequence; returns the tokens a sequence
+    /// starting with `tokens` would now find cached.
+    pub fn prefetch(&mut self, tokens: &[u32], namespace: &[u8], extra: &[u8]) -> Result<usize> {
+        let root = self.prefix.as_ref().ok_or_else(no_tiers)?.root(namespace);
+        if self.tiers.is_none() {
+            return Err(no_tiers());
+        }
+        self.promote(root, tokens, extra, tokens.len());
+        Ok(self.match_prefix(tokens, namespace, extra))
+    }
+
+    /// Waits until every block queued for the tiers has been written or refused.
+    pub fn flush_tiers(&self) {
+        if let Some(ts) = &self.tiers {
+            ts.writer.flush();
+        }
+    }
+
+    /// Removes every block of `namespace` from every tier (after writing what is
+    /// queued); returns how many were removed.
+    pub fn drop_tier_namespace(&self, namespace: &[u8]) -> Result<usize> {
+        let (Some(ts), Some(p)) = (self.tiers.as_ref(), self.prefix.as_ref()) else {
+            return Err(no_tiers());
+        };
+        ts.writer.flush();
+        let prefix = payload::namespace_prefix(&ts.fingerprint, p.root(namespace));
+        Ok(ts.tiers.iter().map(|t| t.drop_prefix(&prefix)).sum())
+    }
+}
+
+fn no_tiers() -> KvError {
+    KvError::NotSupported("this pool has no offload tiers (BlockPool(..., tiers=[...]))".into())
+}

@@ -1,0 +1,251 @@
+//! `kvrs.DiskTier` and `kvrs.RedisTier`: offload tiers a `BlockPool` is given with
+//! `tiers=[...]`, and the tier parts of the pool's and sequences' Python surface.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use crate::bytes::parse_size;
+use crate::error::KvError;
+use crate::paged::PoolCore;
+use crate::tier::{DiskTier, RedisTier, Tier};
+
+/// A directory of cached blocks bounded to `max_bytes` (an int or a size such as
+/// "20GiB"), least recently used out first; safe to share between processes, and found
+/// again after a restart.
+#[pyclass(name = "DiskTier", module = "kvrs", frozen)]
+pub struct PyDiskTier {
+    pub(crate) tier: Arc<DiskTier>,
+}
+
+#[pymethods]
+impl PyDiskTier {
+    #[new]
+    #[pyo3(signature = (path, max_bytes))]
+    fn new(path: PathBuf, max_bytes: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let bytes = match max_bytes.extract::<i64>() {
+            Ok(b) if b > 0 => b as usize,
+            Ok(b) => {
+                return Err(KvError::InvalidArgument {
+                    name: "max_bytes",
+                    value: b.to_string(),
+                    reason: "must be > 0".into(),
+                }
+                .into())
+            }
+            Err(_) => parse_size(&max_bytes.str()?.to_string())?,
+        };
+        Ok(PyDiskTier {
+            tier: Arc::new(DiskTier::open(path, bytes as u64)?),
+        })
+    }
+
+    /// The directory.
+    #[getter]
+    fn path(&self) -> PathBuf {
+        self.tier.dir().to_path_buf()
+    }
+
+    /// The size bound in bytes.
+    #[getter]
+    fn max_bytes(&self) -> u64 {
+        self.tier.max_bytes()
+    }
+
+    /// Bytes of blocks in the directory now (every process's).
+    fn used_bytes(&self, py: Python<'_>) -> u64 {
+        py.detach(|| self.tier.used_bytes())
+    }
+
+    /// The raw payloads stored under `keys` (bytes, or None where absent), in one
+    /// batched request: for inspection and tools (the pool checks payloads; this does
+    /// not).
+    fn get<'py>(&self, py: Python<'py>, keys: Vec<String>) -> PyResult<Bound<'py, PyList>> {
+        raw_get(py, self.tier.as_ref(), keys)
+    }
+
+    /// What the tier did, as a dict of counters.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        counters(py, self.tier.as_ref())
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "DiskTier('{}', max_bytes={})",
+            self.tier.dir().display(),
+            self.tier.max_bytes()
+        )
+    }
+}
+
+/// A Redis (or Valkey) server holding cached blocks for every process that uses it.
+/// `timeout` (seconds) bounds each connect, read and write; `ttl` (seconds) expires
+/// stored blocks; `max_idle` connections are kept for reuse; after a failure the server
+/// is skipped for `retry_after` seconds. A server that is down or slow makes lookups
+/// miss and stores drop (counted), never an error.
+#[pyclass(name = "RedisTier", module = "kvrs", frozen)]
+pub struct PyRedisTier {
+    pub(crate) tier: Arc<RedisTier>,
+    url: String,
+}
+
+/// A positive, finite number of seconds.
+fn seconds(name: &'static str, s: f64) -> PyResult<Duration> {
+    if !(s.is_finite() && s > 0.0) {
+        return Err(KvError::InvalidArgument {
+            name,
+            value: s.to_string(),
+            reason: "must be a finite number of seconds > 0".into(),
+        }
+        .into());
+    }
+    Ok(Duration::from_secs_f64(s))
+}
+
+#[pymethods]
+impl PyRedisTier {
+    #[new]
+    #[pyo3(signature = (url = "redis://127.0.0.1:6379/0", *, timeout = 0.1, ttl = None, max_idle = 8, retry_after = 1.0))]
+    fn new(
+        url: &str,
+        timeout: f64,
+        ttl: Option<u64>,
+        max_idle: usize,
+        retry_after: f64,
+    ) -> PyResult<Self> {
+        if ttl == Some(0) {
+            return Err(KvError::InvalidArgument {
+                name: "ttl",
+                value: "0".into(),
+                reason: "must be >= 1 second, or None for no expiry".into(),
+            }
+            .into());
+        }
+        let tier = RedisTier::new(
+            url,
+            seconds("timeout", timeout)?,
+            ttl,
+            max_idle,
+            seconds("retry_after", retry_after)?,
+        )?;
+        Ok(PyRedisTier {
+            tier: Arc::new(tier),
+            url: url.to_string(),
+        })
+    }
+
+    /// The server's URL.
+    #[getter]
+    fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The raw payloads stored under `keys` (bytes, or None where absent), in one
+    /// batched request: for inspection and tools (the pool checks payloads; this does
+    /// not).
+    fn get<'py>(&self, py: Python<'py>, keys: Vec<String>) -> PyResult<Bound<'py, PyList>> {
+        raw_get(py, self.tier.as_ref(), keys)
+    }
+
+    /// What the tier did, as a dict of counters.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        counters(py, self.tier.as_ref())
+    }
+
+    fn __repr__(&self) -> String {
+        format!("RedisTier('{}')", self.url)
+    }
+}
+
+/// The raw payloads of `keys` from `tier` (one batched request, without the GIL).
+fn raw_get<'py>(
+    py: Python<'py>,
+    tier: &dyn Tier,
+    keys: Vec<String>,
+) -> PyResult<Bound<'py, PyList>> {
+    let got = py.detach(|| tier.get_many(&keys));
+    let out = PyList::empty(py);
+    for g in got {
+        match g {
+            Some(bytes) => out.append(pyo3::types::PyBytes::new(py, &bytes))?,
+            None => out.append(py.None())?,
+        }
+    }
+    Ok(out)
+}
+
+/// A tier's counters as a dict, with its name.
+fn counters<'py>(py: Python<'py>, tier: &dyn Tier) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("name", tier.name())?;
+    for (k, v) in tier.counters().snapshot() {
+        d.set_item(k, v)?;
+    }
+    Ok(d)
+}
+
+/// The tiers of `tiers=[...]` (each a `DiskTier` or a `RedisTier`).
+pub fn parse_tiers(tiers: Option<&Bound<'_, PyList>>) -> PyResult<Vec<Arc<dyn Tier>>> {
+    let Some(list) = tiers else {
+        return Ok(Vec::new());
+    };
+    list.iter()
+        .map(|t| {
+            if let Ok(d) = t.cast::<PyDiskTier>() {
+                Ok(d.get().tier.clone() as Arc<dyn Tier>)
+            } else if let Ok(r) = t.cast::<PyRedisTier>() {
+                Ok(r.get().tier.clone() as Arc<dyn Tier>)
+            } else {
+                Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                    "tiers: expected kvrs.DiskTier or kvrs.RedisTier items, got {}",
+                    t.get_type().name()?
+                )))
+            }
+        })
+        .collect()
+}
+
+/// The pool's tiers for `stats()`: each tier's counters, then the write-back queue's.
+pub fn tier_stats<'py>(py: Python<'py>, pool: &PoolCore, d: &Bound<'py, PyDict>) -> PyResult<()> {
+    let Some(ts) = pool.tiers() else {
+        return Ok(());
+    };
+    let list = PyList::empty(py);
+    for t in &ts.tiers {
+        list.append(counters(py, t.as_ref())?)?;
+    }
+    d.set_item("tiers", list)?;
+    let c = ts.writer.counters();
+    let q = PyDict::new(py);
+    let get = |x: &std::sync::atomic::AtomicU64| x.load(std::sync::atomic::Ordering::Relaxed);
+    q.set_item("queued", get(&c.queued))?;
+    q.set_item("dropped", get(&c.dropped))?;
+    q.set_item("unstored", get(&c.unstored))?;
+    d.set_item("tier_queue", q)?;
+    Ok(())
+}
+
+/// `Sequence.cached_tokens_by_tier`: the prompt tokens the pool itself and each tier
+/// served when the sequence started.
+pub fn cached_by_tier<'py>(
+    py: Python<'py>,
+    pool: &PoolCore,
+    s: &crate::paged::SeqState,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    let from_tiers: usize = s.tier_tokens.iter().sum();
+    d.set_item("pool", s.num_cached_tokens - from_tiers)?;
+    if let Some(ts) = pool.tiers() {
+        for (t, n) in ts
+            .tiers
+            .iter()
+            .zip(s.tier_tokens.iter().chain(std::iter::repeat(&0)))
+        {
+            d.set_item(t.name(), *n)?;
+        }
+    }
+    Ok(d)
+}

@@ -1,0 +1,86 @@
+//! Offload tiers below a pool's prefix cache: where cached blocks go when the pool
+//! evicts them, and where a prefix lookup that misses in the pool looks next.
+//!
+//! - [`payload`]: the block's checksummed binary payload and its key;
+//! - [`disk`]: [`DiskTier`], a size-bounded directory (LRU by last use);
+//! - [`redis`]: [`RedisTier`], a Redis (or Valkey) server shared by many processes;
+//! - [`writer`]: the background thread that writes evicted blocks, off the caller's path.
+//!
+//! A tier never fails generation: an I/O error, a server that is down or slow, or a
+//! payload that fails its checks is a miss (lookups) or a dropped write (stores), and
+//! [`TierCounters`] say which happened.
+
+pub mod disk;
+pub mod payload;
+pub mod redis;
+pub mod writer;
+
+pub use disk::DiskTier;
+pub use payload::Fingerprint;
+pub use redis::RedisTier;
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// A store of block payloads by key.
+pub trait Tier: Send + Sync + fmt::Debug {
+    /// A short name for stats: `disk:{path}` or `redis://{host}:{port}/{db}`.
+    fn name(&self) -> &str;
+    /// The payloads of `keys`, in order (`None`: absent, or the tier failed; the tier
+    /// counts which). One batched request.
+    fn get_many(&self, keys: &[String]) -> Vec<Option<Vec<u8>>>;
+    /// Stores `items`; returns, per item, whether the tier took it (a refusal or a
+    /// failure leaves it for the next tier). One batched request.
+    fn put_many(&self, items: &[(String, Arc<Vec<u8>>)]) -> Vec<bool>;
+    /// Removes every key starting with `prefix`; returns how many were removed.
+    fn drop_prefix(&self, prefix: &str) -> usize;
+    /// Forgets a payload that failed its checks, so it is not read again.
+    fn discard(&self, key: &str);
+    /// What the tier did.
+    fn counters(&self) -> &TierCounters;
+}
+
+/// Counters of one tier (monotonic; read with [`TierCounters::snapshot`]).
+#[derive(Debug, Default)]
+pub struct TierCounters {
+    /// Keys looked up.
+    pub lookups: AtomicU64,
+    /// Payloads found and loaded into the pool.
+    pub hits: AtomicU64,
+    /// Bytes of those payloads.
+    pub hit_bytes: AtomicU64,
+    /// Payloads refused: checksum, configuration, key or chain mismatch.
+    pub rejected: AtomicU64,
+    /// Payloads stored.
+    pub stores: AtomicU64,
+    /// Bytes stored.
+    pub store_bytes: AtomicU64,
+    /// Failed requests (I/O errors, server down or slow, disk full); each a miss or an
+    /// unstored payload, never an error to the caller.
+    pub errors: AtomicU64,
+    /// Payloads removed to keep the tier in its size bound (disk).
+    pub evictions: AtomicU64,
+}
+
+impl TierCounters {
+    /// Adds `n` to `counter`.
+    pub fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// The counters' values, by name.
+    pub fn snapshot(&self) -> [(&'static str, u64); 8] {
+        let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        [
+            ("lookups", g(&self.lookups)),
+            ("hits", g(&self.hits)),
+            ("hit_bytes", g(&self.hit_bytes)),
+            ("rejected", g(&self.rejected)),
+            ("stores", g(&self.stores)),
+            ("store_bytes", g(&self.store_bytes)),
+            ("errors", g(&self.errors)),
+            ("evictions", g(&self.evictions)),
+        ]
+    }
+}

@@ -1,0 +1,311 @@
+//! The binary payload of one cached block in an offload tier, and the keys tiers file
+//! it under.
+//!
+//! Layout (little-endian), then a BLAKE3 checksum of everything before it:
+//!
+//! | bytes | field |
+//! |---|---|
+//! | 8 | magic `KVRSBLK` and format version 1 |
+//! | 16 | the pool-configuration fingerprint ([`fingerprint`]) |
+//! | 16, 16, 16 | the block's key in the prefix index, its parent's, its chain root |
+//! | 1 + 3 | 1 when it is its chain's first block; 3 zero bytes |
+//! | 4, 4 | block_size, number of cache tensors `T` |
+//! | 8, 8 | bytes of K/V per tensor, bytes of int8 scales per tensor (0 otherwise) |
+//! | 12 | zero bytes (the tokens and K/V start 16-byte aligned) |
+//! | 4 x block_size | the block's token ids |
+//! | T x K/V bytes | each cache tensor's block (K then V, the pool's layout and dtype) |
+//! | T x scale bytes | each cache tensor's per-vector scales (int8) |
+//! | 32 | BLAKE3 of all the above |
+//!
+//! A payload is only ever loaded after [`decode`] has checked every field against what
+//! the pool expects and the checksum against the bytes: anything else is a miss.
+
+use crate::prefix::BlockHash;
+
+/// The payload's magic bytes and version.
+const MAGIC: &[u8; 8] = b"KVRSBLK\x01";
+
+/// Bytes before the token ids.
+const HEADER: usize = 8 + 16 + 3 * 16 + 4 + 4 + 4 + 8 + 8 + 12;
+
+/// Bytes of the trailing checksum.
+const CHECKSUM: usize = 32;
+
+/// What identifies a pool's blocks: two pools share payloads only when they have the
+/// same fingerprint (model, layers, heads, head_dim, dtype, scales, block size, layout,
+/// hash kind and seed).
+pub type Fingerprint = [u8; 16];
+
+/// The fingerprint of a configuration given as `(name, value)` pairs.
+pub fn fingerprint<'a>(fields: impl IntoIterator<Item = (&'a str, &'a str)>) -> Fingerprint {
+    let mut h = blake3::Hasher::new();
+    h.update(b"kvrs-tier-fingerprint-1");
+    for (k, v) in fields {
+        for part in [k, v] {
+            h.update(&(part.len() as u64).to_le_bytes());
+            h.update(part.as_bytes());
+        }
+    }
+    h.finalize().as_bytes()[..16].try_into().expect("16 bytes")
+}
+
+/// Lowercase hex of `bytes`.
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The key of block `key` of namespace `root` in a tier: `kvrs:{fingerprint}:{root}:{key}`
+/// (hex). A namespace is dropped by the key prefix [`namespace_prefix`] gives.
+pub fn block_key(fp: &Fingerprint, root: BlockHash, key: BlockHash) -> String {
+    format!("{}{:032x}", namespace_prefix(fp, root), key)
+}
+
+/// The prefix of every key of namespace `root`.
+pub fn namespace_prefix(fp: &Fingerprint, root: BlockHash) -> String {
+    format!("kvrs:{}:{:032x}:", hex(fp), root)
+}
+
+/// The block-level fields of a payload.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockMeta {
+    /// The block's key in the prefix index.
+    pub key: BlockHash,
+    /// Its parent's key.
+    pub parent: BlockHash,
+    /// Its chain root.
+    pub root: BlockHash,
+    /// Whether it is its chain's first block.
+    pub first: bool,
+}
+
+/// The shape every payload of a pool has.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PayloadShape {
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Cache tensors (one per layer, or per layer group's slot).
+    pub tensors: usize,
+    /// Bytes of one tensor's block.
+    pub tensor_bytes: usize,
+    /// Bytes of one tensor's per-vector scales (0 unless int8).
+    pub scale_bytes: usize,
+}
+
+impl PayloadShape {
+    /// Bytes of a whole payload.
+    pub fn len(&self) -> usize {
+        HEADER
+            + 4 * self.block_size
+            + self.tensors * (self.tensor_bytes + self.scale_bytes)
+            + CHECKSUM
+    }
+
+    /// Whether payloads hold no K/V (never, for a real pool).
+    pub fn is_empty(&self) -> bool {
+        self.tensors == 0
+    }
+
+    /// Where the K/V of tensor `t` lies in a payload.
+    pub fn kv_range(&self, t: usize) -> std::ops::Range<usize> {
+        let at = HEADER + 4 * self.block_size + t * self.tensor_bytes;
+        at..at + self.tensor_bytes
+    }
+
+    /// Where the scales of tensor `t` lie in a payload.
+    pub fn scale_range(&self, t: usize) -> std::ops::Range<usize> {
+        let at =
+            HEADER + 4 * self.block_size + self.tensors * self.tensor_bytes + t * self.scale_bytes;
+        at..at + self.scale_bytes
+    }
+}
+
+/// Writes the header and tokens of a payload of `shape` into a zeroed buffer of
+/// `shape.len()` bytes, whose K/V and scales the caller then fills at
+/// [`PayloadShape::kv_range`] and [`PayloadShape::scale_range`] before [`seal`].
+pub fn begin(fp: &Fingerprint, shape: &PayloadShape, meta: &BlockMeta, tokens: &[u32]) -> Vec<u8> {
+    assert_eq!(tokens.len(), shape.block_size, "a block's tokens");
+    let mut out = Vec::with_capacity(shape.len());
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(fp);
+    for h in [meta.key, meta.parent, meta.root] {
+        out.extend_from_slice(&h.to_le_bytes());
+    }
+    out.extend_from_slice(&[u8::from(meta.first), 0, 0, 0]);
+    out.extend_from_slice(&(shape.block_size as u32).to_le_bytes());
+    out.extend_from_slice(&(shape.tensors as u32).to_le_bytes());
+    out.extend_from_slice(&(shape.tensor_bytes as u64).to_le_bytes());
+    out.extend_from_slice(&(shape.scale_bytes as u64).to_le_bytes());
+    out.extend_from_slice(&[0; 12]);
+    for t in tokens {
+        out.extend_from_slice(&t.to_le_bytes());
+    }
+    out.resize(shape.len(), 0);
+    out
+}
+
+/// Writes the checksum of a payload [`begin`] started and the caller filled.
+pub fn seal(payload: &mut [u8]) {
+    let n = payload.len() - CHECKSUM;
+    let sum = *blake3::hash(&payload[..n]).as_bytes();
+    payload[n..].copy_from_slice(&sum);
+}
+
+/// Why a payload was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// Not a kvrs payload, or of another format version.
+    Format,
+    /// Written by a pool of another configuration (fingerprint or shape).
+    Config,
+    /// Filed under another key than the one asked for.
+    Key,
+    /// Its bytes do not match its checksum (truncated or corrupted).
+    Checksum,
+}
+
+/// A payload that passed every check: its block fields and token ids (the K/V and
+/// scales are read from the bytes at the shape's ranges).
+#[derive(Debug)]
+pub struct Checked {
+    /// The block's fields.
+    pub meta: BlockMeta,
+    /// Its token ids.
+    pub tokens: Vec<u32>,
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+
+fn u128_at(b: &[u8], at: usize) -> u128 {
+    u128::from_le_bytes(b[at..at + 16].try_into().expect("16 bytes"))
+}
+
+/// Checks `payload` as the block `key` of a pool with fingerprint `fp` and payloads of
+/// `shape`: format, configuration, key, then checksum.
+pub fn decode(
+    payload: &[u8],
+    fp: &Fingerprint,
+    shape: &PayloadShape,
+    key: BlockHash,
+) -> Result<Checked, Refusal> {
+    if payload.len() < HEADER || &payload[..8] != MAGIC {
+        return Err(Refusal::Format);
+    }
+    if &payload[8..24] != fp {
+        return Err(Refusal::Config);
+    }
+    let fields = (
+        u32_at(payload, 76) as usize,
+        u32_at(payload, 80) as usize,
+        u64_at(payload, 84) as usize,
+        u64_at(payload, 92) as usize,
+    );
+    if fields
+        != (
+            shape.block_size,
+            shape.tensors,
+            shape.tensor_bytes,
+            shape.scale_bytes,
+        )
+    {
+        return Err(Refusal::Config);
+    }
+    if payload.len() != shape.len() {
+        return Err(Refusal::Checksum);
+    }
+    let meta = BlockMeta {
+        key: u128_at(payload, 24),
+        parent: u128_at(payload, 40),
+        root: u128_at(payload, 56),
+        first: payload[72] == 1,
+    };
+    if meta.key != key {
+        return Err(Refusal::Key);
+    }
+    let n = payload.len() - CHECKSUM;
+    if blake3::hash(&payload[..n]).as_bytes() != &payload[n..] {
+        return Err(Refusal::Checksum);
+    }
+    let tokens = payload[HEADER..HEADER + 4 * shape.block_size]
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+        .collect();
+    Ok(Checked { meta, tokens })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> (Fingerprint, PayloadShape, BlockMeta, Vec<u8>) {
+        let fp = fingerprint([("model", "m"), ("dtype", "float16")]);
+        let shape = PayloadShape {
+            block_size: 4,
+            tensors: 2,
+            tensor_bytes: 16,
+            scale_bytes: 0,
+        };
+        let meta = BlockMeta {
+            key: 7,
+            parent: 3,
+            root: 1,
+            first: false,
+        };
+        let mut p = begin(&fp, &shape, &meta, &[10, 11, 12, 13]);
+        for t in 0..2 {
+            let r = shape.kv_range(t);
+            p[r].iter_mut()
+                .enumerate()
+                .for_each(|(i, b)| *b = (i + 16 * t) as u8);
+        }
+        seal(&mut p);
+        (fp, shape, meta, p)
+    }
+
+    #[test]
+    fn a_payload_round_trips_and_every_fault_is_refused() {
+        let (fp, shape, meta, p) = sample();
+        let ok = decode(&p, &fp, &shape, 7).unwrap();
+        assert_eq!(
+            (ok.meta, ok.tokens.as_slice()),
+            (meta, &[10, 11, 12, 13][..])
+        );
+        assert_eq!(p[shape.kv_range(1)][3], 19);
+        assert_eq!(decode(&p, &fp, &shape, 8).unwrap_err(), Refusal::Key);
+        let other = fingerprint([("model", "other"), ("dtype", "float16")]);
+        assert_eq!(decode(&p, &other, &shape, 7).unwrap_err(), Refusal::Config);
+        let wider = PayloadShape {
+            tensor_bytes: 32,
+            ..shape
+        };
+        assert_eq!(decode(&p, &fp, &wider, 7).unwrap_err(), Refusal::Config);
+        assert_eq!(
+            decode(&p[..p.len() - 1], &fp, &shape, 7).unwrap_err(),
+            Refusal::Checksum
+        );
+        assert_eq!(
+            decode(&p[..20], &fp, &shape, 7).unwrap_err(),
+            Refusal::Format
+        );
+        for bit in [0, 100, 8 * 120, 8 * (p.len() - 1)] {
+            let mut q = p.clone();
+            q[bit / 8] ^= 1 << (bit % 8);
+            assert!(decode(&q, &fp, &shape, 7).is_err(), "bit {bit}");
+        }
+    }
+
+    #[test]
+    fn keys_file_blocks_by_configuration_and_namespace() {
+        let fp = fingerprint([("a", "1")]);
+        let k = block_key(&fp, 5, 9);
+        assert!(k.starts_with(&namespace_prefix(&fp, 5)));
+        assert!(!k.starts_with(&namespace_prefix(&fp, 6)));
+        assert_ne!(fingerprint([("a", "1")]), fingerprint([("a", "2")]));
+        assert_ne!(fingerprint([("ab", "")]), fingerprint([("a", "b")]));
+    }
+}

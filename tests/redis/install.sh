@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs a Redis server for the tests into .redis/ (no root needed): Debian's
+# redis-tools package and the two libraries it needs that a base system lacks, unpacked
+# with dpkg-deb, behind .redis/bin/redis-server (a wrapper that sets the library path).
+# A redis-server already on PATH is used as it is.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT=.redis
+if [ -x "$OUT/bin/redis-server" ] && "$OUT/bin/redis-server" --version >/dev/null 2>&1; then
+  exit 0
+fi
+rm -rf "$OUT"
+mkdir -p "$OUT/bin"
+if command -v redis-server >/dev/null 2>&1; then
+  ln -s "$(command -v redis-server)" "$OUT/bin/redis-server"
+else
+  mkdir -p "$OUT/debs" "$OUT/root"
+  (cd "$OUT/debs" && apt-get download redis-tools libjemalloc2 liblzf1 >/dev/null)
+  for d in "$OUT"/debs/*.deb; do dpkg-deb -x "$d" "$OUT/root"; done
+  root=$(cd "$OUT/root" && pwd)
+  # Debian's redis-server is the redis-check-rdb binary under another name.
+  ln -s redis-check-rdb "$root/usr/bin/redis-server"
+  cat > "$OUT/bin/redis-server" <<WRAP
+#!/bin/sh
+LD_LIBRARY_PATH="$root/usr/lib/x86_64-linux-gnu\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}" exec "$root/usr/bin/redis-server" "\$@"
+WRAP
+  chmod +x "$OUT/bin/redis-server"
+fi
+"$OUT/bin/redis-server" --version
