@@ -62,6 +62,7 @@ def load_benchmark(model, server: RedisServer, disk_dir: str) -> list[tuple[str,
     t_compute = median_time(lambda: prefill(model, new_pool(model), prompt), reps=3)
     rows.append(("recompute the 4k-token prefix (demo model, CPU)", f"{t_compute * 1e3:.0f} ms"))
     tiers = {
+        "host": kvrs.HostTier("2GiB"),
         "disk": kvrs.DiskTier(disk_dir, "2GiB"),
         "redis": kvrs.RedisTier(server.url, timeout=5.0),
     }

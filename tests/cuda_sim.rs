@@ -62,14 +62,7 @@ fn captured_decode_loop_equals_host_appends() {
         head_dim: dim,
         max_seq_len: max,
     };
-    for dtype in [
-        DType::F32,
-        DType::F16,
-        DType::BF16,
-        DType::F8E4M3,
-        DType::F8E5M2,
-        DType::I8,
-    ] {
+    for dtype in DType::ALL {
         let mut gpu = CacheCore::new(shape, dtype, Device::Cuda(0)).unwrap();
         let mut host = CacheCore::new(shape, dtype, Device::Cpu).unwrap();
         // A prefill through the ordinary path first.

@@ -574,3 +574,102 @@ fn contiguous_fp8_cache_with_scales_equals_the_host() {
         assert_eq!(outs[0], outs[2], "{dtype}: host inputs");
     }
 }
+
+/// A CUDA pool's evicted blocks go to a host-memory tier and come back into another CUDA
+/// pool (and a host pool) with the same codes, scales and values, for every storage dtype.
+#[test]
+fn cuda_pools_swap_blocks_through_a_host_tier() {
+    use kvrs::paged::PrefixConfig;
+    use kvrs::prefix::HashKind;
+    use kvrs::tier::writer::WritePolicy;
+    use kvrs::tier::{HostTier, Tier};
+    use std::sync::Arc;
+
+    let shape = PagedShape {
+        num_layers: L,
+        num_kv_heads: H,
+        head_dim: D,
+        block_size: BS,
+        num_blocks: 8,
+        layout: KvLayout::Hnd,
+    };
+    let prefix = || {
+        Some(PrefixConfig {
+            hash: HashKind::Blake3,
+            seed: 99,
+            partial_hits: true,
+            events: false,
+        })
+    };
+    for dtype in [DType::F16, DType::F8E4M3, DType::I8] {
+        let host = Arc::new(HostTier::new(1 << 20));
+        let make = |dev: Device| {
+            PoolCore::new(shape, dtype, dev, prefix())
+                .unwrap()
+                .with_tiers(
+                    vec![host.clone() as Arc<dyn Tier>],
+                    "m",
+                    64,
+                    WritePolicy::First,
+                )
+                .unwrap()
+        };
+        let tokens: Vec<u32> = (0..13).collect();
+        let mut src = make(CUDA);
+        let id = src.new_sequence_with(&tokens, b"", b"");
+        for layer in 0..L {
+            let k = values(layer as u32, 13 * H * D);
+            let v = values(layer as u32 + 9, 13 * H * D);
+            src.append(
+                id,
+                layer as i64,
+                &tensor(&k, &[13, H, D], CUDA),
+                &tensor(&v, &[13, H, D], CUDA),
+            )
+            .unwrap();
+        }
+        src.advance(id, 13, Some(&tokens)).unwrap();
+        // Positions 0..12 of every layer (the cached whole blocks), float32 [H, 12, D].
+        let read = |p: &PoolCore, id: SeqId, dev: Device| {
+            let mut out = Vec::new();
+            for layer in 0..L {
+                let (mut k, mut v) = (vec![0u8; 4 * H * 13 * D], vec![0u8; 4 * H * 13 * D]);
+                p.gather(
+                    id,
+                    layer as i64,
+                    &tensor_mut(&mut k, DType::F32, &[H, 13, D], dev),
+                    &tensor_mut(&mut v, DType::F32, &[H, 13, D], dev),
+                )
+                .unwrap();
+                let first12 = |x: &[u8]| -> Vec<u8> {
+                    x.chunks(4 * 13 * D)
+                        .flat_map(|head| head[..4 * 12 * D].to_vec())
+                        .collect()
+                };
+                out.push((first12(&k), first12(&v)));
+            }
+            out
+        };
+        let want = read(&src, id, CUDA);
+        src.free_sequence(id).unwrap();
+        assert_eq!(src.evict_all(), 3);
+        src.flush_tiers();
+        assert_eq!(
+            host.counters()
+                .stores
+                .load(std::sync::atomic::Ordering::Relaxed),
+            3
+        );
+        for dev in [CUDA, Device::Cpu] {
+            let mut dst = make(dev);
+            let again = dst.new_sequence_with(&tokens, b"", b"");
+            let s = dst.seq(again).unwrap();
+            assert_eq!(
+                (s.num_cached_tokens, s.tier_tokens.as_slice()),
+                (12, &[12][..]),
+                "{dtype} {dev}"
+            );
+            assert_eq!(read(&dst, again, dev), want, "{dtype} on {dev}");
+        }
+    }
+}

@@ -5,7 +5,7 @@ sequence and hands them out as zero-copy NumPy views. The paged pool
 (:class:`BlockPool`) shares fixed-size blocks between many :class:`Sequence` objects,
 with copy-on-write forks, vLLM slot mappings, FlashInfer page tables and ollama-style
 batched forwards (:class:`ForwardBatch`); evicted cached blocks can go to offload tiers
-(:class:`DiskTier`, :class:`RedisTier`) and come back from them. Errors derive from
+(:class:`HostTier`, :class:`DiskTier`, :class:`RedisTier`) and come back from them. Errors derive from
 :class:`KvrsError` where they are kvrs-specific (:class:`CacheFullError`,
 :class:`NotSupportedError`, :class:`DeviceError`) and are plain ``ValueError`` /
 ``IndexError`` / ``TypeError`` otherwise.
@@ -19,6 +19,7 @@ from kvrs._kvrs import (
     DiskTier,
     EncoderCache,
     ForwardBatch,
+    HostTier,
     KVCache,
     KvrsError,
     NotSupportedError,
@@ -38,6 +39,7 @@ __all__ = [
     "DiskTier",
     "EncoderCache",
     "ForwardBatch",
+    "HostTier",
     "KVCache",
     "KvrsError",
     "NotSupportedError",

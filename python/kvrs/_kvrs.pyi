@@ -17,6 +17,7 @@ __all__ = [
     "DiskTier",
     "EncoderCache",
     "ForwardBatch",
+    "HostTier",
     "KVCache",
     "KvrsError",
     "NotSupportedError",
@@ -243,6 +244,21 @@ class KVCache(Generic[_View_co]):
     def __len__(self) -> int: ...
 
 @final
+class HostTier:
+    """Cached blocks in this process's memory, at most `max_bytes`, least recently used out first."""
+
+    def __new__(cls, max_bytes: int | str) -> HostTier: ...
+    @property
+    def max_bytes(self) -> int:
+        """The size bound in bytes."""
+    def used_bytes(self) -> int:
+        """Bytes of blocks held now."""
+    def get(self, keys: list[str]) -> list[bytes | None]:
+        """The raw payloads stored under `keys` (None where absent)."""
+    def stats(self) -> dict[str, Any]:
+        """What the tier did, as a dict of counters."""
+
+@final
 class DiskTier:
     """A directory of cached blocks bounded to `max_bytes`, least recently used out first."""
 
@@ -313,9 +329,10 @@ class BlockPool(Generic[_View_co]):
         swa_memory: int = 0,
         k_scale: _ScaleLike = None,
         v_scale: _ScaleLike = None,
-        tiers: list[DiskTier | RedisTier] | None = None,
+        tiers: list[HostTier | DiskTier | RedisTier] | None = None,
         model_id: str = "",
         tier_queue: int = 1024,
+        tier_write: str = "first",
     ) -> BlockPool[npt.NDArray[Any]]: ...
     @overload
     def __new__(
@@ -342,9 +359,10 @@ class BlockPool(Generic[_View_co]):
         swa_memory: int = 0,
         k_scale: _ScaleLike = None,
         v_scale: _ScaleLike = None,
-        tiers: list[DiskTier | RedisTier] | None = None,
+        tiers: list[HostTier | DiskTier | RedisTier] | None = None,
         model_id: str = "",
         tier_queue: int = 1024,
+        tier_write: str = "first",
     ) -> BlockPool[DeviceTensor]: ...
     @overload
     def __new__(
@@ -371,9 +389,10 @@ class BlockPool(Generic[_View_co]):
         swa_memory: int = 0,
         k_scale: _ScaleLike = None,
         v_scale: _ScaleLike = None,
-        tiers: list[DiskTier | RedisTier] | None = None,
+        tiers: list[HostTier | DiskTier | RedisTier] | None = None,
         model_id: str = "",
         tier_queue: int = 1024,
+        tier_write: str = "first",
     ) -> BlockPool[_Either]: ...
     @property
     def num_layers(self) -> int:

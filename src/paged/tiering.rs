@@ -13,6 +13,7 @@
 
 use std::sync::Arc;
 
+use rayon::prelude::*;
 use smallvec::SmallVec;
 
 use super::caching::group_key;
@@ -23,7 +24,7 @@ use crate::prefix::persist::expected_metadata;
 use crate::prefix::{BlockHash, CachedBlock};
 use crate::tensor::TensorRef;
 use crate::tier::payload::{self, BlockMeta, Checked, Fingerprint, PayloadShape, Refusal};
-use crate::tier::writer::Writer;
+use crate::tier::writer::{WritePolicy, Writer};
 use crate::tier::{Tier, TierCounters};
 
 /// Tokens of a prompt that each tier served (by the tier's index).
@@ -43,27 +44,32 @@ pub struct TierSet {
     pub writer: Writer,
 }
 
-/// A payload's bytes copied through 8-byte-aligned memory (K/V are read and written as
-/// their dtype).
-fn aligned_copy(bytes: &[u8]) -> Vec<u64> {
+/// Calls `f` with `bytes` at an address aligned for elements of `align` bytes (K/V are
+/// read as their dtype): in place when they are (the usual case), else through an
+/// aligned copy.
+fn with_aligned<R>(bytes: &[u8], align: usize, f: impl FnOnce(*const u8) -> R) -> R {
+    if (bytes.as_ptr() as usize).is_multiple_of(align) {
+        return f(bytes.as_ptr());
+    }
     let mut out = vec![0u64; bytes.len().div_ceil(8)];
     // SAFETY: `out` holds at least `bytes.len()` bytes.
     unsafe {
         std::ptr::copy_nonoverlapping(bytes.as_ptr(), out.as_mut_ptr() as *mut u8, bytes.len())
     };
-    out
+    f(out.as_ptr() as *const u8)
 }
 
 impl PoolCore {
     /// Attaches offload `tiers` (fastest first) to this pool, which must cache prefixes.
     /// `model_id` joins the configuration fingerprint, so pools of different models
     /// sharing a store never read each other's blocks; `queue` bounds the write-back
-    /// queue (payloads).
+    /// queue (payloads); `policy` says which tiers an evicted block is written to.
     pub fn with_tiers(
         mut self,
         tiers: Vec<Arc<dyn Tier>>,
         model_id: &str,
         queue: usize,
+        policy: WritePolicy,
     ) -> Result<Self> {
         if self.prefix.is_none() {
             return Err(KvError::InvalidArgument {
@@ -94,7 +100,7 @@ impl PoolCore {
             tensor_bytes,
             scale_bytes,
         };
-        let writer = Writer::start(tiers.clone(), queue).map_err(|e| KvError::Io {
+        let writer = Writer::start(tiers.clone(), queue, policy).map_err(|e| KvError::Io {
             path: "(tier writer thread)".into(),
             reason: e.to_string(),
         })?;
@@ -182,16 +188,13 @@ impl PoolCore {
     fn load_payload(&mut self, shape: &PayloadShape, b: BlockId, bytes: &[u8]) -> Result<()> {
         let sh = self.shape;
         for t in 0..shape.tensors {
-            let data = aligned_copy(&bytes[shape.kv_range(t)]);
-            // SAFETY: `data` holds one block of the storage dtype and outlives the write.
-            let src = unsafe {
-                TensorRef::contiguous(
-                    data.as_ptr() as *const u8,
-                    self.dtype(),
-                    &[1, 1, sh.block_elems()],
-                )?
-            };
-            self.storage.write(sh.whole_block(t, b), &src)?;
+            let (dtype, elems) = (self.dtype(), sh.block_elems());
+            let storage = &mut self.storage;
+            with_aligned(&bytes[shape.kv_range(t)], dtype.size(), |data| {
+                // SAFETY: `data` holds one block of the storage dtype, alive for the write.
+                let src = unsafe { TensorRef::contiguous(data, dtype, &[1, 1, elems])? };
+                storage.write(sh.whole_block(t, b), &src)
+            })?;
             if shape.scale_bytes > 0 {
                 let scales: Vec<f32> = bytes[shape.scale_range(t)]
                     .chunks_exact(4)
@@ -275,19 +278,29 @@ impl PoolCore {
                 break;
             }
             let got = tier.get_many(&ask.iter().map(|&i| keys[i].clone()).collect::<Vec<_>>());
-            for (&i, bytes) in ask.iter().zip(got) {
-                let Some(bytes) = bytes else { continue };
-                let (j, g) = wanted[i];
-                let key = group_key(hashes[j], g);
-                let checked =
-                    payload::decode(&bytes, &ts.fingerprint, &ts.shape, key).and_then(|c| {
-                        if chain(j, g, &c) {
-                            Ok(c)
-                        } else {
-                            Err(Refusal::Key)
-                        }
-                    });
-                match checked {
+            // Checks (a BLAKE3 pass over each payload) run in parallel.
+            let checked: Vec<(usize, Vec<u8>, std::result::Result<Checked, Refusal>)> = ask
+                .iter()
+                .zip(got)
+                .filter_map(|(&i, bytes)| bytes.map(|b| (i, b)))
+                .collect::<Vec<_>>()
+                .into_par_iter()
+                .map(|(i, bytes)| {
+                    let (j, g) = wanted[i];
+                    let key = group_key(hashes[j], g);
+                    let c =
+                        payload::decode(&bytes, &ts.fingerprint, &ts.shape, key).and_then(|c| {
+                            if chain(j, g, &c) {
+                                Ok(c)
+                            } else {
+                                Err(Refusal::Key)
+                            }
+                        });
+                    (i, bytes, c)
+                })
+                .collect();
+            for (i, bytes, c) in checked {
+                match c {
                     Ok(c) => found[i] = Some((t, bytes, c)),
                     Err(_) => {
                         TierCounters::add(&tier.counters().rejected, 1);

@@ -68,6 +68,7 @@ fn _kvrs(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<rope::PyRope>()?;
     m.add_class::<encoder_cache::PyEncoderCache>()?;
     m.add_class::<device_tensor::PyDeviceTensor>()?;
+    m.add_class::<tiers::PyHostTier>()?;
     m.add_class::<tiers::PyDiskTier>()?;
     m.add_class::<tiers::PyRedisTier>()?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;

@@ -103,9 +103,9 @@ impl PyBlockPool {
     }
 
     #[new]
-    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, *, block_size = 16, num_blocks = None, memory_bytes = None, dtype = None, device = None, layout = "NHD", prefix_caching = true, hash = "blake3", seed = None, partial_hits = true, events = false, rope = None, layer_types = None, sliding_window = None, chunk_size = None, swa_memory = 0, k_scale = None, v_scale = None, tiers = None, model_id = "", tier_queue = 1024))]
+    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, *, block_size = 16, num_blocks = None, memory_bytes = None, dtype = None, device = None, layout = "NHD", prefix_caching = true, hash = "blake3", seed = None, partial_hits = true, events = false, rope = None, layer_types = None, sliding_window = None, chunk_size = None, swa_memory = 0, k_scale = None, v_scale = None, tiers = None, model_id = "", tier_queue = 1024, tier_write = "first"))]
     #[pyo3(
-        text_signature = "(num_layers, num_kv_heads, head_dim, *, block_size=16, num_blocks=None, memory_bytes=None, dtype='float16', device='cpu', layout='NHD', prefix_caching=True, hash='blake3', seed=None, partial_hits=True, events=False, rope=None, layer_types=None, sliding_window=None, chunk_size=None, swa_memory=0, k_scale=None, v_scale=None, tiers=None, model_id='', tier_queue=1024)"
+        text_signature = "(num_layers, num_kv_heads, head_dim, *, block_size=16, num_blocks=None, memory_bytes=None, dtype='float16', device='cpu', layout='NHD', prefix_caching=True, hash='blake3', seed=None, partial_hits=True, events=False, rope=None, layer_types=None, sliding_window=None, chunk_size=None, swa_memory=0, k_scale=None, v_scale=None, tiers=None, model_id='', tier_queue=1024, tier_write='first')"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -133,7 +133,9 @@ impl PyBlockPool {
         tiers: Option<&Bound<'_, pyo3::types::PyList>>,
         model_id: &str,
         tier_queue: usize,
+        tier_write: &str,
     ) -> PyResult<Self> {
+        let tier_write: crate::tier::writer::WritePolicy = tier_write.parse()?;
         let tiers = super::tiers::parse_tiers(tiers)?;
         if !tiers.is_empty() && seed.is_none() {
             return Err(KvError::InvalidArgument {
@@ -181,7 +183,7 @@ impl PyBlockPool {
             shape.num_kv_heads,
         )?)?;
         if !tiers.is_empty() {
-            pool = pool.with_tiers(tiers, model_id, tier_queue)?;
+            pool = pool.with_tiers(tiers, model_id, tier_queue, tier_write)?;
         }
         let data = pool.data_ptr() as usize;
         Ok(PyBlockPool {

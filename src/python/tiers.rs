@@ -1,4 +1,4 @@
-//! `kvrs.DiskTier` and `kvrs.RedisTier`: offload tiers a `BlockPool` is given with
+//! `kvrs.HostTier`, `kvrs.DiskTier` and `kvrs.RedisTier`: offload tiers a `BlockPool` is given with
 //! `tiers=[...]`, and the tier parts of the pool's and sequences' Python surface.
 
 use std::path::PathBuf;
@@ -11,7 +11,77 @@ use pyo3::types::{PyDict, PyList};
 use crate::bytes::parse_size;
 use crate::error::KvError;
 use crate::paged::PoolCore;
-use crate::tier::{DiskTier, RedisTier, Tier};
+use crate::tier::{DiskTier, HostTier, RedisTier, Tier};
+
+/// `max_bytes` (an int or a size such as "8GiB") as a positive byte count.
+fn byte_bound(max_bytes: &Bound<'_, PyAny>) -> PyResult<u64> {
+    let bytes = match max_bytes.extract::<i64>() {
+        Ok(b) if b > 0 => b as usize,
+        Ok(b) => {
+            return Err(KvError::InvalidArgument {
+                name: "max_bytes",
+                value: b.to_string(),
+                reason: "must be > 0".into(),
+            }
+            .into())
+        }
+        Err(_) => parse_size(&max_bytes.str()?.to_string())?,
+    };
+    if bytes == 0 {
+        return Err(KvError::InvalidArgument {
+            name: "max_bytes",
+            value: "0".into(),
+            reason: "must be > 0".into(),
+        }
+        .into());
+    }
+    Ok(bytes as u64)
+}
+
+/// Cached blocks in this process's memory, at most `max_bytes`, least recently used out
+/// first: below a CUDA pool, evicted blocks are copied to the host once and come back
+/// with one copy. Pools of one process can share it.
+#[pyclass(name = "HostTier", module = "kvrs", frozen)]
+pub struct PyHostTier {
+    pub(crate) tier: Arc<HostTier>,
+}
+
+#[pymethods]
+impl PyHostTier {
+    #[new]
+    #[pyo3(signature = (max_bytes))]
+    fn new(max_bytes: &Bound<'_, PyAny>) -> PyResult<Self> {
+        Ok(PyHostTier {
+            tier: Arc::new(HostTier::new(byte_bound(max_bytes)?)),
+        })
+    }
+
+    /// The size bound in bytes.
+    #[getter]
+    fn max_bytes(&self) -> u64 {
+        self.tier.max_bytes()
+    }
+
+    /// Bytes of blocks held now.
+    fn used_bytes(&self) -> u64 {
+        self.tier.used_bytes()
+    }
+
+    /// The raw payloads stored under `keys` (bytes, or None where absent): for
+    /// inspection and tools (the pool checks payloads; this does not).
+    fn get<'py>(&self, py: Python<'py>, keys: Vec<String>) -> PyResult<Bound<'py, PyList>> {
+        raw_get(py, self.tier.as_ref(), keys)
+    }
+
+    /// What the tier did, as a dict of counters.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        counters(py, self.tier.as_ref())
+    }
+
+    fn __repr__(&self) -> String {
+        format!("HostTier(max_bytes={})", self.tier.max_bytes())
+    }
+}
 
 /// A directory of cached blocks bounded to `max_bytes` (an int or a size such as
 /// "20GiB"), least recently used out first; safe to share between processes, and found
@@ -26,20 +96,8 @@ impl PyDiskTier {
     #[new]
     #[pyo3(signature = (path, max_bytes))]
     fn new(path: PathBuf, max_bytes: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let bytes = match max_bytes.extract::<i64>() {
-            Ok(b) if b > 0 => b as usize,
-            Ok(b) => {
-                return Err(KvError::InvalidArgument {
-                    name: "max_bytes",
-                    value: b.to_string(),
-                    reason: "must be > 0".into(),
-                }
-                .into())
-            }
-            Err(_) => parse_size(&max_bytes.str()?.to_string())?,
-        };
         Ok(PyDiskTier {
-            tier: Arc::new(DiskTier::open(path, bytes as u64)?),
+            tier: Arc::new(DiskTier::open(path, byte_bound(max_bytes)?)?),
         })
     }
 
@@ -187,20 +245,22 @@ fn counters<'py>(py: Python<'py>, tier: &dyn Tier) -> PyResult<Bound<'py, PyDict
     Ok(d)
 }
 
-/// The tiers of `tiers=[...]` (each a `DiskTier` or a `RedisTier`).
+/// The tiers of `tiers=[...]` (each a `HostTier`, `DiskTier` or `RedisTier`).
 pub fn parse_tiers(tiers: Option<&Bound<'_, PyList>>) -> PyResult<Vec<Arc<dyn Tier>>> {
     let Some(list) = tiers else {
         return Ok(Vec::new());
     };
     list.iter()
         .map(|t| {
-            if let Ok(d) = t.cast::<PyDiskTier>() {
+            if let Ok(h) = t.cast::<PyHostTier>() {
+                Ok(h.get().tier.clone() as Arc<dyn Tier>)
+            } else if let Ok(d) = t.cast::<PyDiskTier>() {
                 Ok(d.get().tier.clone() as Arc<dyn Tier>)
             } else if let Ok(r) = t.cast::<PyRedisTier>() {
                 Ok(r.get().tier.clone() as Arc<dyn Tier>)
             } else {
                 Err(pyo3::exceptions::PyTypeError::new_err(format!(
-                    "tiers: expected kvrs.DiskTier or kvrs.RedisTier items, got {}",
+                    "tiers: expected kvrs.HostTier, kvrs.DiskTier or kvrs.RedisTier items, got {}",
                     t.get_type().name()?
                 )))
             }

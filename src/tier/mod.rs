@@ -2,6 +2,7 @@
 //! evicts them, and where a prefix lookup that misses in the pool looks next.
 //!
 //! - [`payload`]: the block's checksummed binary payload and its key;
+//! - [`host`]: [`HostTier`], this process's memory (LRU), the tier below a CUDA pool;
 //! - [`disk`]: [`DiskTier`], a size-bounded directory (LRU by last use);
 //! - [`redis`]: [`RedisTier`], a Redis (or Valkey) server shared by many processes;
 //! - [`writer`]: the background thread that writes evicted blocks, off the caller's path.
@@ -11,11 +12,13 @@
 //! [`TierCounters`] say which happened.
 
 pub mod disk;
+pub mod host;
 pub mod payload;
 pub mod redis;
 pub mod writer;
 
 pub use disk::DiskTier;
+pub use host::HostTier;
 pub use payload::Fingerprint;
 pub use redis::RedisTier;
 
@@ -25,7 +28,7 @@ use std::sync::Arc;
 
 /// A store of block payloads by key.
 pub trait Tier: Send + Sync + fmt::Debug {
-    /// A short name for stats: `disk:{path}` or `redis://{host}:{port}/{db}`.
+    /// A short name for stats: `host`, `disk:{path}` or `redis://{host}:{port}/{db}`.
     fn name(&self) -> &str;
     /// The payloads of `keys`, in order (`None`: absent, or the tier failed; the tier
     /// counts which). One batched request.

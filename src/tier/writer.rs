@@ -1,6 +1,7 @@
 //! The write-back thread: evicted blocks' payloads go into a bounded queue that a
-//! thread owned by the pool drains in batches into the first tier that takes each one,
-//! so the caller that evicted a block never waits for a disk or a server.
+//! thread owned by the pool drains in batches into the first tier that takes each one
+//! ([`WritePolicy::First`]) or into every tier ([`WritePolicy::All`]), so the caller
+//! that evicted a block never waits for a disk or a server.
 //!
 //! When the queue is full a payload is dropped (counted in `dropped`): a tier is a
 //! cache, and generation never waits for one. [`Writer::flush`] waits until everything
@@ -25,6 +26,31 @@ enum Job {
     Flush(mpsc::Sender<()>),
 }
 
+/// Which tiers a payload is written to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WritePolicy {
+    /// The first tier that takes it (each block stored once, as fast as it fits).
+    First,
+    /// Every tier (a fast local tier for this process, and a shared one for the others).
+    All,
+}
+
+impl std::str::FromStr for WritePolicy {
+    type Err = crate::error::KvError;
+
+    fn from_str(s: &str) -> crate::error::Result<Self> {
+        match s {
+            "first" => Ok(WritePolicy::First),
+            "all" => Ok(WritePolicy::All),
+            _ => Err(crate::error::KvError::InvalidArgument {
+                name: "tier_write",
+                value: s.to_string(),
+                reason: "must be 'first' (the first tier that takes a block) or 'all'".into(),
+            }),
+        }
+    }
+}
+
 /// Counters of the write-back queue.
 #[derive(Debug, Default)]
 pub struct WriterCounters {
@@ -45,15 +71,19 @@ pub struct Writer {
 }
 
 impl Writer {
-    /// Starts the thread writing into `tiers` (first that takes a payload wins), with a
-    /// queue of `capacity` payloads.
-    pub fn start(tiers: Vec<Arc<dyn Tier>>, capacity: usize) -> std::io::Result<Self> {
+    /// Starts the thread writing into `tiers` as `policy` says, with a queue of
+    /// `capacity` payloads.
+    pub fn start(
+        tiers: Vec<Arc<dyn Tier>>,
+        capacity: usize,
+        policy: WritePolicy,
+    ) -> std::io::Result<Self> {
         let (tx, rx) = mpsc::sync_channel(capacity.max(1));
         let counters = Arc::new(WriterCounters::default());
         let c = counters.clone();
         let thread = std::thread::Builder::new()
             .name("kvrs-tier-writer".into())
-            .spawn(move || drain(&rx, &tiers, &c))?;
+            .spawn(move || drain(&rx, &tiers, &c, policy))?;
         Ok(Writer {
             tx: Some(tx),
             thread: Some(thread),
@@ -101,8 +131,14 @@ impl Drop for Writer {
 }
 
 /// The thread: takes what is queued (up to [`BATCH`] payloads), offers the batch to
-/// each tier in turn, and answers flushes, until the queue closes.
-fn drain(rx: &Receiver<Job>, tiers: &[Arc<dyn Tier>], counters: &WriterCounters) {
+/// each tier in turn (what a tier took goes no further under [`WritePolicy::First`]),
+/// and answers flushes, until the queue closes.
+fn drain(
+    rx: &Receiver<Job>,
+    tiers: &[Arc<dyn Tier>],
+    counters: &WriterCounters,
+    policy: WritePolicy,
+) {
     while let Ok(job) = rx.recv() {
         let mut batch = Vec::new();
         let mut flushes = Vec::new();
@@ -116,20 +152,24 @@ fn drain(rx: &Receiver<Job>, tiers: &[Arc<dyn Tier>], counters: &WriterCounters)
                 next = rx.try_recv().ok();
             }
         }
+        let mut stored = vec![false; batch.len()];
         for tier in tiers {
-            if batch.is_empty() {
+            let ask: Vec<usize> = (0..batch.len())
+                .filter(|&i| policy == WritePolicy::All || !stored[i])
+                .collect();
+            if ask.is_empty() {
                 break;
             }
-            let taken = tier.put_many(&batch);
-            let mut i = 0;
-            batch.retain(|_| {
-                i += 1;
-                !taken[i - 1]
-            });
+            let items: Vec<(String, Arc<Vec<u8>>)> =
+                ask.iter().map(|&i| batch[i].clone()).collect();
+            for (&i, taken) in ask.iter().zip(tier.put_many(&items)) {
+                stored[i] |= taken;
+            }
         }
+        let unstored = stored.iter().filter(|&&s| !s).count();
         counters
             .unstored
-            .fetch_add(batch.len() as u64, Ordering::Relaxed);
+            .fetch_add(unstored as u64, Ordering::Relaxed);
         for ack in flushes {
             let _ = ack.send(());
         }

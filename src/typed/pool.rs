@@ -2,6 +2,7 @@
 
 use std::marker::PhantomData;
 use std::ops::Range;
+use std::sync::Arc;
 
 use super::element::{index, query_tensors, tensor, tensor_mut, token_count, Element};
 use crate::attention::AttnOptions;
@@ -11,6 +12,8 @@ use crate::layout::{Device, KvLayout, PagedShape};
 use crate::paged::{Attention, PoolCore, PoolStats, PrefixConfig, SeqId};
 use crate::prefix::HashKind;
 use crate::scales::KvScales;
+use crate::tier::writer::WritePolicy;
+use crate::tier::Tier;
 
 /// The shape and options of a [`BlockPool`]: sizes by [`PoolConfig::new`], the rest by
 /// the builder methods.
@@ -27,6 +30,36 @@ pub struct PoolConfig {
     pub storage: Option<DType>,
     /// fp8 scales (`None`: 1.0 everywhere).
     pub scales: Option<KvScales>,
+    /// Offload tiers below the prefix cache.
+    pub tiers: Option<TierConfig>,
+}
+
+/// Offload tiers of a [`PoolConfig`]: evicted cached blocks are written to them and
+/// prompts that miss in the pool are looked up there.
+#[derive(Clone, Debug)]
+pub struct TierConfig {
+    /// The tiers, fastest first.
+    pub tiers: Vec<Arc<dyn Tier>>,
+    /// Joins the configuration fingerprint: pools of other models never read the blocks.
+    pub model_id: String,
+    /// Payloads the write-back queue holds before it drops.
+    pub queue: usize,
+    /// Which tiers an evicted block is written to.
+    pub policy: WritePolicy,
+}
+
+impl PartialEq for TierConfig {
+    /// The same tier objects (by identity) and the same options.
+    fn eq(&self, other: &Self) -> bool {
+        self.tiers.len() == other.tiers.len()
+            && self
+                .tiers
+                .iter()
+                .zip(&other.tiers)
+                .all(|(a, b)| Arc::ptr_eq(a, b))
+            && (&self.model_id, self.queue, self.policy)
+                == (&other.model_id, other.queue, other.policy)
+    }
 }
 
 impl PoolConfig {
@@ -53,6 +86,7 @@ impl PoolConfig {
             prefix: None,
             storage: None,
             scales: None,
+            tiers: None,
         }
     }
 
@@ -81,6 +115,19 @@ impl PoolConfig {
     /// Sets an fp8 pool's scales (per layer, for K and for V, optionally per KV head).
     pub fn scales(mut self, scales: KvScales) -> Self {
         self.scales = Some(scales);
+        self
+    }
+
+    /// Puts offload `tiers` (fastest first) below the prefix cache, which must be on:
+    /// evicted blocks go to the first tier that takes them, through a queue of 1024.
+    /// `model_id` keeps other models' blocks apart.
+    pub fn tiers(mut self, tiers: Vec<Arc<dyn Tier>>, model_id: &str) -> Self {
+        self.tiers = Some(TierConfig {
+            tiers,
+            model_id: model_id.to_string(),
+            queue: 1024,
+            policy: WritePolicy::First,
+        });
         self
     }
 
@@ -149,8 +196,12 @@ impl<T: Element> BlockPool<T> {
         let scales = config
             .scales
             .unwrap_or_else(|| KvScales::unit(sh.num_layers, sh.num_kv_heads));
+        let mut core = core.with_scales(scales)?;
+        if let Some(t) = config.tiers {
+            core = core.with_tiers(t.tiers, &t.model_id, t.queue, t.policy)?;
+        }
         Ok(BlockPool {
-            core: core.with_scales(scales)?,
+            core,
             elem: PhantomData,
         })
     }
@@ -298,6 +349,11 @@ impl<T: Element> BlockPool<T> {
     /// Evicts every cached block no sequence holds; returns how many.
     pub fn evict_all(&mut self) -> usize {
         self.core.evict_all()
+    }
+
+    /// Waits until every block queued for the offload tiers is written (or refused).
+    pub fn flush_tiers(&self) {
+        self.core.flush_tiers();
     }
 
     /// The dtype-erased core this pool wraps (slot mappings, page tables, batched

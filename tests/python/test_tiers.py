@@ -403,3 +403,65 @@ def test_sliding_window_pools_use_tiers(tmp_path):
         k, _ = s.get(layer)
         want = kv_of(PROMPT, 0, 16).transpose(1, 0, 2)
         np.testing.assert_array_equal(k, want[:, 16 - k.shape[1] :])
+
+
+def test_a_host_tier_in_front_and_write_all_share_through_redis(redis_url):
+    """A HostTier for this process, and Redis for the others: with tier_write="all" an
+    evicted block goes to both; the host copy serves this process, Redis another pool."""
+    host = kvrs.HostTier("1MiB")
+    redis_tier = kvrs.RedisTier(redis_url)
+    p = pool([host, redis_tier], tier_write="all")
+    serve(p, PROMPT).free()
+    evict_everything(p)
+    assert host.stats()["stores"] == 4 and redis_tier.stats()["stores"] == 4
+    s = p.new_sequence(tokens=PROMPT)
+    assert s.cached_tokens_by_tier == {"pool": 0, "host": 16, redis_tier.stats()["name"]: 0}
+    check_contents(s, PROMPT)
+    other = pool([redis_tier]).new_sequence(tokens=PROMPT)
+    assert other.cached_tokens_by_tier[redis_tier.stats()["name"]] == 16
+    check_contents(other, PROMPT)
+    # The default writes each block once, to the first tier that takes it.
+    first = pool([kvrs.HostTier("1MiB"), redis_tier], seed=12)
+    serve(first, PROMPT).free()
+    evict_everything(first)
+    assert first.stats()["tiers"][0]["stores"] == 4 and redis_tier.stats()["stores"] == 4
+    assert host.used_bytes() <= host.max_bytes and repr(host) == "HostTier(max_bytes=1048576)"
+    with pytest.raises(ValueError, match="tier_write"):
+        pool([host], tier_write="some")
+    with pytest.raises(ValueError, match="max_bytes"):
+        kvrs.HostTier(0)
+
+
+def test_two_processes_share_a_disk_directory_at_once(tmp_path):
+    """Two processes write and read one small directory at the same time (each evicting
+    the other's files to stay in the bound): no crash, no torn file read, the bound holds,
+    and what is left serves a third pool with the right K/V."""
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {str(HERE)!r})
+        import kvrs
+        from test_tiers import pool, serve, check_contents
+        disk = kvrs.DiskTier({str(tmp_path)!r}, 40_000)
+        p = pool([disk], num_blocks=12)
+        for i in range(40):
+            tokens = [(i % 7) * 100 + t for t in range(17)]
+            s = serve(p, tokens)
+            check_contents(s, tokens)
+            s.free()
+            p.evict_all()
+        p.flush_tiers()
+        print(p.stats()["tiers"][0]["hits"])
+        """
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert sum(int(o.strip()) for o in outs) > 0, "the processes served blocks from the directory"
+    disk = kvrs.DiskTier(tmp_path, 40_000)
+    assert disk.used_bytes() <= 40_000
+    for i in range(7):
+        tokens = [i * 100 + t for t in range(17)]
+        check_contents(serve(pool([disk]), tokens), tokens)

@@ -104,6 +104,16 @@ impl Args {
         self.u64(v.to_bits() as u64)
     }
 
+    /// Appends a rank-3 region's element strides (three int64).
+    pub fn strides(self, s: [isize; 3]) -> Self {
+        self.i64(s[0] as i64).i64(s[1] as i64).i64(s[2] as i64)
+    }
+
+    /// Appends a rank-3 shape (three int64).
+    pub fn dims(self, d: [usize; 3]) -> Self {
+        self.i64(d[0] as i64).i64(d[1] as i64).i64(d[2] as i64)
+    }
+
     /// A 32-bit `int` argument.
     pub fn i32(self, v: i32) -> Self {
         self.u64(v as u32 as u64)

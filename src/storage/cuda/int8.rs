@@ -6,17 +6,12 @@
 
 use super::gpu::{blocks_for, Args, DevicePtr, THREADS};
 use super::kernels::{kernel, Kernel};
-use super::storage::CudaStorage;
+use super::storage::{contiguous, pack, CudaStorage};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::storage::int8::scale_region;
 use crate::storage::Region;
 use crate::tensor::{copy_strided, TensorRef, MAX_RANK};
-
-/// C-order element strides of `shape`.
-fn contiguous(shape: [usize; MAX_RANK]) -> [isize; MAX_RANK] {
-    [(shape[1] * shape[2]) as isize, shape[2] as isize, 1]
-}
 
 impl CudaStorage {
     /// The scales' device address and region for the codes' region `r` (int8 only).
@@ -35,22 +30,16 @@ impl CudaStorage {
             if vectors == 0 {
                 return Ok(());
             }
-            let mut args = Args::new().u64(self.device_addr(dst.offset));
-            for s in dst.signed_strides() {
-                args = args.i64(s as i64);
-            }
-            args = args
+            let args = Args::new()
+                .u64(self.device_addr(dst.offset))
+                .strides(dst.signed_strides())
                 .u64(scales)
                 .i64(sr.strides[0] as i64)
                 .i64(sr.strides[1] as i64)
-                .u64(from);
-            for s in strides {
-                args = args.i64(s as i64);
-            }
-            for n in dst.shape {
-                args = args.i64(n as i64);
-            }
-            let args = args.i32(self.head_dim as i32);
+                .u64(from)
+                .strides(strides)
+                .dims(dst.shape)
+                .i32(self.head_dim as i32);
             let name = kernel(Kernel::Quantize3, src.dtype(), DType::I8)?;
             // SAFETY: the region and its scales lie in this storage (checked by the
             // caller and scale_region); the source holds dst's shape (its contract).
@@ -68,22 +57,7 @@ impl CudaStorage {
             return launch(src.as_ptr() as DevicePtr, src.strides3());
         }
         self.with_upload(
-            |words| {
-                let shape = src.shape3();
-                words.resize(src.nbytes().div_ceil(8), 0);
-                // SAFETY: `words` holds the packed bytes; `src` is readable (its contract).
-                unsafe {
-                    copy_strided(
-                        words.as_mut_ptr() as *mut u8,
-                        src.dtype(),
-                        contiguous(shape),
-                        src.as_ptr(),
-                        src.dtype(),
-                        src.strides3(),
-                        shape,
-                    )
-                };
-            },
+            |words| pack(src, words),
             |staged| launch(staged, contiguous(dst.shape)),
         )
     }
@@ -97,22 +71,16 @@ impl CudaStorage {
             return Ok(());
         }
         let launch = |to: DevicePtr, dtype: DType, strides: [isize; MAX_RANK]| {
-            let mut args = Args::new().u64(to);
-            for s in strides {
-                args = args.i64(s as i64);
-            }
-            args = args.u64(self.device_addr(src.offset));
-            for s in src.signed_strides() {
-                args = args.i64(s as i64);
-            }
-            args = args
+            let args = Args::new()
+                .u64(to)
+                .strides(strides)
+                .u64(self.device_addr(src.offset))
+                .strides(src.signed_strides())
                 .u64(scales)
                 .i64(sr.strides[0] as i64)
-                .i64(sr.strides[1] as i64);
-            for d in src.shape {
-                args = args.i64(d as i64);
-            }
-            let args = args.i32(self.head_dim as i32);
+                .i64(sr.strides[1] as i64)
+                .dims(src.shape)
+                .i32(self.head_dim as i32);
             let name = kernel(Kernel::Dequantize3, DType::I8, dtype)?;
             // SAFETY: the region and its scales lie in this storage; the destination
             // holds src's shape (its contract, or the staging buffer reserved below).

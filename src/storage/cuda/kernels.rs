@@ -38,14 +38,7 @@ const KERNELS: [Kernel; 7] = [
 ];
 
 /// Every dtype, in the table's order.
-const DTYPES: [DType; 6] = [
-    DType::F32,
-    DType::F16,
-    DType::BF16,
-    DType::F8E4M3,
-    DType::F8E5M2,
-    DType::I8,
-];
+const DTYPES: [DType; 6] = DType::ALL;
 
 /// A dtype's part of kernel names.
 fn part(d: DType) -> &'static str {

@@ -89,18 +89,12 @@ impl DeviceScaler {
         if n == 0 {
             return Ok(());
         }
-        let mut args = Args::new().u64(dst);
-        for s in dst_strides {
-            args = args.i64(s as i64);
-        }
-        args = args.u64(src.as_ptr() as DevicePtr);
-        for s in src.strides3() {
-            args = args.i64(s as i64);
-        }
-        for d in shape {
-            args = args.i64(d as i64);
-        }
-        let args = args
+        let args = Args::new()
+            .u64(dst)
+            .strides(dst_strides)
+            .u64(src.as_ptr() as DevicePtr)
+            .strides(src.strides3())
+            .dims(shape)
             .u64(scales)
             .i64(n_scales as i64)
             .i32(axis as i32)

@@ -269,17 +269,12 @@ impl CudaStorage {
         if n == 0 {
             return Ok(());
         }
-        let mut args = Args::new().u64(dst);
-        for s in dst_strides {
-            args = args.i64(s as i64);
-        }
-        args = args.u64(src);
-        for s in src_strides {
-            args = args.i64(s as i64);
-        }
-        for d in shape {
-            args = args.i64(d as i64);
-        }
+        let args = Args::new()
+            .u64(dst)
+            .strides(dst_strides)
+            .u64(src)
+            .strides(src_strides)
+            .dims(shape);
         let name = kernel(Kernel::Copy3, src_dtype, dst_dtype)?;
         // SAFETY: both ranges were checked by the callers (regions against the storage,
         // tensors by their TensorRef contract).
@@ -306,13 +301,7 @@ impl CudaStorage {
         if n == 0 {
             return Ok(());
         }
-        let mut args = Args::new().u64(dst);
-        for s in strides {
-            args = args.i64(s as i64);
-        }
-        for d in shape {
-            args = args.i64(d as i64);
-        }
+        let args = Args::new().u64(dst).strides(strides).dims(shape);
         let name = zero_kernel(dtype);
         // SAFETY: the range was checked by the caller.
         unsafe {
@@ -333,12 +322,12 @@ impl CudaStorage {
 }
 
 /// C-order element strides of `shape`.
-fn contiguous(shape: [usize; MAX_RANK]) -> [isize; MAX_RANK] {
+pub(super) fn contiguous(shape: [usize; MAX_RANK]) -> [isize; MAX_RANK] {
     [(shape[1] * shape[2]) as isize, shape[2] as isize, 1]
 }
 
 /// A host tensor's elements packed into 8-byte `words` (C order, its own dtype).
-fn pack(t: &TensorRef, words: &mut Vec<u64>) {
+pub(super) fn pack(t: &TensorRef, words: &mut Vec<u64>) {
     let shape = t.shape3();
     words.resize(t.nbytes().div_ceil(8), 0);
     // SAFETY: `words` holds the packed bytes; `t` is readable (its contract).
