@@ -472,6 +472,23 @@ extern "C" __global__ void kvrs_copy_blocks(uint32_t* const* layers, const int64
     for (int64_t i = threadIdx.x; i < block_words; i += blockDim.x) data[dst + i] = data[src + i];
 }
 
+// Whole blocks between the cache tensors and a packed host-transfer buffer, every layer
+// in one launch (the block swaps of the offload tiers): item i's block of tensor t is
+// words [(i * tensors + t) * block_words, + block_words) of `packed`, and
+// blocks[i] * block_words of layers[t]. Grid (items, tensors); threads stride over words.
+extern "C" __global__ void kvrs_load_blocks(uint32_t* const* layers, const int64_t* blocks, const uint32_t* packed,
+                                            int64_t block_words) {
+    const uint32_t* src = packed + ((int64_t)blockIdx.x * gridDim.y + blockIdx.y) * block_words;
+    uint32_t* dst = layers[blockIdx.y] + blocks[blockIdx.x] * block_words;
+    for (int64_t i = threadIdx.x; i < block_words; i += blockDim.x) dst[i] = src[i];
+}
+extern "C" __global__ void kvrs_save_blocks(const uint32_t* const* layers, const int64_t* blocks, uint32_t* packed,
+                                            int64_t block_words) {
+    uint32_t* dst = packed + ((int64_t)blockIdx.x * gridDim.y + blockIdx.y) * block_words;
+    const uint32_t* src = layers[blockIdx.y] + blocks[blockIdx.x] * block_words;
+    for (int64_t i = threadIdx.x; i < block_words; i += blockDim.x) dst[i] = src[i];
+}
+
 // Adds n to the device-resident position counter (the end of a captured decode step).
 extern "C" __global__ void kvrs_advance_counter(int64_t* position, int64_t n) {
     if (blockIdx.x == 0 && threadIdx.x == 0) *position += n;

@@ -55,7 +55,7 @@ struct Entry {
         K(kvrs_dequantize3_##SN), K(kvrs_paged_attention_##SN##_i8)
 
 const Entry KERNELS[] = {
-    K(kvrs_copy_blocks), K(kvrs_advance_counter), K_STORAGE(f32), K_STORAGE(f16), K_STORAGE(bf16),
+    K(kvrs_copy_blocks), K(kvrs_load_blocks), K(kvrs_save_blocks), K(kvrs_advance_counter), K_STORAGE(f32), K_STORAGE(f16), K_STORAGE(bf16),
     K_FP8(e4m3),         K_FP8(e5m2),             K_INT8(f32),    K_INT8(f16),    K_INT8(bf16),
     K(kvrs_copy3_b8_b8), K(kvrs_gather_b8),       K(kvrs_zero3_b8), K(kvrs_zero3_b16), K(kvrs_zero3_b32),
 };

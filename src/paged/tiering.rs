@@ -22,7 +22,6 @@ use crate::error::{KvError, Result};
 use crate::layout::BlockId;
 use crate::prefix::persist::expected_metadata;
 use crate::prefix::{BlockHash, CachedBlock};
-use crate::tensor::TensorRef;
 use crate::tier::payload::{self, BlockMeta, Checked, Fingerprint, PayloadShape, Refusal};
 use crate::tier::writer::{WritePolicy, Writer};
 use crate::tier::{Tier, TierCounters};
@@ -44,9 +43,8 @@ pub struct TierSet {
     pub writer: Writer,
 }
 
-/// Calls `f` with `bytes` at an address aligned for elements of `align` bytes (K/V are
-/// read as their dtype): in place when they are (the usual case), else through an
-/// aligned copy.
+/// Calls `f` with `bytes` at an address aligned to `align` bytes (K/V are read as their
+/// dtype): in place when they are (the usual case), else through an aligned copy.
 fn with_aligned<R>(bytes: &[u8], align: usize, f: impl FnOnce(*const u8) -> R) -> R {
     if (bytes.as_ptr() as usize).is_multiple_of(align) {
         return f(bytes.as_ptr());
@@ -57,6 +55,11 @@ fn with_aligned<R>(bytes: &[u8], align: usize, f: impl FnOnce(*const u8) -> R) -
         std::ptr::copy_nonoverlapping(bytes.as_ptr(), out.as_mut_ptr() as *mut u8, bytes.len())
     };
     f(out.as_ptr() as *const u8)
+}
+
+/// The bytes of a payload that hold the K/V of every cache tensor (contiguous).
+fn kv_span(shape: &PayloadShape) -> std::ops::Range<usize> {
+    shape.kv_range(0).start..shape.kv_range(shape.tensors - 1).end
 }
 
 impl PoolCore {
@@ -134,23 +137,16 @@ impl PoolCore {
             first: meta.first,
         };
         let mut out = payload::begin(&ts.fingerprint, &ts.shape, &bm, tokens);
-        let mut buf = vec![0u64; ts.shape.tensor_bytes.div_ceil(8)];
-        for t in 0..ts.shape.tensors {
-            // SAFETY: `buf` holds one block of the storage dtype and outlives the read.
-            let dst = unsafe {
-                TensorRef::contiguous(
-                    buf.as_mut_ptr() as *const u8,
-                    self.dtype(),
-                    &[1, 1, sh.block_elems()],
-                )?
-            };
-            self.storage.read(sh.whole_block(t, b), &dst)?;
-            // SAFETY: `buf` holds tensor_bytes initialised bytes.
-            let bytes = unsafe {
-                std::slice::from_raw_parts(buf.as_ptr() as *const u8, ts.shape.tensor_bytes)
-            };
-            out[ts.shape.kv_range(t)].copy_from_slice(bytes);
-        }
+        // Every tensor's block in one swap (one transfer from a device), through an
+        // 8-byte aligned buffer.
+        let kv = kv_span(&ts.shape);
+        let mut buf = vec![0u64; kv.len().div_ceil(8)];
+        // SAFETY: `buf` holds kv.len() bytes.
+        let bytes =
+            unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr() as *mut u8, kv.len()) };
+        self.storage
+            .read_blocks(sh, ts.shape.tensors, &[b], bytes)?;
+        out[kv].copy_from_slice(bytes);
         if ts.shape.scale_bytes > 0 {
             let mut scales = vec![0f32; ts.shape.scale_bytes / 4];
             for t in 0..ts.shape.tensors {
@@ -184,24 +180,49 @@ impl PoolCore {
         }
     }
 
-    /// Writes a checked payload's K/V (and int8 scales) into block `b`.
-    fn load_payload(&mut self, shape: &PayloadShape, b: BlockId, bytes: &[u8]) -> Result<()> {
+    /// Writes checked payloads' K/V into `blocks`: on a device in one swap (one transfer
+    /// and one launch), on the host straight from the payloads. Then their int8 scales.
+    fn load_payloads(
+        &mut self,
+        shape: &PayloadShape,
+        blocks: &[BlockId],
+        payloads: &[&[u8]],
+    ) -> Result<()> {
         let sh = self.shape;
-        for t in 0..shape.tensors {
-            let (dtype, elems) = (self.dtype(), sh.block_elems());
-            let storage = &mut self.storage;
-            with_aligned(&bytes[shape.kv_range(t)], dtype.size(), |data| {
-                // SAFETY: `data` holds one block of the storage dtype, alive for the write.
-                let src = unsafe { TensorRef::contiguous(data, dtype, &[1, 1, elems])? };
-                storage.write(sh.whole_block(t, b), &src)
-            })?;
-            if shape.scale_bytes > 0 {
-                let scales: Vec<f32> = bytes[shape.scale_range(t)]
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
-                    .collect();
-                self.storage
-                    .write_row_scales(sh.whole_block(t, b), &scales)?;
+        let kv = kv_span(shape);
+        if self.storage.as_cuda().is_some() {
+            let mut packed = vec![0u64; (kv.len() * blocks.len()).div_ceil(8)];
+            // SAFETY: `packed` holds blocks.len() x kv.len() bytes.
+            let bytes = unsafe {
+                std::slice::from_raw_parts_mut(
+                    packed.as_mut_ptr() as *mut u8,
+                    kv.len() * blocks.len(),
+                )
+            };
+            for (dst, p) in bytes.chunks_exact_mut(kv.len()).zip(payloads) {
+                dst.copy_from_slice(&p[kv.clone()]);
+            }
+            self.storage
+                .write_blocks(sh, shape.tensors, blocks, bytes)?;
+        } else {
+            for (&b, p) in blocks.iter().zip(payloads) {
+                with_aligned(&p[kv.clone()], 8, |data| {
+                    // SAFETY: `data` holds kv.len() bytes: this block of every tensor.
+                    let one = unsafe { std::slice::from_raw_parts(data, kv.len()) };
+                    self.storage.write_blocks(sh, shape.tensors, &[b], one)
+                })?;
+            }
+        }
+        if shape.scale_bytes > 0 {
+            for (&b, p) in blocks.iter().zip(payloads) {
+                for t in 0..shape.tensors {
+                    let scales: Vec<f32> = p[shape.scale_range(t)]
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+                        .collect();
+                    self.storage
+                        .write_row_scales(sh.whole_block(t, b), &scales)?;
+                }
             }
         }
         Ok(())
@@ -313,49 +334,58 @@ impl PoolCore {
         for &b in &held {
             self.hold_block(b);
         }
-        let mut loaded = Vec::new();
-        let mut i = 0;
-        while i < wanted.len() {
-            let j = wanted[i].0;
-            let end = wanted[i..]
+        // The consecutive blocks every tier lookup found, up to the first gap: their
+        // entries are wanted[..end].
+        let mut end = 0;
+        let mut blocks_found = 0;
+        while end < wanted.len() {
+            let j = wanted[end].0;
+            let stop = wanted[end..]
                 .iter()
                 .position(|w| w.0 != j)
-                .map_or(wanted.len(), |n| i + n);
-            if found[i..end].iter().any(Option::is_none) {
+                .map_or(wanted.len(), |n| end + n);
+            if found[end..stop].iter().any(Option::is_none) {
                 break;
             }
-            let mut whole = true;
-            let first_tier = found[i].as_ref().expect("checked found").0;
-            for entry in found[i..end].iter_mut() {
-                let (t, bytes, c) = entry.take().expect("checked found");
-                let b = self.take_block();
-                if self.load_payload(&shape, b, &bytes).is_err() {
-                    self.release_block(b);
-                    whole = false;
-                    break;
-                }
+            end = stop;
+            blocks_found += 1;
+        }
+        let entries: Vec<(usize, Vec<u8>, Checked)> = found[..end]
+            .iter_mut()
+            .map(|e| e.take().expect("checked found"))
+            .collect();
+        let mut loaded: Vec<BlockId> = (0..entries.len()).map(|_| self.take_block()).collect();
+        let payloads: Vec<&[u8]> = entries.iter().map(|e| e.1.as_slice()).collect();
+        if self.load_payloads(&shape, &loaded, &payloads).is_err() {
+            // Unregistered: the blocks go back to the free list; nothing was cached.
+            self.release_all(loaded.drain(..));
+        } else {
+            for (&b, (t, bytes, c)) in loaded.iter().zip(&entries) {
                 let meta = CachedBlock {
                     hash: c.meta.key,
                     parent: c.meta.parent,
                     first: c.meta.first,
                     root,
                 };
-                let p = self.prefix.as_mut().expect("prefix caching on");
-                if !p.register(b, meta, &c.tokens) {
-                    self.release_block(b);
-                    whole = false;
-                    break;
-                }
-                loaded.push(b);
-                let tier = &self.tiers.as_ref().expect("tiers on").tiers[t];
+                let registered = self
+                    .prefix
+                    .as_mut()
+                    .expect("prefix caching on")
+                    .register(b, meta, &c.tokens);
+                debug_assert!(registered, "only blocks the index lacks are loaded");
+                let tier = &self.tiers.as_ref().expect("tiers on").tiers[*t];
                 TierCounters::add(&tier.counters().hits, 1);
                 TierCounters::add(&tier.counters().hit_bytes, bytes.len() as u64);
             }
-            if !whole {
-                break;
+            // A block's tokens count once, for the tier that served its first entry.
+            let mut last = usize::MAX;
+            for (i, &(j, _)) in wanted[..end].iter().enumerate() {
+                if j != last {
+                    served[entries[i].0] += bs;
+                    last = j;
+                }
             }
-            served[first_tier] += bs;
-            i = end;
+            debug_assert_eq!(served.iter().sum::<usize>(), blocks_found * bs);
         }
         self.release_all(held.into_iter().chain(loaded));
         served

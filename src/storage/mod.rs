@@ -98,6 +98,30 @@ pub trait Storage: Send + Sync + fmt::Debug {
         paged_ops::copy_blocks(self, shape, tensors, pairs)
     }
 
+    /// Reads whole `blocks` of cache tensors `0..tensors` into `out` (8-byte aligned),
+    /// packed block-major, raw storage elements: the swap-out of the offload tiers, one
+    /// transfer on a device.
+    fn read_blocks(
+        &self,
+        shape: PagedShape,
+        tensors: usize,
+        blocks: &[BlockId],
+        out: &mut [u8],
+    ) -> Result<()> {
+        paged_ops::read_blocks(self, shape, tensors, blocks, out)
+    }
+    /// Writes whole `blocks` of cache tensors `0..tensors` from `packed` (8-byte
+    /// aligned, laid out as [`Storage::read_blocks`] reads them): the swap-in.
+    fn write_blocks(
+        &mut self,
+        shape: PagedShape,
+        tensors: usize,
+        blocks: &[BlockId],
+        packed: &[u8],
+    ) -> Result<()> {
+        paged_ops::write_blocks(self, shape, tensors, blocks, packed)
+    }
+
     /// Reads the scales of `src`'s head vectors, row-major, into `dst` (int8 storages;
     /// the others hold none and fail).
     fn read_row_scales(&self, src: Region, dst: &mut [f32]) -> Result<()> {

@@ -114,3 +114,66 @@ pub fn copy_blocks<S: Storage + ?Sized>(
     }
     Ok(())
 }
+
+/// Bytes of one block of one cache tensor of `shape`, stored as `s` stores it.
+fn block_bytes<S: Storage + ?Sized>(s: &S, shape: &PagedShape) -> usize {
+    shape.block_elems() * s.dtype().size()
+}
+
+/// Reads whole `blocks` of cache tensors `0..tensors` into `out`, packed block-major:
+/// block `i`'s tensor `t` at byte `(i * tensors + t) * block bytes` (raw storage
+/// elements: codes for 8-bit storage).
+pub fn read_blocks<S: Storage + ?Sized>(
+    s: &S,
+    shape: PagedShape,
+    tensors: usize,
+    blocks: &[BlockId],
+    out: &mut [u8],
+) -> Result<()> {
+    let bb = block_bytes(s, &shape);
+    assert_eq!(out.len(), blocks.len() * tensors * bb, "packed blocks");
+    for (i, &b) in blocks.iter().enumerate() {
+        for t in 0..tensors {
+            let at = (i * tensors + t) * bb;
+            // SAFETY: `out[at..at + bb]` holds one block of the storage dtype; callers
+            // pass 8-byte aligned buffers, so every block starts aligned for its dtype.
+            let dst = unsafe {
+                TensorRef::contiguous(
+                    out[at..].as_mut_ptr(),
+                    s.dtype(),
+                    &[1, 1, shape.block_elems()],
+                )?
+            };
+            s.read(shape.whole_block(t, b), &dst)?;
+        }
+    }
+    Ok(())
+}
+
+/// Writes whole `blocks` of cache tensors `0..tensors` from `packed`, laid out as
+/// [`read_blocks`] reads them.
+pub fn write_blocks<S: Storage + ?Sized>(
+    s: &mut S,
+    shape: PagedShape,
+    tensors: usize,
+    blocks: &[BlockId],
+    packed: &[u8],
+) -> Result<()> {
+    let bb = block_bytes(s, &shape);
+    assert_eq!(packed.len(), blocks.len() * tensors * bb, "packed blocks");
+    for (i, &b) in blocks.iter().enumerate() {
+        for t in 0..tensors {
+            let at = (i * tensors + t) * bb;
+            // SAFETY: as in read_blocks.
+            let src = unsafe {
+                TensorRef::contiguous(
+                    packed[at..].as_ptr(),
+                    s.dtype(),
+                    &[1, 1, shape.block_elems()],
+                )?
+            };
+            s.write(shape.whole_block(t, b), &src)?;
+        }
+    }
+    Ok(())
+}

@@ -284,3 +284,29 @@ def test_eight_bit_pool_on_the_device_equals_the_host(dtype, layout):
     for got, want in zip(gpu_outs, cpu_outs, strict=True):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert pools[0].stats()["bytes_total"] == pools[1].stats()["bytes_total"]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_cuda_pools_swap_blocks_through_a_host_tier(dtype):
+    """Evicted blocks of a CUDA pool go to a HostTier (kvrs_save_blocks, one copy) and
+    load into another CUDA pool (kvrs_load_blocks), bit for bit."""
+    g = torch.Generator(device="cuda").manual_seed(6)
+    host = kvrs.HostTier("64MiB")
+    kw = dict(block_size=16, num_blocks=32, dtype=dtype, device="cuda", seed=5, tiers=[host])
+    src = kvrs.BlockPool(4, 2, 64, **kw)
+    prompt = list(range(70))
+    s = src.new_sequence(tokens=prompt)
+    for layer in range(4):
+        x = torch.randn(70, 2, 64, device="cuda", generator=g).half()
+        s.append(layer, x, -x)
+    s.advance(70)
+    want = [[t(x).cpu() for x in s.get(layer, dequantize=True)] for layer in range(4)]
+    s.free()
+    src.evict_all()
+    src.flush_tiers()
+    dst = kvrs.BlockPool(4, 2, 64, **kw)
+    again = dst.new_sequence(tokens=prompt)
+    assert again.cached_tokens_by_tier == {"pool": 0, "host": 64}
+    for layer in range(4):
+        for got, w in zip(again.get(layer, dequantize=True), want[layer], strict=True):
+            assert torch.equal(t(got).cpu(), w[:, :64])

@@ -589,6 +589,32 @@ impl Storage for CudaStorage {
         Ok(())
     }
 
+    fn read_blocks(
+        &self,
+        shape: PagedShape,
+        tensors: usize,
+        blocks: &[BlockId],
+        out: &mut [u8],
+    ) -> Result<()> {
+        match self.save_blocks(shape, tensors, blocks, out) {
+            Some(r) => r,
+            None => paged_ops::read_blocks(self, shape, tensors, blocks, out),
+        }
+    }
+
+    fn write_blocks(
+        &mut self,
+        shape: PagedShape,
+        tensors: usize,
+        blocks: &[BlockId],
+        packed: &[u8],
+    ) -> Result<()> {
+        match self.load_blocks(shape, tensors, blocks, packed) {
+            Some(r) => r,
+            None => paged_ops::write_blocks(self, shape, tensors, blocks, packed),
+        }
+    }
+
     fn read_row_scales(&self, src: Region, dst: &mut [f32]) -> Result<()> {
         let Some(sc) = &self.scales else {
             return Err(KvError::NotSupported(format!(
