@@ -15,7 +15,12 @@ if command -v redis-server >/dev/null 2>&1; then
   ln -s "$(command -v redis-server)" "$OUT/bin/redis-server"
 else
   mkdir -p "$OUT/debs" "$OUT/root"
-  (cd "$OUT/debs" && apt-get download redis-tools libjemalloc2 liblzf1 >/dev/null)
+  pkgs="redis-tools libjemalloc2 liblzf1"
+  if ! (cd "$OUT/debs" && apt-get download $pkgs >/dev/null 2>&1); then
+    # No package lists yet (a fresh container): fetch them (root only), then retry.
+    [ "$(id -u)" = 0 ] && apt-get update -qq >/dev/null
+    (cd "$OUT/debs" && apt-get download $pkgs >/dev/null)
+  fi
   for d in "$OUT"/debs/*.deb; do dpkg-deb -x "$d" "$OUT/root"; done
   root=$(cd "$OUT/root" && pwd)
   # Debian's redis-server is the redis-check-rdb binary under another name.
