@@ -472,11 +472,7 @@ impl PyBlockPool {
         namespace: Option<&Bound<'_, PyAny>>,
         extra_key: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
-        let (t, ns, extra) = (
-            read_token_ids(tokens, "tokens")?,
-            key_bytes(namespace, "namespace")?,
-            key_bytes(extra_key, "extra_key")?,
-        );
+        let (t, ns, extra) = prefix_args(tokens, namespace, extra_key)?;
         Ok(self.inner.lock().match_prefix(&t, &ns, &extra))
     }
 
@@ -491,11 +487,7 @@ impl PyBlockPool {
         namespace: Option<&Bound<'_, PyAny>>,
         extra_key: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
-        let (t, ns, extra) = (
-            read_token_ids(tokens, "tokens")?,
-            key_bytes(namespace, "namespace")?,
-            key_bytes(extra_key, "extra_key")?,
-        );
+        let (t, ns, extra) = prefix_args(tokens, namespace, extra_key)?;
         Ok(py.detach(|| self.inner.lock().prefetch(&t, &ns, &extra))?)
     }
 
@@ -536,11 +528,7 @@ impl PyBlockPool {
         namespace: Option<&Bound<'_, PyAny>>,
         extra_key: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
-        let (t, ns, extra) = (
-            read_token_ids(tokens, "tokens")?,
-            key_bytes(namespace, "namespace")?,
-            key_bytes(extra_key, "extra_key")?,
-        );
+        let (t, ns, extra) = prefix_args(tokens, namespace, extra_key)?;
         Ok(self.inner.lock().pin(&t, &ns, &extra)?)
     }
 
@@ -552,11 +540,7 @@ impl PyBlockPool {
         namespace: Option<&Bound<'_, PyAny>>,
         extra_key: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
-        let (t, ns, extra) = (
-            read_token_ids(tokens, "tokens")?,
-            key_bytes(namespace, "namespace")?,
-            key_bytes(extra_key, "extra_key")?,
-        );
+        let (t, ns, extra) = prefix_args(tokens, namespace, extra_key)?;
         Ok(self.inner.lock().unpin(&t, &ns, &extra)?)
     }
 
@@ -745,4 +729,18 @@ fn key_bytes(obj: Option<&Bound<'_, PyAny>>, name: &'static str) -> PyResult<Vec
             }
         }
     }
+}
+
+/// The `(tokens, namespace=None, extra_key=None)` of a prefix query: the token ids and
+/// the key bytes.
+fn prefix_args(
+    tokens: &Bound<'_, PyAny>,
+    namespace: Option<&Bound<'_, PyAny>>,
+    extra_key: Option<&Bound<'_, PyAny>>,
+) -> PyResult<(Vec<u32>, Vec<u8>, Vec<u8>)> {
+    Ok((
+        read_token_ids(tokens, "tokens")?,
+        key_bytes(namespace, "namespace")?,
+        key_bytes(extra_key, "extra_key")?,
+    ))
 }
