@@ -6,7 +6,8 @@ date and figures in benches/RESULTS.md. Rows: a device-to-device copy of the sam
 layers, gather of a 32k-token sequence, copy-on-write block copies of 256 forks, and
 paged attention (kvrs's kernel reading the blocks in place) against torch SDPA over
 contiguous K/V: decode over one 32k-token sequence, and one decode token for each of 256
-sequences of 2k tokens.
+sequences of 2k tokens; 8-bit storage; the offload tiers' swap-in of a 4k-token prefix
+against torch's pinned and pageable host-to-device copies.
 """
 
 from __future__ import annotations
@@ -29,6 +30,63 @@ def timed(torch, fn, reps: int = 20) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
     return sorted(times)[len(times) // 2]
+
+
+def swap_rows(torch) -> list[tuple[str, float, str]]:
+    """A 4k-token prefix of 32 layers (float16, 8 heads of 128: 512 MiB) loaded from a
+    HostTier into a CUDA pool (payload checks, the pinned buffer, one copy and one
+    launch per 32 MiB), against torch copying the same bytes to the device from pinned
+    and from pageable memory. Wall time, synchronized."""
+    import time
+
+    layers, heads, dim, bs, n = 32, 8, 128, 16, 4096
+    host = kvrs.HostTier("2GiB")
+    kw = dict(block_size=bs, num_blocks=n // bs + 16, dtype="float16", device="cuda", seed=3, tiers=[host])
+    src = kvrs.BlockPool(layers, heads, dim, **kw)
+    prompt = list(range(n + 1))
+    s = src.new_sequence(tokens=prompt)
+    x = torch.randn(n + 1, heads, dim, device="cuda", dtype=torch.float16)
+    for layer in range(layers):
+        s.append(layer, x, x)
+    s.advance(n + 1)
+    s.free()
+    src.evict_all()
+    src.flush_tiers()
+    nbytes = 2 * layers * n * heads * dim * 2
+
+    def wall(fn, reps: int = 5) -> float:
+        times = []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+
+    dst = kvrs.BlockPool(layers, heads, dim, **kw)
+
+    loads = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        seq = dst.new_sequence(tokens=prompt)
+        torch.cuda.synchronize()
+        loads.append(time.perf_counter() - t0)
+        assert seq.cached_tokens_by_tier["host"] == n
+        seq.free()
+        dst.evict_all()
+        dst.flush_tiers()
+    t_load = sorted(loads)[len(loads) // 2]
+    pinned = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    pageable = torch.empty(nbytes, dtype=torch.uint8)
+    t_pinned = wall(lambda: pinned.to("cuda", non_blocking=True))
+    t_pageable = wall(lambda: pageable.to("cuda"))
+    return [
+        ("swap-in 4k tokens x 32 layers from HostTier", nbytes / t_load / 1e9, "GB/s"),
+        ("host-to-device copy, pinned (torch)", nbytes / t_pinned / 1e9, "GB/s"),
+        ("host-to-device copy, pageable (torch)", nbytes / t_pageable / 1e9, "GB/s"),
+    ]
 
 
 def main() -> int:
@@ -165,6 +223,8 @@ def main() -> int:
         s8.advance(n)
         t_att = timed(torch, lambda s8=s8: s8.attention(0, q))
         rows.append((f"attention decode 32k: kvrs {dtype}", t_att * 1e6, "us"))
+
+    rows.extend(swap_rows(torch))
 
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     for name, value, unit in rows:

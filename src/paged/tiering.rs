@@ -43,20 +43,6 @@ pub struct TierSet {
     pub writer: Writer,
 }
 
-/// Calls `f` with `bytes` at an address aligned to `align` bytes (K/V are read as their
-/// dtype): in place when they are (the usual case), else through an aligned copy.
-fn with_aligned<R>(bytes: &[u8], align: usize, f: impl FnOnce(*const u8) -> R) -> R {
-    if (bytes.as_ptr() as usize).is_multiple_of(align) {
-        return f(bytes.as_ptr());
-    }
-    let mut out = vec![0u64; bytes.len().div_ceil(8)];
-    // SAFETY: `out` holds at least `bytes.len()` bytes.
-    unsafe {
-        std::ptr::copy_nonoverlapping(bytes.as_ptr(), out.as_mut_ptr() as *mut u8, bytes.len())
-    };
-    f(out.as_ptr() as *const u8)
-}
-
 /// The bytes of a payload that hold the K/V of every cache tensor (contiguous).
 fn kv_span(shape: &PayloadShape) -> std::ops::Range<usize> {
     shape.kv_range(0).start..shape.kv_range(shape.tensors - 1).end
@@ -137,16 +123,9 @@ impl PoolCore {
             first: meta.first,
         };
         let mut out = payload::begin(&ts.fingerprint, &ts.shape, &bm, tokens);
-        // Every tensor's block in one swap (one transfer from a device), through an
-        // 8-byte aligned buffer.
-        let kv = kv_span(&ts.shape);
-        let mut buf = vec![0u64; kv.len().div_ceil(8)];
-        // SAFETY: `buf` holds kv.len() bytes.
-        let bytes =
-            unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr() as *mut u8, kv.len()) };
+        // Every tensor's block in one swap (one transfer from a device).
         self.storage
-            .read_blocks(sh, ts.shape.tensors, &[b], bytes)?;
-        out[kv].copy_from_slice(bytes);
+            .read_blocks(sh, ts.shape.tensors, &[b], &mut out[kv_span(&ts.shape)])?;
         if ts.shape.scale_bytes > 0 {
             let mut scales = vec![0f32; ts.shape.scale_bytes / 4];
             for t in 0..ts.shape.tensors {
@@ -180,8 +159,9 @@ impl PoolCore {
         }
     }
 
-    /// Writes checked payloads' K/V into `blocks`: on a device in one swap (one transfer
-    /// and one launch), on the host straight from the payloads. Then their int8 scales.
+    /// Writes checked payloads' K/V into `blocks` straight from the payloads (on a
+    /// device in one swap: one transfer and one launch per chunk), then their int8
+    /// scales.
     fn load_payloads(
         &mut self,
         shape: &PayloadShape,
@@ -190,29 +170,9 @@ impl PoolCore {
     ) -> Result<()> {
         let sh = self.shape;
         let kv = kv_span(shape);
-        if self.storage.as_cuda().is_some() {
-            let mut packed = vec![0u64; (kv.len() * blocks.len()).div_ceil(8)];
-            // SAFETY: `packed` holds blocks.len() x kv.len() bytes.
-            let bytes = unsafe {
-                std::slice::from_raw_parts_mut(
-                    packed.as_mut_ptr() as *mut u8,
-                    kv.len() * blocks.len(),
-                )
-            };
-            for (dst, p) in bytes.chunks_exact_mut(kv.len()).zip(payloads) {
-                dst.copy_from_slice(&p[kv.clone()]);
-            }
-            self.storage
-                .write_blocks(sh, shape.tensors, blocks, bytes)?;
-        } else {
-            for (&b, p) in blocks.iter().zip(payloads) {
-                with_aligned(&p[kv.clone()], 8, |data| {
-                    // SAFETY: `data` holds kv.len() bytes: this block of every tensor.
-                    let one = unsafe { std::slice::from_raw_parts(data, kv.len()) };
-                    self.storage.write_blocks(sh, shape.tensors, &[b], one)
-                })?;
-            }
-        }
+        let data: Vec<&[u8]> = payloads.iter().map(|p| &p[kv.clone()]).collect();
+        self.storage
+            .write_blocks(sh, shape.tensors, blocks, &data)?;
         if shape.scale_bytes > 0 {
             for (&b, p) in blocks.iter().zip(payloads) {
                 for t in 0..shape.tensors {

@@ -98,9 +98,9 @@ pub trait Storage: Send + Sync + fmt::Debug {
         paged_ops::copy_blocks(self, shape, tensors, pairs)
     }
 
-    /// Reads whole `blocks` of cache tensors `0..tensors` into `out` (8-byte aligned),
+    /// Reads whole `blocks` of cache tensors `0..tensors` into `out` (any alignment),
     /// packed block-major, raw storage elements: the swap-out of the offload tiers, one
-    /// transfer on a device.
+    /// launch and one transfer per chunk on a device.
     fn read_blocks(
         &self,
         shape: PagedShape,
@@ -110,16 +110,17 @@ pub trait Storage: Send + Sync + fmt::Debug {
     ) -> Result<()> {
         paged_ops::read_blocks(self, shape, tensors, blocks, out)
     }
-    /// Writes whole `blocks` of cache tensors `0..tensors` from `packed` (8-byte
-    /// aligned, laid out as [`Storage::read_blocks`] reads them): the swap-in.
+    /// Writes whole `blocks` of cache tensors `0..tensors`, block `i` from `data[i]`
+    /// (any alignment; its tensors one after another, as [`Storage::read_blocks`]
+    /// packs one block): the swap-in, straight from the tiers' payloads.
     fn write_blocks(
         &mut self,
         shape: PagedShape,
         tensors: usize,
         blocks: &[BlockId],
-        packed: &[u8],
+        data: &[&[u8]],
     ) -> Result<()> {
-        paged_ops::write_blocks(self, shape, tensors, blocks, packed)
+        paged_ops::write_blocks(self, shape, tensors, blocks, data)
     }
 
     /// Reads the scales of `src`'s head vectors, row-major, into `dst` (int8 storages;

@@ -120,9 +120,50 @@ fn block_bytes<S: Storage + ?Sized>(s: &S, shape: &PagedShape) -> usize {
     shape.block_elems() * s.dtype().size()
 }
 
-/// Reads whole `blocks` of cache tensors `0..tensors` into `out`, packed block-major:
-/// block `i`'s tensor `t` at byte `(i * tensors + t) * block bytes` (raw storage
-/// elements: codes for 8-bit storage).
+/// Runs `f` on the address of `bytes`, or of an 8-byte aligned copy when it is not
+/// aligned so (the blocks' elements are read as their dtype).
+pub fn with_aligned<R>(bytes: &[u8], f: impl FnOnce(*const u8) -> R) -> R {
+    if (bytes.as_ptr() as usize).is_multiple_of(8) {
+        return f(bytes.as_ptr());
+    }
+    let mut copy = vec![0u64; bytes.len().div_ceil(8)];
+    // SAFETY: `copy` holds at least `bytes.len()` bytes.
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), copy.as_mut_ptr() as *mut u8, bytes.len())
+    };
+    f(copy.as_ptr() as *const u8)
+}
+
+/// Runs `f` on the address of `out`, or of an 8-byte aligned buffer copied into `out`
+/// after when it is not aligned so.
+fn with_aligned_mut<R>(out: &mut [u8], f: impl FnOnce(*mut u8) -> R) -> R {
+    if (out.as_ptr() as usize).is_multiple_of(8) {
+        return f(out.as_mut_ptr());
+    }
+    let mut buf = vec![0u64; out.len().div_ceil(8)];
+    let r = f(buf.as_mut_ptr() as *mut u8);
+    // SAFETY: `buf` holds at least `out.len()` bytes.
+    unsafe {
+        std::ptr::copy_nonoverlapping(buf.as_ptr() as *const u8, out.as_mut_ptr(), out.len())
+    };
+    r
+}
+
+/// One block of one cache tensor at `ptr` as a tensor of the storage's dtype.
+///
+/// # Safety
+/// `ptr` holds one block of `s`'s dtype, aligned for it.
+unsafe fn block_at<S: Storage + ?Sized>(
+    s: &S,
+    shape: &PagedShape,
+    ptr: *const u8,
+) -> Result<TensorRef> {
+    TensorRef::contiguous(ptr, s.dtype(), &[1, 1, shape.block_elems()])
+}
+
+/// Reads whole `blocks` of cache tensors `0..tensors` into `out` (any alignment),
+/// packed block-major: block `i`'s tensor `t` at byte `(i * tensors + t) * block bytes`
+/// (raw storage elements: codes for 8-bit storage).
 pub fn read_blocks<S: Storage + ?Sized>(
     s: &S,
     shape: PagedShape,
@@ -132,48 +173,40 @@ pub fn read_blocks<S: Storage + ?Sized>(
 ) -> Result<()> {
     let bb = block_bytes(s, &shape);
     assert_eq!(out.len(), blocks.len() * tensors * bb, "packed blocks");
-    for (i, &b) in blocks.iter().enumerate() {
-        for t in 0..tensors {
-            let at = (i * tensors + t) * bb;
-            // SAFETY: `out[at..at + bb]` holds one block of the storage dtype; callers
-            // pass 8-byte aligned buffers, so every block starts aligned for its dtype.
-            let dst = unsafe {
-                TensorRef::contiguous(
-                    out[at..].as_mut_ptr(),
-                    s.dtype(),
-                    &[1, 1, shape.block_elems()],
-                )?
-            };
-            s.read(shape.whole_block(t, b), &dst)?;
+    with_aligned_mut(out, |base| {
+        for (i, &b) in blocks.iter().enumerate() {
+            for t in 0..tensors {
+                // SAFETY: `base` is 8-byte aligned and holds every block, each a whole
+                // number of elements.
+                let dst = unsafe { block_at(s, &shape, base.add((i * tensors + t) * bb))? };
+                s.read(shape.whole_block(t, b), &dst)?;
+            }
         }
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
-/// Writes whole `blocks` of cache tensors `0..tensors` from `packed`, laid out as
-/// [`read_blocks`] reads them.
+/// Writes whole `blocks` of cache tensors `0..tensors`, block `i` from `data[i]` (any
+/// alignment; its tensors one after another, as [`read_blocks`] packs a block).
 pub fn write_blocks<S: Storage + ?Sized>(
     s: &mut S,
     shape: PagedShape,
     tensors: usize,
     blocks: &[BlockId],
-    packed: &[u8],
+    data: &[&[u8]],
 ) -> Result<()> {
     let bb = block_bytes(s, &shape);
-    assert_eq!(packed.len(), blocks.len() * tensors * bb, "packed blocks");
-    for (i, &b) in blocks.iter().enumerate() {
-        for t in 0..tensors {
-            let at = (i * tensors + t) * bb;
-            // SAFETY: as in read_blocks.
-            let src = unsafe {
-                TensorRef::contiguous(
-                    packed[at..].as_ptr(),
-                    s.dtype(),
-                    &[1, 1, shape.block_elems()],
-                )?
-            };
-            s.write(shape.whole_block(t, b), &src)?;
-        }
+    assert_eq!(data.len(), blocks.len(), "one slice per block");
+    for (&b, one) in blocks.iter().zip(data) {
+        assert_eq!(one.len(), tensors * bb, "a block of every tensor");
+        with_aligned(one, |base| {
+            for t in 0..tensors {
+                // SAFETY: as in read_blocks, for this block's tensors.
+                let src = unsafe { block_at(s, &shape, base.add(t * bb))? };
+                s.write(shape.whole_block(t, b), &src)?;
+            }
+            Ok::<(), crate::error::KvError>(())
+        })?;
     }
     Ok(())
 }

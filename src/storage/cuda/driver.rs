@@ -196,6 +196,20 @@ impl Gpu for DriverGpu {
         }
     }
 
+    fn alloc_pinned(&self, bytes: usize) -> Result<*mut u8> {
+        self.current()?;
+        // SAFETY: a plain page-locked allocation; callers write before they read.
+        unsafe { cu::malloc_host(bytes.max(1), 0) }
+            .map(|p| p as *mut u8)
+            .map_err(|e| driver_error(&format!("cannot page-lock {bytes} bytes of host memory"), e))
+    }
+
+    unsafe fn free_pinned(&self, ptr: *mut u8) {
+        if self.current().is_ok() {
+            let _ = cu::free_host(ptr as *mut c_void);
+        }
+    }
+
     unsafe fn htod(
         &self,
         dst: DevicePtr,
@@ -204,7 +218,8 @@ impl Gpu for DriverGpu {
         stream: StreamHandle,
     ) -> Result<()> {
         self.current()?;
-        // From pageable memory the copy returns once `src` has been staged.
+        // From pageable memory the copy returns once `src` has been staged; from pinned
+        // memory at once.
         let src = std::slice::from_raw_parts(src, bytes);
         cu::memcpy_htod_async(dst, src, stream as sys::CUstream)
             .map_err(|e| driver_error("htod", e))

@@ -36,7 +36,18 @@ pub trait Gpu: Send + Sync + fmt::Debug {
     /// # Safety
     /// `ptr` came from this device's `alloc_zeroed` and is freed once.
     unsafe fn free(&self, ptr: DevicePtr);
-    /// Copies `bytes` from host memory `src` to `dst`.
+    /// `bytes` of page-locked host memory: the device copies to and from it at full
+    /// bus speed, and copies from it are asynchronous (see [`Gpu::htod`]).
+    fn alloc_pinned(&self, bytes: usize) -> Result<*mut u8>;
+    /// Frees memory from [`Gpu::alloc_pinned`].
+    ///
+    /// # Safety
+    /// `ptr` came from this device's `alloc_pinned`, no queued copy still uses it, and it
+    /// is freed once.
+    unsafe fn free_pinned(&self, ptr: *mut u8);
+    /// Copies `bytes` from host memory `src` to `dst`. From pageable memory it returns
+    /// once `src` may be reused; from [`Gpu::alloc_pinned`] memory it returns at once,
+    /// and `src` may be reused when `stream` has reached the copy.
     ///
     /// # Safety
     /// Both ranges are valid.

@@ -8,6 +8,8 @@
 //! - [`gpu`]: the few device operations the storage needs, and kernel arguments;
 //! - [`kernels`]: the kernels' names by operation and dtypes;
 //! - `paged`: the pool's scatter, gather and block copies, one launch each;
+//! - `pinned`: page-locked host memory for the block swaps;
+//! - `swap`: the offload tiers' block swaps, one launch and one transfer per chunk;
 //! - `int8`: int8 codes quantized and dequantized on the device;
 //! - [`scaling`]: fp8 per-head scales applied to device tensors;
 //! - `driver`: those operations on the CUDA driver (cudarc, loaded at run time);
@@ -24,12 +26,15 @@ pub mod gpu;
 mod int8;
 pub mod kernels;
 mod paged;
+mod pinned;
 pub mod scaling;
 #[cfg(feature = "cuda-sim")]
 mod sim;
 pub mod storage;
+mod swap;
 
 pub use detect::device_count;
+pub use pinned::SWAP_CHUNK;
 pub use scaling::DeviceScaler;
 pub use storage::CudaStorage;
 

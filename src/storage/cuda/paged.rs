@@ -7,7 +7,7 @@ use super::gpu::{Args, DevicePtr, THREADS};
 use super::kernels::{gather_kernel, kernel, Kernel};
 use super::storage::CudaStorage;
 use crate::error::Result;
-use crate::layout::{BlockId, PagedShape};
+use crate::layout::BlockId;
 use crate::storage::{PagedTensor, Storage};
 use crate::tensor::TensorRef;
 
@@ -146,116 +146,5 @@ impl CudaStorage {
                 )
             }
         })
-    }
-
-    /// The device addresses of cache tensors `0..tensors`' block 0, then `blocks`: the
-    /// words of a block-swap launch.
-    fn swap_words(&self, shape: PagedShape, tensors: usize, blocks: &[BlockId], w: &mut Vec<u64>) {
-        w.extend((0..tensors).map(|t| self.device_addr(shape.block_offset(t, 0))));
-        w.extend(blocks.iter().map(|&b| b as u64));
-    }
-
-    /// Launches `kvrs_load_blocks` or `kvrs_save_blocks` over `items` blocks of
-    /// `tensors` tensors, the pointer table at `table` and the packed words at `packed`.
-    fn launch_swap(
-        &self,
-        name: &str,
-        table: DevicePtr,
-        tensors: usize,
-        items: usize,
-        packed: DevicePtr,
-        block_words: usize,
-    ) -> Result<()> {
-        let args = Args::new()
-            .u64(table)
-            .u64(table + 8 * tensors as u64)
-            .u64(packed)
-            .i64(block_words as i64);
-        // SAFETY: block ids come from the pool's allocator (inside every tensor) and the
-        // packed buffer holds items x tensors blocks.
-        unsafe {
-            self.gpu.launch(
-                name,
-                [items as u32, tensors as u32, 1],
-                [THREADS, 1, 1],
-                &args,
-                self.stream(),
-            )
-        }
-    }
-
-    /// [`Storage::read_blocks`] as one launch and one transfer; `None` when blocks are
-    /// not whole 32-bit words (the region copies do it then).
-    pub(super) fn save_blocks(
-        &self,
-        shape: PagedShape,
-        tensors: usize,
-        blocks: &[BlockId],
-        out: &mut [u8],
-    ) -> Option<Result<()>> {
-        let block_bytes = shape.block_elems() * self.dtype().size();
-        if !block_bytes.is_multiple_of(4) || blocks.is_empty() || tensors == 0 {
-            return None;
-        }
-        let bytes = out.len();
-        Some(self.with_upload_and_scratch(
-            |w| self.swap_words(shape, tensors, blocks, w),
-            bytes,
-            |table, packed| {
-                self.launch_swap(
-                    "kvrs_save_blocks",
-                    table,
-                    tensors,
-                    blocks.len(),
-                    packed,
-                    block_bytes / 4,
-                )?;
-                // SAFETY: `out` holds `bytes`; the scratch holds the packed blocks.
-                unsafe {
-                    self.gpu
-                        .dtoh(out.as_mut_ptr(), packed, bytes, self.stream())
-                }
-            },
-        ))
-    }
-
-    /// [`Storage::write_blocks`] as one transfer and one launch; `None` when blocks are
-    /// not whole 32-bit words.
-    pub(super) fn load_blocks(
-        &self,
-        shape: PagedShape,
-        tensors: usize,
-        blocks: &[BlockId],
-        packed: &[u8],
-    ) -> Option<Result<()>> {
-        let block_bytes = shape.block_elems() * self.dtype().size();
-        if !block_bytes.is_multiple_of(4) || blocks.is_empty() || tensors == 0 {
-            return None;
-        }
-        let data_at = 8 * (tensors + blocks.len());
-        Some(self.with_upload(
-            |w| {
-                self.swap_words(shape, tensors, blocks, w);
-                w.resize((data_at + packed.len()).div_ceil(8), 0);
-                // SAFETY: `w` holds data_at + packed.len() bytes.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        packed.as_ptr(),
-                        (w.as_mut_ptr() as *mut u8).add(data_at),
-                        packed.len(),
-                    )
-                };
-            },
-            |table| {
-                self.launch_swap(
-                    "kvrs_load_blocks",
-                    table,
-                    tensors,
-                    blocks.len(),
-                    table + data_at as u64,
-                    block_bytes / 4,
-                )
-            },
-        ))
     }
 }

@@ -4,7 +4,7 @@
 //! above it is the one that runs on a GPU; only the driver calls differ.
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::{c_char, c_int, c_void, CString};
 use std::sync::{Arc, OnceLock};
 
@@ -30,6 +30,8 @@ const ALIGN: usize = 256;
 pub struct SimGpu {
     ordinal: usize,
     allocations: Mutex<HashMap<DevicePtr, Layout>>,
+    /// The allocations that stand for page-locked host memory.
+    pinned: Mutex<HashSet<DevicePtr>>,
 }
 
 impl SimGpu {
@@ -43,6 +45,7 @@ impl SimGpu {
                 Arc::new(SimGpu {
                     ordinal,
                     allocations: Mutex::new(HashMap::new()),
+                    pinned: Mutex::new(HashSet::new()),
                 })
             })
             .clone()
@@ -79,6 +82,20 @@ impl Gpu for SimGpu {
             .remove(&ptr)
             .expect("freeing memory this device did not allocate");
         dealloc(ptr as *mut u8, layout);
+    }
+
+    fn alloc_pinned(&self, bytes: usize) -> Result<*mut u8> {
+        let ptr = self.alloc_zeroed(bytes)?;
+        self.pinned.lock().insert(ptr);
+        Ok(ptr as *mut u8)
+    }
+
+    unsafe fn free_pinned(&self, ptr: *mut u8) {
+        assert!(
+            self.pinned.lock().remove(&(ptr as DevicePtr)),
+            "freeing pinned memory this device did not allocate"
+        );
+        self.free(ptr as DevicePtr);
     }
 
     unsafe fn htod(

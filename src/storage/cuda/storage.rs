@@ -10,6 +10,7 @@ use parking_lot::Mutex;
 
 use super::gpu::{blocks_for, Args, DevicePtr, Gpu, StreamHandle, THREADS};
 use super::kernels::{kernel, zero_kernel, Kernel};
+use super::pinned::PinnedBuffer;
 use super::scaling::{DeviceScaler, Scratch};
 use crate::dtype::DType;
 use crate::error::{KvError, Result};
@@ -37,6 +38,8 @@ pub struct CudaStorage {
     pub(super) head_dim: usize,
     /// Device memory for fp8 scaling of device tensors ([`DeviceScaler`]).
     scratch: Arc<Mutex<Scratch>>,
+    /// Page-locked host memory the block swaps pass through, made on first use.
+    pub(super) pinned: Mutex<PinnedBuffer>,
 }
 
 /// Device memory for a launch's small arguments (pointer arrays, slots, block tables)
@@ -115,6 +118,7 @@ impl CudaStorage {
             scales,
             head_dim: if dtype == DType::I8 { head_dim } else { 1 },
             scratch: Arc::new(Mutex::new(Scratch::default())),
+            pinned: Mutex::new(PinnedBuffer::default()),
         })
     }
 
@@ -355,6 +359,7 @@ impl Drop for CudaStorage {
             self.gpu.free(self.ptr);
         }
         DeviceScaler::free(self.gpu.as_ref(), &self.scratch);
+        self.pinned.get_mut().release(self.gpu.as_ref());
     }
 }
 
@@ -607,11 +612,11 @@ impl Storage for CudaStorage {
         shape: PagedShape,
         tensors: usize,
         blocks: &[BlockId],
-        packed: &[u8],
+        data: &[&[u8]],
     ) -> Result<()> {
-        match self.load_blocks(shape, tensors, blocks, packed) {
+        match self.load_blocks(shape, tensors, blocks, data) {
             Some(r) => r,
-            None => paged_ops::write_blocks(self, shape, tensors, blocks, packed),
+            None => paged_ops::write_blocks(self, shape, tensors, blocks, data),
         }
     }
 
