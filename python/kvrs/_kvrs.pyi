@@ -471,8 +471,14 @@ class BlockPool(Generic[_View_co]):
         """Starts a sequence; with `tokens` it attaches the longest cached prefix."""
     def match_prefix(self, tokens: _IntsLike, namespace: _Key = None, extra_key: _Key = None) -> int:
         """Tokens of `tokens` a new sequence would find cached, without attaching anything."""
-    def prefetch(self, tokens: _IntsLike, namespace: _Key = None, extra_key: _Key = None) -> int:
-        """Loads what the offload tiers hold of `tokens`' prefix into the cache; returns tokens cached."""
+    def prefetch(
+        self, tokens: _IntsLike, namespace: _Key = None, extra_key: _Key = None, wait: bool = True
+    ) -> int:
+        """Loads what the offload tiers hold of `tokens`' prefix into the cache; returns tokens cached.
+
+        With wait=False, fetches it in the background and returns at once the tokens the pool lacks;
+        the next lookup of the prefix loads from what was fetched.
+        """
     def store_to_tiers(self, seqs: Iterable[Sequence[Any]]) -> int:
         """Queues the cached blocks `seqs` hold for the offload tiers now; returns how many."""
     def flush_tiers(self) -> None:

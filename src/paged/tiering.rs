@@ -9,7 +9,9 @@
 //! ids equal the prompt's, so a tier can never make a sequence see K/V of another token
 //! prefix. Loads stop at the first block some tier lacks (a chain must be whole). The
 //! blocks of the chain already in the pool are held while loading, so the room the
-//! loads take never evicts them.
+//! loads take never evicts them. A prefetch in the background ([`PoolCore::prefetch_async`])
+//! only fills the fetcher's buffer; its payloads pass the same checks when a lookup uses
+//! them.
 
 use std::sync::Arc;
 
@@ -22,6 +24,7 @@ use crate::error::{KvError, Result};
 use crate::layout::BlockId;
 use crate::prefix::persist::expected_metadata;
 use crate::prefix::{BlockHash, CachedBlock};
+use crate::tier::fetcher::Fetcher;
 use crate::tier::payload::{self, BlockMeta, Checked, Fingerprint, PayloadShape, Refusal};
 use crate::tier::writer::{WritePolicy, Writer};
 use crate::tier::{Tier, TierCounters};
@@ -41,7 +44,16 @@ pub struct TierSet {
     pub shape: PayloadShape,
     /// The write-back queue and thread.
     pub writer: Writer,
+    /// The prefetch buffer and thread ([`PoolCore::prefetch_async`]).
+    pub fetcher: Fetcher,
 }
+
+/// Most bytes of payloads the prefetch buffer holds (besides at most the pool's number
+/// of blocks).
+pub const PREFETCH_BYTES: usize = 1 << 30;
+
+/// A payload a tier served (the tier's index, the bytes) and what its checks read.
+type Served = (usize, Vec<u8>, Checked);
 
 /// The bytes of a payload that hold the K/V of every cache tensor (contiguous).
 fn kv_span(shape: &PayloadShape) -> std::ops::Range<usize> {
@@ -89,15 +101,22 @@ impl PoolCore {
             tensor_bytes,
             scale_bytes,
         };
-        let writer = Writer::start(tiers.clone(), queue, policy).map_err(|e| KvError::Io {
-            path: "(tier writer thread)".into(),
+        let thread_error = |what: &str, e: std::io::Error| KvError::Io {
+            path: format!("(tier {what} thread)"),
             reason: e.to_string(),
-        })?;
+        };
+        let writer =
+            Writer::start(tiers.clone(), queue, policy).map_err(|e| thread_error("writer", e))?;
+        // A prefetch is useful up to the pool's size; host memory bounds it too.
+        let buffered = sh.num_blocks.min(PREFETCH_BYTES / shape.len()).max(1);
+        let fetcher =
+            Fetcher::start(tiers.clone(), buffered).map_err(|e| thread_error("fetcher", e))?;
         self.tiers = Some(TierSet {
             tiers,
             fingerprint,
             shape,
             writer,
+            fetcher,
         });
         Ok(self)
     }
@@ -203,17 +222,7 @@ impl PoolCore {
         };
         let mut served: TierTokens = smallvec::smallvec![0; ts.tiers.len()];
         let (bs, ng) = (self.shape.block_size, self.groups.groups.len());
-        let mut hashes = Vec::new();
-        let mut parent = root;
-        let mut buf = Vec::new();
-        while (hashes.len() + 1) * bs <= limit.min(tokens.len()) {
-            let at = hashes.len() * bs;
-            let h = p
-                .kind
-                .block_with(&mut buf, parent, &tokens[at..at + bs], extra);
-            hashes.push(h);
-            parent = h;
-        }
+        let hashes = self.chain_hashes(root, tokens, extra, limit);
         let missing = |j: usize, g: usize| p.lookup(group_key(hashes[j], g)).is_none();
         let Some(start) = (0..hashes.len()).find(|&j| (0..ng).any(|g| missing(j, g))) else {
             return served;
@@ -251,22 +260,13 @@ impl PoolCore {
                 && c.meta.first == (j == 0)
                 && c.tokens == tokens[j * bs..(j + 1) * bs]
         };
-        let mut found: Vec<Option<(usize, Vec<u8>, Checked)>> =
-            (0..wanted.len()).map(|_| None).collect();
-        for (t, tier) in ts.tiers.iter().enumerate() {
-            let ask: Vec<usize> = (0..wanted.len()).filter(|&i| found[i].is_none()).collect();
-            if ask.is_empty() {
-                break;
-            }
-            let got = tier.get_many(&ask.iter().map(|&i| keys[i].clone()).collect::<Vec<_>>());
-            // Checks (a BLAKE3 pass over each payload) run in parallel.
-            let checked: Vec<(usize, Vec<u8>, std::result::Result<Checked, Refusal>)> = ask
-                .iter()
-                .zip(got)
-                .filter_map(|(&i, bytes)| bytes.map(|b| (i, b)))
-                .collect::<Vec<_>>()
+        let mut found: Vec<Option<Served>> = (0..wanted.len()).map(|_| None).collect();
+        // Checks (a BLAKE3 pass over each payload) run in parallel; a refused payload is
+        // counted and forgotten by the tier that served it.
+        let check = |found: &mut Vec<Option<Served>>, served: Vec<(usize, usize, Vec<u8>)>| {
+            let checked: Vec<_> = served
                 .into_par_iter()
-                .map(|(i, bytes)| {
+                .map(|(i, t, bytes)| {
                     let (j, g) = wanted[i];
                     let key = group_key(hashes[j], g);
                     let c =
@@ -277,18 +277,43 @@ impl PoolCore {
                                 Err(Refusal::Key)
                             }
                         });
-                    (i, bytes, c)
+                    (i, t, bytes, c)
                 })
                 .collect();
-            for (i, bytes, c) in checked {
+            for (i, t, bytes, c) in checked {
                 match c {
                     Ok(c) => found[i] = Some((t, bytes, c)),
                     Err(_) => {
-                        TierCounters::add(&tier.counters().rejected, 1);
-                        tier.discard(&keys[i]);
+                        TierCounters::add(&ts.tiers[t].counters().rejected, 1);
+                        ts.tiers[t].discard(&keys[i]);
                     }
                 }
             }
+        };
+        // What a prefetch brought first (waiting for its fetches under way), then the
+        // tiers in order for the rest.
+        let prefetched = ts.fetcher.take(&keys);
+        check(
+            &mut found,
+            prefetched
+                .into_iter()
+                .enumerate()
+                .filter_map(|(i, got)| got.map(|(t, b)| (i, t, b)))
+                .collect(),
+        );
+        for (t, tier) in ts.tiers.iter().enumerate() {
+            let ask: Vec<usize> = (0..wanted.len()).filter(|&i| found[i].is_none()).collect();
+            if ask.is_empty() {
+                break;
+            }
+            let got = tier.get_many(&ask.iter().map(|&i| keys[i].clone()).collect::<Vec<_>>());
+            check(
+                &mut found,
+                ask.iter()
+                    .zip(got)
+                    .filter_map(|(&i, bytes)| bytes.map(|b| (i, t, b)))
+                    .collect(),
+            );
         }
         let shape = ts.shape;
         for &b in &held {
@@ -310,7 +335,7 @@ impl PoolCore {
             end = stop;
             blocks_found += 1;
         }
-        let entries: Vec<(usize, Vec<u8>, Checked)> = found[..end]
+        let entries: Vec<Served> = found[..end]
             .iter_mut()
             .map(|e| e.take().expect("checked found"))
             .collect();
@@ -382,6 +407,56 @@ impl PoolCore {
         Ok(self.match_prefix(tokens, namespace, extra))
     }
 
+    /// Starts fetching what the tiers hold of `tokens`' prefix (in `namespace`, with
+    /// `extra`) into the prefetch buffer, and returns at once; the lookup of a sequence
+    /// starting with `tokens` then loads from the buffer (waiting for the fetch if it is
+    /// still under way). Returns the tokens of the prefix's whole blocks the pool lacks
+    /// (0: nothing to fetch).
+    pub fn prefetch_async(&self, tokens: &[u32], namespace: &[u8], extra: &[u8]) -> Result<usize> {
+        let (Some(ts), Some(p)) = (self.tiers.as_ref(), self.prefix.as_ref()) else {
+            return Err(no_tiers());
+        };
+        let root = p.root(namespace);
+        let hashes = self.chain_hashes(root, tokens, extra, tokens.len());
+        let ng = self.groups.groups.len();
+        let missing = |j: usize, g: usize| p.lookup(group_key(hashes[j], g)).is_none();
+        let Some(start) = (0..hashes.len()).find(|&j| (0..ng).any(|g| missing(j, g))) else {
+            return Ok(0);
+        };
+        let keys: Vec<String> = (start..hashes.len())
+            .flat_map(|j| (0..ng).map(move |g| (j, g)))
+            .filter(|&(j, g)| missing(j, g))
+            .map(|(j, g)| payload::block_key(&ts.fingerprint, root, group_key(hashes[j], g)))
+            .collect();
+        ts.fetcher.request(keys);
+        Ok((hashes.len() - start) * self.shape.block_size)
+    }
+
+    /// The chained hashes of `tokens`' whole blocks (from `root`, with `extra`), up to
+    /// `limit` tokens.
+    fn chain_hashes(
+        &self,
+        root: BlockHash,
+        tokens: &[u32],
+        extra: &[u8],
+        limit: usize,
+    ) -> Vec<BlockHash> {
+        let p = self.prefix.as_ref().expect("prefix caching on");
+        let bs = self.shape.block_size;
+        let mut hashes = Vec::new();
+        let mut parent = root;
+        let mut buf = Vec::new();
+        while (hashes.len() + 1) * bs <= limit.min(tokens.len()) {
+            let at = hashes.len() * bs;
+            let h = p
+                .kind
+                .block_with(&mut buf, parent, &tokens[at..at + bs], extra);
+            hashes.push(h);
+            parent = h;
+        }
+        hashes
+    }
+
     /// Waits until every block queued for the tiers has been written or refused.
     pub fn flush_tiers(&self) {
         if let Some(ts) = &self.tiers {
@@ -397,6 +472,7 @@ impl PoolCore {
         };
         ts.writer.flush();
         let prefix = payload::namespace_prefix(&ts.fingerprint, p.root(namespace));
+        ts.fetcher.drop_prefix(&prefix);
         Ok(ts.tiers.iter().map(|t| t.drop_prefix(&prefix)).sum())
     }
 }

@@ -478,17 +478,24 @@ impl PyBlockPool {
 
     /// Loads what the offload tiers hold of `tokens`' prefix into the pool's cache
     /// without starting a sequence; returns the tokens a new sequence would now find
-    /// cached.
-    #[pyo3(signature = (tokens, namespace = None, extra_key = None))]
+    /// cached. With wait=False, starts fetching it in the background and returns at
+    /// once the tokens of whole blocks the pool lacks; the lookup of a sequence starting
+    /// with `tokens` then loads from what was fetched.
+    #[pyo3(signature = (tokens, namespace = None, extra_key = None, wait = true))]
     fn prefetch(
         &self,
         py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
         namespace: Option<&Bound<'_, PyAny>>,
         extra_key: Option<&Bound<'_, PyAny>>,
+        wait: bool,
     ) -> PyResult<usize> {
         let (t, ns, extra) = prefix_args(tokens, namespace, extra_key)?;
-        Ok(py.detach(|| self.inner.lock().prefetch(&t, &ns, &extra))?)
+        if wait {
+            Ok(py.detach(|| self.inner.lock().prefetch(&t, &ns, &extra))?)
+        } else {
+            Ok(py.detach(|| self.inner.lock().prefetch_async(&t, &ns, &extra))?)
+        }
     }
 
     /// Queues the cached blocks `seqs` hold for the offload tiers now (as eviction

@@ -268,7 +268,8 @@ pub fn parse_tiers(tiers: Option<&Bound<'_, PyList>>) -> PyResult<Vec<Arc<dyn Ti
         .collect()
 }
 
-/// The pool's tiers for `stats()`: each tier's counters, then the write-back queue's.
+/// The pool's tiers for `stats()`: each tier's counters, the write-back queue's and the
+/// prefetch buffer's.
 pub fn tier_stats<'py>(py: Python<'py>, pool: &PoolCore, d: &Bound<'py, PyDict>) -> PyResult<()> {
     let Some(ts) = pool.tiers() else {
         return Ok(());
@@ -285,6 +286,16 @@ pub fn tier_stats<'py>(py: Python<'py>, pool: &PoolCore, d: &Bound<'py, PyDict>)
     q.set_item("dropped", get(&c.dropped))?;
     q.set_item("unstored", get(&c.unstored))?;
     d.set_item("tier_queue", q)?;
+    let c = ts.fetcher.counters();
+    let (payloads, bytes) = ts.fetcher.buffered();
+    let f = PyDict::new(py);
+    f.set_item("requested", get(&c.requested))?;
+    f.set_item("fetched", get(&c.fetched))?;
+    f.set_item("used", get(&c.used))?;
+    f.set_item("discarded", get(&c.discarded))?;
+    f.set_item("buffered", payloads)?;
+    f.set_item("buffered_bytes", bytes)?;
+    d.set_item("prefetch", f)?;
     Ok(())
 }
 

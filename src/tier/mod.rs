@@ -5,13 +5,15 @@
 //! - [`host`]: [`HostTier`], this process's memory (LRU), the tier below a CUDA pool;
 //! - [`disk`]: [`DiskTier`], a size-bounded directory (LRU by last use);
 //! - [`redis`]: [`RedisTier`], a Redis (or Valkey) server shared by many processes;
-//! - [`writer`]: the background thread that writes evicted blocks, off the caller's path.
+//! - [`writer`]: the background thread that writes evicted blocks, off the caller's path;
+//! - [`fetcher`]: the background thread that fetches a prefix ahead of its lookup.
 //!
 //! A tier never fails generation: an I/O error, a server that is down or slow, or a
 //! payload that fails its checks is a miss (lookups) or a dropped write (stores), and
 //! [`TierCounters`] say which happened.
 
 pub mod disk;
+pub mod fetcher;
 pub mod host;
 pub mod payload;
 pub mod redis;

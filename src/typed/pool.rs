@@ -356,6 +356,19 @@ impl<T: Element> BlockPool<T> {
         self.core.flush_tiers();
     }
 
+    /// Loads what the offload tiers hold of `tokens`' prefix into the cache now;
+    /// returns the tokens a sequence starting with `tokens` would find cached.
+    pub fn prefetch(&mut self, tokens: &[u32]) -> Result<usize> {
+        self.core.prefetch(tokens, b"", b"")
+    }
+
+    /// Starts fetching what the offload tiers hold of `tokens`' prefix in the
+    /// background and returns at once: the tokens of whole blocks the pool lacks. The
+    /// lookup of a sequence starting with `tokens` loads from what was fetched.
+    pub fn prefetch_async(&self, tokens: &[u32]) -> Result<usize> {
+        self.core.prefetch_async(tokens, b"", b"")
+    }
+
     /// The dtype-erased core this pool wraps (slot mappings, page tables, batched
     /// forwards, persistence, raw strided tensors).
     pub fn core(&self) -> &PoolCore {

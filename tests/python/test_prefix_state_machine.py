@@ -148,6 +148,17 @@ class PrefixMachine(RuleBasedStateMachine):
         tokens = list(range(1, shared + 1))
         (self.pool.unpin if unpin else self.pool.pin)(tokens)
 
+    @precondition(lambda self: self.tiers())
+    @rule(shared=st.integers(0, 16), wait=st.booleans())
+    def prefetch(self, shared, wait):
+        """Loads a prefix from the tiers now, or fetches it in the background for a later
+        lookup (which checks what was fetched like any payload)."""
+        tokens = list(range(1, shared + 1))
+        got = self.pool.prefetch(tokens, wait=wait)
+        assert 0 <= got <= shared
+        if not wait:
+            assert got % BS == 0
+
     @rule()
     def evict_all(self):
         before = self.pool.stats()

@@ -160,6 +160,83 @@ def test_store_now_and_prefetch(redis_url):
         pool(None).prefetch(PROMPT)
 
 
+def test_prefetch_in_the_background_overlaps_a_slow_server(redis_server, redis_url):
+    """prefetch(wait=False) returns while the server is busy; the lookup then loads from
+    the prefetch buffer (waiting for the fetch), without asking the server again."""
+    tier = kvrs.RedisTier(redis_url, timeout=3.0)
+    p = pool([tier])
+    p.store_to_tiers([serve(p, PROMPT)])
+    p.flush_tiers()
+    asked = tier.stats()["lookups"]
+    q = pool([tier])
+    blocker = threading.Thread(target=lambda: redis_server.client().execute_command("DEBUG", "SLEEP", "0.6"))
+    blocker.start()
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    assert q.prefetch(PROMPT, wait=False) == 16  # the 4 whole blocks q lacks
+    assert time.monotonic() - t0 < 0.3
+    assert q.prefetch(PROMPT, wait=False) == 16  # asked once: the keys are pending
+    s = q.new_sequence(tokens=PROMPT)  # waits for the fetch under way
+    took = time.monotonic() - t0
+    blocker.join()
+    assert 0.3 < took < 2.5, took
+    assert s.cached_tokens_by_tier == {"pool": 0, tier.stats()["name"]: 16}
+    check_contents(s, PROMPT)
+    st = q.stats()
+    assert st["prefetch"] == {
+        "requested": 4,
+        "fetched": 4,
+        "used": 4,
+        "discarded": 0,
+        "buffered": 0,
+        "buffered_bytes": 0,
+    }
+    assert st["tiers"][0]["lookups"] == asked + 4 and st["tiers"][0]["hits"] == 4
+    assert q.prefetch(PROMPT, wait=False) == 0  # cached now: nothing to fetch
+
+
+def test_prefetched_payloads_are_checked_bounded_and_dropped_with_their_namespace(tmp_path):
+    tier = kvrs.DiskTier(tmp_path / "d", "1MiB")
+    p = pool([tier], num_blocks=16)
+    long = list(range(1, 42))  # 10 whole blocks
+    p.store_to_tiers([serve(p, long), serve(p, PROMPT, namespace="other")])
+    p.flush_tiers()
+    files = sorted((tmp_path / "d").rglob("*.kvb"))
+    assert len(files) == 14
+    q = pool([tier])  # 8 blocks: a buffer of 8 payloads
+    assert q.prefetch(long, wait=False) == 40
+    while q.stats()["prefetch"]["fetched"] < 10:
+        time.sleep(0.01)
+    st = q.stats()["prefetch"]
+    assert (st["buffered"], st["discarded"]) == (8, 2)  # the first two went out first
+    assert st["buffered_bytes"] == 8 * files[0].stat().st_size
+    s = q.new_sequence(tokens=long)
+    # The pool's room: 8 blocks, the first two asked from the disk again, six from the
+    # buffer; the last two stay buffered.
+    assert s.num_cached_tokens == 32
+    check_contents(s, long)
+    st = q.stats()["prefetch"]
+    assert (st["used"], st["buffered"]) == (6, 2)
+    # A payload corrupted before its fetch is refused when a lookup uses it.
+    r = pool([tier])
+    for f in files:
+        raw = bytearray(f.read_bytes())
+        raw[len(raw) // 2] ^= 1
+        f.write_bytes(bytes(raw))
+    assert r.prefetch(PROMPT, namespace="other", wait=False) == 16
+    s = r.new_sequence(tokens=PROMPT, namespace="other")
+    assert s.num_cached_tokens == 0
+    assert r.stats()["tiers"][0]["rejected"] == 4  # and removed from the disk
+    assert r.stats()["prefetch"]["used"] == 4
+    # Dropping a namespace drops its fetched payloads too.
+    r.prefetch(long, wait=False)
+    while r.stats()["prefetch"]["fetched"] < 14:
+        time.sleep(0.01)
+    assert r.stats()["prefetch"]["buffered"] == 8
+    assert r.drop_tier_namespace() == 10
+    assert r.stats()["prefetch"]["buffered"] == 0
+
+
 def test_two_processes_share_a_prompt_through_redis(redis_url, tmp_path):
     """Two separate Python processes with separate pools and one Redis: the second serves
     the first one's prompt from Redis, with the first one's K/V, and its model output

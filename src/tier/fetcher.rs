@@ -1,0 +1,278 @@
+//! The prefetch thread: [`Fetcher::request`] returns at once, and a thread owned by the
+//! pool asks the tiers for the keys (one batched request per tier, in order) and keeps
+//! the payloads found in a bounded buffer. A later lookup takes its payloads from the
+//! buffer, waiting for a fetch of its keys still under way, and asks the tiers only for
+//! the rest; every payload is checked when it is used, as if a tier had just served it.
+//!
+//! Invariants: a key is `pending` from its request until the thread has asked every
+//! tier for it (even if the thread dies); the buffer holds at most `max_payloads`
+//! payloads, oldest out first (counted in `discarded`).
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use parking_lot::{Condvar, Mutex};
+use rustc_hash::{FxHashMap, FxHashSet};
+
+use super::Tier;
+
+/// Counters of the prefetch buffer.
+#[derive(Debug, Default)]
+pub struct FetchCounters {
+    /// Keys requested.
+    pub requested: AtomicU64,
+    /// Payloads a tier returned into the buffer.
+    pub fetched: AtomicU64,
+    /// Payloads lookups took from the buffer.
+    pub used: AtomicU64,
+    /// Payloads pushed out of the full buffer before any lookup took them.
+    pub discarded: AtomicU64,
+}
+
+/// Payloads fetched ahead of their lookup, and the keys still being fetched.
+#[derive(Debug, Default)]
+struct Buffer {
+    /// Key: the index of the tier that returned it, and the payload.
+    by_key: FxHashMap<String, (usize, Vec<u8>)>,
+    order: VecDeque<String>,
+    pending: FxHashSet<String>,
+}
+
+/// State shared with the thread.
+#[derive(Debug)]
+struct Shared {
+    buffer: Mutex<Buffer>,
+    /// Signalled when pending keys are done.
+    done: Condvar,
+    max_payloads: usize,
+    counters: FetchCounters,
+}
+
+/// The prefetch buffer and its thread.
+#[derive(Debug)]
+pub struct Fetcher {
+    tx: Option<Sender<Vec<String>>>,
+    thread: Option<JoinHandle<()>>,
+    shared: Arc<Shared>,
+}
+
+impl Fetcher {
+    /// Starts the thread asking `tiers`, with a buffer of at most `max_payloads`.
+    pub fn start(tiers: Vec<Arc<dyn Tier>>, max_payloads: usize) -> std::io::Result<Self> {
+        let (tx, rx) = mpsc::channel();
+        let shared = Arc::new(Shared {
+            buffer: Mutex::new(Buffer::default()),
+            done: Condvar::new(),
+            max_payloads: max_payloads.max(1),
+            counters: FetchCounters::default(),
+        });
+        let s = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("kvrs-tier-fetcher".into())
+            .spawn(move || fetch_loop(&rx, &tiers, &s))?;
+        Ok(Fetcher {
+            tx: Some(tx),
+            thread: Some(thread),
+            shared,
+        })
+    }
+
+    /// Queues a fetch of `keys` (those neither buffered nor pending); returns how many
+    /// were queued.
+    pub fn request(&self, keys: Vec<String>) -> usize {
+        let keys: Vec<String> = {
+            let mut b = self.shared.buffer.lock();
+            let keys: Vec<String> = keys
+                .into_iter()
+                .filter(|k| !b.by_key.contains_key(k) && !b.pending.contains(k))
+                .collect();
+            b.pending.extend(keys.iter().cloned());
+            keys
+        };
+        let n = keys.len();
+        if n == 0 {
+            return 0;
+        }
+        let tx = self.tx.as_ref().expect("the sender lives until drop");
+        if let Err(mpsc::SendError(keys)) = tx.send(keys) {
+            // The thread is gone: nothing will fetch them.
+            let mut b = self.shared.buffer.lock();
+            for k in &keys {
+                b.pending.remove(k);
+            }
+            return 0;
+        }
+        self.shared
+            .counters
+            .requested
+            .fetch_add(n as u64, Ordering::Relaxed);
+        n
+    }
+
+    /// Takes the buffered payloads of `keys` (tier index and bytes; `None` for a key the
+    /// buffer lacks), after waiting for the fetches of those keys still under way.
+    pub fn take(&self, keys: &[String]) -> Vec<Option<(usize, Vec<u8>)>> {
+        let mut b = self.shared.buffer.lock();
+        while keys.iter().any(|k| b.pending.contains(k)) {
+            self.shared.done.wait(&mut b);
+        }
+        if b.by_key.is_empty() {
+            return keys.iter().map(|_| None).collect();
+        }
+        let got: Vec<Option<(usize, Vec<u8>)>> = keys.iter().map(|k| b.by_key.remove(k)).collect();
+        let taken = got.iter().filter(|g| g.is_some()).count();
+        if taken > 0 {
+            let gone: FxHashSet<&String> = keys.iter().collect();
+            b.order.retain(|k| !gone.contains(k));
+            self.shared
+                .counters
+                .used
+                .fetch_add(taken as u64, Ordering::Relaxed);
+        }
+        got
+    }
+
+    /// Forgets buffered payloads whose key starts with `prefix` (after the fetches under
+    /// way); returns how many.
+    pub fn drop_prefix(&self, prefix: &str) -> usize {
+        let mut b = self.shared.buffer.lock();
+        while !b.pending.is_empty() {
+            self.shared.done.wait(&mut b);
+        }
+        let before = b.by_key.len();
+        b.by_key.retain(|k, _| !k.starts_with(prefix));
+        b.order.retain(|k| !k.starts_with(prefix));
+        before - b.by_key.len()
+    }
+
+    /// Waits until every fetch requested so far has finished.
+    pub fn wait(&self) {
+        let mut b = self.shared.buffer.lock();
+        while !b.pending.is_empty() {
+            self.shared.done.wait(&mut b);
+        }
+    }
+
+    /// Payloads buffered now, and their bytes.
+    pub fn buffered(&self) -> (usize, usize) {
+        let b = self.shared.buffer.lock();
+        (
+            b.by_key.len(),
+            b.by_key.values().map(|(_, p)| p.len()).sum(),
+        )
+    }
+
+    /// The buffer's counters.
+    pub fn counters(&self) -> &FetchCounters {
+        &self.shared.counters
+    }
+}
+
+impl Drop for Fetcher {
+    fn drop(&mut self) {
+        drop(self.tx.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Clears a job's keys from `pending` when the job ends, however it ends.
+struct Settle<'a> {
+    shared: &'a Shared,
+    keys: &'a [String],
+}
+
+impl Drop for Settle<'_> {
+    fn drop(&mut self) {
+        let mut b = self.shared.buffer.lock();
+        for k in self.keys {
+            b.pending.remove(k);
+        }
+        drop(b);
+        self.shared.done.notify_all();
+    }
+}
+
+/// The thread: for each request, asks each tier in turn for the keys no earlier tier
+/// had, and buffers what they return, until the channel closes.
+fn fetch_loop(rx: &Receiver<Vec<String>>, tiers: &[Arc<dyn Tier>], shared: &Shared) {
+    while let Ok(keys) = rx.recv() {
+        let _settle = Settle {
+            shared,
+            keys: &keys,
+        };
+        let mut left: Vec<usize> = (0..keys.len()).collect();
+        for (t, tier) in tiers.iter().enumerate() {
+            if left.is_empty() {
+                break;
+            }
+            let ask: Vec<String> = left.iter().map(|&i| keys[i].clone()).collect();
+            let got = tier.get_many(&ask);
+            let mut b = shared.buffer.lock();
+            let mut still = Vec::new();
+            for (&i, payload) in left.iter().zip(got) {
+                match payload {
+                    Some(p) => {
+                        while b.by_key.len() >= shared.max_payloads {
+                            let Some(old) = b.order.pop_front() else {
+                                break;
+                            };
+                            if b.by_key.remove(&old).is_some() {
+                                shared.counters.discarded.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                        b.by_key.insert(keys[i].clone(), (t, p));
+                        b.order.push_back(keys[i].clone());
+                        shared.counters.fetched.fetch_add(1, Ordering::Relaxed);
+                    }
+                    None => still.push(i),
+                }
+            }
+            left = still;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tier::HostTier;
+
+    #[test]
+    fn fetches_from_the_first_tier_that_has_a_key_into_a_bounded_buffer() {
+        let (a, b) = (
+            Arc::new(HostTier::new(1 << 20)),
+            Arc::new(HostTier::new(1 << 20)),
+        );
+        let item = |k: &str, n: u8| (k.to_string(), Arc::new(vec![n; 8]));
+        a.put_many(&[item("x", 1)]);
+        b.put_many(&[item("x", 2), item("y", 3), item("z", 4)]);
+        let f = Fetcher::start(vec![a, b], 2).unwrap();
+        let keys: Vec<String> = ["x", "y", "z", "w"].map(String::from).to_vec();
+        assert_eq!(f.request(keys.clone()), 4);
+        f.wait();
+        assert_eq!(
+            f.request(keys[1..].to_vec()),
+            1,
+            "buffered keys are not asked again"
+        );
+        f.wait();
+        // Two payloads at most: x went out first when z came in.
+        let got = f.take(&keys);
+        assert_eq!(got[0], None);
+        assert_eq!(got[1], Some((1, vec![3; 8])));
+        assert_eq!(got[2], Some((1, vec![4; 8])));
+        assert_eq!(got[3], None);
+        assert_eq!(f.take(&keys[1..2]), vec![None], "taken once");
+        let c = f.counters();
+        assert_eq!(c.requested.load(Ordering::Relaxed), 5);
+        assert_eq!(c.fetched.load(Ordering::Relaxed), 3);
+        assert_eq!(c.used.load(Ordering::Relaxed), 2);
+        assert_eq!(c.discarded.load(Ordering::Relaxed), 1);
+        assert_eq!(f.buffered(), (0, 0));
+    }
+}
