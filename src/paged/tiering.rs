@@ -126,7 +126,8 @@ impl PoolCore {
         self.tiers.as_ref()
     }
 
-    /// The payload of cached block `b` (its index entry `meta`, token ids `tokens`).
+    /// The payload of cached block `b` (its index entry `meta`, token ids `tokens`),
+    /// not yet sealed: the write-back thread computes its checksum.
     fn payload_of(
         &self,
         ts: &TierSet,
@@ -156,7 +157,6 @@ impl PoolCore {
                 }
             }
         }
-        payload::seal(&mut out);
         Ok(out)
     }
 
@@ -169,7 +169,7 @@ impl PoolCore {
         match self.payload_of(ts, b, meta, tokens) {
             Ok(p) => {
                 let key = payload::block_key(&ts.fingerprint, meta.root, meta.hash);
-                ts.writer.submit(key, Arc::new(p));
+                ts.writer.submit(key, p);
             }
             Err(_) => {
                 let c = &ts.writer.counters().unstored;

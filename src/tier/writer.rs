@@ -1,5 +1,6 @@
 //! The write-back thread: evicted blocks' payloads go into a bounded queue that a
-//! thread owned by the pool drains in batches into the first tier that takes each one
+//! thread owned by the pool seals (checksums) and drains in batches into the first tier
+//! that takes each one
 //! ([`WritePolicy::First`]) or into every tier ([`WritePolicy::All`]), so the caller
 //! that evicted a block never waits for a disk or a server.
 //!
@@ -13,15 +14,15 @@ use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use super::Tier;
+use super::{payload, Tier};
 
 /// Most payloads written in one batch.
 const BATCH: usize = 64;
 
 /// What the thread is asked to do.
 enum Job {
-    /// Store a payload under a key.
-    Store(String, Arc<Vec<u8>>),
+    /// Store a payload (not yet sealed) under a key.
+    Store(String, Vec<u8>),
     /// Acknowledge once every earlier job is done.
     Flush(mpsc::Sender<()>),
 }
@@ -91,8 +92,10 @@ impl Writer {
         })
     }
 
-    /// Queues `payload` under `key`; false (and counted) when the queue is full.
-    pub fn submit(&self, key: String, payload: Arc<Vec<u8>>) -> bool {
+    /// Queues `payload` under `key`; false (and counted) when the queue is full. The
+    /// payload comes unsealed: the thread computes its checksum
+    /// ([`payload::seal`]), off the caller's path.
+    pub fn submit(&self, key: String, payload: Vec<u8>) -> bool {
         let tx = self.tx.as_ref().expect("the sender lives until drop");
         match tx.try_send(Job::Store(key, payload)) {
             Ok(()) => {
@@ -145,7 +148,10 @@ fn drain(
         let mut next = Some(job);
         while let Some(job) = next.take() {
             match job {
-                Job::Store(k, p) => batch.push((k, p)),
+                Job::Store(k, mut p) => {
+                    payload::seal(&mut p);
+                    batch.push((k, Arc::new(p)));
+                }
                 Job::Flush(ack) => flushes.push(ack),
             }
             if batch.len() < BATCH && flushes.is_empty() {
