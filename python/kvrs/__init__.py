@@ -11,6 +11,8 @@ batched forwards (:class:`ForwardBatch`); evicted cached blocks can go to offloa
 ``IndexError`` / ``TypeError`` otherwise.
 """
 
+from typing import TypeAlias
+
 from kvrs._kvrs import (
     BlockPool,
     CacheFullError,
@@ -31,6 +33,10 @@ from kvrs._kvrs import (
     cuda_available,
 )
 
+#: Any offload tier, for annotations: ``tiers: list[kvrs.Tier] = [HostTier(...), RedisTier(...)]``
+#: (a list of different tier classes is otherwise inferred as ``list[object]``).
+Tier: TypeAlias = HostTier | DiskTier | RedisTier
+
 __all__ = [
     "BlockPool",
     "CacheFullError",
@@ -46,6 +52,7 @@ __all__ = [
     "RedisTier",
     "RoPE",
     "Sequence",
+    "Tier",
     "__version__",
     "attention_simd",
     "cuda_available",

@@ -89,3 +89,15 @@ def annotated(cache: kvrs.KVCache[Host], seq: kvrs.Sequence[kvrs.DeviceTensor]) 
 def generic_code(cache: kvrs.KVCache[Any]) -> int:
     """Code that takes any cache: `KVCache[Any]` (or bare `KVCache`) still type-checks."""
     return cache.seq_len + len(cache)
+
+
+def tiered_pool(tmp: str) -> None:
+    """Offload tiers: the tier classes, background prefetch and the per-tier counts."""
+    tiers: list[kvrs.Tier] = [kvrs.HostTier("1GiB"), kvrs.DiskTier(tmp, max_bytes="20GiB")]
+    pool = kvrs.BlockPool(2, 4, 64, num_blocks=64, seed=7, tiers=tiers, tier_write="all")
+    prompt = list(range(40))
+    assert_type(pool.prefetch(prompt, wait=False), int)
+    seq = pool.new_sequence(tokens=prompt)
+    assert_type(seq.cached_tokens_by_tier, dict[str, int])
+    assert_type(pool.store_to_tiers([seq]), int)
+    pool.flush_tiers()
