@@ -84,7 +84,7 @@ proptest! {
 
     #[test]
     fn forward_attention_matches_the_reference(
-        dtype in prop::sample::select(vec![DType::F32, DType::F16, DType::BF16]),
+        dtype in prop::sample::select(vec![DType::F32, DType::F16, DType::BF16, DType::F8E4M3, DType::F8E5M2, DType::I8]),
         layout in prop::sample::select(vec![KvLayout::Nhd, KvLayout::Hnd]),
         block_size in prop::sample::select(vec![1usize, 4, 16]),
         h in 1usize..3,

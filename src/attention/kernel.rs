@@ -151,6 +151,8 @@ unsafe fn run_item_with<const SIMD: bool>(
     // Keys are transposed when enough rows share them to repay the transposition
     // (prefill tiles, wide GQA groups); a decode row of a narrow group takes dot products.
     let transposed = per >= TRANSPOSE_ROWS;
+    // Otherwise, with AVX2, rows score and accumulate straight from the stored codes.
+    let fused = !transposed && fuses::<SIMD>(d);
     let kv = &p.seqs[it.seq].kv;
     let size = kv.dtype.size();
     let mut pos = it.lo;
@@ -160,7 +162,7 @@ unsafe fn run_item_with<const SIMD: bool>(
             .min(RUN);
         for (hi, head) in it.heads.clone().enumerate() {
             let first = kv.key_offset(pos, head);
-            for j in 0..n {
+            for j in (0..n).filter(|_| !fused) {
                 let at = first + j * kv.pos_stride;
                 let ks = kv.scale(at, head, false);
                 if transposed {
@@ -200,6 +202,10 @@ unsafe fn run_item_with<const SIMD: bool>(
                 let mut sb = [[0f32; RUN]; BLOCK_ROWS];
                 if transposed {
                     scores::<SIMD>(&q[r0 * d..(r0 + nb) * d], nb, d, k, n, &mut sb);
+                } else if fused {
+                    #[cfg(target_arch = "x86_64")]
+                    let run = super::fused::HeadRun { kv, head, first };
+                    super::fused::scores(run, n, &q[r0 * d..], nb, d, &mut sb);
                 } else {
                     for (rb, sr) in sb.iter_mut().enumerate().take(nb) {
                         let qr = &q[(r0 + rb) * d..(r0 + rb + 1) * d];
@@ -242,8 +248,28 @@ unsafe fn run_item_with<const SIMD: bool>(
                         *x = exp(*x - mr);
                     }
                     l[r] += sr.iter().sum::<f32>();
-                    for (&w, kp) in sr.iter().zip(a - pos..b - pos) {
+                    for (&w, kp) in sr.iter().zip(a - pos..b - pos).filter(|_| !fused) {
                         axpy::<SIMD>(or, w, &v[kp * d..(kp + 1) * d]);
+                    }
+                }
+                #[cfg(target_arch = "x86_64")]
+                if fused {
+                    // Rows that see the same positions (a decode token's group) share
+                    // each value's conversion; others go one by one, so that no row
+                    // reads a value it does not see.
+                    let run = super::fused::HeadRun { kv, head, first };
+                    let (a, b) = visible(r0);
+                    if (r0..r0 + nb).all(|r| visible(r) == (a, b)) {
+                        let o = &mut o[r0 * d..];
+                        super::fused::accumulate(run, a - pos..b - pos, &mut sb[..nb], d, o);
+                    } else {
+                        for (rb, w) in sb.chunks_mut(1).enumerate().take(nb) {
+                            let (a, b) = visible(r0 + rb);
+                            if a < b {
+                                let o = &mut o[(r0 + rb) * d..];
+                                super::fused::accumulate(run, a - pos..b - pos, w, d, o);
+                            }
+                        }
                     }
                 }
                 r0 += nb;
@@ -270,9 +296,23 @@ unsafe fn run_item_with<const SIMD: bool>(
     }
 }
 
+/// Whether rows of `d` elements take the fused decode path ([`super::fused`]).
+#[inline(always)]
+fn fuses<const SIMD: bool>(d: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        SIMD && super::fused::applies(d)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = d;
+        false
+    }
+}
+
 /// Query rows scored together: 4 rows x 16 positions is 8 AVX2 accumulators, enough
 /// independent FMA chains to keep the units busy.
-const BLOCK_ROWS: usize = 4;
+pub(super) const BLOCK_ROWS: usize = 4;
 
 /// Rows from which an item scores against a transposed key tile.
 const TRANSPOSE_ROWS: usize = 8;

@@ -166,13 +166,6 @@ pub unsafe fn load_row<const SIMD: bool>(
 /// Converts the leading multiple of 16 codes of `src` to `dst` (times `scale`) through
 /// f16, eight per F16C instruction, and returns how many it converted.
 ///
-/// An E5M2 code is the high byte of the f16 of the same value. An E4M3 code becomes the
-/// f16 of the same value with byte arithmetic: a normal code's high byte is
-/// `sign | ((code & 0x7f) >> 1) + 0x20` (the exponent rebiased from 7 to 15) and its low
-/// byte the mantissa's last bit; the seven subnormal codes come from a table (their f16s
-/// are normal, so the conversion never meets an f16 subnormal, which costs a microcode
-/// assist on some CPUs); the NaN code gets an all-ones exponent.
-///
 /// # Safety
 /// The CPU must have AVX2 and F16C (the caller's `SIMD`).
 #[cfg(target_arch = "x86_64")]
@@ -180,48 +173,64 @@ pub unsafe fn load_row<const SIMD: bool>(
 unsafe fn fp8_to_f32_f16c(dst: &mut [f32], src: &[u8], e4m3: bool, scale: f32) -> usize {
     use std::arch::x86_64::*;
     let n = dst.len().min(src.len());
-    let mul = _mm256_set1_ps(scale);
-    // High bytes of the f16s of the subnormal codes 0..8: m * 2^-9.
-    let sub_high = _mm_setr_epi8(
-        0, 0x18, 0x1c, 0x1e, 0x20, 0x21, 0x22, 0x23, 0, 0, 0, 0, 0, 0, 0, 0,
-    );
-    let (seven_bits, sign_bit, low_bit) = (
-        _mm_set1_epi8(0x7f),
-        _mm_set1_epi8(i8::MIN),
-        _mm_set1_epi8(1),
-    );
-    let (eight, rebias, six_bits, nan_high) = (
-        _mm_set1_epi8(8),
-        _mm_set1_epi8(0x20),
-        _mm_set1_epi8(0x3f),
-        _mm_set1_epi8(0x7e),
-    );
-    let zero = _mm_setzero_si128();
+    // Two products, each exact up to one rounding of the last: the codec's value.
+    let (factor, mul) = (_mm256_set1_ps(fp8_factor(e4m3)), _mm256_set1_ps(scale));
     let mut i = 0;
     while i + 16 <= n {
         let b = _mm_loadu_si128(src.as_ptr().add(i) as *const __m128i);
-        let (low, high) = if e4m3 {
-            let mag = _mm_and_si128(b, seven_bits);
-            let normal = _mm_add_epi8(_mm_and_si128(_mm_srli_epi16(mag, 1), six_bits), rebias);
-            let is_sub = _mm_cmpgt_epi8(eight, mag);
-            let high = _mm_blendv_epi8(normal, _mm_shuffle_epi8(sub_high, mag), is_sub);
-            let high = _mm_or_si128(high, _mm_and_si128(b, sign_bit));
-            let high = _mm_or_si128(
-                high,
-                _mm_and_si128(_mm_cmpeq_epi8(mag, seven_bits), nan_high),
-            );
-            let low = _mm_andnot_si128(is_sub, _mm_slli_epi16(_mm_and_si128(b, low_bit), 7));
-            (low, high)
-        } else {
-            (zero, b)
-        };
-        let lo = _mm256_cvtph_ps(_mm_unpacklo_epi8(low, high));
-        let hi = _mm256_cvtph_ps(_mm_unpackhi_epi8(low, high));
-        _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_mul_ps(lo, mul));
-        _mm256_storeu_ps(dst.as_mut_ptr().add(i + 8), _mm256_mul_ps(hi, mul));
+        let (lo, hi) = fp8x16_to_f16(b, e4m3);
+        for (at, h) in [(i, lo), (i + 8, hi)] {
+            let x = _mm256_mul_ps(_mm256_cvtph_ps(h), factor);
+            _mm256_storeu_ps(dst.as_mut_ptr().add(at), _mm256_mul_ps(x, mul));
+        }
         i += 16;
     }
     i
+}
+
+/// What multiplies the f16s of [`fp8x16_to_f16`] to give the codes' values: 2^8 for
+/// E4M3, 1 for E5M2.
+#[inline(always)]
+pub(super) const fn fp8_factor(e4m3: bool) -> f32 {
+    if e4m3 {
+        256.0
+    } else {
+        1.0
+    }
+}
+
+/// 16 fp8 codes (E4M3 when `e4m3`, else E5M2) as f16s, codes 0..8 in the first vector
+/// and 8..16 in the second, each equal to the code's value divided by
+/// [`fp8_factor`].
+///
+/// An E5M2 code is the high byte of the f16 of the same value. An E4M3 code's sign goes
+/// to the f16's sign and its seven other bits just below the f16's top exponent bit
+/// (the code sign-extended, shifted by 7, then masked): as E4M3's exponent
+/// bias is 7 and f16's 15, that f16 is the value divided by 2^8, subnormal codes
+/// included (they become f16 subnormals, which F16C converts exactly; no slower on the
+/// benchmark's AMD EPYC). The NaN code (magnitude 0x7f, the only one whose f16 reaches
+/// 0x3f80) gets the top exponent bit by a carry.
+///
+/// # Safety
+/// The CPU must have AVX2 (the caller's `SIMD`).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(super) unsafe fn fp8x16_to_f16(
+    b: std::arch::x86_64::__m128i,
+    e4m3: bool,
+) -> (std::arch::x86_64::__m128i, std::arch::x86_64::__m128i) {
+    use std::arch::x86_64::*;
+    if e4m3 {
+        // Sign-extended and shifted, the sign reaches bit 15 (and 14, masked off).
+        let x = _mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7);
+        let h = _mm256_and_si256(x, _mm256_set1_epi16(0xbf80u16 as i16));
+        let nan = _mm256_add_epi16(h, _mm256_set1_epi16(0x80));
+        let h = _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x4000)));
+        (_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h))
+    } else {
+        let zero = _mm_setzero_si128();
+        (_mm_unpacklo_epi8(zero, b), _mm_unpackhi_epi8(zero, b))
+    }
 }
 
 /// The value of an fp8 E4M3FN code, from its bits with selects only (no table, no

@@ -5,8 +5,10 @@
 //! ([`QueryRow`]: the half-open range `lo..hi`, so causal, sliding-window, chunked and
 //! cross-attention masks are all ranges). [`attend`] then computes, for every query row
 //! and query head, `softmax(q . K^T * scale) V` over that range in f32 with an online
-//! softmax: K/V are converted from the storage dtype a run of positions at a time and
-//! nothing of size `[tokens x history]` is ever built. Work is split across rayon's
+//! softmax, and nothing of size `[tokens x history]` is ever built. Items with many rows
+//! per KV head (prefill tiles, wide GQA groups) convert K/V from the storage dtype a run
+//! of positions at a time; decode items (a few rows per KV head) score and accumulate
+//! straight from the stored elements, converted in registers (`fused.rs`, with AVX2). Work is split across rayon's
 //! threads by (sequence, query tile) and, when that gives too few tasks (a few long
 //! decode sequences), along the history (flash-decoding), whose partial results are
 //! merged by log-sum-exp. An item walks every KV head of each run of positions, so it
@@ -15,6 +17,8 @@
 //! Grouped-query attention: query head `h` reads KV head `h / (num_q_heads /
 //! num_kv_heads)`, and each K/V run is converted once for the whole group.
 
+#[cfg(target_arch = "x86_64")]
+mod fused;
 mod kernel;
 mod math;
 mod schedule;
