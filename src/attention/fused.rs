@@ -36,11 +36,15 @@ trait Codes {
     unsafe fn load16(p: *const u8) -> (__m256, __m256);
 }
 
+/// float32 elements.
 struct F32Codes;
+/// float16 elements.
 struct F16Codes;
+/// bfloat16 elements.
 struct Bf16Codes;
-struct E4m3Codes;
-struct E5m2Codes;
+/// fp8 codes: E4M3 when `E4M3`, else E5M2.
+struct Fp8Codes<const E4M3: bool>;
+/// int8 codes (their scales are applied by the callers).
 struct I8Codes;
 
 impl Codes for F32Codes {
@@ -75,22 +79,12 @@ impl Codes for Bf16Codes {
     }
 }
 
-impl Codes for E4m3Codes {
+impl<const E4M3: bool> Codes for Fp8Codes<E4M3> {
     const SIZE: usize = 1;
-    const FACTOR: f32 = fp8_factor(true);
+    const FACTOR: f32 = fp8_factor(E4M3);
     #[inline(always)]
     unsafe fn load16(p: *const u8) -> (__m256, __m256) {
-        let (lo, hi) = fp8x16_to_f16(_mm_loadu_si128(p as *const __m128i), true);
-        (_mm256_cvtph_ps(lo), _mm256_cvtph_ps(hi))
-    }
-}
-
-impl Codes for E5m2Codes {
-    const SIZE: usize = 1;
-    const FACTOR: f32 = fp8_factor(false);
-    #[inline(always)]
-    unsafe fn load16(p: *const u8) -> (__m256, __m256) {
-        let (lo, hi) = fp8x16_to_f16(_mm_loadu_si128(p as *const __m128i), false);
+        let (lo, hi) = fp8x16_to_f16(_mm_loadu_si128(p as *const __m128i), E4M3);
         (_mm256_cvtph_ps(lo), _mm256_cvtph_ps(hi))
     }
 }
@@ -158,8 +152,8 @@ macro_rules! dispatch {
             DType::F32 => rows!(F32Codes),
             DType::F16 => rows!(F16Codes),
             DType::BF16 => rows!(Bf16Codes),
-            DType::F8E4M3 => rows!(E4m3Codes),
-            DType::F8E5M2 => rows!(E5m2Codes),
+            DType::F8E4M3 => rows!(Fp8Codes<true>),
+            DType::F8E5M2 => rows!(Fp8Codes<false>),
             DType::I8 => rows!(I8Codes),
         }
     }};
@@ -348,8 +342,8 @@ mod tests {
         for (f, name) in [(Fp8::E4M3, "e4m3"), (Fp8::E5M2, "e5m2")] {
             let want: Vec<f32> = codes.iter().map(|&c| f.decode(c)).collect();
             let got = match f {
-                Fp8::E4M3 => convert::<E4m3Codes>(&codes),
-                Fp8::E5M2 => convert::<E5m2Codes>(&codes),
+                Fp8::E4M3 => convert::<Fp8Codes<true>>(&codes),
+                Fp8::E5M2 => convert::<Fp8Codes<false>>(&codes),
             };
             same(&got, &want, name);
         }
