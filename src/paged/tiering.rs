@@ -223,10 +223,10 @@ impl PoolCore {
         let mut served: TierTokens = smallvec::smallvec![0; ts.tiers.len()];
         let (bs, ng) = (self.shape.block_size, self.groups.groups.len());
         let hashes = self.chain_hashes(root, tokens, extra, limit);
-        let missing = |j: usize, g: usize| p.lookup(group_key(hashes[j], g)).is_none();
-        let Some(start) = (0..hashes.len()).find(|&j| (0..ng).any(|g| missing(j, g))) else {
+        let misses = self.misses_from_first_gap(&hashes);
+        if misses.is_empty() {
             return served;
-        };
+        }
         let held: Vec<BlockId> = (0..hashes.len())
             .flat_map(|j| (0..ng).map(move |g| (j, g)))
             .filter_map(|(j, g)| p.lookup(group_key(hashes[j], g)))
@@ -238,9 +238,7 @@ impl PoolCore {
             .filter(|&&b| self.alloc.refcount(b) == 0)
             .count();
         let room = self.num_free_blocks().saturating_sub(evictable_held);
-        for j in start..hashes.len() {
-            let miss: Vec<(usize, usize)> =
-                (0..ng).filter(|&g| missing(j, g)).map(|g| (j, g)).collect();
+        for miss in misses {
             if wanted.len() + miss.len() > room {
                 break;
             }
@@ -418,18 +416,33 @@ impl PoolCore {
         };
         let root = p.root(namespace);
         let hashes = self.chain_hashes(root, tokens, extra, tokens.len());
-        let ng = self.groups.groups.len();
-        let missing = |j: usize, g: usize| p.lookup(group_key(hashes[j], g)).is_none();
-        let Some(start) = (0..hashes.len()).find(|&j| (0..ng).any(|g| missing(j, g))) else {
-            return Ok(0);
-        };
-        let keys: Vec<String> = (start..hashes.len())
-            .flat_map(|j| (0..ng).map(move |g| (j, g)))
-            .filter(|&(j, g)| missing(j, g))
+        let misses = self.misses_from_first_gap(&hashes);
+        let lacking = misses.len() * self.shape.block_size;
+        let keys: Vec<String> = misses
+            .into_iter()
+            .flatten()
             .map(|(j, g)| payload::block_key(&ts.fingerprint, root, group_key(hashes[j], g)))
             .collect();
         ts.fetcher.request(keys);
-        Ok((hashes.len() - start) * self.shape.block_size)
+        Ok(lacking)
+    }
+
+    /// For each block of the chain `hashes` from the first one some layer group lacks
+    /// in the pool: its `(block, group)` pairs the pool lacks. Empty when the pool holds
+    /// the whole chain.
+    fn misses_from_first_gap(&self, hashes: &[BlockHash]) -> Vec<Vec<(usize, usize)>> {
+        let p = self.prefix.as_ref().expect("prefix caching on");
+        let ng = self.groups.groups.len();
+        let miss = |j: usize| -> Vec<(usize, usize)> {
+            (0..ng)
+                .filter(|&g| p.lookup(group_key(hashes[j], g)).is_none())
+                .map(|g| (j, g))
+                .collect()
+        };
+        let Some(start) = (0..hashes.len()).find(|&j| !miss(j).is_empty()) else {
+            return Vec::new();
+        };
+        (start..hashes.len()).map(miss).collect()
     }
 
     /// The chained hashes of `tokens`' whole blocks (from `root`, with `extra`), up to
