@@ -3,7 +3,7 @@
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvrs::kv_cache::{CacheCore, CacheShape};
-use kvrs::tensor::TensorRef;
+use kvrs::tensor::{TensorMut, TensorRef};
 use kvrs::{DType, Device};
 
 const HEADS: usize = 8;
@@ -19,12 +19,12 @@ fn cache(max_seq_len: usize, num_layers: usize) -> CacheCore {
     CacheCore::new(shape, DType::F16, Device::Cpu).unwrap()
 }
 
-fn tensor(buf: &[u8], dtype: DType, shape: &[usize]) -> TensorRef {
-    unsafe { TensorRef::contiguous(buf.as_ptr(), dtype, shape).unwrap() }
+fn tensor<'a>(buf: &'a [u8], dtype: DType, shape: &[usize]) -> TensorRef<'a> {
+    TensorRef::from_bytes(buf, dtype, shape).unwrap()
 }
 
-fn tensor_mut(buf: &mut [u8], dtype: DType, shape: &[usize]) -> TensorRef {
-    unsafe { TensorRef::contiguous(buf.as_mut_ptr(), dtype, shape).unwrap() }
+fn tensor_mut<'a>(buf: &'a mut [u8], dtype: DType, shape: &[usize]) -> TensorMut<'a> {
+    TensorMut::from_bytes_mut(buf, dtype, shape).unwrap()
 }
 
 fn decode(c: &mut Criterion) {

@@ -7,7 +7,7 @@ use crate::error::{KvError, Result};
 use crate::kv_cache::{CacheCore, CacheShape};
 use crate::scales::KvScales;
 use crate::storage::Device;
-use crate::tensor::TensorRef;
+use crate::tensor::{TensorMut, TensorRef};
 
 /// Cross-attention K/V for one encoder input: every layer holds the same number of
 /// encoder positions, written once, until [`EncoderCache::clear`].
@@ -90,7 +90,7 @@ impl EncoderCache {
         &self,
         layer: i64,
         q: &TensorRef,
-        out: &TensorRef,
+        out: &TensorMut,
         opts: &AttnOptions<'_>,
     ) -> Result<()> {
         let l = self.cache.check_layer(layer)?;

@@ -11,7 +11,7 @@ pub use crate::layout::Kv;
 use crate::layout::{Device, Region};
 use crate::scales::{attention_scales, check_dtype, multiply_heads, with_divided, KvScales};
 use crate::storage::{allocate, RowScales, Storage};
-use crate::tensor::{expect_block_pair, TensorRef};
+use crate::tensor::{check_disjoint, expect_block_pair, TensorMut, TensorRef};
 
 /// The sizes that fix a cache's layout.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -159,6 +159,11 @@ impl CacheCore {
         self.storage.data_ptr()
     }
 
+    /// The byte ranges of the storage's allocations (see [`Storage::spans`]).
+    pub fn storage_spans(&self) -> Vec<crate::tensor::Span> {
+        self.storage.spans()
+    }
+
     /// The per-vector scales of an int8 cache (`[layer][K|V][head][position]`, one per
     /// head vector); `None` for other dtypes.
     pub fn row_scales(&self) -> Option<RowScales> {
@@ -182,8 +187,75 @@ impl CacheCore {
     }
 
     /// A host tensor over positions `0..len` of one layer's K or V (`[heads, len,
-    /// head_dim]`), for transfers between caches. Host storage only.
-    pub fn host_tensor(&self, layer: usize, kv: Kv, len: usize) -> Result<TensorRef> {
+    /// head_dim]`), for transfers between caches; it borrows the cache, so no write can
+    /// change it while it lives. Host storage of a float dtype only.
+    ///
+    /// ```
+    /// use kvrs::kv_cache::{CacheCore, CacheShape, Kv};
+    /// use kvrs::{DType, Device};
+    ///
+    /// let shape = CacheShape { num_layers: 1, num_kv_heads: 1, head_dim: 4, max_seq_len: 8 };
+    /// let a = CacheCore::new(shape, DType::F32, Device::Cpu)?;
+    /// let t = a.host_tensor(0, Kv::Key, 8)?;
+    /// assert_eq!(t.shape(), &[1, 8, 4]);
+    /// # Ok::<(), kvrs::KvError>(())
+    /// ```
+    ///
+    /// The tensor is a source only: nothing writes through it, and it cannot outlive the
+    /// cache (both fail to compile).
+    ///
+    /// ```compile_fail
+    /// # use kvrs::kv_cache::{CacheCore, CacheShape, Kv};
+    /// # use kvrs::{DType, Device};
+    /// # let shape = CacheShape { num_layers: 1, num_kv_heads: 1, head_dim: 4, max_seq_len: 8 };
+    /// let (a, b) = (CacheCore::new(shape, DType::F32, Device::Cpu)?, CacheCore::new(shape, DType::F32, Device::Cpu)?);
+    /// let t = a.host_tensor(0, Kv::Key, 8)?;
+    /// b.extract_block(0, 0, 8, &t, &t)?; // a TensorRef is no destination
+    /// # Ok::<(), kvrs::KvError>(())
+    /// ```
+    ///
+    /// ```compile_fail
+    /// # use kvrs::kv_cache::{CacheCore, CacheShape, Kv};
+    /// # use kvrs::{DType, Device};
+    /// # let shape = CacheShape { num_layers: 1, num_kv_heads: 1, head_dim: 4, max_seq_len: 8 };
+    /// let t = {
+    ///     let a = CacheCore::new(shape, DType::F32, Device::Cpu)?;
+    ///     a.host_tensor(0, Kv::Key, 8)?
+    /// }; // `a` is dropped here while `t` borrows it
+    /// println!("{:?}", t.shape());
+    /// # Ok::<(), kvrs::KvError>(())
+    /// ```
+    pub fn host_tensor(&self, layer: usize, kv: Kv, len: usize) -> Result<TensorRef<'_>> {
+        let (ptr, r) = self.host_region(layer, kv, len)?;
+        // SAFETY: the region lies inside this cache's host allocation, borrowed (shared)
+        // for the tensor's life: nothing writes it meanwhile.
+        unsafe { TensorRef::new(ptr, self.dtype(), &r.shape, &r.signed_strides()) }
+    }
+
+    /// Writable host tensors over positions `0..len` of one layer's K and V (`[heads,
+    /// len, head_dim]` each, disjoint), borrowing the cache exclusively. Host storage of
+    /// a float dtype only.
+    pub fn host_tensors_mut(
+        &mut self,
+        layer: usize,
+        len: usize,
+    ) -> Result<(TensorMut<'_>, TensorMut<'_>)> {
+        let (k, rk) = self.host_region(layer, Kv::Key, len)?;
+        let (v, rv) = self.host_region(layer, Kv::Value, len)?;
+        let dtype = self.dtype();
+        // SAFETY: two disjoint regions (K and V of one layer) of this cache's host
+        // allocation, borrowed exclusively for the tensors' life.
+        unsafe {
+            Ok((
+                TensorMut::new(k, dtype, &rk.shape, &rk.signed_strides())?,
+                TensorMut::new(v, dtype, &rv.shape, &rv.signed_strides())?,
+            ))
+        }
+    }
+
+    /// The address and region of positions `0..len` of one layer's K or V, for host
+    /// tensors over them.
+    fn host_region(&self, layer: usize, kv: Kv, len: usize) -> Result<(*mut u8, Region)> {
         if self.device() != Device::Cpu {
             return Err(KvError::NotSupported(format!(
                 "direct access to a cache on {}",
@@ -198,16 +270,9 @@ impl CacheCore {
             )));
         }
         let r = self.region(layer, kv, 0, len.min(self.shape.max_seq_len));
-        let strides = r.signed_strides();
-        // SAFETY: the region lies inside this cache's host allocation, which outlives the borrow.
-        unsafe {
-            TensorRef::new(
-                self.storage.data_ptr().add(r.offset * self.dtype().size()),
-                self.dtype(),
-                &r.shape,
-                &strides,
-            )
-        }
+        // SAFETY (of the address): the region lies inside the host allocation.
+        let ptr = unsafe { self.storage.data_ptr().add(r.offset * self.dtype().size()) };
+        Ok((ptr, r))
     }
 
     /// Where `layer`'s K/V lie, for the attention core: one run of `max_seq_len`
@@ -243,7 +308,7 @@ impl CacheCore {
         &self,
         layer: i64,
         q: &TensorRef,
-        out: &TensorRef,
+        out: &TensorMut,
         window: Option<i64>,
         opts: &AttnOptions<'_>,
     ) -> Result<()> {
@@ -284,7 +349,7 @@ impl CacheCore {
         &self,
         layer: usize,
         q: &TensorRef,
-        out: &TensorRef,
+        out: &TensorMut,
         rows: &[QueryRow],
         opts: &AttnOptions<'_>,
     ) -> Result<()> {
@@ -437,7 +502,10 @@ impl CacheCore {
         self.layer_len.fill(0);
     }
 
-    /// Sets the committed length and every layer's fill length to `min(n, max_seq_len)`.
+    /// Sets the committed length and every layer's fill length to `min(n, max_seq_len)`:
+    /// the seed's way to take in positions written with [`CacheCore::inject_block`] (which
+    /// moves no length). A contiguous cache has one holder, so what it shows there is
+    /// what that holder last wrote.
     pub fn set_seq_len(&mut self, n: i64) -> Result<()> {
         let n = check_count("n", n)?.min(self.shape.max_seq_len);
         self.seq_len = n;
@@ -453,12 +521,17 @@ impl CacheCore {
         layer: i64,
         start_pos: i64,
         block_size: i64,
-        keys: &TensorRef,
-        values: &TensorRef,
+        keys: &TensorMut,
+        values: &TensorMut,
     ) -> Result<()> {
         let (layer, start, bs, inside) = self.check_block(layer, start_pos, block_size)?;
         let s = self.shape;
-        expect_block_pair(keys, values, [s.num_kv_heads, bs, s.head_dim])?;
+        expect_block_pair(
+            keys.shape(),
+            values.shape(),
+            [s.num_kv_heads, bs, s.head_dim],
+        )?;
+        check_disjoint(("keys", keys), ("values", values))?;
         for (kv, out) in [(Kv::Key, keys), (Kv::Value, values)] {
             let out_in = out.slice(1, 0, inside);
             self.storage
@@ -487,7 +560,11 @@ impl CacheCore {
     ) -> Result<()> {
         let (layer, start, bs, inside) = self.check_block(layer, start_pos, block_size)?;
         let s = self.shape;
-        expect_block_pair(keys, values, [s.num_kv_heads, bs, s.head_dim])?;
+        expect_block_pair(
+            keys.shape(),
+            values.shape(),
+            [s.num_kv_heads, bs, s.head_dim],
+        )?;
         for (kv, src) in [(Kv::Key, keys), (Kv::Value, values)] {
             let region = self.region(layer, kv, start, inside);
             let storage = &mut self.storage;

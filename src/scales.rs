@@ -16,7 +16,7 @@ use crate::error::{KvError, Result};
 use crate::layout::{Device, Kv};
 use crate::storage::cuda::DeviceScaler;
 use crate::storage::Storage;
-use crate::tensor::{copy_strided, TensorRef};
+use crate::tensor::{copy_strided, TensorMut, TensorRef};
 
 thread_local! {
     /// The f32 copies of scaled inputs, reused across calls.
@@ -243,7 +243,7 @@ pub fn with_divided<const N: usize, R>(
 /// every scale is 1 or `t` holds raw codes.
 pub fn multiply_heads(
     device: Option<DeviceScaler>,
-    t: &TensorRef,
+    t: &TensorMut,
     head_axis: usize,
     scales: &[f32],
 ) -> Result<()> {
@@ -322,10 +322,7 @@ mod tests {
         .unwrap();
         assert_eq!(got, vec![0.0, 0.5, 0.5, 0.75, 2.0, 2.5, 1.5, 1.75]);
         let mut back = got.clone();
-        let t = unsafe {
-            TensorRef::contiguous(back.as_mut_ptr() as *const u8, DType::F32, &[2, 2, 2])
-        }
-        .unwrap();
+        let t = TensorMut::from_f32_mut(&mut back, &[2, 2, 2]).unwrap();
         multiply_heads(None, &t, 1, &scales).unwrap();
         assert_eq!(back, x);
     }

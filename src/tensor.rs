@@ -4,18 +4,16 @@
 use crate::dtype::{convert_contiguous, read_f32, write_f32, DType};
 use crate::error::{KvError, Result};
 use crate::layout::Device;
+use std::marker::PhantomData;
 
 pub use crate::layout::MAX_RANK;
 
-/// A borrowed, strided view of host or device memory: what a caller hands the core to
-/// read from (`TensorRef`) or to write into (through [`TensorRef::as_mut_ptr`]).
-///
-/// Strides are in elements and may be negative (a reversed NumPy view). The core never
-/// keeps a `TensorRef` past the call that received it. Tensors are on the host unless
-/// built with [`TensorRef::on`]; only a storage of the same device reads device tensors.
+/// The layout of a borrowed tensor: where its element `[0, 0, 0]` lies, its dtype and
+/// device, and its shape and strides padded to rank 3. Plain data; the two tensor types
+/// below add the borrow.
 #[derive(Clone, Copy, Debug)]
-pub struct TensorRef {
-    ptr: *const u8,
+struct Layout {
+    ptr: *mut u8,
     dtype: DType,
     device: Device,
     ndim: usize,
@@ -23,23 +21,8 @@ pub struct TensorRef {
     strides: [isize; MAX_RANK],
 }
 
-// SAFETY: a TensorRef is a pointer plus a layout; whoever builds it guarantees the memory
-// stays valid (and is not freed) for as long as the TensorRef is used, on any thread.
-unsafe impl Send for TensorRef {}
-unsafe impl Sync for TensorRef {}
-
-impl TensorRef {
-    /// Describes `shape`/`strides` (elements) of `dtype` elements starting at `ptr`.
-    ///
-    /// # Safety
-    /// Every element addressed by the layout must be valid for reads (and for writes if the
-    /// tensor is used as a destination) for as long as the returned value is used.
-    pub unsafe fn new(
-        ptr: *const u8,
-        dtype: DType,
-        shape: &[usize],
-        strides: &[isize],
-    ) -> Result<Self> {
+impl Layout {
+    fn new(ptr: *mut u8, dtype: DType, shape: &[usize], strides: &[isize]) -> Result<Self> {
         if shape.len() > MAX_RANK || shape.len() != strides.len() {
             return Err(KvError::Shape {
                 name: "tensor",
@@ -52,7 +35,7 @@ impl TensorRef {
         let pad = MAX_RANK - shape.len();
         s[pad..].copy_from_slice(shape);
         st[pad..].copy_from_slice(strides);
-        Ok(TensorRef {
+        Ok(Layout {
             ptr,
             dtype,
             device: Device::Cpu,
@@ -62,11 +45,7 @@ impl TensorRef {
         })
     }
 
-    /// A contiguous (C-order) tensor over `ptr`.
-    ///
-    /// # Safety
-    /// As for [`TensorRef::new`].
-    pub unsafe fn contiguous(ptr: *const u8, dtype: DType, shape: &[usize]) -> Result<Self> {
+    fn contiguous(ptr: *mut u8, dtype: DType, shape: &[usize]) -> Result<Self> {
         if shape.len() > MAX_RANK {
             return Self::new(ptr, dtype, shape, &[]);
         }
@@ -74,67 +53,29 @@ impl TensorRef {
         let mut acc = 1isize;
         for i in (0..shape.len()).rev() {
             strides[i] = acc;
-            acc *= shape[i] as isize;
+            acc = acc.wrapping_mul(shape[i] as isize);
         }
         Self::new(ptr, dtype, shape, &strides[..shape.len()])
     }
 
-    /// The same tensor, said to live on `device` (its pointer is then a device address).
-    pub fn on(mut self, device: Device) -> Self {
-        self.device = device;
-        self
+    /// A contiguous layout over `bytes` bytes at `ptr`, which must hold exactly `shape`.
+    fn over_bytes(ptr: *mut u8, bytes: usize, dtype: DType, shape: &[usize]) -> Result<Self> {
+        let elems = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+        if elems.and_then(|n| n.checked_mul(dtype.size())) != Some(bytes) {
+            return Err(KvError::Shape {
+                name: "tensor",
+                got: shape.to_vec(),
+                expected: format!("{bytes} bytes of {dtype}"),
+            });
+        }
+        Self::contiguous(ptr, dtype, shape)
     }
 
-    /// Where the memory lives.
-    pub fn device(&self) -> Device {
-        self.device
-    }
-
-    /// The element type.
-    pub fn dtype(&self) -> DType {
-        self.dtype
-    }
-
-    /// The shape as given (without padding).
-    pub fn shape(&self) -> &[usize] {
+    fn shape(&self) -> &[usize] {
         &self.shape[MAX_RANK - self.ndim..]
     }
 
-    /// The shape padded to rank 3 with leading 1s.
-    pub fn shape3(&self) -> [usize; MAX_RANK] {
-        self.shape
-    }
-
-    /// The strides (elements) padded to rank 3.
-    pub fn strides3(&self) -> [isize; MAX_RANK] {
-        self.strides
-    }
-
-    /// Address of element `[0, 0, 0]`.
-    pub fn as_ptr(&self) -> *const u8 {
-        self.ptr
-    }
-
-    /// Address of element `[0, 0, 0]`, for tensors used as a destination.
-    pub fn as_mut_ptr(&self) -> *mut u8 {
-        self.ptr as *mut u8
-    }
-
-    /// Fails with a shape error naming `name` unless the shape equals `expected` exactly.
-    pub fn expect_shape(&self, name: &'static str, expected: &[usize]) -> Result<()> {
-        if self.shape() != expected {
-            return Err(KvError::Shape {
-                name,
-                got: self.shape().to_vec(),
-                expected: format!("{expected:?}"),
-            });
-        }
-        Ok(())
-    }
-
-    /// The sub-tensor of indices `start..start + len` along dimension `dim` of the rank-3
-    /// padded shape.
-    pub fn slice(&self, dim: usize, start: usize, len: usize) -> TensorRef {
+    fn slice(&self, dim: usize, start: usize, len: usize) -> Layout {
         assert!(
             start + len <= self.shape[dim],
             "slicing dimension {dim} of {:?} to {start}..{}",
@@ -143,52 +84,383 @@ impl TensorRef {
         );
         let mut t = *self;
         t.shape[dim] = len;
-        // SAFETY (of later use): the sliced elements lie inside the original tensor.
+        // The sliced elements lie inside the original tensor.
         t.ptr = self
             .ptr
             .wrapping_offset(start as isize * self.strides[dim] * self.dtype.size() as isize);
         t
     }
 
-    /// The same tensor with two dimensions of the rank-3 padded shape swapped.
-    pub fn transposed(&self, a: usize, b: usize) -> TensorRef {
+    fn transposed(&self, a: usize, b: usize) -> Layout {
         let mut t = *self;
         t.shape.swap(a, b);
         t.strides.swap(a, b);
         t
     }
 
-    /// Sets every element to zero.
+    fn span(&self) -> Span {
+        Span::of(
+            self.ptr as usize,
+            self.dtype.size(),
+            self.shape,
+            self.strides,
+        )
+    }
+}
+
+/// The bytes a tensor touches, `[start, end)` as addresses (empty for a tensor with no
+/// element); what overlap checks compare.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Span {
+    /// Lowest address touched.
+    pub start: usize,
+    /// One past the highest byte touched.
+    pub end: usize,
+}
+
+impl Span {
+    /// The bytes of elements of `elem` bytes at `base` with `shape` and element `strides`.
+    pub fn of(
+        base: usize,
+        elem: usize,
+        shape: [usize; MAX_RANK],
+        strides: [isize; MAX_RANK],
+    ) -> Span {
+        if shape.contains(&0) {
+            return Span {
+                start: base,
+                end: base,
+            };
+        }
+        let (mut lo, mut hi) = (0isize, 0isize);
+        for (&n, &s) in shape.iter().zip(&strides) {
+            let reach = (n as isize - 1).wrapping_mul(s).wrapping_mul(elem as isize);
+            if reach < 0 {
+                lo = lo.wrapping_add(reach);
+            } else {
+                hi = hi.wrapping_add(reach);
+            }
+        }
+        Span {
+            start: base.wrapping_add_signed(lo),
+            end: base.wrapping_add_signed(hi).wrapping_add(elem),
+        }
+    }
+
+    /// Whether the two spans share a byte.
+    pub fn overlaps(&self, other: &Span) -> bool {
+        self.start < other.end && other.start < self.end
+    }
+}
+
+/// A borrowed, strided, read-only view of host or device memory that the core reads
+/// from: the source of every write into a cache.
+///
+/// Strides are in elements and may be negative (a reversed NumPy view). The lifetime
+/// `'a` is the borrow of the memory: a `TensorRef` built safely from a slice
+/// ([`TensorRef::from_bytes`]) cannot outlive it, and one over a cache's own storage
+/// (e.g. [`crate::kv_cache::CacheCore::host_tensor`]) borrows the cache, so no write
+/// into the cache can run while it lives. The raw constructors are `unsafe` and used
+/// at the FFI edge, where the caller holds the owning object. Tensors are on the host
+/// unless built with [`TensorRef::on`]; only a storage of the same device reads device
+/// tensors.
+#[derive(Clone, Copy, Debug)]
+pub struct TensorRef<'a> {
+    raw: Layout,
+    _borrow: PhantomData<&'a [u8]>,
+}
+
+// SAFETY: a TensorRef is a shared borrow of plain memory (a pointer plus a layout); the
+// memory is valid for 'a on any thread, as for `&'a [u8]`.
+unsafe impl Send for TensorRef<'_> {}
+unsafe impl Sync for TensorRef<'_> {}
+
+impl<'a> TensorRef<'a> {
+    fn wrap(raw: Layout) -> Self {
+        TensorRef {
+            raw,
+            _borrow: PhantomData,
+        }
+    }
+
+    /// Describes `shape`/`strides` (elements) of `dtype` elements starting at `ptr`.
     ///
     /// # Safety
-    /// The tensor must be valid for writes (see [`TensorRef::new`]).
-    pub unsafe fn fill_zero(&self) {
-        let zero = [0u8; 4];
-        copy_strided(
-            self.as_mut_ptr(),
-            self.dtype,
-            self.strides,
-            zero.as_ptr(),
-            self.dtype,
-            [0; MAX_RANK],
-            self.shape,
-        );
+    /// Every element addressed by the layout must be valid for reads for `'a`, and
+    /// nothing may write it during a call that reads the tensor.
+    pub unsafe fn new(
+        ptr: *const u8,
+        dtype: DType,
+        shape: &[usize],
+        strides: &[isize],
+    ) -> Result<Self> {
+        Layout::new(ptr as *mut u8, dtype, shape, strides).map(Self::wrap)
+    }
+
+    /// A contiguous (C-order) tensor over `ptr`.
+    ///
+    /// # Safety
+    /// As for [`TensorRef::new`].
+    pub unsafe fn contiguous(ptr: *const u8, dtype: DType, shape: &[usize]) -> Result<Self> {
+        Layout::contiguous(ptr as *mut u8, dtype, shape).map(Self::wrap)
+    }
+
+    /// A contiguous tensor of `shape` over `bytes`, which must hold exactly that many
+    /// `dtype` elements (any alignment).
+    pub fn from_bytes(bytes: &'a [u8], dtype: DType, shape: &[usize]) -> Result<Self> {
+        Layout::over_bytes(bytes.as_ptr() as *mut u8, bytes.len(), dtype, shape).map(Self::wrap)
+    }
+
+    /// `data` as a contiguous float32 tensor of `shape` (which must hold exactly its
+    /// elements).
+    pub fn from_f32(data: &'a [f32], shape: &[usize]) -> Result<Self> {
+        Self::from_bytes(bytemuck::cast_slice(data), DType::F32, shape)
+    }
+
+    /// The same tensor, said to live on `device` (its pointer is then a device address).
+    pub fn on(mut self, device: Device) -> Self {
+        self.raw.device = device;
+        self
+    }
+
+    /// Where the memory lives.
+    pub fn device(&self) -> Device {
+        self.raw.device
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.raw.dtype
+    }
+
+    /// The shape as given (without padding).
+    pub fn shape(&self) -> &[usize] {
+        self.raw.shape()
+    }
+
+    /// The shape padded to rank 3 with leading 1s.
+    pub fn shape3(&self) -> [usize; MAX_RANK] {
+        self.raw.shape
+    }
+
+    /// The strides (elements) padded to rank 3.
+    pub fn strides3(&self) -> [isize; MAX_RANK] {
+        self.raw.strides
+    }
+
+    /// Address of element `[0, 0, 0]`.
+    pub fn as_ptr(&self) -> *const u8 {
+        self.raw.ptr
+    }
+
+    /// The bytes the tensor touches.
+    pub fn span(&self) -> Span {
+        self.raw.span()
+    }
+
+    /// Fails with a shape error naming `name` unless the shape equals `expected` exactly.
+    pub fn expect_shape(&self, name: &'static str, expected: &[usize]) -> Result<()> {
+        expect_shape(name, self.shape(), expected)
+    }
+
+    /// The sub-tensor of indices `start..start + len` along dimension `dim` of the rank-3
+    /// padded shape.
+    pub fn slice(&self, dim: usize, start: usize, len: usize) -> TensorRef<'a> {
+        Self::wrap(self.raw.slice(dim, start, len))
+    }
+
+    /// The same tensor with two dimensions of the rank-3 padded shape swapped.
+    pub fn transposed(&self, a: usize, b: usize) -> TensorRef<'a> {
+        Self::wrap(self.raw.transposed(a, b))
     }
 
     /// Number of bytes a contiguous copy of this tensor would take.
     pub fn nbytes(&self) -> usize {
-        self.shape.iter().product::<usize>() * self.dtype.size()
+        self.raw.shape.iter().product::<usize>() * self.raw.dtype.size()
     }
 }
 
-/// Checks a block pair: `keys` and `values`, each exactly `shape` (`[heads, n, head_dim]`).
-pub fn expect_block_pair(
-    keys: &TensorRef,
-    values: &TensorRef,
-    shape: [usize; MAX_RANK],
+/// A borrowed, strided view of host or device memory that the core writes into: the
+/// destination of every read out of a cache (gathers, block extracts, attention
+/// outputs).
+///
+/// Built safely only from a mutable borrow ([`TensorMut::from_bytes_mut`]), so no
+/// other reference to the memory exists while it lives; the raw constructors are
+/// `unsafe` and used at the FFI edge. The core writes through it only inside a call
+/// that received it; sub-views ([`TensorMut::slice`]) may alias each other, so every
+/// call that takes two outputs checks that they are disjoint.
+#[derive(Debug)]
+pub struct TensorMut<'a> {
+    raw: Layout,
+    _borrow: PhantomData<&'a mut [u8]>,
+}
+
+// SAFETY: as for `&'a mut [u8]`: the memory is valid for writes for 'a, on any thread.
+// Shared access (`&TensorMut`) lets several threads write disjoint sub-views, which the
+// core splits without overlap.
+unsafe impl Send for TensorMut<'_> {}
+unsafe impl Sync for TensorMut<'_> {}
+
+impl<'a> TensorMut<'a> {
+    fn wrap(raw: Layout) -> Self {
+        TensorMut {
+            raw,
+            _borrow: PhantomData,
+        }
+    }
+
+    /// Describes `shape`/`strides` (elements) of `dtype` elements starting at `ptr`.
+    ///
+    /// # Safety
+    /// Every element addressed by the layout must be valid for reads and writes for
+    /// `'a`, and nothing else may read or write it during a call that writes the tensor.
+    pub unsafe fn new(
+        ptr: *mut u8,
+        dtype: DType,
+        shape: &[usize],
+        strides: &[isize],
+    ) -> Result<Self> {
+        Layout::new(ptr, dtype, shape, strides).map(Self::wrap)
+    }
+
+    /// A contiguous (C-order) tensor over `ptr`.
+    ///
+    /// # Safety
+    /// As for [`TensorMut::new`].
+    pub unsafe fn contiguous(ptr: *mut u8, dtype: DType, shape: &[usize]) -> Result<Self> {
+        Layout::contiguous(ptr, dtype, shape).map(Self::wrap)
+    }
+
+    /// A contiguous tensor of `shape` over `bytes`, which must hold exactly that many
+    /// `dtype` elements (any alignment).
+    pub fn from_bytes_mut(bytes: &'a mut [u8], dtype: DType, shape: &[usize]) -> Result<Self> {
+        Layout::over_bytes(bytes.as_mut_ptr(), bytes.len(), dtype, shape).map(Self::wrap)
+    }
+
+    /// `data` as a contiguous float32 tensor of `shape` (which must hold exactly its
+    /// elements).
+    pub fn from_f32_mut(data: &'a mut [f32], shape: &[usize]) -> Result<Self> {
+        Self::from_bytes_mut(bytemuck::cast_slice_mut(data), DType::F32, shape)
+    }
+
+    /// The same tensor, said to live on `device` (its pointer is then a device address).
+    pub fn on(mut self, device: Device) -> Self {
+        self.raw.device = device;
+        self
+    }
+
+    /// The tensor as a source (a read-only view of the same memory, borrowing this one).
+    pub fn as_ref(&self) -> TensorRef<'_> {
+        TensorRef::wrap(self.raw)
+    }
+
+    /// Where the memory lives.
+    pub fn device(&self) -> Device {
+        self.raw.device
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.raw.dtype
+    }
+
+    /// The shape as given (without padding).
+    pub fn shape(&self) -> &[usize] {
+        self.raw.shape()
+    }
+
+    /// The shape padded to rank 3 with leading 1s.
+    pub fn shape3(&self) -> [usize; MAX_RANK] {
+        self.raw.shape
+    }
+
+    /// The strides (elements) padded to rank 3.
+    pub fn strides3(&self) -> [isize; MAX_RANK] {
+        self.raw.strides
+    }
+
+    /// Address of element `[0, 0, 0]`, for writing.
+    pub fn as_mut_ptr(&self) -> *mut u8 {
+        self.raw.ptr
+    }
+
+    /// The bytes the tensor touches.
+    pub fn span(&self) -> Span {
+        self.raw.span()
+    }
+
+    /// Fails with a shape error naming `name` unless the shape equals `expected` exactly.
+    pub fn expect_shape(&self, name: &'static str, expected: &[usize]) -> Result<()> {
+        expect_shape(name, self.shape(), expected)
+    }
+
+    /// The sub-tensor of indices `start..start + len` along dimension `dim` of the rank-3
+    /// padded shape (it may alias other sub-views of this tensor).
+    pub fn slice(&self, dim: usize, start: usize, len: usize) -> TensorMut<'_> {
+        Self::wrap(self.raw.slice(dim, start, len))
+    }
+
+    /// The same tensor with two dimensions of the rank-3 padded shape swapped.
+    pub fn transposed(&self, a: usize, b: usize) -> TensorMut<'_> {
+        Self::wrap(self.raw.transposed(a, b))
+    }
+
+    /// Sets every element to zero.
+    pub fn fill_zero(&self) {
+        let zero = [0u8; 4];
+        // SAFETY: the tensor is valid for writes (its constructors' contract), and a
+        // zero of any dtype is read from `zero` with stride 0.
+        unsafe {
+            copy_strided(
+                self.raw.ptr,
+                self.raw.dtype,
+                self.raw.strides,
+                zero.as_ptr(),
+                self.raw.dtype,
+                [0; MAX_RANK],
+                self.raw.shape,
+            );
+        }
+    }
+
+    /// Number of bytes a contiguous copy of this tensor would take.
+    pub fn nbytes(&self) -> usize {
+        self.raw.shape.iter().product::<usize>() * self.raw.dtype.size()
+    }
+}
+
+/// Fails unless the outputs `a` and `b` (named for the message) touch no common byte:
+/// the core may fill them from different threads.
+pub fn check_disjoint(
+    a: (&'static str, &TensorMut<'_>),
+    b: (&'static str, &TensorMut<'_>),
 ) -> Result<()> {
-    keys.expect_shape("keys", &shape)?;
-    values.expect_shape("values", &shape)
+    if a.1.device() == b.1.device() && a.1.span().overlaps(&b.1.span()) {
+        return Err(KvError::InvalidArgument {
+            name: b.0,
+            value: "an array sharing memory with ".to_string() + a.0,
+            reason: format!("{} and {} must not overlap", a.0, b.0),
+        });
+    }
+    Ok(())
+}
+
+fn expect_shape(name: &'static str, got: &[usize], expected: &[usize]) -> Result<()> {
+    if got != expected {
+        return Err(KvError::Shape {
+            name,
+            got: got.to_vec(),
+            expected: format!("{expected:?}"),
+        });
+    }
+    Ok(())
+}
+
+/// Checks the shapes of a block pair: `keys` and `values`, each exactly `shape`
+/// (`[heads, n, head_dim]`).
+pub fn expect_block_pair(keys: &[usize], values: &[usize], shape: [usize; MAX_RANK]) -> Result<()> {
+    expect_shape("keys", keys, &shape)?;
+    expect_shape("values", values, &shape)
 }
 
 /// Copies every element of a rank-3 shape from `src` to `dst`, converting the dtype.

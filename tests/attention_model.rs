@@ -5,14 +5,14 @@
 
 use kvrs::attention::AttnOptions;
 use kvrs::paged::{Attention, KvLayout, LayerKind, PagedShape, PoolCore};
-use kvrs::tensor::TensorRef;
+use kvrs::tensor::{TensorMut, TensorRef};
 use kvrs::{DType, Device};
 use proptest::prelude::*;
 
 const D: usize = 16;
 
-fn tensor(v: &[f32], shape: &[usize]) -> TensorRef {
-    unsafe { TensorRef::contiguous(v.as_ptr() as *const u8, DType::F32, shape).unwrap() }
+fn tensor<'a>(v: &'a [f32], shape: &[usize]) -> TensorRef<'a> {
+    TensorRef::from_f32(v, shape).unwrap()
 }
 
 /// A small deterministic generator of test values.
@@ -137,7 +137,7 @@ proptest! {
         let sinks = values(seed ^ 0x99, hq);
         let opts = AttnOptions { softcap, sinks: use_sinks.then_some(&sinks[..]), ..Default::default() };
         let mut out = vec![0f32; n * hq * D];
-        let out_t = unsafe { TensorRef::contiguous(out.as_mut_ptr() as *const u8, DType::F32, &[n, hq, D]).unwrap() };
+        let out_t = TensorMut::from_f32_mut(&mut out, &[n, hq, D]).unwrap();
         pool.forward_attention(&plan, 0, &tensor(&q, &[n, hq, D]), &out_t, &opts).unwrap();
         let tol = match dtype { DType::F32 => 1e-4, _ => 1e-3 };
         for (t, (&k_seq, &pos)) in plan.token_seq.iter().zip(&plan.positions).enumerate() {
@@ -145,8 +145,8 @@ proptest! {
             let (first, end) = pool.layer_span(id, 0).unwrap();
             let len = end - first;
             let (mut gk, mut gv) = (vec![0f32; h * len * D], vec![0f32; h * len * D]);
-            let gk_t = unsafe { TensorRef::contiguous(gk.as_mut_ptr() as *const u8, DType::F32, &[h, len, D]).unwrap() };
-            let gv_t = unsafe { TensorRef::contiguous(gv.as_mut_ptr() as *const u8, DType::F32, &[h, len, D]).unwrap() };
+            let gk_t = TensorMut::from_f32_mut(&mut gk, &[h, len, D]).unwrap();
+            let gv_t = TensorMut::from_f32_mut(&mut gv, &[h, len, D]).unwrap();
             pool.gather(id, 0, &gk_t, &gv_t).unwrap();
             let lo = attention.first_visible(kind, pos).max(first);
             let want = reference(&q[t * hq * D..(t + 1) * hq * D], &gk, &gv, h, len, first, lo, pos,

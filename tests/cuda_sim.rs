@@ -5,7 +5,7 @@
 use kvrs::kv_cache::{CacheCore, CacheShape};
 use kvrs::storage::cuda::gpu::Args;
 use kvrs::storage::cuda::gpu_for;
-use kvrs::tensor::TensorRef;
+use kvrs::tensor::{TensorMut, TensorRef};
 use kvrs::{DType, Device, KvError};
 
 fn values(seed: usize, n: usize) -> Vec<f32> {
@@ -14,8 +14,8 @@ fn values(seed: usize, n: usize) -> Vec<f32> {
         .collect()
 }
 
-fn on(v: &[f32], shape: &[usize], device: Device) -> TensorRef {
-    let t = unsafe { TensorRef::contiguous(v.as_ptr() as *const u8, DType::F32, shape).unwrap() };
+fn on<'a>(v: &'a [f32], shape: &[usize], device: Device) -> TensorRef<'a> {
+    let t = TensorRef::from_f32(v, shape).unwrap();
     t.on(device)
 }
 
@@ -25,10 +25,8 @@ fn contents(c: &CacheCore, layer: i64, n: usize) -> (Vec<f32>, Vec<f32>) {
     let len = s.num_kv_heads * n * s.head_dim;
     let (mut k, mut v) = (vec![0f32; len], vec![0f32; len]);
     let shape = [s.num_kv_heads, n, s.head_dim];
-    let tk =
-        unsafe { TensorRef::contiguous(k.as_mut_ptr() as *const u8, DType::F32, &shape).unwrap() };
-    let tv =
-        unsafe { TensorRef::contiguous(v.as_mut_ptr() as *const u8, DType::F32, &shape).unwrap() };
+    let tk = TensorMut::from_f32_mut(&mut k, &shape).unwrap();
+    let tv = TensorMut::from_f32_mut(&mut v, &shape).unwrap();
     c.extract_block(layer, 0, n as i64, &tk, &tv).unwrap();
     (k, v)
 }
@@ -264,13 +262,9 @@ fn paged_attention_kernel_equals_the_cpu_core() {
                         q32.len(),
                     );
                 }
-                let q =
-                    unsafe { TensorRef::contiguous(q_bytes.as_ptr(), dtype, &[n, hq, d]).unwrap() }
-                        .on(dev);
-                let out = unsafe {
-                    TensorRef::contiguous(out_bytes.as_mut_ptr(), dtype, &[n, hq, d]).unwrap()
-                }
-                .on(dev);
+                let q = TensorRef::from_bytes(&q_bytes, dtype, &[n, hq, d])
+                    .unwrap()
+                    .on(dev);
                 let sinks = values(7, hq);
                 let slopes: Vec<f32> = (0..hq).map(|i| 0.05 * i as f32).collect();
                 let opts = AttnOptions {
@@ -289,6 +283,9 @@ fn paged_attention_kernel_equals_the_cpu_core() {
                         plan.group_slots(pool.group_for(Some(layer as i64)).unwrap()),
                     )
                     .unwrap();
+                    let out = TensorMut::from_bytes_mut(&mut out_bytes, dtype, &[n, hq, d])
+                        .unwrap()
+                        .on(dev);
                     pool.forward_attention(&plan, layer as i64, &q, &out, &opts)
                         .unwrap();
                     let got: Vec<f32> = match dtype {

@@ -14,7 +14,7 @@ use kvrs::rope::{Rope, RopeStyle};
 use kvrs::scales::KvScales;
 use kvrs::storage::cuda::gpu::Args;
 use kvrs::storage::cuda::gpu_for;
-use kvrs::tensor::TensorRef;
+use kvrs::tensor::{TensorMut, TensorRef};
 use kvrs::{DType, Device};
 use proptest::prelude::*;
 
@@ -133,17 +133,23 @@ fn device_int8_rows_equal_the_host_quantizer() {
         let mut codes = Vec::new();
         for mut c in caches {
             let dev = c.device();
-            let t =
-                unsafe { TensorRef::contiguous(row.as_ptr() as *const u8, DType::F32, &[1, 1, 4]) }
-                    .unwrap()
-                    .on(dev);
+            let t = TensorRef::from_f32(&row[..], &[1, 1, 4]).unwrap().on(dev);
             c.append(0, &t, &t).unwrap();
-            let mut raw = [0i8; 4];
-            let out = unsafe {
-                TensorRef::contiguous(raw.as_mut_ptr() as *const u8, DType::I8, &[1, 1, 4])
-            }
+            let (mut raw, mut raw_v) = ([0i8; 4], [0i8; 4]);
+            let out = TensorMut::from_bytes_mut(
+                bytemuck::cast_slice_mut(&mut raw),
+                DType::I8,
+                &[1, 1, 4],
+            )
             .unwrap();
-            c.extract_block(0, 0, 1, &out, &out).unwrap();
+            let out_v = TensorMut::from_bytes_mut(
+                bytemuck::cast_slice_mut(&mut raw_v),
+                DType::I8,
+                &[1, 1, 4],
+            )
+            .unwrap();
+            c.extract_block(0, 0, 1, &out, &out_v).unwrap();
+            drop((out, out_v));
             let rs = c.row_scales().unwrap();
             codes.push((raw, unsafe { *rs.ptr }));
         }
@@ -205,14 +211,12 @@ fn values(seed: u32, n: usize) -> Vec<f32> {
         .collect()
 }
 
-fn tensor(v: &[f32], shape: &[usize], device: Device) -> TensorRef {
-    unsafe { TensorRef::contiguous(v.as_ptr() as *const u8, DType::F32, shape) }
-        .unwrap()
-        .on(device)
+fn tensor<'a>(v: &'a [f32], shape: &[usize], device: Device) -> TensorRef<'a> {
+    TensorRef::from_f32(v, shape).unwrap().on(device)
 }
 
-fn tensor_mut(v: &mut [u8], dtype: DType, shape: &[usize], device: Device) -> TensorRef {
-    unsafe { TensorRef::contiguous(v.as_mut_ptr() as *const u8, dtype, shape) }
+fn tensor_mut<'a>(v: &'a mut [u8], dtype: DType, shape: &[usize], device: Device) -> TensorMut<'a> {
+    TensorMut::from_bytes_mut(v, dtype, shape)
         .unwrap()
         .on(device)
 }

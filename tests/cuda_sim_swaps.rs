@@ -7,7 +7,7 @@
 use kvrs::layout::{BlockId, KvLayout, PagedShape};
 use kvrs::storage::cuda::SWAP_CHUNK;
 use kvrs::storage::{allocate, Storage};
-use kvrs::tensor::TensorRef;
+use kvrs::tensor::TensorMut;
 use kvrs::{DType, Device};
 use proptest::prelude::*;
 
@@ -20,7 +20,7 @@ fn reference(s: &dyn Storage, shape: &PagedShape, tensors: usize, blocks: &[Bloc
         for t in 0..tensors {
             // SAFETY: `out` holds every block, 8-byte aligned.
             let dst = unsafe {
-                TensorRef::contiguous(
+                TensorMut::contiguous(
                     base.add((i * tensors + t) * bb),
                     s.dtype(),
                     &[1, 1, shape.block_elems()],

@@ -4,7 +4,7 @@
 //! compares exactly for float32, float16 and bfloat16 storage alike.
 
 use kvrs::kv_cache::{CacheCore, CacheShape};
-use kvrs::tensor::TensorRef;
+use kvrs::tensor::{TensorMut, TensorRef};
 use kvrs::{DType, Device, Kv, KvError};
 use proptest::prelude::*;
 
@@ -97,15 +97,13 @@ thread_local! {
     static DEVICE: std::cell::Cell<Device> = const { std::cell::Cell::new(Device::Cpu) };
 }
 
-fn tensor(v: &[f32], shape: &[usize]) -> TensorRef {
-    let t = unsafe { TensorRef::contiguous(v.as_ptr() as *const u8, DType::F32, shape).unwrap() };
+fn tensor<'a>(v: &'a [f32], shape: &[usize]) -> TensorRef<'a> {
+    let t = TensorRef::from_f32(v, shape).unwrap();
     t.on(DEVICE.get())
 }
 
-fn tensor_mut(v: &mut [f32], shape: &[usize]) -> TensorRef {
-    let t =
-        unsafe { TensorRef::contiguous(v.as_mut_ptr() as *const u8, DType::F32, shape).unwrap() };
-    t.on(DEVICE.get())
+fn tensor_mut<'a>(v: &'a mut [f32], shape: &[usize]) -> TensorMut<'a> {
+    TensorMut::from_f32_mut(v, shape).unwrap().on(DEVICE.get())
 }
 
 fn snapshot(c: &CacheCore) -> Model {

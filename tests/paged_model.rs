@@ -16,7 +16,7 @@ use std::collections::HashSet;
 
 use kvrs::paged::{Attention, KvLayout, LayerKind, PagedShape, PoolCore, SeqId, Table, NO_BLOCK};
 use kvrs::rope::{Rope, RopeStyle};
-use kvrs::tensor::TensorRef;
+use kvrs::tensor::{TensorMut, TensorRef};
 use kvrs::{DType, Device, KvError};
 use proptest::prelude::*;
 
@@ -122,15 +122,12 @@ thread_local! {
     static DEVICE: std::cell::Cell<Device> = const { std::cell::Cell::new(Device::Cpu) };
 }
 
-fn tensor(v: &[f32], shape: &[usize]) -> TensorRef {
-    let t = unsafe { TensorRef::contiguous(v.as_ptr() as *const u8, DType::F32, shape).unwrap() };
-    t.on(DEVICE.get())
+fn tensor<'a>(v: &'a [f32], shape: &[usize]) -> TensorRef<'a> {
+    TensorRef::from_f32(v, shape).unwrap().on(DEVICE.get())
 }
 
-fn tensor_mut(v: &mut [f32], shape: &[usize]) -> TensorRef {
-    let t =
-        unsafe { TensorRef::contiguous(v.as_mut_ptr() as *const u8, DType::F32, shape).unwrap() };
-    t.on(DEVICE.get())
+fn tensor_mut<'a>(v: &'a mut [f32], shape: &[usize]) -> TensorMut<'a> {
+    TensorMut::from_f32_mut(v, shape).unwrap().on(DEVICE.get())
 }
 
 /// Tokens `[n, H, D]` from a seed, and the same split per token.

@@ -10,7 +10,7 @@
 
 use kvrs::paged::{KvLayout, PagedShape, PoolCore, PrefixConfig, SeqId};
 use kvrs::prefix::HashKind;
-use kvrs::tensor::TensorRef;
+use kvrs::tensor::{TensorMut, TensorRef};
 use kvrs::{DType, Device, KvError};
 use proptest::prelude::*;
 
@@ -43,12 +43,12 @@ fn kv_block(tokens: &[u32], start: usize, n: usize, layer: usize, kv: usize) -> 
         .collect()
 }
 
-fn tensor(v: &[f32], shape: &[usize]) -> TensorRef {
-    unsafe { TensorRef::contiguous(v.as_ptr() as *const u8, DType::F32, shape).unwrap() }
+fn tensor<'a>(v: &'a [f32], shape: &[usize]) -> TensorRef<'a> {
+    TensorRef::from_f32(v, shape).unwrap()
 }
 
-fn tensor_mut(v: &mut [f32], shape: &[usize]) -> TensorRef {
-    unsafe { TensorRef::contiguous(v.as_mut_ptr() as *const u8, DType::F32, shape).unwrap() }
+fn tensor_mut<'a>(v: &'a mut [f32], shape: &[usize]) -> TensorMut<'a> {
+    TensorMut::from_f32_mut(v, shape).unwrap()
 }
 
 /// A prompt: the first `shared` tokens of a common preamble, then a suffix from `seed`

@@ -622,7 +622,8 @@ class Sequence(Generic[_View_co]):
 
 @final
 class ForwardBatch(Generic[_View_co]):
-    """A batch of tokens placed in a pool by BlockPool.start_forward."""
+    """A batch of tokens placed in a pool by BlockPool.start_forward. It keeps its sequences
+    alive and refuses every use once one of them was freed, truncated or forked since."""
 
     @classmethod
     def __class_getitem__(cls, item: Any, /) -> GenericAlias:
@@ -636,6 +637,13 @@ class ForwardBatch(Generic[_View_co]):
     @property
     def positions(self) -> npt.NDArray[np.int64]:
         """Each token's position in its sequence."""
+    @property
+    def sequences(self) -> tuple[Sequence[_View_co], ...]:
+        """The batch's sequences, each once, in order of first appearance."""
+    @property
+    def token_ids(self) -> npt.NDArray[np.int64]:
+        """Each token's id as the pool records it (given to start_forward, else known from the
+        sequence's prompt); -1 where none is known. Compute the batch's K/V from these ids."""
     def history_len(self, layer: int = 0) -> int:
         """Positions of history that get(layer) returns."""
     def put(self, layer: int, k: _ArrayLike, v: _ArrayLike) -> None:

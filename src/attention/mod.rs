@@ -28,7 +28,7 @@ use std::ops::Range;
 use crate::dtype::DType;
 use crate::error::{KvError, Result};
 use crate::layout::Device;
-use crate::tensor::TensorRef;
+use crate::tensor::{TensorMut, TensorRef};
 
 pub use kernel::simd_level;
 
@@ -176,17 +176,16 @@ pub struct KvHeads {
 /// that memory stays valid and unwritten for the whole call.
 pub unsafe fn attend(
     q: &TensorRef,
-    out: &TensorRef,
+    out: &TensorMut,
     heads: KvHeads,
     rows: &[QueryRow],
     seqs: &[SeqQueries<'_>],
     opts: &AttnOptions<'_>,
 ) -> Result<()> {
-    for (name, t) in [("q", q), ("out", out)] {
-        if t.device() != Device::Cpu {
+    for (name, device) in [("q", q.device()), ("out", out.device())] {
+        if device != Device::Cpu {
             return Err(KvError::Device(format!(
-                "{name} lives on {}; attention over a host cache takes host tensors",
-                t.device()
+                "{name} lives on {device}; attention over a host cache takes host tensors"
             )));
         }
     }
@@ -215,7 +214,7 @@ pub unsafe fn attend(
 /// `heads`; returns the number of query heads and the scale.
 pub fn validate(
     q: &TensorRef,
-    out: &TensorRef,
+    out: &TensorMut,
     heads: KvHeads,
     opts: &AttnOptions<'_>,
 ) -> Result<(usize, f32)> {
@@ -227,7 +226,7 @@ pub fn validate(
 }
 
 /// Checks `q` and `out` and returns the number of query heads.
-fn check_queries(q: &TensorRef, out: &TensorRef, heads: KvHeads) -> Result<usize> {
+fn check_queries(q: &TensorRef, out: &TensorMut, heads: KvHeads) -> Result<usize> {
     let s = q.shape();
     let hkv = heads.num_kv_heads;
     if s.len() != 3 || s[2] != heads.head_dim || s[1] == 0 || !s[1].is_multiple_of(hkv) {
@@ -241,6 +240,13 @@ fn check_queries(q: &TensorRef, out: &TensorRef, heads: KvHeads) -> Result<usize
         });
     }
     out.expect_shape("out", s)?;
+    if q.device() == out.device() && q.span().overlaps(&out.span()) {
+        return Err(KvError::InvalidArgument {
+            name: "out",
+            value: "an array sharing memory with q".into(),
+            reason: "must not overlap q (attention reads every query while it writes)".into(),
+        });
+    }
     let [a, b, c] = out.shape3();
     if out.strides3() != [(b * c) as isize, c as isize, 1] && a * b * c > 0 {
         return Err(KvError::InvalidArgument {

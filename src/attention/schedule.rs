@@ -7,7 +7,7 @@ use rayon::prelude::*;
 
 use super::kernel::{rescale, run_item, write_row, Dest};
 use super::{AttnOptions, KvHeads, QueryRow, SeqQueries};
-use crate::tensor::TensorRef;
+use crate::tensor::{TensorMut, TensorRef};
 
 /// Query tokens of one sequence per item: each K/V run is converted once for them all.
 const TILE_TOKENS: usize = 16;
@@ -20,8 +20,8 @@ const MIN_SPLIT: usize = 512;
 
 /// One validated attention call.
 pub(super) struct Problem<'a> {
-    pub q: &'a TensorRef,
-    pub out: &'a TensorRef,
+    pub q: &'a TensorRef<'a>,
+    pub out: &'a TensorMut<'a>,
     pub num_q_heads: usize,
     pub heads: KvHeads,
     pub rows: &'a [QueryRow],

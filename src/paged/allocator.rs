@@ -1,17 +1,24 @@
-//! Reference-counted block allocation with an O(1) free list.
+//! Reference-counted block allocation with an O(1) free list, and each block's
+//! generation.
 
 use crate::layout::BlockId;
 
-/// Hands out blocks and counts references to them.
+/// Hands out blocks, counts references to them and numbers their changes of holder.
 ///
 /// A block with count 0 is either in the free list (once) or parked by the caller (a
 /// cached block waiting in the prefix index's LRU list). Allocation pops the free list,
 /// [`BlockAllocator::push_free`] returns a block to it: both O(1). Releasing a block
 /// with no reference is a bug in kvrs (a double free), and panics rather than corrupt
 /// the counts.
+///
+/// Every change of a block's references (allocation, sharing, release, revival) and
+/// every [`BlockAllocator::bump`] moves its generation on, so a handle that recorded a
+/// block's generation (a reserved batch) can tell that the block has since changed
+/// holder.
 #[derive(Debug, Clone)]
 pub struct BlockAllocator {
     refcount: Vec<u32>,
+    generation: Vec<u32>,
     free: Vec<BlockId>,
 }
 
@@ -20,8 +27,20 @@ impl BlockAllocator {
     pub fn new(num_blocks: usize) -> Self {
         BlockAllocator {
             refcount: vec![0; num_blocks],
+            generation: vec![0; num_blocks],
             free: (0..num_blocks as BlockId).rev().collect(),
         }
+    }
+
+    /// The generation of `block`: it changes whenever the block's references do.
+    pub fn generation(&self, block: BlockId) -> u32 {
+        self.generation[block as usize]
+    }
+
+    /// Moves `block`'s generation on (its holders or its cached state changed).
+    pub fn bump(&mut self, block: BlockId) {
+        let g = &mut self.generation[block as usize];
+        *g = g.wrapping_add(1);
     }
 
     /// Total blocks.
@@ -44,6 +63,7 @@ impl BlockAllocator {
         let b = self.free.pop()?;
         debug_assert_eq!(self.refcount[b as usize], 0);
         self.refcount[b as usize] = 1;
+        self.bump(b);
         Some(b)
     }
 
@@ -52,6 +72,7 @@ impl BlockAllocator {
         let c = &mut self.refcount[block as usize];
         assert!(*c > 0, "sharing free block {block}");
         *c += 1;
+        self.bump(block);
     }
 
     /// Gives a parked block (count 0, not in the free list) its first reference again.
@@ -59,6 +80,7 @@ impl BlockAllocator {
         let c = &mut self.refcount[block as usize];
         assert!(*c == 0, "reviving block {block} that has {c} references");
         *c = 1;
+        self.bump(block);
     }
 
     /// Drops a reference; true when none is left, and the caller then either
@@ -68,7 +90,9 @@ impl BlockAllocator {
         let c = &mut self.refcount[block as usize];
         assert!(*c > 0, "double free of block {block}");
         *c -= 1;
-        *c == 0
+        let none_left = *c == 0;
+        self.bump(block);
+        none_left
     }
 
     /// Returns a block with no reference to the free list.
@@ -129,6 +153,25 @@ mod tests {
         a.check(1).unwrap();
         a.revive(z);
         a.check(0).unwrap();
+    }
+
+    #[test]
+    fn every_change_of_references_moves_the_generation() {
+        let mut a = BlockAllocator::new(2);
+        let b = a.allocate().unwrap();
+        let g = a.generation(b);
+        a.share(b);
+        assert_ne!(a.generation(b), g);
+        let g = a.generation(b);
+        assert!(!a.release(b));
+        assert_ne!(a.generation(b), g);
+        let g = a.generation(b);
+        assert!(a.release(b));
+        a.push_free(b);
+        let g2 = a.generation(b);
+        assert_ne!(g2, g);
+        assert_eq!(a.allocate(), Some(b));
+        assert_ne!(a.generation(b), g2);
     }
 
     #[test]

@@ -15,7 +15,7 @@ use crate::layout::{Kv, KvLayout};
 use crate::scales::attention_scales;
 use crate::storage::cuda::attention::DeviceRow;
 use crate::storage::PagedTensor;
-use crate::tensor::TensorRef;
+use crate::tensor::{TensorMut, TensorRef};
 
 impl PoolCore {
     /// Attention of a placed batch's tokens over `layer`, after `layer`'s K/V were
@@ -27,9 +27,10 @@ impl PoolCore {
         plan: &ForwardPlan,
         layer: i64,
         q: &TensorRef,
-        out: &TensorRef,
+        out: &TensorMut,
         opts: &AttnOptions<'_>,
     ) -> Result<()> {
+        self.check_plan(plan)?;
         let layer = check_index("layer", layer, self.shape.num_layers)?;
         let n = plan.num_tokens();
         if q.shape().first() != Some(&n) {
@@ -97,7 +98,7 @@ impl PoolCore {
         id: SeqId,
         layer: i64,
         q: &TensorRef,
-        out: &TensorRef,
+        out: &TensorMut,
         opts: &AttnOptions<'_>,
     ) -> Result<()> {
         let layer = check_index("layer", layer, self.shape.num_layers)?;
@@ -129,7 +130,7 @@ impl PoolCore {
         &self,
         layer: usize,
         q: &TensorRef,
-        out: &TensorRef,
+        out: &TensorMut,
         rows: &[QueryRow],
         spans: &[(&Table, Range<usize>)],
         opts: &AttnOptions<'_>,

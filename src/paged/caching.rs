@@ -46,7 +46,7 @@ impl PoolCore {
     /// fresh copy of the matching beginning of a block for a partial hit) and reported
     /// as `num_cached_tokens`; at least one prompt token is always left to compute.
     pub fn new_sequence_with(&mut self, tokens: &[u32], namespace: &[u8], extra: &[u8]) -> SeqId {
-        let root = self.prefix.as_ref().map_or(0, |p| p.root(namespace));
+        let root = self.prefix().map_or(0, |p| p.root(namespace));
         let limit = tokens.len().saturating_sub(1);
         // What the pool lacks of the prompt's prefix, the tiers may hold.
         let tier_tokens = self.promote(root, tokens, extra, limit);
@@ -84,11 +84,7 @@ impl PoolCore {
                 n
             })
             .collect();
-        if let Some(p) = self.prefix.as_mut() {
-            p.counters.queries += 1;
-            p.counters.query_tokens += tokens.len() as u64;
-            p.counters.hit_tokens += cached as u64;
-        }
+        self.blocks.count_query(tokens.len(), cached);
         let id = self.insert(s);
         self.trim(id);
         id
@@ -111,7 +107,7 @@ impl PoolCore {
             tables: smallvec::smallvec![Table::default(); ng],
             partial: None,
         };
-        let Some(p) = self.prefix.as_ref() else {
+        let Some(p) = self.prefix() else {
             return hit;
         };
         let bs = self.shape.block_size;
@@ -225,7 +221,7 @@ impl PoolCore {
     /// Tokens of `tokens` (in `namespace`, with `extra`) that a new sequence would find
     /// cached, without attaching anything or counting a query.
     pub fn match_prefix(&self, tokens: &[u32], namespace: &[u8], extra: &[u8]) -> usize {
-        let Some(p) = self.prefix.as_ref() else {
+        let Some(p) = self.prefix() else {
             return 0;
         };
         self.match_blocks(
@@ -241,7 +237,7 @@ impl PoolCore {
     /// group that still holds it.
     pub(crate) fn register_blocks(&mut self, id: SeqId) {
         let bs = self.shape.block_size;
-        let Some(p) = self.prefix.as_mut() else {
+        let Some(kind) = self.prefix().map(|p| p.kind) else {
             return;
         };
         let s = self.seqs.get_mut(&id).expect("checked live");
@@ -249,7 +245,7 @@ impl PoolCore {
             let i = s.hashes.len();
             let parent = if i == 0 { s.root } else { s.hashes[i - 1] };
             let toks = &s.tokens[i * bs..(i + 1) * bs];
-            let h = p.kind.block(parent, toks, &s.extra);
+            let h = kind.block(parent, toks, &s.extra);
             s.hashes.push(h);
             for (g, t) in s.tables.iter().enumerate() {
                 if let Some(&b) = t.blocks.get(i).filter(|&&b| b != NO_BLOCK) {
@@ -261,14 +257,14 @@ impl PoolCore {
                         first: i == 0,
                         root: s.root,
                     };
-                    p.register(b, meta, toks);
+                    self.blocks.register(b, meta, toks);
                 }
             }
         }
     }
 
     fn prefix_or_err(&self) -> Result<&PrefixIndex> {
-        self.prefix.as_ref().ok_or_else(|| {
+        self.prefix().ok_or_else(|| {
             KvError::NotSupported(
                 "prefix caching is off for this pool (prefix_caching=False)".into(),
             )
@@ -294,8 +290,7 @@ impl PoolCore {
     pub fn pin(&mut self, tokens: &[u32], namespace: &[u8], extra: &[u8]) -> Result<usize> {
         let (blocks, covered) = self.cached_hit(tokens, namespace, extra)?;
         for &b in &blocks {
-            self.hold_block(b);
-            *self.pins.entry(b).or_insert(0) += 1;
+            self.blocks.pin(b);
         }
         Ok(covered)
     }
@@ -305,18 +300,13 @@ impl PoolCore {
         let (blocks, covered) = self.cached_hit(tokens, namespace, extra)?;
         let pinned: Vec<BlockId> = blocks
             .into_iter()
-            .filter(|b| self.pins.contains_key(b))
+            .filter(|&b| self.blocks.is_pinned(b))
             .collect();
         if pinned.is_empty() {
             return Ok(0);
         }
         for &b in pinned.iter().rev() {
-            let c = self.pins.get_mut(&b).expect("checked");
-            *c -= 1;
-            if *c == 0 {
-                self.pins.remove(&b);
-            }
-            self.release_block(b);
+            self.blocks.unpin(b);
         }
         Ok(covered)
     }
@@ -324,15 +314,11 @@ impl PoolCore {
     /// Drops every cached block no sequence holds; returns how many.
     pub fn evict_all(&mut self) -> usize {
         let mut n = 0;
-        while let Some(p) = self.prefix.as_mut() {
-            let Some(b) = p.lru.pop_front() else { break };
-            let meta = p.unregister(b);
-            p.counters.evictions += 1;
+        while let Some(e) = self.blocks.evict_one(self.tiers.is_some()) {
             if self.tiers.is_some() {
-                let tokens = p.block_tokens(b).to_vec();
-                self.write_back(b, &meta, &tokens);
+                // Freed, but not reused before this returns: its K/V are still there.
+                self.write_back(e.block, &e.meta, &e.tokens);
             }
-            self.alloc.push_free(b);
             n += 1;
         }
         n
@@ -340,31 +326,23 @@ impl PoolCore {
 
     /// Blocks stored in and removed from the prefix index since the last call.
     pub fn drain_events(&mut self) -> Result<Vec<PrefixEvent>> {
-        self.prefix
-            .as_mut()
-            .and_then(PrefixIndex::drain_events)
-            .ok_or_else(|| {
-                KvError::NotSupported(
-                    "events are not recorded: create the pool with events=True".into(),
-                )
-            })
+        self.blocks.drain_events().ok_or_else(|| {
+            KvError::NotSupported(
+                "events are not recorded: create the pool with events=True".into(),
+            )
+        })
     }
 
     /// Caches `tokens`' block `b` as `meta` says (from a saved cache or a tier) as
-    /// evictable, most recently used. For loading; `b` must be unreferenced and uncached.
+    /// evictable, most recently used. For loading; `b` was taken with
+    /// [`Self::take_free_block`]. When the hash is cached already, `b` returns to the
+    /// free list and false is returned.
     pub(crate) fn adopt_cached(&mut self, b: BlockId, meta: CachedBlock, tokens: &[u32]) -> bool {
-        let p = self.prefix.as_mut().expect("prefix caching on");
-        if !p.register(b, meta, tokens) {
-            return false;
-        }
-        p.lru.push_back(b);
-        true
+        self.blocks.adopt_loaded(b, meta, tokens)
     }
 
     /// Takes a free block (not an evictable one) for loading, or `None`.
     pub(crate) fn take_free_block(&mut self) -> Option<BlockId> {
-        let b = self.alloc.allocate()?;
-        assert!(self.alloc.release(b));
-        Some(b)
+        self.blocks.take_for_loading()
     }
 }

@@ -9,13 +9,13 @@ use crate::kv_cache::{commit_target, CacheCore, Kv};
 use crate::layout::{BlockId, PagedShape};
 use crate::scales::with_divided;
 use crate::storage::PagedTensor;
-use crate::tensor::{expect_block_pair, TensorRef};
+use crate::tensor::{check_disjoint, expect_block_pair, TensorMut, TensorRef};
 
 impl PoolCore {
     /// Whether writing into block `b` needs a private copy first: it is shared, or it
     /// is cached (cached blocks are immutable).
     fn needs_copy(&self, b: BlockId) -> bool {
-        self.alloc.refcount(b) > 1 || self.is_cached(b)
+        !self.blocks.is_private(b)
     }
 
     /// Blocks that writing positions `start..end` of group `g` of `s` would take: new
@@ -139,8 +139,8 @@ impl PoolCore {
         layer: i64,
         start_pos: i64,
         block_size: i64,
-        keys: &TensorRef,
-        values: &TensorRef,
+        keys: &[usize],
+        values: &[usize],
     ) -> Result<(usize, usize, usize)> {
         let (layer, start, n) = self.check_block_args(layer, start_pos, block_size)?;
         let sh = self.shape;
@@ -273,6 +273,10 @@ impl PoolCore {
         s.seq_len = s.seq_len.min(len);
         s.layer_len.iter_mut().for_each(|l| *l = (*l).min(len));
         s.hashes.truncate(s.seq_len / bs);
+        if s.cache_limit >= len {
+            // The positions that could not be cached are gone; what comes next is written.
+            s.cache_limit = usize::MAX;
+        }
         if cut_tokens {
             s.tokens.truncate(len);
         }
@@ -291,19 +295,32 @@ impl PoolCore {
     }
 
     /// Sets the committed length and every layer's length to `n`, growing or shrinking
-    /// the block table (new positions hold whatever the blocks held); then caches the
-    /// full blocks whose token ids are known. For callers that inject blocks kept elsewhere.
+    /// the block table; then caches the full blocks whose token ids are known. For
+    /// callers that inject blocks kept elsewhere ([`Self::inject_block`] every layer, then
+    /// this). Positions a layer gains without a write read as zeros, and the blocks they
+    /// lie in are never cached: only K/V a holder wrote joins the prefix cache.
     pub fn set_seq_len(&mut self, id: SeqId, n: i64) -> Result<()> {
         let n = check_count("n", n)?;
-        let held = self.seq(id)?.held();
-        if n < held {
-            self.cut_to(id, n, true);
-        } else {
-            let s = self.seq(id)?;
-            self.ensure_room(self.blocks_needed(s, held, n), || {
+        let s = self.seq(id)?;
+        // Positions some layer gains: from its shortest layer's end (after a cut to n).
+        let low = s.layer_len.iter().copied().min().unwrap_or(0).min(n);
+        if low < n {
+            self.ensure_room(self.blocks_needed(s, low, n), || {
                 format!("growing sequence {id} to {n} positions")
             })?;
-            self.prepare_write(id, held, n);
+        }
+        if n < s.held() {
+            self.cut_to(id, n, true);
+        }
+        if low < n {
+            // Private blocks first (copy-on-write), then zero what no write reached.
+            self.prepare_write(id, low, n);
+            let lens = self.seq(id)?.layer_len.clone();
+            for (layer, &len) in lens.iter().enumerate() {
+                self.zero_positions(id, layer, len, n)?;
+            }
+            let s = self.seq_mut(id);
+            s.cache_limit = s.cache_limit.min(low);
         }
         let bs = self.shape.block_size;
         let s = self.seq_mut(id);
@@ -328,7 +345,8 @@ impl PoolCore {
         keys: &TensorRef,
         values: &TensorRef,
     ) -> Result<()> {
-        let (layer, start, n) = self.block_args(layer, start_pos, block_size, keys, values)?;
+        let (layer, start, n) =
+            self.block_args(layer, start_pos, block_size, keys.shape(), values.shape())?;
         let g = self.groups.group_of[layer];
         let s = self.seq(id)?;
         let held_from = s.tables[g].start;
@@ -341,10 +359,14 @@ impl PoolCore {
                 ),
             });
         }
-        self.ensure_room(self.group_blocks_needed(s, g, start, start + n), || {
+        // Positions between the layer's end and the block are claimed unwritten: they
+        // are made private and zeroed with it.
+        let len = s.layer_len[layer];
+        let from = start.min(len.max(held_from));
+        self.ensure_room(self.group_blocks_needed(s, g, from, start + n), || {
             format!("injecting {n} positions at {start}")
         })?;
-        self.prepare_group(id, g, start, start + n);
+        self.prepare_group(id, g, from, start + n);
         self.write_seq(
             id,
             layer,
@@ -352,6 +374,11 @@ impl PoolCore {
             &keys.transposed(0, 1),
             &values.transposed(0, 1),
         )?;
+        if from < start {
+            self.zero_positions(id, layer, from, start)?;
+            let s = self.seq_mut(id);
+            s.cache_limit = s.cache_limit.min(from);
+        }
         let s = self.seq_mut(id);
         s.layer_len[layer] = s.layer_len[layer].max(start + n);
         let t = &mut s.tables[g];
@@ -367,10 +394,12 @@ impl PoolCore {
         layer: i64,
         start_pos: i64,
         block_size: i64,
-        keys: &TensorRef,
-        values: &TensorRef,
+        keys: &TensorMut,
+        values: &TensorMut,
     ) -> Result<()> {
-        let (layer, start, n) = self.block_args(layer, start_pos, block_size, keys, values)?;
+        let (layer, start, n) =
+            self.block_args(layer, start_pos, block_size, keys.shape(), values.shape())?;
+        check_disjoint(("keys", keys), ("values", values))?;
         let s = self.seq(id)?;
         let t = &s.tables[self.groups.group_of[layer]];
         let (lo, hi) = (t.start.max(start), s.layer_len[layer].min(start + n));
@@ -379,8 +408,11 @@ impl PoolCore {
             self.storage.zero(out)?;
         }
         if lo < hi {
-            let at = |o: &TensorRef| o.slice(1, lo - start, hi - lo);
-            self.read_positions(&t.blocks, layer, lo, hi - lo, &at(keys), &at(values))?;
+            let (k, v) = (
+                keys.slice(1, lo - start, hi - lo),
+                values.slice(1, lo - start, hi - lo),
+            );
+            self.read_positions(&t.blocks, layer, lo, hi - lo, &k, &v)?;
         }
         Ok(())
     }
@@ -457,10 +489,7 @@ impl PoolCore {
         }
         for layer in 0..sh.num_layers {
             let len = s.layer_len[layer];
-            let (k, v) = (
-                cache.host_tensor(layer, Kv::Key, len)?,
-                cache.host_tensor(layer, Kv::Value, len)?,
-            );
+            let (k, v) = cache.host_tensors_mut(layer, len)?;
             let t = &s.tables[self.groups.group_of[layer]];
             self.read_positions(&t.blocks, layer, 0, len, &k, &v)?;
         }

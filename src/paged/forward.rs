@@ -2,13 +2,22 @@
 //! sequence and position), write K/V per layer, read every sequence's history with a
 //! mask that lets each token see exactly its own sequence up to its own position, commit.
 
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::pool::{PoolCore, SeqId};
 use crate::error::{KvError, Result};
-use crate::tensor::TensorRef;
+use crate::layout::BlockId;
+use crate::tensor::{check_disjoint, TensorMut, TensorRef};
 
-/// A placed batch: which sequences it extends, where each token goes.
+/// A placed batch: which sequences it extends, where each token goes, and the blocks
+/// its slots lie in with the generation each had when the batch was placed.
+///
+/// Every use of the plan ([`PoolCore::forward_write`], [`PoolCore::forward_get`],
+/// [`PoolCore::forward_attention`], [`PoolCore::finish_forward`]) first checks that
+/// those blocks still have those generations: a block changes generation whenever its
+/// holders change (its sequence was freed, truncated past it or forked, the block was
+/// reused or cached), and a stale plan then fails instead of writing or reading another
+/// sequence's blocks.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ForwardPlan {
     /// `(sequence, first new position, new tokens)` in order of first appearance.
@@ -21,12 +30,22 @@ pub struct ForwardPlan {
     pub slots: Vec<i64>,
     /// For each token, its token id, when the caller gave them.
     pub tokens: Option<Vec<u32>>,
+    /// For each token, the id the pool records for it: the one given, else the one its
+    /// sequence already knows at that position (its prompt), else `None`.
+    pub token_ids: Vec<Option<u32>>,
+    /// The blocks the slots lie in, each once, with their generations at placement.
+    blocks: Vec<(BlockId, u32)>,
 }
 
 impl ForwardPlan {
     /// Tokens in the batch.
     pub fn num_tokens(&self) -> usize {
         self.token_seq.len()
+    }
+
+    /// Layer groups (runs of slots).
+    pub fn num_groups(&self) -> usize {
+        self.slots.len().checked_div(self.num_tokens()).unwrap_or(0)
     }
 
     /// The tokens' slots in layer group `g`.
@@ -130,19 +149,77 @@ impl PoolCore {
                 row[next[k] - 1]
             }));
         }
+        let bs = self.shape.block_size;
+        let mut seen = FxHashSet::default();
+        let blocks = slots
+            .iter()
+            .map(|&slot| (slot as usize / bs) as BlockId)
+            .filter(|&b| seen.insert(b))
+            .map(|b| (b, self.blocks.generation(b)))
+            .collect();
+        let token_ids = (0..n)
+            .map(|i| match tokens {
+                Some(t) => Some(t[i]),
+                None => {
+                    let id = seqs[token_seq[i]].0;
+                    self.seq(id).ok()?.tokens.get(placed[i]).copied()
+                }
+            })
+            .collect();
         Ok(ForwardPlan {
             seqs,
             token_seq,
             positions: placed,
             slots,
             tokens: tokens.map(<[u32]>::to_vec),
+            token_ids,
+            blocks,
         })
+    }
+
+    /// Fails unless every block `plan` writes still has the generation it had when the
+    /// plan was placed (see [`ForwardPlan`]).
+    pub fn check_plan(&self, plan: &ForwardPlan) -> Result<()> {
+        let stale = |what: String| KvError::InvalidArgument {
+            name: "batch",
+            value: format!("a batch of {} tokens", plan.num_tokens()),
+            reason: format!("is stale: {what} since start_forward; start a new batch"),
+        };
+        if let Some(&(id, _, _)) = plan.seqs.iter().find(|&&(id, _, _)| !self.is_live(id)) {
+            return Err(stale(format!("its sequence {id} was freed")));
+        }
+        if let Some(&(b, _)) = plan
+            .blocks
+            .iter()
+            .find(|&&(b, g)| self.blocks.generation(b) != g)
+        {
+            return Err(stale(format!(
+                "block {b} it writes changed holder (a sequence of the batch was truncated, \
+                 forked or committed)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Writes `layer`'s K and V (`[n_tokens, heads, head_dim]`) for a placed batch's
+    /// tokens, into the slots it reserved.
+    pub fn forward_write(
+        &mut self,
+        plan: &ForwardPlan,
+        layer: i64,
+        k: &TensorRef,
+        v: &TensorRef,
+    ) -> Result<()> {
+        self.check_plan(plan)?;
+        let g = self.group_for(Some(layer))?;
+        self.write(layer, k, v, plan.group_slots(g))
     }
 
     /// Positions of `layer`'s history that [`Self::forward_get`] returns: what each
     /// sequence of the batch holds in that layer, old and new tokens, concatenated in
     /// `seqs` order.
     pub fn forward_history_len(&self, plan: &ForwardPlan, layer: i64) -> Result<usize> {
+        self.check_plan(plan)?;
         let layer = crate::error::check_index("layer", layer, self.shape().num_layers)?;
         let g = self.groups.group_of[layer];
         plan.seqs
@@ -161,12 +238,13 @@ impl PoolCore {
         &self,
         plan: &ForwardPlan,
         layer: i64,
-        k_out: &TensorRef,
-        v_out: &TensorRef,
+        k_out: &TensorMut,
+        v_out: &TensorMut,
         mask: &mut [f32],
     ) -> Result<()> {
         let sh = self.shape();
         let history = self.forward_history_len(plan, layer)?;
+        check_disjoint(("k_out", k_out), ("v_out", v_out))?;
         let layer = layer as usize;
         let (g, kind) = (self.groups.group_of[layer], self.groups.kind(layer));
         for (name, out) in [("k_out", k_out), ("v_out", v_out)] {
@@ -223,6 +301,7 @@ impl PoolCore {
     /// Commits a placed batch: each sequence's committed length moves to the end of its
     /// new tokens (committing any earlier uncommitted positions the batch built on).
     pub fn finish_forward(&mut self, plan: &ForwardPlan) -> Result<()> {
+        self.check_plan(plan)?;
         for &(id, start, count) in &plan.seqs {
             let s = self.seq(id)?;
             if s.seq_len > start || s.layer_len.iter().any(|&l| l < start + count) {

@@ -1,5 +1,6 @@
 //! The paged cache: a pool of fixed-size blocks shared by many sequences ([`pool`]),
-//! its block allocator ([`allocator`]), layer kinds and groups ([`groups`]), sequences'
+//! its block allocator ([`allocator`]) and the ledger that owns every block's state
+//! ([`ledger`]), layer kinds and groups ([`groups`]), sequences'
 //! block tables ([`seq`]), where blocks live in storage ([`crate::layout`]), prefix caching on
 //! the pool ([`caching`]), slots and page tables for kernels ([`slots`]), position edits
 //! ([`shift`]) and ollama-style batched forwards ([`forward`]).
@@ -10,6 +11,7 @@ pub mod caching;
 pub mod edit;
 pub mod forward;
 pub mod groups;
+pub mod ledger;
 pub mod pool;
 pub mod read;
 pub mod seq;
@@ -22,6 +24,7 @@ pub use crate::layout::{BlockId, KvLayout, PagedShape};
 pub use allocator::BlockAllocator;
 pub use forward::ForwardPlan;
 pub use groups::{Attention, LayerGroups, LayerKind};
+pub use ledger::BlockLedger;
 pub use pool::{PoolCore, PrefixConfig, SeqId};
 pub use seq::{SeqState, Table, NO_BLOCK};
 pub use stats::{KindStats, PoolStats};

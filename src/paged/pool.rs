@@ -11,8 +11,8 @@
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use super::allocator::BlockAllocator;
 use super::groups::{Attention, LayerGroups, LayerKind};
+use super::ledger::BlockLedger;
 use super::seq::{SeqState, Table, NO_BLOCK};
 use crate::dtype::DType;
 use crate::error::{check_count, check_index, check_positive, KvError, Result};
@@ -47,9 +47,9 @@ pub struct PoolCore {
     pub(crate) groups: LayerGroups,
     pub(crate) storage: Box<dyn Storage>,
     pub(crate) scales: KvScales,
-    pub(crate) alloc: BlockAllocator,
-    pub(crate) prefix: Option<PrefixIndex>,
-    pub(crate) pins: FxHashMap<BlockId, u32>,
+    /// Who holds each block, its generation, the prefix index and the pins: the only
+    /// way to take, share, free, cache or evict a block.
+    pub(crate) blocks: BlockLedger,
     pub(crate) rope: Option<Rope>,
     pub(crate) seqs: FxHashMap<SeqId, SeqState>,
     next_id: SeqId,
@@ -133,9 +133,7 @@ impl PoolCore {
             groups,
             storage,
             scales: KvScales::unit(shape.num_layers, shape.num_kv_heads),
-            alloc: BlockAllocator::new(shape.num_blocks),
-            prefix,
-            pins: FxHashMap::default(),
+            blocks: BlockLedger::new(shape.num_blocks, prefix),
             rope: None,
             seqs: FxHashMap::default(),
             next_id: 0,
@@ -199,6 +197,11 @@ impl PoolCore {
         self.storage.data_ptr()
     }
 
+    /// The byte ranges of the storage's allocations (see [`Storage::spans`]).
+    pub fn storage_spans(&self) -> Vec<crate::tensor::Span> {
+        self.storage.spans()
+    }
+
     /// The storage (for persistence and transfers).
     pub(crate) fn storage(&self) -> &dyn Storage {
         self.storage.as_ref()
@@ -211,12 +214,12 @@ impl PoolCore {
 
     /// Blocks in the free list (not counting evictable cached ones).
     pub(crate) fn free_block_count(&self) -> usize {
-        self.alloc.num_free()
+        self.blocks.num_free()
     }
 
     /// The prefix index, when prefix caching is on.
     pub fn prefix(&self) -> Option<&PrefixIndex> {
-        self.prefix.as_ref()
+        self.blocks.prefix()
     }
 
     /// Bytes of one block id: one block of each layer of a group (int8's scales included).
@@ -227,19 +230,17 @@ impl PoolCore {
 
     /// Blocks that allocation can hand out: free ones plus evictable cached ones.
     pub fn num_free_blocks(&self) -> usize {
-        self.alloc.num_free() + self.prefix.as_ref().map_or(0, |p| p.lru.len())
+        self.blocks.num_available()
     }
 
     /// References to `block` (from sequences and pins).
     pub fn refcount(&self, block: BlockId) -> u32 {
-        self.alloc.refcount(block)
+        self.blocks.refcount(block)
     }
 
     /// Whether `block` is in the prefix index (and so immutable).
     pub fn is_cached(&self, block: BlockId) -> bool {
-        self.prefix
-            .as_ref()
-            .is_some_and(|p| p.meta(block).is_some())
+        self.blocks.is_cached(block)
     }
 
     /// The storage tensor of `layer`.
@@ -269,52 +270,27 @@ impl PoolCore {
     /// Takes a block for writing: a free one, else the least recently used cached one.
     /// The caller has checked [`Self::num_free_blocks`].
     pub(crate) fn take_block(&mut self) -> BlockId {
-        if let Some(b) = self.alloc.allocate() {
-            return b;
-        }
-        let p = self
-            .prefix
-            .as_mut()
+        let (b, evicted) = self
+            .blocks
+            .take(self.tiers.is_some())
             .expect("free blocks checked by the caller");
-        let b = p
-            .lru
-            .pop_front()
-            .expect("free blocks checked by the caller");
-        let meta = p.unregister(b);
-        p.counters.evictions += 1;
-        if self.tiers.is_some() {
+        if let Some(e) = evicted.filter(|_| self.tiers.is_some()) {
             // The block leaves the pool: its payload goes to the tiers (read before the
             // caller overwrites it).
-            let tokens = self.prefix.as_ref().expect("on").block_tokens(b).to_vec();
-            self.write_back(b, &meta, &tokens);
+            self.write_back(b, &e.meta, &e.tokens);
         }
-        self.alloc.revive(b);
         b
     }
 
     /// Adds a reference to `b`, taking it out of the eviction order if it was there.
     pub(crate) fn hold_block(&mut self, b: BlockId) {
-        if self.alloc.refcount(b) == 0 {
-            self.prefix
-                .as_mut()
-                .expect("only cached blocks rest unreferenced")
-                .lru
-                .remove(b);
-            self.alloc.revive(b);
-        } else {
-            self.alloc.share(b);
-        }
+        self.blocks.hold(b);
     }
 
     /// Drops a reference to `b`; an unreferenced cached block becomes evictable (most
     /// recently used), any other goes back to the free list.
     pub(crate) fn release_block(&mut self, b: BlockId) {
-        if self.alloc.release(b) {
-            match self.prefix.as_mut() {
-                Some(p) if p.meta(b).is_some() => p.lru.push_back(b),
-                _ => self.alloc.push_free(b),
-            }
-        }
+        self.blocks.release(b);
     }
 
     /// Releases blocks last first, so a freed prompt's end is evicted before its start.
@@ -365,7 +341,7 @@ impl PoolCore {
 
     /// Starts an empty sequence that tracks no tokens.
     pub fn new_sequence(&mut self) -> SeqId {
-        let root = self.prefix.as_ref().map_or(0, |p| p.root(b""));
+        let root = self.prefix().map_or(0, |p| p.root(b""));
         let s = self.empty_state(root, std::sync::Arc::from(&[][..]));
         self.insert(s)
     }

@@ -9,7 +9,7 @@ use crate::layout::BlockId;
 use crate::layout::Kv;
 use crate::scales::multiply_heads;
 use crate::storage::Device;
-use crate::tensor::TensorRef;
+use crate::tensor::{check_disjoint, TensorMut};
 
 /// Gathers of at least this many bytes are split across rayon's threads, as torch splits
 /// its large copies: one thread rarely saturates memory bandwidth.
@@ -31,8 +31,8 @@ impl PoolCore {
         &self,
         id: SeqId,
         layer: i64,
-        k_out: &TensorRef,
-        v_out: &TensorRef,
+        k_out: &TensorMut,
+        v_out: &TensorMut,
     ) -> Result<(usize, usize)> {
         let sh = self.shape;
         let layer = check_index("layer", layer, sh.num_layers)?;
@@ -48,6 +48,7 @@ impl PoolCore {
                 });
             }
         }
+        check_disjoint(("k_out", k_out), ("v_out", v_out))?;
         let blocks = &self.seq(id)?.tables[self.groups.group_of[layer]].blocks;
         let bytes = 2 * len * sh.num_kv_heads * sh.head_dim * self.storage.dtype().size();
         let on_host = self.device() == Device::Cpu;
@@ -115,8 +116,8 @@ impl PoolCore {
         layer: usize,
         start: usize,
         n: usize,
-        k_out: &TensorRef,
-        v_out: &TensorRef,
+        k_out: &TensorMut,
+        v_out: &TensorMut,
     ) -> Result<()> {
         let t = self.paged_tensor(layer);
         self.storage

@@ -2,10 +2,9 @@
 //! and `seq_add` (a position shift), re-rotating moved keys with the pool's RoPE.
 
 use super::pool::{PoolCore, SeqId};
-use crate::dtype::DType;
 use crate::error::{check_count, KvError, Result};
 use crate::rope::Rope;
-use crate::tensor::TensorRef;
+use crate::tensor::{TensorMut, TensorRef};
 
 impl PoolCore {
     /// llama.cpp's `seq_rm`: removes positions `[begin, end)` (`end = None`: to the end).
@@ -124,22 +123,22 @@ impl PoolCore {
             // One layer's moved tail at a time, through float32.
             let n = len - src;
             let (mut k, mut v) = (vec![0f32; h * n * d], vec![0f32; h * n * d]);
-            // SAFETY: the buffers above hold exactly [h, n, d] float32 and outlive the views.
-            let kt = unsafe {
-                TensorRef::contiguous(k.as_mut_ptr() as *const u8, DType::F32, &[h, n, d])?
-            };
-            let vt = unsafe {
-                TensorRef::contiguous(v.as_mut_ptr() as *const u8, DType::F32, &[h, n, d])?
-            };
             let blocks = self.seq(id)?.tables[g].blocks.clone();
-            self.read_positions(&blocks, layer, src, n, &kt, &vt)?;
+            self.read_positions(
+                &blocks,
+                layer,
+                src,
+                n,
+                &TensorMut::from_f32_mut(&mut k, &[h, n, d])?,
+                &TensorMut::from_f32_mut(&mut v, &[h, n, d])?,
+            )?;
             rope.rotate(d, &mut k, -(shift as f64))?;
             self.write_positions(
                 &blocks,
                 layer,
                 src - shift,
-                &kt.transposed(0, 1),
-                &vt.transposed(0, 1),
+                &TensorRef::from_f32(&k, &[h, n, d])?.transposed(0, 1),
+                &TensorRef::from_f32(&v, &[h, n, d])?.transposed(0, 1),
             )?;
         }
         let s = self.seq_mut(id);

@@ -16,8 +16,10 @@ impl PoolCore {
     /// Reserves positions for `counts[i]` new tokens at the end of each sequence, all or
     /// nothing, and returns their slots (`block * block_size + offset`): one run of
     /// `sum(counts)` slots per layer group, groups in order, tokens in sequence order.
-    /// The positions become part of every layer (fill them with [`Self::write`]) and are
-    /// committed with [`Self::advance`].
+    /// The positions become part of every layer (fill them with [`Self::write`], or a
+    /// kernel writes them through the slots) and are committed with [`Self::advance`].
+    /// They read as zeros until written: a block never shows what its previous holder
+    /// left there.
     pub fn reserve(&mut self, ids: &[SeqId], counts: &[i64]) -> Result<Vec<i64>> {
         if ids.len() != counts.len() {
             return Err(KvError::InvalidArgument {
@@ -70,7 +72,37 @@ impl PoolCore {
             }
             at += c;
         }
+        for layer in 0..self.shape.num_layers {
+            let g = self.groups.group_of[layer];
+            let t = self.paged_tensor(layer);
+            self.storage
+                .zero_slots(t, &slots[g * total..(g + 1) * total])?;
+        }
         Ok(slots)
+    }
+
+    /// Zeroes positions `from..to` of `layer` of sequence `id` (held, writable): what a
+    /// holder claims without writing it reads as zeros, never as an earlier holder's K/V.
+    pub(crate) fn zero_positions(
+        &mut self,
+        id: SeqId,
+        layer: usize,
+        from: usize,
+        to: usize,
+    ) -> Result<()> {
+        if from >= to {
+            return Ok(());
+        }
+        let bs = self.shape.block_size;
+        let t = &self.seq(id)?.tables[self.groups.group_of[layer]];
+        let slots: Vec<i64> = (from..to)
+            .map(|p| match t.blocks[p / bs] {
+                NO_BLOCK => -1,
+                b => slot(b, p, bs),
+            })
+            .collect();
+        let tensor = self.paged_tensor(layer);
+        self.storage.zero_slots(tensor, &slots)
     }
 
     /// Scatters `k`, `v` (`[n_tokens, heads, head_dim]`) into `slots` of `layer`'s group
@@ -95,7 +127,7 @@ impl PoolCore {
                 continue;
             }
             let b = (check_index("slot_mapping", slot, limit)? / sh.block_size) as BlockId;
-            let refs = self.alloc.refcount(b);
+            let refs = self.blocks.refcount(b);
             let reason = if refs == 0 {
                 format!("block {b} is not held by any sequence; reserve() the positions first")
             } else if refs > 1 {

@@ -4,7 +4,6 @@
 use super::groups::LayerKind;
 use super::pool::PoolCore;
 use super::seq::NO_BLOCK;
-use crate::layout::BlockId;
 use crate::prefix::{PrefixCounters, PrefixIndex};
 
 /// Memory held by the layers of one kind (see [`PoolCore::stats`]).
@@ -77,7 +76,7 @@ impl PoolCore {
                 }
             }
         }
-        for &b in self.pins.keys() {
+        for (b, _) in self.blocks.pins() {
             fill[b as usize] = bs;
         }
         let free = self.num_free_blocks();
@@ -115,12 +114,9 @@ impl PoolCore {
             fragmentation_tokens: used * bs - tokens,
             utilization_ratio: tokens as f64 / (self.shape.num_blocks * bs) as f64,
             num_sequences: self.seqs.len(),
-            cached_blocks: self.prefix.as_ref().map_or(0, PrefixIndex::len),
-            evictable_blocks: self.prefix.as_ref().map_or(0, |p| p.lru.len()),
-            prefix: self
-                .prefix
-                .as_ref()
-                .map_or_else(PrefixCounters::default, |p| p.counters),
+            cached_blocks: self.prefix().map_or(0, PrefixIndex::len),
+            evictable_blocks: self.blocks.num_evictable(),
+            prefix: self.blocks.counters(),
             by_kind,
         }
     }
@@ -131,15 +127,7 @@ impl PoolCore {
     /// start at 0, `seq_len` never exceeds a layer's length. For tests; O(blocks + sequences).
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         let bs = self.shape.block_size;
-        let evictable = self.prefix.as_ref().map_or(0, |p| p.lru.len());
-        self.alloc.check(evictable)?;
-        if let Some(p) = &self.prefix {
-            p.check(|b| self.alloc.refcount(b))?;
-        }
         let mut refs = vec![0u32; self.shape.num_blocks];
-        for (&b, &c) in &self.pins {
-            refs[b as usize] += c;
-        }
         for (id, s) in &self.seqs {
             for (g, (group, t)) in self.groups.groups.iter().zip(&s.tables).enumerate() {
                 let held = s.held_by(&group.layers);
@@ -173,14 +161,6 @@ impl PoolCore {
             }
             s.all_blocks().for_each(|b| refs[b as usize] += 1);
         }
-        for (b, &r) in refs.iter().enumerate() {
-            if r != self.alloc.refcount(b as BlockId) {
-                return Err(format!(
-                    "block {b} has {r} holders but counts {} references",
-                    self.alloc.refcount(b as BlockId)
-                ));
-            }
-        }
-        Ok(())
+        self.blocks.check(&refs)
     }
 }

@@ -72,7 +72,7 @@ impl PoolCore {
         queue: usize,
         policy: WritePolicy,
     ) -> Result<Self> {
-        if self.prefix.is_none() {
+        if self.prefix().is_none() {
             return Err(KvError::InvalidArgument {
                 name: "tiers",
                 value: format!("{} tiers", tiers.len()),
@@ -217,7 +217,7 @@ impl PoolCore {
         extra: &[u8],
         limit: usize,
     ) -> TierTokens {
-        let (Some(ts), Some(p)) = (self.tiers.as_ref(), self.prefix.as_ref()) else {
+        let (Some(ts), Some(p)) = (self.tiers.as_ref(), self.prefix()) else {
             return TierTokens::new();
         };
         let mut served: TierTokens = smallvec::smallvec![0; ts.tiers.len()];
@@ -235,7 +235,7 @@ impl PoolCore {
         // Room: free and evictable blocks, less the chain's own (held while loading).
         let evictable_held = held
             .iter()
-            .filter(|&&b| self.alloc.refcount(b) == 0)
+            .filter(|&&b| self.blocks.refcount(b) == 0)
             .count();
         let room = self.num_free_blocks().saturating_sub(evictable_held);
         for miss in misses {
@@ -350,11 +350,7 @@ impl PoolCore {
                     first: c.meta.first,
                     root,
                 };
-                let registered = self
-                    .prefix
-                    .as_mut()
-                    .expect("prefix caching on")
-                    .register(b, meta, &c.tokens);
+                let registered = self.blocks.register(b, meta, &c.tokens);
                 debug_assert!(registered, "only blocks the index lacks are loaded");
                 let tier = &self.tiers.as_ref().expect("tiers on").tiers[*t];
                 TierCounters::add(&tier.counters().hits, 1);
@@ -378,7 +374,7 @@ impl PoolCore {
     /// without eviction); returns how many were queued.
     pub fn store_to_tiers(&self, id: SeqId) -> Result<usize> {
         let s = self.seq(id)?;
-        let (Some(_), Some(p)) = (self.tiers.as_ref(), self.prefix.as_ref()) else {
+        let (Some(_), Some(p)) = (self.tiers.as_ref(), self.prefix()) else {
             return Err(no_tiers());
         };
         let mut n = 0;
@@ -397,7 +393,7 @@ impl PoolCore {
     /// the pool's cache without starting a sequence; returns the tokens a sequence
     /// starting with `tokens` would now find cached.
     pub fn prefetch(&mut self, tokens: &[u32], namespace: &[u8], extra: &[u8]) -> Result<usize> {
-        let root = self.prefix.as_ref().ok_or_else(no_tiers)?.root(namespace);
+        let root = self.prefix().ok_or_else(no_tiers)?.root(namespace);
         if self.tiers.is_none() {
             return Err(no_tiers());
         }
@@ -411,7 +407,7 @@ impl PoolCore {
     /// still under way). Returns the tokens of the prefix's whole blocks the pool lacks
     /// (0: nothing to fetch).
     pub fn prefetch_async(&self, tokens: &[u32], namespace: &[u8], extra: &[u8]) -> Result<usize> {
-        let (Some(ts), Some(p)) = (self.tiers.as_ref(), self.prefix.as_ref()) else {
+        let (Some(ts), Some(p)) = (self.tiers.as_ref(), self.prefix()) else {
             return Err(no_tiers());
         };
         let root = p.root(namespace);
@@ -431,7 +427,7 @@ impl PoolCore {
     /// in the pool: its `(block, group)` pairs the pool lacks. Empty when the pool holds
     /// the whole chain.
     fn misses_from_first_gap(&self, hashes: &[BlockHash]) -> Vec<Vec<(usize, usize)>> {
-        let p = self.prefix.as_ref().expect("prefix caching on");
+        let p = self.prefix().expect("prefix caching on");
         let ng = self.groups.groups.len();
         let miss = |j: usize| -> Vec<(usize, usize)> {
             (0..ng)
@@ -454,7 +450,7 @@ impl PoolCore {
         extra: &[u8],
         limit: usize,
     ) -> Vec<BlockHash> {
-        let p = self.prefix.as_ref().expect("prefix caching on");
+        let p = self.prefix().expect("prefix caching on");
         let bs = self.shape.block_size;
         let mut hashes = Vec::new();
         let mut parent = root;
@@ -480,7 +476,7 @@ impl PoolCore {
     /// Removes every block of `namespace` from every tier (after writing what is
     /// queued); returns how many were removed.
     pub fn drop_tier_namespace(&self, namespace: &[u8]) -> Result<usize> {
-        let (Some(ts), Some(p)) = (self.tiers.as_ref(), self.prefix.as_ref()) else {
+        let (Some(ts), Some(p)) = (self.tiers.as_ref(), self.prefix()) else {
             return Err(no_tiers());
         };
         ts.writer.flush();

@@ -24,7 +24,7 @@ use super::index::CachedBlock;
 use crate::dtype::DType;
 use crate::error::{KvError, Result};
 use crate::paged::{BlockId, PoolCore};
-use crate::tensor::TensorRef;
+use crate::tensor::{TensorMut, TensorRef};
 
 const FORMAT: &str = "kvrs-prefix-cache";
 const VERSION: &str = "1";
@@ -172,14 +172,8 @@ impl PoolCore {
         let mut kv: Vec<Vec<u8>> = Vec::with_capacity(names.len());
         for layer in 0..tensors {
             let mut buf = vec![0u8; n * block_bytes];
-            for (i, &b) in order.iter().enumerate() {
-                let dst = unsafe {
-                    TensorRef::contiguous(
-                        buf.as_mut_ptr().add(i * block_bytes),
-                        self.dtype(),
-                        &[1, 1, sh.block_elems()],
-                    )?
-                };
+            for (&b, out) in order.iter().zip(buf.chunks_exact_mut(block_bytes)) {
+                let dst = TensorMut::from_bytes_mut(out, self.dtype(), &[1, 1, sh.block_elems()])?;
                 self.storage().read(sh.whole_block(layer, b), &dst)?;
             }
             kv.push(buf);

@@ -5,12 +5,11 @@ use numpy::{PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::intern;
 use pyo3::prelude::*;
 
-use super::input::{read_tensor, writable};
-use super::views::new_output;
+use super::input::{read_tensor, Target};
+use super::output::{new_output, writable};
 use crate::attention::AttnOptions;
 use crate::error::{KvError, Result};
-use crate::storage::Device;
-use crate::tensor::TensorRef;
+use crate::tensor::{TensorMut, TensorRef};
 
 /// The model-specific options of an attention call, owned.
 pub struct AttnArgs {
@@ -77,23 +76,22 @@ fn floats(obj: &Bound<'_, PyAny>, name: &'static str) -> PyResult<Vec<f32>> {
 }
 
 /// Reads `q` (`[n, num_q_heads, head_dim]`), makes the output (`out`, or a fresh array
-/// of `q`'s shape and dtype) and runs `f(q, out)` with the GIL released; returns the
-/// output.
+/// of `q`'s shape and dtype on the device of `target`, the cache attended over; `out`
+/// must not overlap its storage) and runs `f(q, out)`, which enters the cache's lock
+/// with the GIL released; returns the output.
 pub fn run<'py>(
     py: Python<'py>,
     q: &Bound<'py, PyAny>,
     out: Option<&Bound<'py, PyAny>>,
-    device: Device,
-    f: impl FnOnce(&TensorRef, &TensorRef) -> Result<()> + Send,
+    target: &Target,
+    f: impl FnOnce(&TensorRef<'_>, &TensorMut<'_>) -> Result<()>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let q_in = read_tensor(q, "q", device)?;
-    let qt = *q_in.tensor();
-    let out_in = out.map(|o| writable(o, "out", device)).transpose()?;
-    let (arr, ot) = match (out, &out_in) {
-        (Some(o), Some(o_in)) => (o.clone(), *o_in.tensor()),
-        _ => new_output(py, device, qt.dtype(), qt.shape())?,
+    let q_in = read_tensor(q, "q", &Target::device_only(target.device))?;
+    let qt = q_in.tensor();
+    let o = match out {
+        Some(o) => writable(o, "out", target)?,
+        None => new_output(py, target.device, qt.dtype(), qt.shape())?,
     };
-    py.detach(|| f(&qt, &ot))?;
-    drop(out_in);
-    Ok(arr)
+    f(&qt, o.tensor())?;
+    Ok(o.into_object())
 }

@@ -9,28 +9,38 @@ use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
 use super::attention::{self, AttnArgs};
-use super::copying;
 use super::input::read_tensor;
+use super::output::new_output;
 use super::quant::read_dtype;
+use super::sequence::PySequence;
 use super::shared_pool::{slot_array, SharedPool};
-use super::views::new_output;
 use crate::paged::ForwardPlan;
 
 /// A batch of tokens placed in a pool by `BlockPool.start_forward`.
+///
+/// It owns what it was started with: its sequences (kept alive, so a garbage collection
+/// cannot free them under it), the token ids the pool will record for its tokens, and
+/// the plan, whose blocks the pool checks on every use: once a sequence of the batch was
+/// freed, truncated, forked or its blocks changed holder, `put`, `get` and `attention`
+/// raise instead of touching another sequence's blocks.
 #[pyclass(frozen, name = "ForwardBatch", module = "kvrs")]
 pub struct PyForwardBatch {
     pool: Arc<SharedPool>,
     plan: ForwardPlan,
+    /// The batch's distinct sequences, in order of first appearance.
+    seqs: Vec<Py<PySequence>>,
     /// None while open; then "finished" or "cancelled".
     closed: Mutex<Option<&'static str>>,
 }
 
 impl PyForwardBatch {
-    /// Wraps a plan the pool has reserved.
-    pub fn new(pool: Arc<SharedPool>, plan: ForwardPlan) -> Self {
+    /// Wraps a plan the pool has reserved for the sequences `seqs` (distinct, in order of
+    /// first appearance).
+    pub fn new(pool: Arc<SharedPool>, plan: ForwardPlan, seqs: Vec<Py<PySequence>>) -> Self {
         PyForwardBatch {
             pool,
             plan,
+            seqs,
             closed: Mutex::new(None),
         }
     }
@@ -69,8 +79,7 @@ impl PyForwardBatch {
     /// have several block tables (row pool.layer_group(layer) serves that layer).
     #[getter]
     fn slot_mapping<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let groups = self.pool.inner.lock().groups().groups.len();
-        slot_array(py, self.plan.slots.clone(), groups)
+        slot_array(py, self.plan.slots.clone(), self.plan.num_groups())
     }
 
     /// Each token's position in its sequence.
@@ -81,13 +90,28 @@ impl PyForwardBatch {
 
     /// Positions of history that get(layer) returns: what each sequence of the batch
     /// holds in that layer, concatenated.
+    /// The batch's sequences (each once, in order of first appearance).
+    #[getter]
+    fn sequences<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, self.seqs.iter().map(|s| s.clone_ref(py)))
+    }
+
+    /// Each token's id as the pool will record it (int64): the ids given to
+    /// start_forward(tokens=...), else those its sequence already knows there (its
+    /// prompt); -1 where the pool knows none. A model must compute the batch's K/V from
+    /// exactly these ids: the blocks they complete are cached under them.
+    #[getter]
+    fn token_ids<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        PyArray1::from_iter(
+            py,
+            self.plan.token_ids.iter().map(|t| t.map_or(-1, i64::from)),
+        )
+    }
+
     #[pyo3(signature = (layer = 0))]
-    fn history_len(&self, layer: i64) -> PyResult<usize> {
-        Ok(self
-            .pool
-            .inner
-            .lock()
-            .forward_history_len(&self.plan, layer)?)
+    fn history_len(&self, py: Python<'_>, layer: i64) -> PyResult<usize> {
+        let plan = &self.plan;
+        Ok(self.pool.read(py, |c| c.forward_history_len(plan, layer))?)
     }
 
     /// Writes this layer's K and V for the batch's tokens ([n_tokens, heads, head_dim]).
@@ -101,14 +125,12 @@ impl PyForwardBatch {
         self.check_open()?;
         let pool = &self.pool;
         let (k, v) = (
-            read_tensor(k, "k", pool.device)?,
-            read_tensor(v, "v", pool.device)?,
+            read_tensor(k, "k", &pool.target)?,
+            read_tensor(v, "v", &pool.target)?,
         );
-        let (kt, vt) = (*k.tensor(), *v.tensor());
-        copying(py, kt.nbytes() + vt.nbytes(), || {
-            let mut p = pool.inner.lock();
-            let g = p.group_for(Some(layer))?;
-            p.write(layer, &kt, &vt, self.plan.group_slots(g))
+        let (kt, vt, plan) = (k.tensor(), v.tensor(), &self.plan);
+        pool.write_moving(py, kt.nbytes() + vt.nbytes(), |c| {
+            c.forward_write(plan, layer, &kt, &vt)
         })?;
         Ok(())
     }
@@ -124,24 +146,24 @@ impl PyForwardBatch {
         let (h, d, hist, n) = (
             pool.shape.num_kv_heads,
             pool.shape.head_dim,
-            self.history_len(layer)?,
+            self.history_len(py, layer)?,
             self.plan.num_tokens(),
         );
         let dtype = read_dtype(pool.dtype);
-        let (k, kt) = new_output(py, pool.device, dtype, &[h, hist, d])?;
-        let (v, vt) = new_output(py, pool.device, dtype, &[h, hist, d])?;
+        let k = new_output(py, pool.device, dtype, &[h, hist, d])?;
+        let v = new_output(py, pool.device, dtype, &[h, hist, d])?;
         let mask = PyArray1::<f32>::zeros(py, n * hist, false);
         {
+            // SAFETY: a fresh array nothing else references yet.
             let mut m = unsafe { mask.as_array_mut() };
             let m = m.as_slice_mut().expect("fresh contiguous array");
-            copying(py, 2 * kt.nbytes(), || {
-                pool.inner
-                    .lock()
-                    .forward_get(&self.plan, layer, &kt, &vt, m)
+            let (kt, vt, plan) = (k.tensor(), v.tensor(), &self.plan);
+            pool.read_moving(py, 2 * kt.nbytes(), |c| {
+                c.forward_get(plan, layer, kt, vt, m)
             })?;
         }
         let mask = mask.reshape([n, hist])?;
-        PyTuple::new(py, [k, v, mask.into_any()])
+        PyTuple::new(py, [k.into_object(), v.into_object(), mask.into_any()])
     }
 
     /// Attention of the batch's tokens over `layer` (after `put(layer, ...)`), read in
@@ -163,26 +185,28 @@ impl PyForwardBatch {
     ) -> PyResult<Bound<'py, PyAny>> {
         let args = AttnArgs::parse(scale, softcap, sinks, alibi_slopes)?;
         self.check_open()?;
-        let pool = &self.pool;
-        attention::run(py, q, out, pool.device, |q, o| {
-            pool.inner
-                .lock()
-                .forward_attention(&self.plan, layer, q, o, &args.options())
+        let (pool, plan) = (&self.pool, &self.plan);
+        attention::run(py, q, out, &pool.target, |q, o| {
+            pool.read_moving(py, usize::MAX, |c| {
+                c.forward_attention(plan, layer, q, o, &args.options())
+            })
         })
     }
 
     /// Commits the batch: each sequence's seq_len moves past its new tokens.
-    fn finish(&self) -> PyResult<()> {
+    fn finish(&self, py: Python<'_>) -> PyResult<()> {
         self.check_open()?;
-        self.pool.inner.lock().finish_forward(&self.plan)?;
+        let plan = &self.plan;
+        self.pool.write(py, |c| c.finish_forward(plan))?;
         *self.closed.lock() = Some("finished");
         Ok(())
     }
 
     /// Abandons the batch: the reserved positions are dropped again.
-    fn cancel(&self) -> PyResult<()> {
+    fn cancel(&self, py: Python<'_>) -> PyResult<()> {
         self.check_open()?;
-        self.pool.inner.lock().cancel_forward(&self.plan);
+        let plan = &self.plan;
+        self.pool.write(py, |c| c.cancel_forward(plan));
         *self.closed.lock() = Some("cancelled");
         Ok(())
     }
@@ -195,6 +219,7 @@ impl PyForwardBatch {
     #[pyo3(signature = (exc_type, _exc = None, _tb = None))]
     fn __exit__(
         &self,
+        py: Python<'_>,
         exc_type: Option<&Bound<'_, PyAny>>,
         _exc: Option<&Bound<'_, PyAny>>,
         _tb: Option<&Bound<'_, PyAny>>,
@@ -203,8 +228,8 @@ impl PyForwardBatch {
             return Ok(());
         }
         match exc_type {
-            Some(t) if !t.is_none() => self.cancel(),
-            _ => self.finish(),
+            Some(t) if !t.is_none() => self.cancel(py),
+            _ => self.finish(py),
         }
     }
 

@@ -16,7 +16,7 @@ use pyo3::prelude::*;
 use crate::dtype::DType;
 use crate::storage::cuda::{gpu_for, CudaStorage};
 use crate::storage::{Device, Storage};
-use crate::tensor::TensorRef;
+use crate::tensor::TensorMut;
 
 /// What keeps a device tensor's memory alive; held, never read.
 #[allow(dead_code)]
@@ -65,19 +65,20 @@ impl PyDeviceTensor {
         Ok(Bound::new(owner.py(), t)?.into_any())
     }
 
-    /// A fresh zeroed C-contiguous tensor on CUDA device `ordinal`, and a [`TensorRef`]
-    /// through which the core writes it.
+    /// A fresh zeroed C-contiguous tensor on CUDA device `ordinal`, and a [`TensorMut`]
+    /// through which the core writes it (valid while the tensor lives).
     pub fn fresh<'py>(
         py: Python<'py>,
         ordinal: usize,
         dtype: DType,
         shape: &[usize],
-    ) -> PyResult<(Bound<'py, PyAny>, TensorRef)> {
+    ) -> PyResult<(Bound<'py, PyAny>, TensorMut<'static>)> {
         let numel: usize = shape.iter().product();
         let storage = Arc::new(CudaStorage::zeroed(ordinal, dtype, numel, 1)?);
         let ptr = storage.data_ptr();
-        // SAFETY: the storage holds `numel` elements and lives in the tensor.
-        let tensor = unsafe { TensorRef::contiguous(ptr, dtype, shape)? }.on(Device::Cuda(ordinal));
+        // SAFETY: the storage holds `numel` elements and lives in the Python tensor, which
+        // the caller holds beside this one.
+        let tensor = unsafe { TensorMut::contiguous(ptr, dtype, shape)? }.on(Device::Cuda(ordinal));
         let mut strides = vec![1i64; shape.len()];
         for i in (0..shape.len().saturating_sub(1)).rev() {
             strides[i] = strides[i + 1] * shape[i + 1] as i64;

@@ -1,15 +1,14 @@
 //! `kvrs.EncoderCache`: cross-attention K/V of one encoder input.
 
 use super::attention::{self, AttnArgs};
-use parking_lot::RwLock;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
 use super::args::{parse_device, parse_dtype};
-use super::copying;
-use super::input::read_tensor;
+use super::guarded::Guarded;
+use super::input::{read_tensor, Target};
 use super::kv_cache::layer_view;
-use super::quant::{dequantized_pair, layer_scales, parse_scales, scale_property};
+use super::quant::{dequantized_pair, layer_scales, parse_scales, scale_property, LayerScales};
 use crate::dtype::DType;
 use crate::encoder_cache::EncoderCache;
 use crate::error::check_size;
@@ -20,7 +19,10 @@ use crate::storage::Device;
 /// written once with `set`, read by every decode step with `get`, and has no causal mask.
 #[pyclass(frozen, name = "EncoderCache", module = "kvrs")]
 pub struct PyEncoderCache {
-    inner: RwLock<EncoderCache>,
+    /// The core, entered only through closures (see [`super::guarded`]).
+    core: Guarded<EncoderCache>,
+    /// Its storage's allocations: what no input may overlap.
+    target: Target,
     shape: CacheShape,
     dtype: DType,
     device: Device,
@@ -67,8 +69,13 @@ impl PyEncoderCache {
         let scales = parse_scales(k_scale, v_scale, shape.num_layers, shape.num_kv_heads)?;
         let cache = EncoderCache::new(shape, dtype, device)?.with_scales(scales)?;
         let data = cache.cache().data_ptr() as usize;
+        let target = Target {
+            device,
+            spans: cache.cache().storage_spans(),
+        };
         Ok(PyEncoderCache {
-            inner: RwLock::new(cache),
+            core: Guarded::new(cache),
+            target,
             shape,
             dtype,
             device,
@@ -93,15 +100,17 @@ impl PyEncoderCache {
         alibi_slopes: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let args = AttnArgs::parse(scale, softcap, sinks, alibi_slopes)?;
-        attention::run(py, q, out, self.device, |q, o| {
-            self.inner.read().attention(layer, q, o, &args.options())
+        attention::run(py, q, out, &self.target, |q, o| {
+            self.core.read_moving(py, usize::MAX, |c| {
+                c.attention(layer, q, o, &args.options())
+            })
         })
     }
 
     /// Encoder positions every layer holds (None before the first set).
     #[getter]
-    fn length(&self) -> Option<usize> {
-        self.inner.read().length()
+    fn length(&self, py: Python<'_>) -> Option<usize> {
+        self.core.read(py, |c| c.length())
     }
 
     /// Encoder positions the cache can hold.
@@ -130,15 +139,16 @@ impl PyEncoderCache {
 
     /// Whether every layer holds its K/V.
     #[getter]
-    fn is_complete(&self) -> bool {
-        let c = self.inner.read();
-        (0..self.shape.num_layers).all(|l| c.is_set(l))
+    fn is_complete(&self, py: Python<'_>) -> bool {
+        let layers = self.shape.num_layers;
+        self.core.read(py, |c| (0..layers).all(|l| c.is_set(l)))
     }
 
     /// Whether `layer` holds its K/V.
-    fn is_set(&self, layer: i64) -> PyResult<bool> {
-        let c = self.inner.read();
-        Ok(c.is_set(c.cache().check_layer(layer)?))
+    fn is_set(&self, py: Python<'_>, layer: i64) -> PyResult<bool> {
+        Ok(self
+            .core
+            .read(py, |c| c.cache().check_layer(layer).map(|l| c.is_set(l)))?)
     }
 
     /// Writes `layer`'s K and V ([n, num_kv_heads, head_dim], the same n for every layer),
@@ -151,38 +161,37 @@ impl PyEncoderCache {
         v: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let (k, v) = (
-            read_tensor(k, "k", self.device)?,
-            read_tensor(v, "v", self.device)?,
+            read_tensor(k, "k", &self.target)?,
+            read_tensor(v, "v", &self.target)?,
         );
-        let (kt, vt) = (*k.tensor(), *v.tensor());
-        Ok(copying(py, kt.nbytes() + vt.nbytes(), || {
-            self.inner.write().set(layer, &kt, &vt)
-        })?)
+        let (kt, vt) = (k.tensor(), v.tensor());
+        Ok(self
+            .core
+            .write_moving(py, kt.nbytes() + vt.nbytes(), |c| c.set(layer, &kt, &vt))?)
     }
 
     /// The fp8 key scales, [num_layers, num_kv_heads] float32 (None for other dtypes).
     #[getter]
     fn k_scale<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
-        scale_property(py, self.dtype, self.inner.read().cache().scales(), Kv::Key)
+        let scales = self.core.read(py, |c| c.cache().scales().clone());
+        scale_property(py, self.dtype, &scales, Kv::Key)
     }
 
     /// The fp8 value scales, [num_layers, num_kv_heads] float32 (None for other dtypes).
     #[getter]
     fn v_scale<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
-        scale_property(
-            py,
-            self.dtype,
-            self.inner.read().cache().scales(),
-            Kv::Value,
-        )
+        let scales = self.core.read(py, |c| c.cache().scales().clone());
+        scale_property(py, self.dtype, &scales, Kv::Value)
     }
 
     /// The scales (K, V) that multiply `get(layer)`'s codes: int8, zero-copy read-only
     /// views [num_kv_heads, length]; fp8, [num_kv_heads, 1]; float dtypes, ones.
     fn scales<'py>(slf: &Bound<'py, Self>, layer: i64) -> PyResult<Bound<'py, PyTuple>> {
-        let c = slf.get().inner.read();
-        let layer = c.cache().check_layer(layer)?;
-        layer_scales(slf.as_any(), c.cache(), layer)
+        let scales = slf.get().core.read(slf.py(), |c| {
+            let cache = c.cache();
+            cache.check_layer(layer).map(|l| LayerScales::of(cache, l))
+        })?;
+        layer_scales(slf.as_any(), scales)
     }
 
     /// Zero-copy read-only views (K, V) [num_kv_heads, length, head_dim] of a set layer
@@ -195,25 +204,31 @@ impl PyEncoderCache {
         dequantize: bool,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let me = slf.get();
-        let (layer, len) = {
-            let c = me.inner.read();
+        let py = slf.py();
+        let (layer, len) = me.core.read(py, |c| {
             let l = c.cache().check_layer(layer)?;
             if !c.is_set(l) {
                 return Err(crate::error::KvError::InvalidArgument {
                     name: "layer",
                     value: l.to_string(),
                     reason: "is not set yet".into(),
-                }
-                .into());
+                });
             }
-            (l, c.cache().layer_len(l))
-        };
-        let py = slf.py();
+            Ok((l, c.cache().layer_len(l)))
+        })?;
         if dequantize {
             let shape = [me.shape.num_kv_heads, len, me.shape.head_dim];
-            return dequantized_pair(py, me.device, shape, |k, v| {
-                let c = me.inner.read();
-                c.cache().extract_block(layer as i64, 0, len as i64, k, v)
+            return dequantized_pair(py, me.device, shape, |k, v, len| {
+                me.core.read_moving(py, 2 * k.nbytes(), |c| {
+                    let cache = c.cache();
+                    if cache.layer_len(layer) != len {
+                        return Ok(Err(cache.layer_len(layer)));
+                    }
+                    if len > 0 {
+                        cache.extract_block(layer as i64, 0, len as i64, k, v)?;
+                    }
+                    Ok(Ok(()))
+                })
             });
         }
         // SAFETY: the storage lives as long as `slf`, the base of the views.
@@ -247,20 +262,20 @@ impl PyEncoderCache {
     }
 
     /// Forgets the input; the memory stays allocated for the next one.
-    fn clear(&self) {
-        self.inner.write().clear()
+    fn clear(&self, py: Python<'_>) {
+        self.core.write(py, |c| c.clear())
     }
 
     /// Bytes of storage held.
-    fn memory_bytes(&self) -> usize {
-        self.inner.read().cache().memory_bytes()
+    fn memory_bytes(&self, py: Python<'_>) -> usize {
+        self.core.read(py, |c| c.cache().memory_bytes())
     }
 
-    fn __repr__(&self) -> String {
+    fn __repr__(&self, py: Python<'_>) -> String {
         let s = self.shape;
         format!(
             "EncoderCache(num_layers={}, num_kv_heads={}, head_dim={}, max_len={}, dtype='{}', device='{}', length={:?})",
-            s.num_layers, s.num_kv_heads, s.head_dim, s.max_seq_len, self.dtype, self.device, self.length()
+            s.num_layers, s.num_kv_heads, s.head_dim, s.max_seq_len, self.dtype, self.device, self.length(py)
         )
     }
 }

@@ -18,12 +18,39 @@ use super::views::is_bfloat16;
 use crate::dtype::DType;
 use crate::error::KvError;
 use crate::storage::Device;
-use crate::tensor::{TensorRef, MAX_RANK};
+use crate::tensor::{copy_strided, Span, TensorMut, TensorRef, MAX_RANK};
 
-/// A tensor borrowed from a Python object; the object (or the DLPack capsule's owner) is
-/// held for as long as this value lives, so the [`TensorRef`] inside stays valid.
+/// The memory a call writes into (a cache's storage allocations, on its device): no
+/// input may share a byte with it, or the write would read what it overwrites.
+#[derive(Clone, Debug)]
+pub struct Target {
+    /// Where the cache lives.
+    pub device: Device,
+    /// The byte ranges of its allocations.
+    pub spans: Vec<Span>,
+}
+
+impl Target {
+    /// A call on `device` that writes no cache memory (attention's queries).
+    pub fn device_only(device: Device) -> Self {
+        Target {
+            device,
+            spans: Vec::new(),
+        }
+    }
+
+    /// Whether a tensor on `device` touching `span` shares memory with the target.
+    pub fn overlaps(&self, device: Device, span: &Span) -> bool {
+        device == self.device && self.spans.iter().any(|s| s.overlaps(span))
+    }
+}
+
+/// A tensor borrowed from a Python object; the object (or the DLPack capsule's owner, or
+/// a private copy) is held for as long as this value lives, so the tensor stays valid.
 pub struct Input<'py> {
-    tensor: TensorRef,
+    /// Valid while `_owner` lives: handed out only through [`Input::tensor`], whose
+    /// borrow of `self` bounds it.
+    tensor: TensorRef<'static>,
     _owner: Owner<'py>,
 }
 
@@ -33,18 +60,76 @@ enum Owner<'py> {
     Array(Bound<'py, PyAny>),
     Versioned(ManagedBox<DLManagedTensorVersioned>),
     Legacy(ManagedBox<DLManagedTensor>),
+    /// A private copy of an input that shared memory with the cache it was written to.
+    Copy(Vec<u64>),
 }
 
 impl Input<'_> {
     /// The borrowed tensor.
-    pub fn tensor(&self) -> &TensorRef {
-        &self.tensor
+    pub fn tensor(&self) -> TensorRef<'_> {
+        self.tensor
+    }
+
+    /// This input, or a private contiguous copy of it when it shares memory with
+    /// `target` (a view of the cache handed back in): the copy is what the cache held
+    /// before the write, as if the input had been copied first.
+    fn apart_from(self, name: &'static str, target: &Target) -> PyResult<Self> {
+        let t = self.tensor;
+        if !target.overlaps(t.device(), &t.span()) {
+            return Ok(self);
+        }
+        if t.device() != Device::Cpu {
+            return Err(KvError::InvalidArgument {
+                name,
+                value: "a tensor sharing memory with this cache".into(),
+                reason: "a device input must not overlap the cache's storage; pass a copy \
+                         (x.clone())"
+                    .into(),
+            }
+            .into());
+        }
+        let shape = t.shape().to_vec();
+        let mut copy = vec![0u64; t.nbytes().div_ceil(8)];
+        let bytes = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut copy)[..t.nbytes()];
+        {
+            let dst = TensorMut::from_bytes_mut(bytes, t.dtype(), &shape)?;
+            // SAFETY: `t` is valid for reads (held by `self`); `dst` is the fresh copy.
+            unsafe {
+                copy_strided(
+                    dst.as_mut_ptr(),
+                    t.dtype(),
+                    dst.strides3(),
+                    t.as_ptr(),
+                    t.dtype(),
+                    t.strides3(),
+                    t.shape3(),
+                )
+            };
+        }
+        // SAFETY: the copy is moved into the new Input's owner (a Vec's buffer does not
+        // move with it), which outlives every use of the tensor.
+        let tensor =
+            unsafe { TensorRef::contiguous(copy.as_ptr() as *const u8, t.dtype(), &shape)? };
+        Ok(Input {
+            tensor,
+            _owner: Owner::Copy(copy),
+        })
     }
 }
 
-/// Reads `obj` (argument `name`) as a tensor on `device` of a supported dtype and rank
-/// <= 3.
+/// Reads `obj` (argument `name`) as a tensor of a supported dtype and rank <= 3 on the
+/// device of `target`, the cache the call writes; an input that shares memory with the
+/// cache's storage is copied first.
 pub fn read_tensor<'py>(
+    obj: &Bound<'py, PyAny>,
+    name: &'static str,
+    target: &Target,
+) -> PyResult<Input<'py>> {
+    read_any(obj, name, target.device)?.apart_from(name, target)
+}
+
+/// Reads `obj` as a tensor on `device`, wherever its memory lies.
+fn read_any<'py>(
     obj: &Bound<'py, PyAny>,
     name: &'static str,
     device: Device,
@@ -108,7 +193,8 @@ fn from_numpy<'py>(arr: &Bound<'py, PyUntypedArray>, name: &'static str) -> PyRe
         }
         strides[i] = s / es;
     }
-    // SAFETY: the array object is held in `_owner` while the TensorRef is used.
+    // SAFETY: the array object is held in `_owner`, and the tensor is handed out only
+    // borrowed from the Input.
     let data = unsafe { (*arr.as_array_ptr()).data as *const u8 };
     let tensor = unsafe { TensorRef::new(data, dtype, shape, &strides[..shape.len()])? };
     Ok(Input {
@@ -131,7 +217,7 @@ fn from_dlpack<'py>(
     let t: &DLTensor = match &owner {
         Owner::Versioned(m) => m.tensor(),
         Owner::Legacy(m) => m.tensor(),
-        Owner::Array(_) => unreachable!("built from DLPack above"),
+        Owner::Array(_) | Owner::Copy(_) => unreachable!("built from DLPack above"),
     };
     let (kind, id) = (t.device.device_type, t.device.device_id);
     let on = match kind {
@@ -186,6 +272,8 @@ fn from_dlpack<'py>(
             *s = unsafe { *t.strides.add(i) } as isize;
         }
     }
+    // SAFETY: the managed tensor is held in `_owner`, and the tensor is handed out only
+    // borrowed from the Input.
     let data = unsafe { (t.data as *const u8).add(t.byte_offset as usize) };
     let tensor = unsafe { TensorRef::new(data, dtype, &shape, &strides[..ndim])? }.on(device);
     Ok(Input {
@@ -301,28 +389,25 @@ pub fn read_token_ids(obj: &Bound<'_, PyAny>, name: &'static str) -> PyResult<Ve
     narrow(&read_ints(obj, name)?, name)
 }
 
-/// Reads a destination tensor: a writable NumPy array for a host pool, a tensor on the
-/// pool's device (through DLPack) for a CUDA pool.
-pub fn writable<'py>(
-    obj: &Bound<'py, PyAny>,
+/// Reads `obj` (argument `name`) as a destination tensor on `device`: its memory, held
+/// by `obj`, which the caller keeps alive for as long as it uses the tensor.
+pub(super) fn read_writable(
+    obj: &Bound<'_, PyAny>,
     name: &'static str,
     device: Device,
-) -> PyResult<Input<'py>> {
-    if device != Device::Cpu {
-        return read_tensor(obj, name, device);
+) -> PyResult<TensorMut<'static>> {
+    let t = read_any(obj, name, device)?.tensor;
+    // SAFETY: the memory belongs to `obj` (or a capsule of it that the producer keeps
+    // valid while `obj` lives), which the caller holds beside the tensor; NumPy outputs
+    // were checked writable.
+    unsafe {
+        TensorMut::new(
+            t.as_ptr() as *mut u8,
+            t.dtype(),
+            t.shape(),
+            &t.strides3()[MAX_RANK - t.shape().len()..],
+        )
     }
-    let arr = obj
-        .cast::<PyUntypedArray>()
-        .map_err(|_| PyTypeError::new_err(format!("{name} must be a writable NumPy array")))?;
-    // SAFETY: `arr` is an ndarray; its flags are plain data.
-    let flags = unsafe { (*arr.as_array_ptr()).flags };
-    if flags & 0x0400 == 0 {
-        return Err(KvError::InvalidArgument {
-            name,
-            value: "a read-only array".into(),
-            reason: "must be writable".into(),
-        }
-        .into());
-    }
-    read_tensor(obj, name, device)
+    .map(|m| m.on(t.device()))
+    .map_err(Into::into)
 }

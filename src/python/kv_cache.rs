@@ -1,15 +1,17 @@
 //! `kvrs.KVCache`: the Python face of the contiguous cache.
 
 use super::attention::{self, AttnArgs};
-use parking_lot::RwLock;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
 use super::args::{parse_device, parse_dtype};
-use super::copying;
-use super::input::read_tensor;
-use super::quant::{dequantized_pair, layer_scales, parse_scales, read_dtype, scale_property};
-use super::views::{borrowed_view, new_output};
+use super::guarded::Guarded;
+use super::input::{read_tensor, Target};
+use super::output::new_output;
+use super::quant::{
+    dequantized_pair, layer_scales, parse_scales, read_dtype, scale_property, LayerScales,
+};
+use super::views::borrowed_view;
 use crate::dtype::DType;
 use crate::error::{check_index, check_size, KvError};
 use crate::kv_cache::{CacheCore, CacheShape, Kv};
@@ -63,7 +65,10 @@ pub(crate) unsafe fn layer_view<'py>(
 /// A contiguous KV cache for one sequence, preallocated for `max_seq_len` positions.
 #[pyclass(frozen, name = "KVCache", module = "kvrs")]
 pub struct PyKVCache {
-    pub(crate) inner: RwLock<CacheCore>,
+    /// The core, entered only through closures (see [`super::guarded`]).
+    core: Guarded<CacheCore>,
+    /// Its storage's allocations: what no input may overlap.
+    target: Target,
     shape: CacheShape,
     dtype: DType,
     device: Device,
@@ -72,6 +77,11 @@ pub struct PyKVCache {
 }
 
 impl PyKVCache {
+    /// The guarded core (for copies between a pool and this cache).
+    pub(crate) fn core(&self) -> &Guarded<CacheCore> {
+        &self.core
+    }
+
     /// A read-only view `[heads, len, head_dim]` (or one head's `[len, head_dim]`) of a
     /// layer's K or V, owned by `slf`.
     fn view<'py>(
@@ -106,10 +116,9 @@ impl PyKVCache {
         seq_len: Option<i64>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let me = slf.get();
-        let (layer, committed) = {
-            let c = me.inner.read();
-            (c.check_layer(layer)?, c.seq_len())
-        };
+        let (layer, committed) = me
+            .core
+            .read(slf.py(), |c| c.check_layer(layer).map(|l| (l, c.seq_len())))?;
         let head = check_index("head", head, me.shape.num_kv_heads)?;
         let len = match seq_len {
             None => committed,
@@ -138,12 +147,11 @@ impl PyKVCache {
         let input = read_tensor(
             vector,
             if kv == Kv::Key { "key" } else { "value" },
-            self.device,
+            &self.target,
         )?;
-        let t = *input.tensor();
-        copying(py, t.nbytes(), || {
-            self.inner.write().store(kv, layer, head, pos, &t)
-        })?;
+        let t = input.tensor();
+        self.core
+            .write_moving(py, t.nbytes(), |c| c.store(kv, layer, head, pos, &t))?;
         Ok(())
     }
 }
@@ -181,17 +189,17 @@ impl PyKVCache {
         alibi_slopes: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let args = AttnArgs::parse(scale, softcap, sinks, alibi_slopes)?;
-        attention::run(py, q, out, self.device, |q, o| {
-            self.inner
-                .read()
-                .attention(layer, q, o, window, &args.options())
+        attention::run(py, q, out, &self.target, |q, o| {
+            self.core.read_moving(py, usize::MAX, |c| {
+                c.attention(layer, q, o, window, &args.options())
+            })
         })
     }
 
     /// The device address of the int64 position counter (CUDA caches), set to seq_len
     /// now: call it before capturing a decode loop in a CUDA graph.
-    fn gpu_counter_ptr(&self) -> PyResult<u64> {
-        Ok(self.inner.read().gpu_counter_ptr()?)
+    fn gpu_counter_ptr(&self, py: Python<'_>) -> PyResult<u64> {
+        Ok(self.core.read(py, |c| c.gpu_counter_ptr())?)
     }
 
     /// Appends k, v [n_tokens, num_kv_heads, head_dim] (tensors on the cache's device) to
@@ -199,36 +207,39 @@ impl PyKVCache {
     /// step of a decode loop captured in a CUDA graph.
     fn append_at_counter(
         &self,
+        py: Python<'_>,
         layer: i64,
         k: &Bound<'_, PyAny>,
         v: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let (k, v) = (
-            read_tensor(k, "k", self.device)?,
-            read_tensor(v, "v", self.device)?,
+            read_tensor(k, "k", &self.target)?,
+            read_tensor(v, "v", &self.target)?,
         );
+        let (kt, vt) = (k.tensor(), v.tensor());
         Ok(self
-            .inner
-            .read()
-            .append_at_counter(layer, k.tensor(), v.tensor())?)
+            .core
+            .read(py, |c| c.append_at_counter(layer, &kt, &vt))?)
     }
 
     /// Sends later launches to `stream` (an integer handle such as
     /// torch.cuda.current_stream().cuda_stream; None: kvrs's own stream). CUDA caches.
     #[pyo3(signature = (stream))]
-    fn set_stream(&self, stream: Option<u64>) -> PyResult<()> {
-        Ok(self.inner.read().set_stream(stream)?)
+    fn set_stream(&self, py: Python<'_>, stream: Option<u64>) -> PyResult<()> {
+        Ok(self.core.read(py, |c| c.set_stream(stream))?)
     }
 
     /// Adds n to the device counter on the device (the end of a captured decode step).
-    fn advance_counter(&self, n: i64) -> PyResult<()> {
-        Ok(self.inner.read().advance_counter(n)?)
+    fn advance_counter(&self, py: Python<'_>, n: i64) -> PyResult<()> {
+        Ok(self.core.read(py, |c| c.advance_counter(n))?)
     }
 
     /// Waits for the device, reads the counter back and makes it seq_len (and every
     /// layer's length); returns it. CacheFullError if appends ran past max_seq_len.
     fn sync_counter_from_gpu(&self, py: Python<'_>) -> PyResult<usize> {
-        Ok(py.detach(|| self.inner.write().sync_counter_from_gpu())?)
+        Ok(self
+            .core
+            .write_moving(py, usize::MAX, |c| c.sync_counter_from_gpu())?)
     }
 
     #[new]
@@ -258,8 +269,13 @@ impl PyKVCache {
         let scales = parse_scales(k_scale, v_scale, shape.num_layers, shape.num_kv_heads)?;
         let cache = CacheCore::new(shape, dtype, device)?.with_scales(scales)?;
         let data = cache.data_ptr() as usize;
+        let target = Target {
+            device,
+            spans: cache.storage_spans(),
+        };
         Ok(PyKVCache {
-            inner: RwLock::new(cache),
+            core: Guarded::new(cache),
+            target,
             shape,
             dtype,
             device,
@@ -269,8 +285,8 @@ impl PyKVCache {
 
     /// Committed length.
     #[getter]
-    fn seq_len(&self) -> usize {
-        self.inner.read().seq_len()
+    fn seq_len(&self, py: Python<'_>) -> usize {
+        self.core.read(py, |c| c.seq_len())
     }
 
     /// Positions each layer can hold.
@@ -307,13 +323,15 @@ impl PyKVCache {
     /// The fp8 key scales, [num_layers, num_kv_heads] float32 (None for other dtypes).
     #[getter]
     fn k_scale<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
-        scale_property(py, self.dtype, self.inner.read().scales(), Kv::Key)
+        let scales = self.core.read(py, |c| c.scales().clone());
+        scale_property(py, self.dtype, &scales, Kv::Key)
     }
 
     /// The fp8 value scales, [num_layers, num_kv_heads] float32 (None for other dtypes).
     #[getter]
     fn v_scale<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
-        scale_property(py, self.dtype, self.inner.read().scales(), Kv::Value)
+        let scales = self.core.read(py, |c| c.scales().clone());
+        scale_property(py, self.dtype, &scales, Kv::Value)
     }
 
     /// The scales (K, V) that multiply `get(layer)`'s codes: int8, zero-copy read-only
@@ -321,10 +339,10 @@ impl PyKVCache {
     /// (one per head); float dtypes, ones [num_kv_heads, 1]. For every dtype,
     /// `codes.astype(np.float32) * scales[..., None]` is what the cache holds.
     fn scales<'py>(slf: &Bound<'py, Self>, layer: i64) -> PyResult<Bound<'py, PyTuple>> {
-        let me = slf.get();
-        let c = me.inner.read();
-        let layer = c.check_layer(layer)?;
-        layer_scales(slf.as_any(), &c, layer)
+        let scales = slf.get().core.read(slf.py(), |c| {
+            c.check_layer(layer).map(|l| LayerScales::of(c, l))
+        })?;
+        layer_scales(slf.as_any(), scales)
     }
 
     /// Device name: 'cpu' (or 'cuda:N').
@@ -334,9 +352,10 @@ impl PyKVCache {
     }
 
     /// Positions written into `layer` (committed and appended).
-    fn layer_len(&self, layer: i64) -> PyResult<usize> {
-        let c = self.inner.read();
-        Ok(c.layer_len(c.check_layer(layer)?))
+    fn layer_len(&self, py: Python<'_>, layer: i64) -> PyResult<usize> {
+        Ok(self
+            .core
+            .read(py, |c| c.check_layer(layer).map(|l| c.layer_len(l)))?)
     }
 
     /// Writes one key vector of `head_dim` at (layer, head, pos); the layer holds pos after.
@@ -373,19 +392,19 @@ impl PyKVCache {
         v: &Bound<'_, PyAny>,
     ) -> PyResult<usize> {
         let (k, v) = (
-            read_tensor(k, "k", self.device)?,
-            read_tensor(v, "v", self.device)?,
+            read_tensor(k, "k", &self.target)?,
+            read_tensor(v, "v", &self.target)?,
         );
-        let (kt, vt) = (*k.tensor(), *v.tensor());
-        Ok(copying(py, kt.nbytes() + vt.nbytes(), || {
-            self.inner.write().append(layer, &kt, &vt)
-        })?)
+        let (kt, vt) = (k.tensor(), v.tensor());
+        Ok(self
+            .core
+            .write_moving(py, kt.nbytes() + vt.nbytes(), |c| c.append(layer, &kt, &vt))?)
     }
 
     /// Commits `n` tokens: `seq_len += n`. Every layer must hold them already.
     #[pyo3(signature = (n = 1))]
-    fn advance(&self, n: i64) -> PyResult<()> {
-        Ok(self.inner.write().advance(n)?)
+    fn advance(&self, py: Python<'_>, n: i64) -> PyResult<()> {
+        Ok(self.core.write(py, |c| c.advance(n))?)
     }
 
     /// Zero-copy read-only views (K, V) of shape [num_kv_heads, length, head_dim], where
@@ -398,16 +417,22 @@ impl PyKVCache {
         dequantize: bool,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let me = slf.get();
-        let (l, len) = {
-            let c = me.inner.read();
-            let l = c.check_layer(layer)?;
-            (l, c.layer_len(l))
-        };
         let py = slf.py();
+        let (l, len) = me
+            .core
+            .read(py, |c| c.check_layer(layer).map(|l| (l, c.layer_len(l))))?;
         if dequantize {
             let shape = [me.shape.num_kv_heads, len, me.shape.head_dim];
-            return dequantized_pair(py, me.device, shape, |k, v| {
-                me.inner.read().extract_block(layer, 0, len as i64, k, v)
+            return dequantized_pair(py, me.device, shape, |k, v, len| {
+                me.core.read_moving(py, 2 * k.nbytes(), |c| {
+                    if c.layer_len(l) != len {
+                        return Ok(Err(c.layer_len(l)));
+                    }
+                    if len > 0 {
+                        c.extract_block(layer, 0, len as i64, k, v)?;
+                    }
+                    Ok(Ok(()))
+                })
             });
         }
         let k = Self::view(slf, l, Kv::Key, None, len)?;
@@ -440,18 +465,19 @@ impl PyKVCache {
     }
 
     /// Drops positions >= n from every layer; a no-op when n >= seq_len.
-    fn truncate(&self, n: i64) -> PyResult<()> {
-        Ok(self.inner.write().truncate(n)?)
+    fn truncate(&self, py: Python<'_>, n: i64) -> PyResult<()> {
+        Ok(self.core.write(py, |c| c.truncate(n))?)
     }
 
     /// Empties the cache; memory stays allocated.
-    fn clear(&self) {
-        self.inner.write().clear()
+    fn clear(&self, py: Python<'_>) {
+        self.core.write(py, |c| c.clear())
     }
 
-    /// Sets seq_len and every layer's length to min(n, max_seq_len).
-    fn set_seq_len(&self, n: i64) -> PyResult<()> {
-        Ok(self.inner.write().set_seq_len(n)?)
+    /// Sets seq_len and every layer's length to min(n, max_seq_len); positions no write
+    /// reached read as zeros.
+    fn set_seq_len(&self, py: Python<'_>, n: i64) -> PyResult<()> {
+        Ok(self.core.write(py, |c| c.set_seq_len(n))?)
     }
 
     /// Copies [num_kv_heads, block_size, head_dim] keys and values from start_pos (of the
@@ -464,23 +490,21 @@ impl PyKVCache {
         start_pos: i64,
         block_size: i64,
     ) -> PyResult<Bound<'py, PyTuple>> {
-        self.inner
-            .read()
-            .check_block_args(layer, start_pos, block_size)?;
+        self.core
+            .read(py, |c| c.check_block_args(layer, start_pos, block_size))?;
         let shape = [
             self.shape.num_kv_heads,
             block_size as usize,
             self.shape.head_dim,
         ];
         let dtype = read_dtype(self.dtype);
-        let (k, kt) = new_output(py, self.device, dtype, &shape)?;
-        let (v, vt) = new_output(py, self.device, dtype, &shape)?;
-        copying(py, 2 * kt.nbytes(), || {
-            self.inner
-                .read()
-                .extract_block(layer, start_pos, block_size, &kt, &vt)
+        let k = new_output(py, self.device, dtype, &shape)?;
+        let v = new_output(py, self.device, dtype, &shape)?;
+        let (kt, vt) = (k.tensor(), v.tensor());
+        self.core.read_moving(py, 2 * kt.nbytes(), |c| {
+            c.extract_block(layer, start_pos, block_size, kt, vt)
         })?;
-        PyTuple::new(py, [k, v])
+        PyTuple::new(py, [k.into_object(), v.into_object()])
     }
 
     /// Writes [num_kv_heads, block_size, head_dim] keys and values at start_pos,
@@ -495,37 +519,35 @@ impl PyKVCache {
         values: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let (k, v) = (
-            read_tensor(keys, "keys", self.device)?,
-            read_tensor(values, "values", self.device)?,
+            read_tensor(keys, "keys", &self.target)?,
+            read_tensor(values, "values", &self.target)?,
         );
-        let (kt, vt) = (*k.tensor(), *v.tensor());
-        copying(py, kt.nbytes() + vt.nbytes(), || {
-            self.inner
-                .write()
-                .inject_block(layer, start_pos, block_size, &kt, &vt)
+        let (kt, vt) = (k.tensor(), v.tensor());
+        self.core.write_moving(py, kt.nbytes() + vt.nbytes(), |c| {
+            c.inject_block(layer, start_pos, block_size, &kt, &vt)
         })?;
         Ok(())
     }
 
     /// Bytes of storage held (K and V of every layer, allocated once).
-    fn memory_bytes(&self) -> usize {
-        self.inner.read().memory_bytes()
+    fn memory_bytes(&self, py: Python<'_>) -> usize {
+        self.core.read(py, |c| c.memory_bytes())
     }
 
     /// seq_len / max_seq_len, in [0, 1].
-    fn utilization_ratio(&self) -> f64 {
-        self.inner.read().utilization_ratio()
+    fn utilization_ratio(&self, py: Python<'_>) -> f64 {
+        self.core.read(py, |c| c.utilization_ratio())
     }
 
-    fn __len__(&self) -> usize {
-        self.seq_len()
+    fn __len__(&self, py: Python<'_>) -> usize {
+        self.seq_len(py)
     }
 
-    fn __repr__(&self) -> String {
+    fn __repr__(&self, py: Python<'_>) -> String {
         let s = self.shape;
         format!(
             "KVCache(num_layers={}, num_kv_heads={}, head_dim={}, max_seq_len={}, dtype='{}', device='{}', seq_len={})",
-            s.num_layers, s.num_kv_heads, s.head_dim, s.max_seq_len, self.dtype, self.device, self.seq_len()
+            s.num_layers, s.num_kv_heads, s.head_dim, s.max_seq_len, self.dtype, self.device, self.seq_len(py)
         )
     }
 }

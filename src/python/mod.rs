@@ -6,8 +6,10 @@ mod batch;
 mod device_tensor;
 mod encoder_cache;
 mod errors;
+mod guarded;
 mod input;
 mod kv_cache;
+mod output;
 mod pool;
 mod pool_args;
 mod quant;
@@ -18,19 +20,6 @@ mod tiers;
 mod views;
 
 use pyo3::prelude::*;
-
-/// Copies of at least this many bytes run with the GIL released; smaller ones (a decode
-/// step's single token) finish faster than releasing and re-taking the GIL would.
-const DETACH_BYTES: usize = 64 * 1024;
-
-/// Runs `f` with the GIL released when it moves at least [`DETACH_BYTES`].
-fn copying<T: Send, F: FnOnce() -> T + Send>(py: Python<'_>, bytes: usize, f: F) -> T {
-    if bytes >= DETACH_BYTES {
-        py.detach(f)
-    } else {
-        f()
-    }
-}
 
 /// `types.GenericAlias(cls, item)`: what `KVCache[np.ndarray]` evaluates to, so the
 /// stub's generic classes can be subscripted at run time as in annotations.

@@ -6,14 +6,12 @@ use numpy::{PyArray1, PyArray2, PyArrayMethods};
 use std::ops::Deref;
 use std::sync::Arc;
 
-use parking_lot::Mutex;
 use pyo3::exceptions::{PyAssertionError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
 use super::args::{parse_device, parse_dtype};
 use super::batch::PyForwardBatch;
-use super::copying;
 use super::input::{read_ints, read_tensor, read_token_ids};
 use super::pool_args;
 use super::quant::{parse_scales, scale_property};
@@ -58,6 +56,27 @@ impl PyBlockPool {
             ids.push(Self::id_of(slf, &item?, name)?);
         }
         Ok(ids)
+    }
+
+    /// Ids of `seqs` (each checked to be a Sequence of this pool), and the distinct
+    /// Sequence objects in order of first appearance.
+    fn sequences(
+        slf: &Bound<'_, Self>,
+        seqs: &Bound<'_, PyAny>,
+        name: &'static str,
+    ) -> PyResult<(Vec<SeqId>, Vec<Py<PySequence>>)> {
+        let mut ids = Vec::new();
+        let mut objects: Vec<Py<PySequence>> = Vec::new();
+        let mut seen = rustc_hash::FxHashSet::default();
+        for item in seqs.try_iter()? {
+            let item = item?;
+            let id = Self::id_of(slf, &item, name)?;
+            ids.push(id);
+            if seen.insert(id) {
+                objects.push(item.cast_into::<PySequence>()?.unbind());
+            }
+        }
+        Ok((ids, objects))
     }
 
     pub(crate) fn id_of(
@@ -185,15 +204,8 @@ impl PyBlockPool {
         if !tiers.is_empty() {
             pool = pool.with_tiers(tiers, model_id, tier_queue, tier_write)?;
         }
-        let data = pool.data_ptr() as usize;
         Ok(PyBlockPool {
-            core: Arc::new(SharedPool {
-                inner: Mutex::new(pool),
-                shape,
-                dtype,
-                device,
-                data,
-            }),
+            core: Arc::new(SharedPool::new(pool)),
         })
     }
 
@@ -247,92 +259,96 @@ impl PyBlockPool {
 
     /// Bytes of one block across all layers (K and V).
     #[getter]
-    fn bytes_per_block(&self) -> usize {
-        self.inner.lock().bytes_per_block()
+    fn bytes_per_block(&self, py: Python<'_>) -> usize {
+        self.core.read(py, |c| c.bytes_per_block())
     }
 
     /// Blocks no sequence holds.
     #[getter]
-    fn free_blocks(&self) -> usize {
-        self.inner.lock().num_free_blocks()
+    fn free_blocks(&self, py: Python<'_>) -> usize {
+        self.core.read(py, |c| c.num_free_blocks())
     }
 
     /// The rotary embedding used to re-rotate moved keys, or None.
     #[getter]
-    fn rope(&self) -> Option<PyRope> {
-        self.inner.lock().rope().map(|rope| PyRope { rope })
+    fn rope(&self, py: Python<'_>) -> Option<PyRope> {
+        self.core.read(py, |c| c.rope()).map(|rope| PyRope { rope })
     }
 
     /// Whether full blocks with known token ids are cached for reuse.
     #[getter]
-    fn prefix_caching(&self) -> bool {
-        self.inner.lock().prefix().is_some()
+    fn prefix_caching(&self, py: Python<'_>) -> bool {
+        self.core.read(py, |c| c.prefix().is_some())
     }
 
     /// The prefix hash function ('blake3' or 'xxh3'), or None without prefix caching.
     #[getter]
-    fn hash(&self) -> Option<String> {
-        self.inner.lock().prefix().map(|p| p.kind.to_string())
+    fn hash(&self, py: Python<'_>) -> Option<String> {
+        self.core
+            .read(py, |c| c.prefix().map(|p| p.kind.to_string()))
     }
 
     /// The seed of every hash chain (give it to another pool to share saved caches), or
     /// None without prefix caching.
     #[getter]
-    fn seed(&self) -> Option<u128> {
-        self.inner.lock().prefix().map(|p| p.seed)
+    fn seed(&self, py: Python<'_>) -> Option<u128> {
+        self.core.read(py, |c| c.prefix().map(|p| p.seed))
     }
 
     /// Kind of each layer: "full", "sliding" or "chunked".
     #[getter]
-    fn layer_types(&self) -> Vec<&'static str> {
-        let pool = self.inner.lock();
-        pool.groups()
-            .attention
-            .kinds
-            .iter()
-            .map(|k| k.name())
-            .collect()
+    fn layer_types(&self, py: Python<'_>) -> Vec<&'static str> {
+        self.core.read(py, |c| {
+            c.groups()
+                .attention
+                .kinds
+                .iter()
+                .map(|k| k.name())
+                .collect()
+        })
     }
 
     /// Window of the sliding layers (positions seen, the token included), or None.
     #[getter]
-    fn sliding_window(&self) -> Option<usize> {
-        self.inner.lock().groups().attention.sliding_window
+    fn sliding_window(&self, py: Python<'_>) -> Option<usize> {
+        self.core.read(py, |c| c.groups().attention.sliding_window)
     }
 
     /// Chunk size of the chunked layers, or None.
     #[getter]
-    fn chunk_size(&self) -> Option<usize> {
-        self.inner.lock().groups().attention.chunk_size
+    fn chunk_size(&self, py: Python<'_>) -> Option<usize> {
+        self.core.read(py, |c| c.groups().attention.chunk_size)
     }
 
     /// Extra positions sliding layers keep behind their window.
     #[getter]
-    fn swa_memory(&self) -> usize {
-        self.inner.lock().groups().attention.swa_memory
+    fn swa_memory(&self, py: Python<'_>) -> usize {
+        self.core.read(py, |c| c.groups().attention.swa_memory)
     }
 
     /// Block tables each sequence has: one per group of equally many layers of one kind.
     #[getter]
-    fn num_layer_groups(&self) -> usize {
-        self.inner.lock().groups().groups.len()
+    fn num_layer_groups(&self, py: Python<'_>) -> usize {
+        self.core.read(py, |c| c.groups().groups.len())
     }
 
     /// The group (row of reserve()'s slot mapping, block table) of `layer`.
-    fn layer_group(&self, layer: i64) -> PyResult<usize> {
-        Ok(self.inner.lock().group_for(Some(layer))?)
+    fn layer_group(&self, py: Python<'_>, layer: i64) -> PyResult<usize> {
+        Ok(self.core.read(py, |c| c.group_for(Some(layer)))?)
     }
 
     /// The fp8 key scales, [num_layers, num_kv_heads] float32 (None for other dtypes).
     #[getter]
     fn k_scale<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
-        scale_property(py, self.dtype, self.inner.lock().scales(), Kv::Key)
+        let scales = self.core.read(py, |c| c.scales().clone());
+        scale_property(py, self.dtype, &scales, Kv::Key)
     }
 
     /// The fp8 value scales, [num_layers, num_kv_heads] float32 (None for other dtypes).
     #[getter]
     fn v_scale<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
-        scale_property(py, self.dtype, self.inner.lock().scales(), Kv::Value)
+        let scales = self.core.read(py, |c| c.scales().clone());
+        scale_property(py, self.dtype, &scales, Kv::Value)
     }
 
     /// Zero-copy writable view of the per-token scales of one layer's cache tensor (int8
@@ -342,10 +358,9 @@ impl PyBlockPool {
         let me = slf.get();
         let sh = me.shape;
         let layer = crate::error::check_index("layer", layer, sh.num_layers)?;
-        let (tensor, rows) = {
-            let p = me.inner.lock();
-            (p.tensor_of(layer), p.row_scales())
-        };
+        let (tensor, rows) = me.core.read(slf.py(), |c| {
+            (c.tensor_of(layer), c.row_scales().map(|r| r.ptr as usize))
+        });
         let Some(rows) = rows else {
             return Err(KvError::NotSupported(format!(
                 "scale_cache: a {} pool keeps no per-token scales (int8 does; fp8 scales are \
@@ -368,7 +383,7 @@ impl PyBlockPool {
             borrowed_view(
                 slf.as_any(),
                 me.device,
-                rows.ptr.add(at) as *mut u8,
+                (rows as *mut f32).add(at) as *mut u8,
                 DType::F32,
                 &dims,
                 &bytes,
@@ -381,7 +396,7 @@ impl PyBlockPool {
     fn kv_cache<'py>(slf: &Bound<'py, Self>, layer: i64) -> PyResult<Bound<'py, PyAny>> {
         let sh = slf.get().shape;
         let layer = crate::error::check_index("layer", layer, sh.num_layers)?;
-        let tensor = slf.get().inner.lock().tensor_of(layer);
+        let tensor = slf.get().core.read(slf.py(), |c| c.tensor_of(layer));
         let dims = sh.layer_tensor_shape();
         let mut strides = [1usize; 5];
         for i in (0..4).rev() {
@@ -398,7 +413,9 @@ impl PyBlockPool {
 
     /// Occupancy as a dict (blocks, bytes, exact token counts).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.inner.lock().stats();
+        let (s, tiers) = self
+            .core
+            .read(py, |c| (c.stats(), super::tiers::tier_snapshot(c)));
         let d = PyDict::new(py);
         d.set_item("num_blocks", s.num_blocks)?;
         d.set_item("free_blocks", s.free_blocks)?;
@@ -432,7 +449,9 @@ impl PyBlockPool {
             kinds.set_item(k.kind.name(), e)?;
         }
         d.set_item("by_layer_type", kinds)?;
-        super::tiers::tier_stats(py, &self.inner.lock(), &d)?;
+        if let Some(t) = tiers {
+            super::tiers::tier_stats(py, &t, &d)?;
+        }
         Ok(d)
     }
 
@@ -449,16 +468,17 @@ impl PyBlockPool {
             key_bytes(namespace, "namespace")?,
             key_bytes(extra_key, "extra_key")?,
         );
+        let pool = &slf.get().core;
+        let py = slf.py();
         let id = match tokens {
             Some(t) => {
                 let t = read_token_ids(t, "tokens")?;
-                // Tier lookups may wait on a disk or a server: without the GIL.
-                let pool = slf.get();
-                slf.py()
-                    .detach(|| pool.inner.lock().new_sequence_with(&t, &ns, &extra))
+                // Tier lookups may wait on a disk or a server, and long prompts take a
+                // while to hash: without the GIL.
+                pool.write_detached(py, |c| c.new_sequence_with(&t, &ns, &extra))
             }
-            None if ns.is_empty() && extra.is_empty() => slf.get().inner.lock().new_sequence(),
-            None => slf.get().inner.lock().new_sequence_with(&[], &ns, &extra),
+            None if ns.is_empty() && extra.is_empty() => pool.write(py, |c| c.new_sequence()),
+            None => pool.write(py, |c| c.new_sequence_with(&[], &ns, &extra)),
         };
         Ok(Self::sequence(slf, id))
     }
@@ -468,12 +488,15 @@ impl PyBlockPool {
     #[pyo3(signature = (tokens, namespace = None, extra_key = None))]
     fn match_prefix(
         &self,
+        py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
         namespace: Option<&Bound<'_, PyAny>>,
         extra_key: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
         let (t, ns, extra) = prefix_args(tokens, namespace, extra_key)?;
-        Ok(self.inner.lock().match_prefix(&t, &ns, &extra))
+        Ok(self
+            .core
+            .read_moving(py, 4 * t.len(), |c| c.match_prefix(&t, &ns, &extra)))
     }
 
     /// Loads what the offload tiers hold of `tokens`' prefix into the pool's cache
@@ -492,9 +515,13 @@ impl PyBlockPool {
     ) -> PyResult<usize> {
         let (t, ns, extra) = prefix_args(tokens, namespace, extra_key)?;
         if wait {
-            Ok(py.detach(|| self.inner.lock().prefetch(&t, &ns, &extra))?)
+            Ok(self
+                .core
+                .write_detached(py, |c| c.prefetch(&t, &ns, &extra))?)
         } else {
-            Ok(py.detach(|| self.inner.lock().prefetch_async(&t, &ns, &extra))?)
+            Ok(self
+                .core
+                .write_detached(py, |c| c.prefetch_async(&t, &ns, &extra))?)
         }
     }
 
@@ -502,17 +529,16 @@ impl PyBlockPool {
     /// would); returns how many were queued. flush_tiers() waits for them.
     fn store_to_tiers(slf: &Bound<'_, Self>, seqs: &Bound<'_, PyAny>) -> PyResult<usize> {
         let ids = Self::ids(slf, seqs, "seqs")?;
-        let pool = slf.get().inner.lock();
-        let mut n = 0;
-        for id in ids {
-            n += pool.store_to_tiers(id)?;
-        }
-        Ok(n)
+        Ok(slf.get().core.read(slf.py(), |c| {
+            ids.iter()
+                .map(|&id| c.store_to_tiers(id))
+                .sum::<crate::error::Result<usize>>()
+        })?)
     }
 
     /// Waits until every block queued for the offload tiers is written (or refused).
     fn flush_tiers(&self, py: Python<'_>) {
-        py.detach(|| self.inner.lock().flush_tiers());
+        self.core.write_detached(py, |c| c.flush_tiers());
     }
 
     /// Removes every block of `namespace` from the offload tiers; returns how many.
@@ -523,7 +549,9 @@ impl PyBlockPool {
         namespace: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
         let ns = key_bytes(namespace, "namespace")?;
-        Ok(py.detach(|| self.inner.lock().drop_tier_namespace(&ns))?)
+        Ok(self
+            .core
+            .write_detached(py, |c| c.drop_tier_namespace(&ns))?)
     }
 
     /// Keeps the cached whole blocks of `tokens` from eviction until unpin(); returns the
@@ -531,36 +559,42 @@ impl PyBlockPool {
     #[pyo3(signature = (tokens, namespace = None, extra_key = None))]
     fn pin(
         &self,
+        py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
         namespace: Option<&Bound<'_, PyAny>>,
         extra_key: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
         let (t, ns, extra) = prefix_args(tokens, namespace, extra_key)?;
-        Ok(self.inner.lock().pin(&t, &ns, &extra)?)
+        Ok(self
+            .core
+            .write_moving(py, 4 * t.len(), |c| c.pin(&t, &ns, &extra))?)
     }
 
     /// Undoes one pin() of the same prefix; returns the tokens unpinned.
     #[pyo3(signature = (tokens, namespace = None, extra_key = None))]
     fn unpin(
         &self,
+        py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
         namespace: Option<&Bound<'_, PyAny>>,
         extra_key: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
         let (t, ns, extra) = prefix_args(tokens, namespace, extra_key)?;
-        Ok(self.inner.lock().unpin(&t, &ns, &extra)?)
+        Ok(self
+            .core
+            .write_moving(py, 4 * t.len(), |c| c.unpin(&t, &ns, &extra))?)
     }
 
     /// Drops every cached block no sequence holds; returns how many.
-    fn evict_all(&self) -> usize {
-        self.inner.lock().evict_all()
+    fn evict_all(&self, py: Python<'_>) -> usize {
+        self.core.write_detached(py, |c| c.evict_all())
     }
 
     /// Blocks stored in and removed from the prefix cache since the last call: a list of
     /// dicts (type 'stored' or 'removed', block_hash and parent_hash as 32-digit hex,
     /// num_tokens, block_id).
     fn drain_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let events = self.inner.lock().drain_events()?;
+        let events = self.core.write(py, |c| c.drain_events())?;
         let out = PyList::empty(py);
         for e in events {
             let d = PyDict::new(py);
@@ -576,7 +610,9 @@ impl PyBlockPool {
 
     /// Writes every cached block to `path` (safetensors, atomically); returns how many.
     fn save_prefix_cache(&self, py: Python<'_>, path: std::path::PathBuf) -> PyResult<usize> {
-        Ok(py.detach(|| self.inner.lock().save_prefix_cache(&path))?)
+        Ok(self
+            .core
+            .read_moving(py, usize::MAX, |c| c.save_prefix_cache(&path))?)
     }
 
     /// Warms the prefix cache from a file written by save_prefix_cache(); returns
@@ -587,7 +623,9 @@ impl PyBlockPool {
         py: Python<'py>,
         path: std::path::PathBuf,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let r = py.detach(|| self.inner.lock().load_prefix_cache(&path))?;
+        let r = self
+            .core
+            .write_detached(py, |c| c.load_prefix_cache(&path))?;
         let d = PyDict::new(py);
         d.set_item("loaded", r.loaded)?;
         d.set_item("skipped", r.skipped)?;
@@ -602,13 +640,13 @@ impl PyBlockPool {
         n: i64,
     ) -> PyResult<()> {
         let (s, d) = (Self::id_of(slf, src, "src")?, Self::id_of(slf, dst, "dst")?);
-        Ok(slf.get().inner.lock().copy_prefix(s, d, n)?)
+        Ok(slf.get().core.write(slf.py(), |c| c.copy_prefix(s, d, n))?)
     }
 
     /// Frees every sequence of the pool not in `seqs`.
     fn keep(slf: &Bound<'_, Self>, seqs: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = Self::ids(slf, seqs, "seqs")?;
-        Ok(slf.get().inner.lock().keep(&ids)?)
+        Ok(slf.get().core.write(slf.py(), |c| c.keep(&ids))?)
     }
 
     /// Reserves room for counts[i] new tokens at the end of each sequence (all or nothing)
@@ -620,9 +658,11 @@ impl PyBlockPool {
     ) -> PyResult<Bound<'py, PyAny>> {
         let ids = Self::ids(slf, seqs, "seqs")?;
         let counts = read_ints(counts, "counts")?;
-        let mut pool = slf.get().inner.lock();
-        let slots = pool.reserve(&ids, &counts)?;
-        slot_array(slf.py(), slots, pool.groups().groups.len())
+        let (slots, groups) = slf.get().core.write(slf.py(), |c| {
+            c.reserve(&ids, &counts)
+                .map(|s| (s, c.groups().groups.len()))
+        })?;
+        slot_array(slf.py(), slots, groups)
     }
 
     /// Scatters k, v [n_tokens, num_kv_heads, head_dim] into slot_mapping (-1 skips).
@@ -635,13 +675,13 @@ impl PyBlockPool {
         slot_mapping: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let (k, v) = (
-            read_tensor(k, "k", self.device)?,
-            read_tensor(v, "v", self.device)?,
+            read_tensor(k, "k", &self.target)?,
+            read_tensor(v, "v", &self.target)?,
         );
         let slots = read_ints(slot_mapping, "slot_mapping")?;
-        let (kt, vt) = (*k.tensor(), *v.tensor());
-        copying(py, kt.nbytes() + vt.nbytes(), || {
-            self.inner.lock().write(layer, &kt, &vt, &slots)
+        let (kt, vt) = (k.tensor(), v.tensor());
+        self.core.write_moving(py, kt.nbytes() + vt.nbytes(), |c| {
+            c.write(layer, &kt, &vt, &slots)
         })?;
         Ok(())
     }
@@ -654,9 +694,11 @@ impl PyBlockPool {
         layer: Option<i64>,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let ids = Self::ids(slf, seqs, "seqs")?;
-        let pool = slf.get().inner.lock();
-        let (indptr, indices, last) = pool.page_table(&ids, pool.group_for(layer)?)?;
         let py = slf.py();
+        let (indptr, indices, last) = slf
+            .get()
+            .core
+            .read(py, |c| c.page_table(&ids, c.group_for(layer)?))?;
         PyTuple::new(
             py,
             [
@@ -677,8 +719,10 @@ impl PyBlockPool {
         layer: Option<i64>,
     ) -> PyResult<Bound<'py, PyArray2<i32>>> {
         let ids = Self::ids(slf, seqs, "seqs")?;
-        let pool = slf.get().inner.lock();
-        let (flat, width) = pool.block_tables(&ids, pool.group_for(layer)?, pad)?;
+        let (flat, width) = slf
+            .get()
+            .core
+            .read(slf.py(), |c| c.block_tables(&ids, c.group_for(layer)?, pad))?;
         PyArray1::from_vec(slf.py(), flat).reshape([ids.len(), width])
     }
 
@@ -692,23 +736,21 @@ impl PyBlockPool {
         positions: Option<&Bound<'_, PyAny>>,
         tokens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyForwardBatch> {
-        let ids = Self::ids(slf, seqs, "seqs")?;
+        let (ids, objects) = Self::sequences(slf, seqs, "seqs")?;
         let positions = positions.map(|p| read_ints(p, "positions")).transpose()?;
         let tokens = tokens.map(|t| read_token_ids(t, "tokens")).transpose()?;
-        let plan =
-            slf.get()
-                .inner
-                .lock()
-                .start_forward(&ids, positions.as_deref(), tokens.as_deref())?;
-        Ok(PyForwardBatch::new(slf.get().core.clone(), plan))
+        let core = &slf.get().core;
+        let plan = core.write(slf.py(), |c| {
+            c.start_forward(&ids, positions.as_deref(), tokens.as_deref())
+        })?;
+        Ok(PyForwardBatch::new(core.clone(), plan, objects))
     }
 
     /// Verifies internal consistency (reference counts, free list, block tables);
     /// raises AssertionError naming the first broken invariant. O(blocks); for tests.
-    fn check_invariants(&self) -> PyResult<()> {
-        self.inner
-            .lock()
-            .check_invariants()
+    fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        self.core
+            .write(py, |c| c.check_invariants())
             .map_err(PyAssertionError::new_err)
     }
 

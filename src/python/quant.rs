@@ -5,15 +5,15 @@ use numpy::{PyArray1, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
-use super::copying;
-use super::views::{borrowed_view, new_output};
+use super::output::new_output;
+use super::views::borrowed_view;
 
 use crate::dtype::DType;
 use crate::error::KvError;
 use crate::kv_cache::CacheCore;
 use crate::layout::{Device, Kv};
 use crate::scales::KvScales;
-use crate::tensor::TensorRef;
+use crate::tensor::TensorMut;
 
 /// The scales `k_scale` and `v_scale` give (each a float, `num_layers` floats or a
 /// `[num_layers, num_kv_heads]` array; a missing one is 1.0); unit scales when neither
@@ -113,44 +113,95 @@ pub fn read_dtype(storage: DType) -> DType {
     }
 }
 
-/// Float32 `[heads, len, head_dim]` copies (K, V) of a layer on `device`, filled by
-/// `read` (a cache's `extract_block` over the layer's positions; not called for `len` 0).
+/// Float32 `[heads, len, head_dim]` copies (K, V) of a layer on `device`. `read` fills
+/// them under the cache's lock (a cache's `extract_block` over the layer's positions)
+/// and returns `Err(now)` when the layer no longer holds `len` positions; they are then
+/// made again at that length, so the length and the values come from one locked read.
 pub fn dequantized_pair<'py>(
     py: Python<'py>,
     device: Device,
-    shape: [usize; 3],
-    read: impl FnOnce(&TensorRef, &TensorRef) -> crate::error::Result<()> + Send,
+    [heads, mut len, head_dim]: [usize; 3],
+    mut read: impl FnMut(
+        &TensorMut<'_>,
+        &TensorMut<'_>,
+        usize,
+    ) -> crate::error::Result<Result<(), usize>>,
 ) -> PyResult<Bound<'py, PyTuple>> {
-    let (k, kt) = new_output(py, device, DType::F32, &shape)?;
-    let (v, vt) = new_output(py, device, DType::F32, &shape)?;
-    if shape[1] > 0 {
-        copying(py, 2 * kt.nbytes(), || read(&kt, &vt))?;
+    loop {
+        let shape = [heads, len, head_dim];
+        let k = new_output(py, device, DType::F32, &shape)?;
+        let v = new_output(py, device, DType::F32, &shape)?;
+        match read(k.tensor(), v.tensor(), len)? {
+            Ok(()) => return PyTuple::new(py, [k.into_object(), v.into_object()]),
+            Err(now) => len = now,
+        }
     }
-    PyTuple::new(py, [k, v])
 }
 
-/// The scales (K, V) of a contiguous cache's `layer` (a checked index), owned by `owner`
-/// (the Python cache object): int8, zero-copy read-only views `[heads, length]` of the
-/// per-token scales; fp8, `[heads, 1]`; float dtypes, ones.
+/// Where a contiguous cache's scales of one layer are, read under its lock: the
+/// per-token scales of an int8 cache (zero-copy views are made of them), or the fp8 /
+/// unit scales per head.
+pub enum LayerScales {
+    /// int8: K's scales at `at` (V's follow after `num_kv_heads * max_seq_len`).
+    Rows {
+        /// Address of K's scale of head 0, position 0.
+        at: usize,
+        /// The cache's shape.
+        shape: crate::kv_cache::CacheShape,
+        /// Where the scales live.
+        device: Device,
+        /// Positions the layer holds.
+        len: usize,
+    },
+    /// One scale per head (fp8; 1 for float dtypes).
+    Heads(KvScales, usize),
+}
+
+impl LayerScales {
+    /// The scales of `cache`'s `layer` (a checked index).
+    pub fn of(cache: &CacheCore, layer: usize) -> Self {
+        match cache.row_scales() {
+            Some(r) => {
+                let s = cache.shape();
+                let at = layer * 2 * s.num_kv_heads * s.max_seq_len;
+                LayerScales::Rows {
+                    // The address only; the views are built after the lock is released.
+                    at: r.ptr.wrapping_add(at) as usize,
+                    shape: s,
+                    device: cache.device(),
+                    len: cache.layer_len(layer),
+                }
+            }
+            None => LayerScales::Heads(cache.scales().clone(), layer),
+        }
+    }
+}
+
+/// The scales (K, V) of a contiguous cache's layer, owned by `owner` (the Python cache
+/// object): int8, zero-copy read-only views `[heads, length]` of the per-token scales;
+/// fp8, `[heads, 1]`; float dtypes, ones.
 pub fn layer_scales<'py>(
     owner: &Bound<'py, PyAny>,
-    cache: &CacheCore,
-    layer: usize,
+    scales: LayerScales,
 ) -> PyResult<Bound<'py, PyTuple>> {
     let py = owner.py();
-    let len = cache.layer_len(layer);
-    let pair = match cache.row_scales() {
-        Some(r) => {
-            let s = cache.shape();
+    let pair = match scales {
+        LayerScales::Rows {
+            at,
+            shape: s,
+            device,
+            len,
+        } => {
             let one = |kv: Kv| {
-                let at = ((layer * 2 + kv as usize) * s.num_kv_heads) * s.max_seq_len;
+                let ptr =
+                    (at as *mut f32).wrapping_add(kv as usize * s.num_kv_heads * s.max_seq_len);
                 // SAFETY: the scales are allocated with the storage, never moved, and
                 // live as long as `owner`, the array's base.
                 unsafe {
                     borrowed_view(
                         owner,
-                        cache.device(),
-                        r.ptr.add(at) as *mut u8,
+                        device,
+                        ptr as *mut u8,
                         DType::F32,
                         &[s.num_kv_heads, len],
                         &[4 * s.max_seq_len as isize, 4],
@@ -160,9 +211,9 @@ pub fn layer_scales<'py>(
             };
             [one(Kv::Key)?, one(Kv::Value)?]
         }
-        None => [
-            head_scales(py, cache.scales(), layer, Kv::Key)?,
-            head_scales(py, cache.scales(), layer, Kv::Value)?,
+        LayerScales::Heads(scales, layer) => [
+            head_scales(py, &scales, layer, Kv::Key)?,
+            head_scales(py, &scales, layer, Kv::Value)?,
         ],
     };
     PyTuple::new(py, pair)

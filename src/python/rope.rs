@@ -4,11 +4,11 @@ use numpy::{PyArray1, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
-use super::input::{read_ints, read_tensor};
+use super::input::{read_ints, read_tensor, Target};
 use crate::dtype::DType;
 use crate::error::KvError;
 use crate::rope::{Rope, RopeStyle};
-use crate::tensor::{copy_strided, TensorRef};
+use crate::tensor::{copy_strided, TensorMut};
 
 /// A rotary position embedding: `theta`, the rotated leading dimensions, the pairing
 /// style ('neox': i with i + rotary_dim/2; 'gptj': 2i with 2i+1) and optional linear
@@ -94,8 +94,8 @@ impl PyRope {
         x: &Bound<'py, PyAny>,
         positions: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let input = read_tensor(x, "x", crate::storage::Device::Cpu)?;
-        let t = *input.tensor();
+        let input = read_tensor(x, "x", &Target::device_only(crate::storage::Device::Cpu))?;
+        let t = input.tensor();
         let shape = t.shape().to_vec();
         let positions = read_ints(positions, "positions")?;
         if shape.len() < 2 || shape[0] != positions.len() {
@@ -115,9 +115,7 @@ impl PyRope {
         {
             let mut view = unsafe { out.as_array_mut() };
             let buf = view.as_slice_mut().expect("fresh contiguous array");
-            let dst = unsafe {
-                TensorRef::contiguous(buf.as_mut_ptr() as *const u8, DType::F32, &shape)?
-            };
+            let dst = TensorMut::from_f32_mut(buf, &shape)?;
             // SAFETY: both tensors are valid for their shapes; the output is fresh.
             unsafe {
                 copy_strided(

@@ -8,12 +8,11 @@ use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
 use super::attention::{self, AttnArgs};
-use super::copying;
-use super::input::{read_tensor, read_token_ids, writable};
+use super::input::{read_tensor, read_token_ids};
 use super::kv_cache::PyKVCache;
+use super::output::{new_output, writable};
 use super::quant::{head_scales, read_dtype};
 use super::shared_pool::{i32_array, SharedPool};
-use super::views::new_output;
 use crate::dtype::DType;
 use crate::kv_cache::Kv;
 use crate::paged::{KvLayout, PoolCore, SeqId, NO_BLOCK};
@@ -31,8 +30,9 @@ pub struct PySequence {
 
 impl Drop for PySequence {
     fn drop(&mut self) {
-        // Release on garbage collection; a sequence already freed is simply gone.
-        let _ = self.core.inner.lock().free_sequence(self.id);
+        // Release on garbage collection, which may run anywhere (even while this thread
+        // is inside the pool's lock for another call): the pool frees it without waiting.
+        self.core.release(self.id);
     }
 }
 
@@ -41,10 +41,14 @@ impl PySequence {
         &self.core
     }
 
-    fn with<T>(&self, f: impl FnOnce(&crate::paged::SeqState, &PoolCore) -> T) -> PyResult<T> {
-        let pool = self.pool_ref().inner.lock();
-        let s = pool.seq(self.id)?;
-        Ok(f(s, &pool))
+    /// Runs `f` on this sequence's state under the pool's shared lock.
+    fn with<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&crate::paged::SeqState, &PoolCore) -> T + Send,
+    ) -> PyResult<T> {
+        let id = self.id;
+        Ok(self.core.read(py, |c| c.seq(id).map(|s| f(s, c)))?)
     }
 }
 
@@ -69,20 +73,20 @@ impl PySequence {
 
     /// Committed length.
     #[getter]
-    fn seq_len(&self) -> PyResult<usize> {
-        self.with(|s, _| s.seq_len)
+    fn seq_len(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |s, _| s.seq_len)
     }
 
     /// Blocks the sequence holds (every layer group).
     #[getter]
-    fn num_blocks(&self) -> PyResult<usize> {
-        self.with(|s, _| s.all_blocks().count())
+    fn num_blocks(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |s, _| s.all_blocks().count())
     }
 
     /// The block ids, in position order (an int32 copy), of a pool with one layer group.
     #[getter]
     fn block_table<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i32>>> {
-        let blocks = self.with(|s, p| {
+        let blocks = self.with(py, |s, p| {
             p.group_for(None).map(|g| {
                 s.tables[g]
                     .blocks
@@ -101,7 +105,7 @@ impl PySequence {
         py: Python<'py>,
         layer: i64,
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
-        let blocks = self.with(|s, p| {
+        let blocks = self.with(py, |s, p| {
             p.group_for(Some(layer)).map(|g| {
                 s.tables[g]
                     .blocks
@@ -116,8 +120,8 @@ impl PySequence {
     /// Lowest position every layer holds (-1 when empty): 0 unless sliding or chunked
     /// layers released their beginning.
     #[getter]
-    fn pos_min(&self) -> PyResult<i64> {
-        self.with(|s, _| {
+    fn pos_min(&self, py: Python<'_>) -> PyResult<i64> {
+        self.with(py, |s, _| {
             let first = s.tables.iter().map(|t| t.start).max().unwrap_or(0);
             if s.seq_len == 0 || first >= s.seq_len {
                 -1
@@ -128,38 +132,41 @@ impl PySequence {
     }
 
     /// First position `layer` holds (get() returns positions layer_start..layer_len).
-    fn layer_start(&self, layer: i64) -> PyResult<usize> {
+    fn layer_start(&self, py: Python<'_>, layer: i64) -> PyResult<usize> {
         let layer = crate::error::check_index("layer", layer, self.pool_ref().shape.num_layers)?;
-        Ok(self.with(|_, p| p.layer_span(self.id, layer))??.0)
+        let id = self.id;
+        Ok(self.with(py, |_, p| p.layer_span(id, layer))??.0)
     }
 
     /// Whether the cache still holds everything needed to continue at `pos` (after
     /// truncating to it), for every layer kind (ollama's CanResume).
-    fn can_resume(&self, pos: i64) -> PyResult<bool> {
-        Ok(self.pool_ref().inner.lock().can_resume(self.id, pos)?)
+    fn can_resume(&self, py: Python<'_>, pos: i64) -> PyResult<bool> {
+        let id = self.id;
+        Ok(self.core.read(py, |c| c.can_resume(id, pos))?)
     }
 
     /// Highest committed position (-1 when empty).
     #[getter]
-    fn pos_max(&self) -> PyResult<i64> {
-        self.with(|s, _| s.seq_len as i64 - 1)
+    fn pos_max(&self, py: Python<'_>) -> PyResult<i64> {
+        self.with(py, |s, _| s.seq_len as i64 - 1)
     }
 
     /// Whether free() has been called (or the pool's keep() dropped it).
     #[getter]
-    fn is_freed(&self) -> bool {
-        !self.pool_ref().inner.lock().is_live(self.id)
+    fn is_freed(&self, py: Python<'_>) -> bool {
+        let id = self.id;
+        !self.core.read(py, |c| c.is_live(id))
     }
 
     /// Positions written into `layer` (committed and appended).
-    fn layer_len(&self, layer: i64) -> PyResult<usize> {
+    fn layer_len(&self, py: Python<'_>, layer: i64) -> PyResult<usize> {
         let layer = crate::error::check_index("layer", layer, self.pool_ref().shape.num_layers)?;
-        self.with(|s, _| s.layer_len[layer])
+        self.with(py, |s, _| s.layer_len[layer])
     }
 
     /// Bytes of the blocks this sequence holds (shared blocks count in full).
-    fn memory_bytes(&self) -> PyResult<usize> {
-        self.with(|s, p| s.all_blocks().count() * p.bytes_per_block())
+    fn memory_bytes(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |s, p| s.all_blocks().count() * p.bytes_per_block())
     }
 
     /// Appends k, v [n_tokens, num_kv_heads, head_dim] at the layer's next free
@@ -173,31 +180,30 @@ impl PySequence {
     ) -> PyResult<usize> {
         let pool = self.pool_ref();
         let (k, v) = (
-            read_tensor(k, "k", pool.device)?,
-            read_tensor(v, "v", pool.device)?,
+            read_tensor(k, "k", &pool.target)?,
+            read_tensor(v, "v", &pool.target)?,
         );
-        let (kt, vt) = (*k.tensor(), *v.tensor());
-        Ok(copying(py, kt.nbytes() + vt.nbytes(), || {
-            pool.inner.lock().append(self.id, layer, &kt, &vt)
+        let (kt, vt, id) = (k.tensor(), v.tensor(), self.id);
+        Ok(pool.write_moving(py, kt.nbytes() + vt.nbytes(), |c| {
+            c.append(id, layer, &kt, &vt)
         })?)
     }
 
     /// Commits n tokens: seq_len += n. Every layer must hold them already. `tokens` (n
     /// ids) records their token ids, so the blocks they fill join the prefix cache.
     #[pyo3(signature = (n = 1, tokens = None))]
-    fn advance(&self, n: i64, tokens: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+    fn advance(&self, py: Python<'_>, n: i64, tokens: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let tokens = tokens.map(|t| read_token_ids(t, "tokens")).transpose()?;
+        let id = self.id;
         Ok(self
-            .pool_ref()
-            .inner
-            .lock()
-            .advance(self.id, n, tokens.as_deref())?)
+            .core
+            .write(py, |c| c.advance(id, n, tokens.as_deref()))?)
     }
 
     /// Prompt tokens served from the prefix cache when the sequence started.
     #[getter]
-    fn num_cached_tokens(&self) -> PyResult<usize> {
-        self.with(|s, _| s.num_cached_tokens)
+    fn num_cached_tokens(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |s, _| s.num_cached_tokens)
     }
 
     /// Of num_cached_tokens, what the pool itself served ("pool") and what each offload
@@ -207,22 +213,26 @@ impl PySequence {
         &self,
         py: Python<'py>,
     ) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
-        let pool = self.pool_ref().inner.lock();
-        let s = pool.seq(self.id)?;
-        super::tiers::cached_by_tier(py, &pool, s)
+        let counts = self.with(py, |s, p| super::tiers::cached_by_tier(p, s))?;
+        let d = pyo3::types::PyDict::new(py);
+        for (name, n) in counts {
+            d.set_item(name, n)?;
+        }
+        Ok(d)
     }
 
     /// The token ids the sequence knows (its prompt and committed tokens), as uint32.
     #[getter]
     fn token_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<u32>>> {
-        let t = self.with(|s, _| s.tokens.clone())?;
+        let t = self.with(py, |s, _| s.tokens.clone())?;
         Ok(PyArray1::from_vec(py, t))
     }
 
     /// Sets seq_len and every layer's length to n, growing or shrinking the block table
     /// (for callers that inject blocks kept elsewhere); caches blocks whose ids are known.
-    fn set_seq_len(&self, n: i64) -> PyResult<()> {
-        Ok(self.pool_ref().inner.lock().set_seq_len(self.id, n)?)
+    fn set_seq_len(&self, py: Python<'_>, n: i64) -> PyResult<()> {
+        let id = self.id;
+        Ok(self.core.write(py, |c| c.set_seq_len(id, n))?)
     }
 
     /// Copies [num_kv_heads, block_size, head_dim] keys and values of `layer` from
@@ -236,23 +246,20 @@ impl PySequence {
         block_size: i64,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let pool = self.pool_ref();
-        pool.inner
-            .lock()
-            .check_block_args(layer, start_pos, block_size)?;
+        pool.read(py, |c| c.check_block_args(layer, start_pos, block_size))?;
         let shape = [
             pool.shape.num_kv_heads,
             block_size as usize,
             pool.shape.head_dim,
         ];
         let dtype = read_dtype(pool.dtype);
-        let (k, kt) = new_output(py, pool.device, dtype, &shape)?;
-        let (v, vt) = new_output(py, pool.device, dtype, &shape)?;
-        copying(py, 2 * kt.nbytes(), || {
-            pool.inner
-                .lock()
-                .extract_block(self.id, layer, start_pos, block_size, &kt, &vt)
+        let k = new_output(py, pool.device, dtype, &shape)?;
+        let v = new_output(py, pool.device, dtype, &shape)?;
+        let (kt, vt, id) = (k.tensor(), v.tensor(), self.id);
+        pool.read_moving(py, 2 * kt.nbytes(), |c| {
+            c.extract_block(id, layer, start_pos, block_size, kt, vt)
         })?;
-        PyTuple::new(py, [k, v])
+        PyTuple::new(py, [k.into_object(), v.into_object()])
     }
 
     /// Writes [num_kv_heads, block_size, head_dim] keys and values of `layer` at
@@ -268,38 +275,34 @@ impl PySequence {
     ) -> PyResult<()> {
         let pool = self.pool_ref();
         let (k, v) = (
-            read_tensor(keys, "keys", pool.device)?,
-            read_tensor(values, "values", pool.device)?,
+            read_tensor(keys, "keys", &pool.target)?,
+            read_tensor(values, "values", &pool.target)?,
         );
-        let (kt, vt) = (*k.tensor(), *v.tensor());
-        copying(py, kt.nbytes() + vt.nbytes(), || {
-            pool.inner
-                .lock()
-                .inject_block(self.id, layer, start_pos, block_size, &kt, &vt)
+        let (kt, vt, id) = (k.tensor(), v.tensor(), self.id);
+        pool.write_moving(py, kt.nbytes() + vt.nbytes(), |c| {
+            c.inject_block(id, layer, start_pos, block_size, &kt, &vt)
         })?;
         Ok(())
     }
 
     /// Replaces `cache`'s content with this sequence's (lengths included).
     fn copy_to_cache(&self, py: Python<'_>, cache: &Bound<'_, PyKVCache>) -> PyResult<()> {
-        let pool = self.pool_ref();
         let cache = cache.get();
-        py.detach(|| {
-            pool.inner
-                .lock()
-                .copy_to_cache(self.id, &mut cache.inner.write())
+        let id = self.id;
+        // The pool's lock, then the cache's (always in this order), both waited for
+        // without the GIL.
+        self.core.read_moving(py, usize::MAX, |c| {
+            cache.core().write_blocking(|kv| c.copy_to_cache(id, kv))
         })?;
         Ok(())
     }
 
     /// Fills this empty sequence from `cache` (every layer's positions and lengths).
     fn copy_from_cache(&self, py: Python<'_>, cache: &Bound<'_, PyKVCache>) -> PyResult<()> {
-        let pool = self.pool_ref();
         let cache = cache.get();
-        py.detach(|| {
-            pool.inner
-                .lock()
-                .copy_from_cache(self.id, &cache.inner.read())
+        let id = self.id;
+        self.core.write_detached(py, |c| {
+            cache.core().read_blocking(|kv| c.copy_from_cache(id, kv))
         })?;
         Ok(())
     }
@@ -324,10 +327,11 @@ impl PySequence {
     ) -> PyResult<Bound<'py, PyAny>> {
         let args = AttnArgs::parse(scale, softcap, sinks, alibi_slopes)?;
         let pool = self.pool_ref();
-        attention::run(py, q, out, pool.device, |q, o| {
-            pool.inner
-                .lock()
-                .seq_attention(self.id, layer, q, o, &args.options())
+        let id = self.id;
+        attention::run(py, q, out, &pool.target, |q, o| {
+            pool.read_moving(py, usize::MAX, |c| {
+                c.seq_attention(id, layer, q, o, &args.options())
+            })
         })
     }
 
@@ -345,33 +349,47 @@ impl PySequence {
     ) -> PyResult<Bound<'py, PyTuple>> {
         let pool = self.pool_ref();
         let dtype = if dequantize { DType::F32 } else { pool.dtype };
-        let fresh = |shape: &[usize]| new_output(py, pool.device, dtype, shape);
-        let (k_arr, v_arr, kt_ref, vt_ref) = match out {
-            Some(pair) => {
-                let (k, v): (Bound<'py, PyAny>, Bound<'py, PyAny>) = pair.extract()?;
-                let kt = *writable(&k, "out[0]", pool.device)?.tensor();
-                let vt = *writable(&v, "out[1]", pool.device)?.tensor();
-                (k, v, kt, vt)
-            }
-            None => {
-                let len = self.layer_len(layer)? - self.layer_start(layer)?;
-                let shape = [pool.shape.num_kv_heads, len, pool.shape.head_dim];
-                let ((k, kt), (v, vt)) = (fresh(&shape)?, fresh(&shape)?);
-                (k, v, kt, vt)
-            }
-        };
-        let bytes = kt_ref.nbytes() + vt_ref.nbytes();
-        let (_, len) = copying(py, bytes, || {
-            pool.inner.lock().gather(self.id, layer, &kt_ref, &vt_ref)
-        })?;
-        if out.is_none() {
-            return PyTuple::new(py, [k_arr, v_arr]);
+        let id = self.id;
+        let (h, d) = (pool.shape.num_kv_heads, pool.shape.head_dim);
+        let l = crate::error::check_index("layer", layer, pool.shape.num_layers)?;
+        if let Some(pair) = out {
+            let (k, v): (Bound<'py, PyAny>, Bound<'py, PyAny>) = pair.extract()?;
+            let (ko, vo) = (
+                writable(&k, "out[0]", &pool.target)?,
+                writable(&v, "out[1]", &pool.target)?,
+            );
+            let (kt, vt) = (ko.tensor(), vo.tensor());
+            let bytes = kt.nbytes() + vt.nbytes();
+            let (_, len) = pool.read_moving(py, bytes, |c| c.gather(id, layer, kt, vt))?;
+            let cut = (
+                pyo3::types::PySlice::full(py),
+                pyo3::types::PySlice::new(py, 0, len as isize, 1),
+            );
+            return PyTuple::new(py, [k.get_item(&cut)?, v.get_item(&cut)?]);
         }
-        let cut = (
-            pyo3::types::PySlice::full(py),
-            pyo3::types::PySlice::new(py, 0, len as isize, 1),
-        );
-        PyTuple::new(py, [k_arr.get_item(&cut)?, v_arr.get_item(&cut)?])
+        // The length and the positions are read in one locked call. The fresh outputs are
+        // sized before it (allocating takes the GIL, never held under the lock), so a
+        // sequence whose length changed in between is read again at its new length.
+        let mut len = self.with(py, |_, p| p.layer_span(id, l).map(|(a, b)| b - a))??;
+        loop {
+            let shape = [h, len, d];
+            let (k, v) = (
+                new_output(py, pool.device, dtype, &shape)?,
+                new_output(py, pool.device, dtype, &shape)?,
+            );
+            let (kt, vt) = (k.tensor(), v.tensor());
+            let read = pool.read_moving(py, kt.nbytes() + vt.nbytes(), |c| {
+                let (first, end) = c.layer_span(id, l)?;
+                if end - first != len {
+                    return Ok(Err(end - first));
+                }
+                c.gather(id, layer, kt, vt).map(|_| Ok(()))
+            })?;
+            match read {
+                Ok(()) => return PyTuple::new(py, [k.into_object(), v.into_object()]),
+                Err(now) => len = now,
+            }
+        }
     }
 
     /// The scales (K, V) that multiply `get(layer)`'s codes: int8, float32 copies
@@ -379,19 +397,27 @@ impl PySequence {
     /// head); float dtypes, ones [num_kv_heads, 1].
     fn scales<'py>(&self, py: Python<'py>, layer: i64) -> PyResult<Bound<'py, PyTuple>> {
         let pool = self.pool_ref();
-        let p = pool.inner.lock();
-        if p.row_scales().is_none() {
-            let l = crate::error::check_index("layer", layer, pool.shape.num_layers)?;
-            p.seq(self.id)?;
-            return PyTuple::new(
-                py,
-                [
-                    head_scales(py, p.scales(), l, Kv::Key)?,
-                    head_scales(py, p.scales(), l, Kv::Value)?,
-                ],
-            );
-        }
-        let (_, n, k, v) = p.gather_scales(self.id, layer)?;
+        let id = self.id;
+        let read = pool.read(py, |p| -> crate::error::Result<_> {
+            p.seq(id)?;
+            if p.row_scales().is_none() {
+                let l = crate::error::check_index("layer", layer, p.shape().num_layers)?;
+                return Ok(Err((l, p.scales().clone())));
+            }
+            p.gather_scales(id, layer).map(Ok)
+        })?;
+        let (_, n, k, v) = match read {
+            Ok(rows) => rows,
+            Err((l, scales)) => {
+                return PyTuple::new(
+                    py,
+                    [
+                        head_scales(py, &scales, l, Kv::Key)?,
+                        head_scales(py, &scales, l, Kv::Value)?,
+                    ],
+                )
+            }
+        };
         let h = pool.shape.num_kv_heads;
         let arr = |x: Vec<f32>| -> PyResult<Bound<'py, PyAny>> {
             Ok(PyArray1::from_vec(py, x).reshape([h, n])?.into_any())
@@ -405,7 +431,7 @@ impl PySequence {
         let pool_obj = self.pool.bind(py);
         let sh = self.pool_ref().shape;
         let layer = crate::error::check_index("layer", layer, sh.num_layers)?;
-        let (blocks, first, len, tensor) = self.with(|s, p| {
+        let (blocks, first, len, tensor) = self.with(py, |s, p| {
             let t = &s.tables[p.groups().group_of[layer]];
             (
                 t.blocks.clone(),
@@ -450,7 +476,8 @@ impl PySequence {
 
     /// A new sequence sharing every block of this one (copy-on-write on first write).
     fn fork(&self, py: Python<'_>) -> PyResult<PySequence> {
-        let id = self.pool_ref().inner.lock().fork(self.id)?;
+        let me = self.id;
+        let id = self.core.write(py, |c| c.fork(me))?;
         Ok(PySequence {
             pool: self.pool.clone_ref(py),
             core: self.core.clone(),
@@ -459,16 +486,18 @@ impl PySequence {
     }
 
     /// Drops positions >= n, returning freed blocks; a no-op when n >= seq_len.
-    fn truncate(&self, n: i64) -> PyResult<()> {
-        Ok(self.pool_ref().inner.lock().truncate(self.id, n)?)
+    fn truncate(&self, py: Python<'_>, n: i64) -> PyResult<()> {
+        let id = self.id;
+        Ok(self.core.write(py, |c| c.truncate(id, n))?)
     }
 
     /// llama.cpp's seq_rm: removes positions [begin, end) (end=None: to the end). A tail
     /// is cut; a middle span moves later positions down and re-rotates their keys, which
     /// needs the pool's `rope` (else kvrs.NotSupportedError).
     #[pyo3(signature = (begin, end = None))]
-    fn remove(&self, begin: i64, end: Option<i64>) -> PyResult<()> {
-        Ok(self.pool_ref().inner.lock().remove(self.id, begin, end)?)
+    fn remove(&self, py: Python<'_>, begin: i64, end: Option<i64>) -> PyResult<()> {
+        let id = self.id;
+        Ok(self.core.write_detached(py, |c| c.remove(id, begin, end))?)
     }
 
     /// llama.cpp's seq_add over a tail: positions p0.. move down by -delta (delta < 0),
@@ -476,13 +505,17 @@ impl PySequence {
     /// are re-rotated with the pool's `rope`. Equals remove(max(0, p0 + delta),
     /// max(p0, -delta)). A shift up or of a middle span raises kvrs.NotSupportedError.
     #[pyo3(signature = (p0, p1, delta))]
-    fn shift(&self, p0: i64, p1: Option<i64>, delta: i64) -> PyResult<()> {
-        Ok(self.pool_ref().inner.lock().shift(self.id, p0, p1, delta)?)
+    fn shift(&self, py: Python<'_>, p0: i64, p1: Option<i64>, delta: i64) -> PyResult<()> {
+        let id = self.id;
+        Ok(self
+            .core
+            .write_detached(py, |c| c.shift(id, p0, p1, delta))?)
     }
 
     /// Returns every block to the pool; the sequence cannot be used afterwards.
-    fn free(&self) -> PyResult<()> {
-        Ok(self.pool_ref().inner.lock().free_sequence(self.id)?)
+    fn free(&self, py: Python<'_>) -> PyResult<()> {
+        let id = self.id;
+        Ok(self.core.write(py, |c| c.free_sequence(id))?)
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -490,12 +523,13 @@ impl PySequence {
     }
 
     #[pyo3(signature = (*_args))]
-    fn __exit__(&self, _args: &Bound<'_, PyTuple>) {
-        let _ = self.pool_ref().inner.lock().free_sequence(self.id);
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, PyTuple>) {
+        let id = self.id;
+        let _ = self.core.write(py, |c| c.free_sequence(id));
     }
 
-    fn __repr__(&self) -> String {
-        match self.with(|s, _| (s.seq_len, s.all_blocks().count())) {
+    fn __repr__(&self, py: Python<'_>) -> String {
+        match self.with(py, |s, _| (s.seq_len, s.all_blocks().count())) {
             Ok((len, blocks)) => format!(
                 "Sequence(id={}, seq_len={len}, num_blocks={blocks})",
                 self.id

@@ -236,6 +236,7 @@ fn raw_get<'py>(
 }
 
 /// A tier's counters as a dict, with its name.
+/// A tier's counters as a dict, with its name.
 fn counters<'py>(py: Python<'py>, tier: &dyn Tier) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("name", tier.name())?;
@@ -268,55 +269,87 @@ pub fn parse_tiers(tiers: Option<&Bound<'_, PyList>>) -> PyResult<Vec<Arc<dyn Ti
         .collect()
 }
 
-/// The pool's tiers for `stats()`: each tier's counters, the write-back queue's and the
-/// prefetch buffer's.
-pub fn tier_stats<'py>(py: Python<'py>, pool: &PoolCore, d: &Bound<'py, PyDict>) -> PyResult<()> {
-    let Some(ts) = pool.tiers() else {
-        return Ok(());
-    };
+/// What `BlockPool.stats()` reports of the tiers, read under the pool's lock as plain
+/// data (the dicts are built after it is released).
+pub struct TierSnapshot {
+    /// Each tier's name and counters.
+    tiers: Vec<(String, [(&'static str, u64); 8])>,
+    /// The write-back queue's counters.
+    queue: [(&'static str, u64); 3],
+    /// The prefetch buffer's counters and contents.
+    prefetch: [(&'static str, u64); 6],
+}
+
+/// The tiers' counters of `pool` (`None` without tiers).
+pub fn tier_snapshot(pool: &PoolCore) -> Option<TierSnapshot> {
+    let ts = pool.tiers()?;
+    let get = |x: &std::sync::atomic::AtomicU64| x.load(std::sync::atomic::Ordering::Relaxed);
+    let w = ts.writer.counters();
+    let f = ts.fetcher.counters();
+    let (payloads, bytes) = ts.fetcher.buffered();
+    Some(TierSnapshot {
+        tiers: ts
+            .tiers
+            .iter()
+            .map(|t| (t.name().to_string(), t.counters().snapshot()))
+            .collect(),
+        queue: [
+            ("queued", get(&w.queued)),
+            ("dropped", get(&w.dropped)),
+            ("unstored", get(&w.unstored)),
+        ],
+        prefetch: [
+            ("requested", get(&f.requested)),
+            ("fetched", get(&f.fetched)),
+            ("used", get(&f.used)),
+            ("discarded", get(&f.discarded)),
+            ("buffered", payloads as u64),
+            ("buffered_bytes", bytes as u64),
+        ],
+    })
+}
+
+/// Adds the tiers' entries of `stats()` (`tiers`, `tier_queue`, `prefetch`) to `d`.
+pub fn tier_stats<'py>(
+    py: Python<'py>,
+    snap: &TierSnapshot,
+    d: &Bound<'py, PyDict>,
+) -> PyResult<()> {
     let list = PyList::empty(py);
-    for t in &ts.tiers {
-        list.append(counters(py, t.as_ref())?)?;
+    for (name, counters) in &snap.tiers {
+        let t = PyDict::new(py);
+        t.set_item("name", name)?;
+        for (k, v) in counters {
+            t.set_item(k, v)?;
+        }
+        list.append(t)?;
     }
     d.set_item("tiers", list)?;
-    let c = ts.writer.counters();
-    let q = PyDict::new(py);
-    let get = |x: &std::sync::atomic::AtomicU64| x.load(std::sync::atomic::Ordering::Relaxed);
-    q.set_item("queued", get(&c.queued))?;
-    q.set_item("dropped", get(&c.dropped))?;
-    q.set_item("unstored", get(&c.unstored))?;
-    d.set_item("tier_queue", q)?;
-    let c = ts.fetcher.counters();
-    let (payloads, bytes) = ts.fetcher.buffered();
-    let f = PyDict::new(py);
-    f.set_item("requested", get(&c.requested))?;
-    f.set_item("fetched", get(&c.fetched))?;
-    f.set_item("used", get(&c.used))?;
-    f.set_item("discarded", get(&c.discarded))?;
-    f.set_item("buffered", payloads)?;
-    f.set_item("buffered_bytes", bytes)?;
-    d.set_item("prefetch", f)?;
+    for (key, entries) in [
+        ("tier_queue", &snap.queue[..]),
+        ("prefetch", &snap.prefetch[..]),
+    ] {
+        let e = PyDict::new(py);
+        for (k, v) in entries {
+            e.set_item(k, v)?;
+        }
+        d.set_item(key, e)?;
+    }
     Ok(())
 }
 
-/// `Sequence.cached_tokens_by_tier`: the prompt tokens the pool itself and each tier
-/// served when the sequence started.
-pub fn cached_by_tier<'py>(
-    py: Python<'py>,
-    pool: &PoolCore,
-    s: &crate::paged::SeqState,
-) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
+/// The tokens the pool itself (first entry, named "pool") and each tier served when
+/// sequence `s` started, read under the pool's lock.
+pub fn cached_by_tier(pool: &PoolCore, s: &crate::paged::SeqState) -> Vec<(String, usize)> {
     let from_tiers: usize = s.tier_tokens.iter().sum();
-    d.set_item("pool", s.num_cached_tokens - from_tiers)?;
+    let mut out = vec![("pool".to_string(), s.num_cached_tokens - from_tiers)];
     if let Some(ts) = pool.tiers() {
-        for (t, n) in ts
-            .tiers
-            .iter()
-            .zip(s.tier_tokens.iter().chain(std::iter::repeat(&0)))
-        {
-            d.set_item(t.name(), *n)?;
-        }
+        out.extend(
+            ts.tiers
+                .iter()
+                .zip(s.tier_tokens.iter().chain(std::iter::repeat(&0)))
+                .map(|(t, &n)| (t.name().to_string(), n)),
+        );
     }
-    Ok(d)
+    out
 }

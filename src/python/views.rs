@@ -12,7 +12,6 @@ use pyo3::sync::PyOnceLock;
 use super::device_tensor::PyDeviceTensor;
 use crate::dtype::DType;
 use crate::storage::Device;
-use crate::tensor::TensorRef;
 
 const NPY_ARRAY_ALIGNED: i32 = 0x0100;
 const NPY_ARRAY_WRITEABLE: i32 = 0x0400;
@@ -141,26 +140,6 @@ pub fn new_array<'py>(
     // SAFETY: `arr` is an ndarray; its data pointer is valid while it lives.
     let data = unsafe { (*(arr.as_ptr() as *mut npyffi::PyArrayObject)).data as *mut u8 };
     Ok((arr, data))
-}
-
-/// A fresh C-contiguous output of `dtype` and `shape` where a cache on `device` writes
-/// it: a NumPy array for host caches, a [`PyDeviceTensor`] for CUDA caches; and the
-/// [`TensorRef`] the core writes through.
-pub fn new_output<'py>(
-    py: Python<'py>,
-    device: Device,
-    dtype: DType,
-    shape: &[usize],
-) -> PyResult<(Bound<'py, PyAny>, TensorRef)> {
-    match device {
-        Device::Cpu => {
-            let (arr, data) = new_array(py, dtype, shape)?;
-            // SAFETY: a fresh C-contiguous array of exactly this shape, held by `arr`.
-            let t = unsafe { TensorRef::contiguous(data, dtype, shape)? };
-            Ok((arr, t))
-        }
-        Device::Cuda(ordinal) => PyDeviceTensor::fresh(py, ordinal, dtype, shape),
-    }
 }
 
 /// A view of `len` elements of a cache's memory at `data` (`owner` keeps it alive):

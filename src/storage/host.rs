@@ -6,7 +6,7 @@ use std::ptr::NonNull;
 use super::{Device, Region, Storage};
 use crate::dtype::DType;
 use crate::error::{KvError, Result};
-use crate::tensor::{copy_strided, TensorRef};
+use crate::tensor::{copy_strided, TensorMut, TensorRef};
 
 /// Alignment of host allocations (a cache line, and enough for any SIMD load).
 const ALIGN: usize = 64;
@@ -62,12 +62,12 @@ impl HostStorage {
     }
 }
 
-/// Fails unless `t` is host memory: a device tensor cannot be read from the host.
-fn on_host(name: &str, t: &TensorRef) -> Result<()> {
-    if t.device() != Device::Cpu {
+/// Fails unless a tensor on `device` is host memory: a device tensor cannot be read from
+/// the host.
+pub(crate) fn on_host(name: &str, device: Device) -> Result<()> {
+    if device != Device::Cpu {
         return Err(KvError::Device(format!(
-            "{name} lives on {}; this cache lives on the host, so pass a CPU tensor",
-            t.device()
+            "{name} lives on {device}; this cache lives on the host, so pass a CPU tensor"
         )));
     }
     Ok(())
@@ -107,7 +107,7 @@ impl Storage for HostStorage {
 
     fn write(&mut self, dst: Region, src: &TensorRef) -> Result<()> {
         self.check_region(&dst);
-        on_host("the source", src)?;
+        on_host("the source", src.device())?;
         debug_assert_eq!(dst.shape, src.shape3());
         // SAFETY: dst checked above; src validity is the TensorRef's contract.
         unsafe {
@@ -124,9 +124,9 @@ impl Storage for HostStorage {
         Ok(())
     }
 
-    fn read(&self, src: Region, dst: &TensorRef) -> Result<()> {
+    fn read(&self, src: Region, dst: &TensorMut) -> Result<()> {
         self.check_region(&src);
-        on_host("the destination", dst)?;
+        on_host("the destination", dst.device())?;
         debug_assert_eq!(src.shape, dst.shape3());
         // SAFETY: as in `write`, with the roles swapped.
         unsafe {
@@ -173,7 +173,7 @@ impl Storage for HostStorage {
         self.check_region(&dst);
         // SAFETY: dst checked above, inside the allocation.
         unsafe {
-            TensorRef::new(
+            TensorMut::new(
                 self.at(dst.offset),
                 self.dtype,
                 &dst.shape,
@@ -184,10 +184,9 @@ impl Storage for HostStorage {
         Ok(())
     }
 
-    fn zero(&self, t: &TensorRef) -> Result<()> {
-        on_host("the output", t)?;
-        // SAFETY: the caller's tensor is valid for writes (the TensorRef contract).
-        unsafe { t.fill_zero() };
+    fn zero(&self, t: &TensorMut) -> Result<()> {
+        on_host("the output", t.device())?;
+        t.fill_zero();
         Ok(())
     }
 }
@@ -206,18 +205,21 @@ mod tests {
             strides: [0, 10, 1],
         };
         let data = [1f32, 2., 3., 4., 5., 6.];
-        let src = unsafe {
-            TensorRef::contiguous(data.as_ptr() as *const u8, DType::F32, &[1, 2, 3]).unwrap()
-        };
-        s.write(region, &src).unwrap();
+        s.write(region, &TensorRef::from_f32(&data, &[1, 2, 3]).unwrap())
+            .unwrap();
         let mut out = [0f32; 6];
-        let dst = unsafe {
-            TensorRef::contiguous(out.as_mut_ptr() as *const u8, DType::F32, &[1, 2, 3]).unwrap()
-        };
-        s.read(region, &dst).unwrap();
+        s.read(
+            region,
+            &TensorMut::from_f32_mut(&mut out, &[1, 2, 3]).unwrap(),
+        )
+        .unwrap();
         assert_eq!(out, data);
         s.fill_zero(region).unwrap();
-        s.read(region, &dst).unwrap();
+        s.read(
+            region,
+            &TensorMut::from_f32_mut(&mut out, &[1, 2, 3]).unwrap(),
+        )
+        .unwrap();
         assert_eq!(out, [0.0; 6]);
     }
 

@@ -16,7 +16,7 @@ use super::{Device, HostStorage, Region, RowScales, Storage};
 use crate::dtype::DType;
 use crate::error::{KvError, Result};
 use crate::quant::{dequantize_row_i8, quantize_row_i8};
-use crate::tensor::{copy_strided, TensorRef};
+use crate::tensor::{copy_strided, TensorMut, TensorRef};
 
 thread_local! {
     /// Rows of f32 between a caller's tensor and the codes, reused across calls so that
@@ -159,7 +159,7 @@ impl Storage for Int8Storage {
         Ok(())
     }
 
-    fn read(&self, src: Region, dst: &TensorRef) -> Result<()> {
+    fn read(&self, src: Region, dst: &TensorMut) -> Result<()> {
         if dst.dtype() == DType::I8 {
             return self.codes.read(src, dst);
         }
@@ -212,20 +212,21 @@ impl Storage for Int8Storage {
         self.scales.fill_zero(ds)
     }
 
-    fn zero(&self, t: &TensorRef) -> Result<()> {
+    fn zero(&self, t: &TensorMut) -> Result<()> {
         self.codes.zero(t)
     }
 
     fn read_row_scales(&self, src: Region, dst: &mut [f32]) -> Result<()> {
         let r = self.scale_region(&src);
-        let t = scales_tensor(dst, &r)?;
-        self.scales.read(r, &t)
+        check_scales_len(dst.len(), &r)?;
+        self.scales
+            .read(r, &TensorMut::from_f32_mut(dst, &r.shape)?)
     }
 
     fn write_row_scales(&mut self, dst: Region, src: &[f32]) -> Result<()> {
         let r = self.scale_region(&dst);
-        let t = scales_tensor(src, &r)?;
-        self.scales.write(r, &t)
+        check_scales_len(src.len(), &r)?;
+        self.scales.write(r, &TensorRef::from_f32(src, &r.shape)?)
     }
 
     fn row_scales(&self) -> Option<RowScales> {
@@ -241,17 +242,16 @@ impl Storage for Int8Storage {
     }
 }
 
-/// `buf` as the row-major tensor of region `r`'s shape, after checking its length.
-pub(crate) fn scales_tensor(buf: &[f32], r: &Region) -> Result<TensorRef> {
-    if buf.len() != r.numel() {
+/// Fails unless a buffer of `len` scales holds exactly region `r`'s elements.
+pub(crate) fn check_scales_len(len: usize, r: &Region) -> Result<()> {
+    if len != r.numel() {
         return Err(KvError::Shape {
             name: "scales",
-            got: vec![buf.len()],
+            got: vec![len],
             expected: format!("[{}]", r.numel()),
         });
     }
-    // SAFETY: `buf` holds exactly the region's elements and outlives the tensor's use.
-    unsafe { TensorRef::contiguous(buf.as_ptr() as *const u8, DType::F32, &r.shape) }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -259,13 +259,13 @@ mod tests {
     use super::*;
     use crate::quant::I8_MAX;
 
-    fn tensor(data: &[f32], shape: &[usize]) -> TensorRef {
-        unsafe { TensorRef::contiguous(data.as_ptr() as *const u8, DType::F32, shape).unwrap() }
+    fn tensor<'a>(data: &'a [f32], shape: &[usize]) -> TensorRef<'a> {
+        TensorRef::from_f32(data, shape).unwrap()
     }
 
     /// A tensor the storage may write into.
-    fn out(data: &mut [f32], shape: &[usize]) -> TensorRef {
-        unsafe { TensorRef::contiguous(data.as_mut_ptr() as *const u8, DType::F32, shape).unwrap() }
+    fn out<'a>(data: &'a mut [f32], shape: &[usize]) -> TensorMut<'a> {
+        TensorMut::from_f32_mut(data, shape).unwrap()
     }
 
     #[test]
@@ -292,9 +292,9 @@ mod tests {
         }
         // Raw codes read back as int8; the untouched rows stay zero.
         let mut codes = [0i8; 16];
-        let raw = unsafe {
-            TensorRef::contiguous(codes.as_mut_ptr() as *const u8, DType::I8, &[2, 2, 4]).unwrap()
-        };
+        let raw =
+            TensorMut::from_bytes_mut(bytemuck::cast_slice_mut(&mut codes), DType::I8, &[2, 2, 4])
+                .unwrap();
         s.read(region, &raw).unwrap();
         assert!(codes.iter().any(|&c| c == 127 || c == -127));
         assert_eq!(unsafe { *scales.ptr }, 0.0);

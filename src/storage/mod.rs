@@ -19,7 +19,7 @@ use crate::dtype::DType;
 use crate::error::{KvError, Result};
 use crate::layout::{BlockId, PagedShape};
 pub use crate::layout::{Device, Region};
-use crate::tensor::TensorRef;
+use crate::tensor::{Span, TensorMut, TensorRef};
 
 /// One allocation of keys and values, made once and addressed by regions.
 ///
@@ -40,7 +40,7 @@ pub trait Storage: Send + Sync + fmt::Debug {
     fn write(&mut self, dst: Region, src: &TensorRef) -> Result<()>;
     /// Reads `src` into `dst` (host memory, or memory on this storage's device; any
     /// supported dtype), converting from the storage dtype. `dst` has `src`'s shape.
-    fn read(&self, src: Region, dst: &TensorRef) -> Result<()>;
+    fn read(&self, src: Region, dst: &TensorMut) -> Result<()>;
     /// Copies region `src` onto region `dst` of the same storage (same shape; the two
     /// must not overlap): copy-on-write and forks.
     fn copy_within(&mut self, src: Region, dst: Region) -> Result<()>;
@@ -48,7 +48,7 @@ pub trait Storage: Send + Sync + fmt::Debug {
     fn fill_zero(&mut self, dst: Region) -> Result<()>;
     /// Sets every element of a caller's tensor to zero (host memory, or memory on this
     /// storage's device).
-    fn zero(&self, t: &TensorRef) -> Result<()>;
+    fn zero(&self, t: &TensorMut) -> Result<()>;
 
     /// Writes `k`, `v` (`[n, H, D]`) at paged `slots` (`block * block_size + offset`; -1
     /// skips) of cache tensor `t`.
@@ -60,6 +60,12 @@ pub trait Storage: Send + Sync + fmt::Debug {
         v: &TensorRef,
     ) -> Result<()> {
         paged_ops::write_slots(self, t, slots, k, v)
+    }
+    /// Sets K and V at paged `slots` (-1 skips) of cache tensor `t` to zero: positions a
+    /// holder claims without writing them (reserved slots) then never show the K/V an
+    /// earlier holder of the block left there.
+    fn zero_slots(&mut self, t: PagedTensor, slots: &[i64]) -> Result<()> {
+        paged_ops::zero_slots(self, t, slots)
     }
     /// Writes `k`, `v` (`[n, H, D]`) at positions `start..start + n` of cache tensor `t`
     /// through the block table `blocks`.
@@ -82,8 +88,8 @@ pub trait Storage: Send + Sync + fmt::Debug {
         blocks: &[BlockId],
         start: usize,
         n: usize,
-        k_out: &TensorRef,
-        v_out: &TensorRef,
+        k_out: &TensorMut,
+        v_out: &TensorMut,
     ) -> Result<()> {
         paged_ops::read_positions(self, t, blocks, start, n, k_out, v_out)
     }
@@ -157,6 +163,25 @@ pub trait Storage: Send + Sync + fmt::Debug {
     /// Size in bytes.
     fn nbytes(&self) -> usize {
         self.numel() * self.dtype().size()
+    }
+
+    /// The byte ranges of this storage's allocations (on its device): the elements, and
+    /// an int8 storage's scales. No caller's tensor may overlap them in a call that
+    /// writes the storage.
+    fn spans(&self) -> Vec<Span> {
+        let base = self.data_ptr() as usize;
+        let mut out = vec![Span {
+            start: base,
+            end: base + self.numel() * self.dtype().size(),
+        }];
+        if let Some(r) = self.row_scales() {
+            let at = r.ptr as usize;
+            out.push(Span {
+                start: at,
+                end: at + 4 * r.len,
+            });
+        }
+        out
     }
 }
 

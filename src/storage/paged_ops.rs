@@ -4,7 +4,7 @@
 use super::Storage;
 use crate::error::Result;
 use crate::layout::{BlockId, Kv, PagedShape};
-use crate::tensor::TensorRef;
+use crate::tensor::{TensorMut, TensorRef};
 
 /// One cache tensor of a paged pool's storage.
 #[derive(Clone, Copy, Debug)]
@@ -24,7 +24,35 @@ pub fn write_slots<S: Storage + ?Sized>(
     k: &TensorRef,
     v: &TensorRef,
 ) -> Result<()> {
-    let bs = t.shape.block_size;
+    for_slot_runs(t.shape.block_size, slots, |b, off, i, run| {
+        for (kv, src) in [(Kv::Key, k), (Kv::Value, v)] {
+            s.write(
+                t.shape.positions(t.index, kv, b, off, run),
+                &src.slice(0, i, run),
+            )?;
+        }
+        Ok(())
+    })
+}
+
+/// Sets K and V at `slots` (-1 skips) to zero, consecutive slots of one block as one
+/// region.
+pub fn zero_slots<S: Storage + ?Sized>(s: &mut S, t: PagedTensor, slots: &[i64]) -> Result<()> {
+    for_slot_runs(t.shape.block_size, slots, |b, off, _, run| {
+        for kv in [Kv::Key, Kv::Value] {
+            s.fill_zero(t.shape.positions(t.index, kv, b, off, run))?;
+        }
+        Ok(())
+    })
+}
+
+/// Calls `f(block, offset, first index, length)` for each run of consecutive slots of
+/// one block (`block * block_size + offset`; -1 skips).
+fn for_slot_runs(
+    bs: usize,
+    slots: &[i64],
+    mut f: impl FnMut(BlockId, usize, usize, usize) -> Result<()>,
+) -> Result<()> {
     let n = slots.len();
     let mut i = 0;
     while i < n {
@@ -37,12 +65,7 @@ pub fn write_slots<S: Storage + ?Sized>(
         while i + run < n && off + run < bs && slots[i + run] == slots[i] + run as i64 {
             run += 1;
         }
-        for (kv, src) in [(Kv::Key, k), (Kv::Value, v)] {
-            s.write(
-                t.shape.positions(t.index, kv, b, off, run),
-                &src.slice(0, i, run),
-            )?;
-        }
+        f(b, off, i, run)?;
         i += run;
     }
     Ok(())
@@ -82,8 +105,8 @@ pub fn read_positions<S: Storage + ?Sized>(
     blocks: &[BlockId],
     start: usize,
     n: usize,
-    k_out: &TensorRef,
-    v_out: &TensorRef,
+    k_out: &TensorMut,
+    v_out: &TensorMut,
 ) -> Result<()> {
     let bs = t.shape.block_size;
     let mut i = 0;
@@ -92,8 +115,11 @@ pub fn read_positions<S: Storage + ?Sized>(
         let run = (bs - pos % bs).min(n - i);
         let block = blocks[pos / bs];
         for (kv, out) in [(Kv::Key, k_out), (Kv::Value, v_out)] {
-            let dst = out.slice(1, i, run).transposed(0, 1);
-            s.read(t.shape.positions(t.index, kv, block, pos % bs, run), &dst)?;
+            let part = out.slice(1, i, run);
+            s.read(
+                t.shape.positions(t.index, kv, block, pos % bs, run),
+                &part.transposed(0, 1),
+            )?;
         }
         i += run;
     }
@@ -153,12 +179,12 @@ fn with_aligned_mut<R>(out: &mut [u8], f: impl FnOnce(*mut u8) -> R) -> R {
 ///
 /// # Safety
 /// `ptr` holds one block of `s`'s dtype, aligned for it.
-unsafe fn block_at<S: Storage + ?Sized>(
+unsafe fn block_at<'a, S: Storage + ?Sized>(
     s: &S,
     shape: &PagedShape,
-    ptr: *const u8,
-) -> Result<TensorRef> {
-    TensorRef::contiguous(ptr, s.dtype(), &[1, 1, shape.block_elems()])
+    ptr: *mut u8,
+) -> Result<TensorMut<'a>> {
+    TensorMut::contiguous(ptr, s.dtype(), &[1, 1, shape.block_elems()])
 }
 
 /// Reads whole `blocks` of cache tensors `0..tensors` into `out` (any alignment),
@@ -202,8 +228,8 @@ pub fn write_blocks<S: Storage + ?Sized>(
         with_aligned(one, |base| {
             for t in 0..tensors {
                 // SAFETY: as in read_blocks, for this block's tensors.
-                let src = unsafe { block_at(s, &shape, base.add(t * bb))? };
-                s.write(shape.whole_block(t, b), &src)?;
+                let src = unsafe { block_at(s, &shape, base.add(t * bb) as *mut u8)? };
+                s.write(shape.whole_block(t, b), &src.as_ref())?;
             }
             Ok::<(), crate::error::KvError>(())
         })?;

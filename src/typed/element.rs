@@ -4,7 +4,7 @@ use half::{bf16, f16};
 
 use crate::dtype::DType;
 use crate::error::{KvError, Result};
-use crate::tensor::TensorRef;
+use crate::tensor::{TensorMut, TensorRef};
 
 mod sealed {
     pub trait Sealed {}
@@ -16,7 +16,7 @@ mod sealed {
 /// An element type a typed cache stores and reads: `f32`, [`half::f16`] or [`half::bf16`].
 ///
 /// Sealed: the core converts between exactly these (and computes attention in `f32`).
-pub trait Element: Copy + Default + Send + Sync + 'static + sealed::Sealed {
+pub trait Element: bytemuck::Pod + Default + Send + Sync + 'static + sealed::Sealed {
     /// The core's name for this type.
     const DTYPE: DType;
 }
@@ -47,26 +47,23 @@ fn check_len(name: &'static str, len: usize, shape: &[usize]) -> Result<()> {
 }
 
 /// `data` as a C-order tensor of `shape`, read by the core.
-pub(crate) fn tensor<T: Element>(
+pub(crate) fn tensor<'a, T: Element>(
     name: &'static str,
-    data: &[T],
+    data: &'a [T],
     shape: &[usize],
-) -> Result<TensorRef> {
+) -> Result<TensorRef<'a>> {
     check_len(name, data.len(), shape)?;
-    // SAFETY: the slice holds exactly the elements the layout addresses, and the core
-    // uses the tensor only during the call that borrows `data`.
-    unsafe { TensorRef::contiguous(data.as_ptr() as *const u8, T::DTYPE, shape) }
+    TensorRef::from_bytes(bytemuck::cast_slice(data), T::DTYPE, shape)
 }
 
 /// `data` as a C-order tensor of `shape`, written by the core.
-pub(crate) fn tensor_mut<T: Element>(
+pub(crate) fn tensor_mut<'a, T: Element>(
     name: &'static str,
-    data: &mut [T],
+    data: &'a mut [T],
     shape: &[usize],
-) -> Result<TensorRef> {
+) -> Result<TensorMut<'a>> {
     check_len(name, data.len(), shape)?;
-    // SAFETY: as in `tensor`; the exclusive borrow makes the core's writes the only access.
-    unsafe { TensorRef::contiguous(data.as_mut_ptr() as *const u8, T::DTYPE, shape) }
+    TensorMut::from_bytes_mut(bytemuck::cast_slice_mut(data), T::DTYPE, shape)
 }
 
 /// Tokens in a `[n, heads, head_dim]` slice of `len` elements.
@@ -89,12 +86,12 @@ pub(crate) fn token_count(
 
 /// `q` and `out` (`[n, num_q_heads, head_dim]`, `n` read from `q`'s length) as the
 /// core's query and output tensors.
-pub(crate) fn query_tensors<Q: Element>(
-    q: &[Q],
-    out: &mut [Q],
+pub(crate) fn query_tensors<'a, Q: Element>(
+    q: &'a [Q],
+    out: &'a mut [Q],
     num_q_heads: usize,
     head_dim: usize,
-) -> Result<(TensorRef, TensorRef)> {
+) -> Result<(TensorRef<'a>, TensorMut<'a>)> {
     let n = token_count("q", q.len(), num_q_heads.max(1), head_dim)?;
     let shape = [n, num_q_heads, head_dim];
     Ok((tensor("q", q, &shape)?, tensor_mut("out", out, &shape)?))

@@ -175,3 +175,28 @@ def test_kvrs_caches_attend_in_place_token_identical_to_dynamic_cache(arch, cach
     assert torch.equal(got, expected)
     # Every layer of every step attended through kvrs (prefill plus 11 decode steps).
     assert len(calls) == config.num_hidden_layers * 12
+
+
+def test_a_batch_computes_the_token_ids_it_caches_under(model):
+    # Regression (trust review, defect 9): other ids than start_forward(tokens=...) stored
+    # the K/V of the first under the hashes of the second, and later prompts hit them.
+    pool = block_pool_from_config(model.config, num_blocks=16, block_size=4)
+    seq = pool.new_sequence(tokens=[5, 6, 7, 8, 9])
+    with torch.no_grad(), pool.start_forward([seq] * 4, tokens=[5, 6, 7, 8]) as batch:
+        with pytest.raises(ValueError, match=r"token_ids\[2\]=70, but the batch records token id 7"):
+            forward_batch(model, batch, [5, 6, 70, 8])
+        batch.cancel()
+    assert seq.seq_len == 0 and pool.match_prefix([5, 6, 7, 8, 9]) == 0
+    # Without ids, the batch computes the ids it records: the given ones, or the prompt's.
+    with torch.no_grad(), pool.start_forward([seq] * 4) as batch:
+        assert batch.token_ids.tolist() == [5, 6, 7, 8]
+        logits = forward_batch(model, batch)
+    with torch.no_grad():
+        alone = model(torch.tensor([[5, 6, 7, 8]]), past_key_values=DynamicCache(config=model.config))
+    assert torch.allclose(logits, alone.logits[0], atol=1e-5)
+    assert pool.match_prefix([5, 6, 7, 8, 9]) == 4
+    blank = pool.new_sequence()
+    with torch.no_grad(), pool.start_forward([blank]) as batch:
+        with pytest.raises(ValueError, match="knows no id for batch tokens"):
+            forward_batch(model, batch)
+        batch.cancel()

@@ -123,16 +123,31 @@ def use_paged_attention(model: Any) -> Any:
     return model
 
 
-def forward_batch(model: Any, batch: kvrs.ForwardBatch, token_ids: Any) -> torch.Tensor:
-    """Runs one ForwardBatch through `model` (switched by :func:`use_paged_attention`):
-    `token_ids` are the batch's tokens in order; returns their logits [num_tokens, vocab].
+def forward_batch(model: Any, batch: kvrs.ForwardBatch, token_ids: Any = None) -> torch.Tensor:
+    """Runs one ForwardBatch through `model` (switched by :func:`use_paged_attention`) and
+    returns the logits of its tokens [num_tokens, vocab].
+
+    The tokens are the ids the pool records for them (``batch.token_ids``: those given to
+    ``start_forward(tokens=...)``, else the sequences' prompts), so the K/V the batch
+    writes are always those of the ids its blocks are cached under. `token_ids` is needed
+    only where the pool knows no id; where it knows one, a different id raises ValueError.
     Does not commit: call ``batch.finish()`` (or leave the ``with`` block) afterwards."""
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
         raise ValueError(
             f"model uses attn_implementation={model.config._attn_implementation!r}; "
             "call kvrs.integrations.transformers.use_paged_attention(model) first"
         )
-    ids = torch.as_tensor(token_ids, dtype=torch.long)
+    known = torch.from_numpy(batch.token_ids)
+    if token_ids is None:
+        unknown = (known < 0).nonzero().flatten().tolist()
+        if unknown:
+            raise ValueError(
+                f"token_ids: the pool knows no id for batch tokens {unknown[:8]}; pass "
+                "start_forward(..., tokens=...) or forward_batch(..., token_ids=...)"
+            )
+        ids = known
+    else:
+        ids = torch.as_tensor(token_ids, dtype=torch.long)
     if ids.ndim != 1 or ids.shape[0] != batch.num_tokens:
         raise ValueError(
             f"token_ids has shape {tuple(ids.shape)}; the batch needs [{batch.num_tokens}] (1-D)"
@@ -140,6 +155,14 @@ def forward_batch(model: Any, batch: kvrs.ForwardBatch, token_ids: Any) -> torch
     vocab = model.config.get_text_config().vocab_size
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
         raise ValueError(f"token_ids must lie in [0, {vocab}) (the model's vocab_size)")
+    differ = ((known >= 0) & (ids.cpu() != known)).nonzero().flatten().tolist()
+    if differ:
+        i = differ[0]
+        raise ValueError(
+            f"token_ids[{i}]={int(ids[i])}, but the batch records token id {int(known[i])} there "
+            "(start_forward(tokens=...) or the sequence's prompt): the K/V would be cached under "
+            "ids they were not computed from"
+        )
     device = model.device  # the pool's device too: batch.put takes the model's K/V as they are
     ids = ids.reshape(1, -1).to(device)
     positions = torch.from_numpy(batch.positions).reshape(1, -1).to(device)

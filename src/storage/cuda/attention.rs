@@ -10,7 +10,7 @@ use crate::attention::AttnOptions;
 use crate::error::{KvError, Result};
 use crate::layout::KvLayout;
 use crate::storage::{PagedTensor, Storage};
-use crate::tensor::TensorRef;
+use crate::tensor::{TensorMut, TensorRef};
 
 /// Largest head_dim the kernel takes (`KVRS_MAX_HEAD_DIM` in `kernels/kvrs.cu`).
 pub const MAX_HEAD_DIM: usize = 256;
@@ -82,25 +82,28 @@ impl CudaStorage {
         &self,
         t: PagedTensor,
         q: &TensorRef,
-        out: &TensorRef,
+        out: &TensorMut,
         tables: &[u32],
         rows: &[DeviceRow],
         scale: f32,
         opts: &AttnOptions<'_>,
         head_scales: [&[f32]; 2],
     ) -> Result<()> {
-        for (name, x) in [("q", q), ("out", out)] {
-            if !self.is_local(name, x)? {
+        for (name, device, dtype) in [
+            ("q", q.device(), q.dtype()),
+            ("out", out.device(), out.dtype()),
+        ] {
+            if !self.is_local(name, device)? {
                 return Err(KvError::Device(format!(
                     "{name} is a host tensor; attention over a pool on {} takes tensors on that device",
                     self.device()
                 )));
             }
             let eight_bit = self.dtype().is_quantized();
-            if (!eight_bit && x.dtype() != self.dtype()) || x.dtype() != q.dtype() {
+            if (!eight_bit && dtype != self.dtype()) || dtype != q.dtype() {
                 return Err(KvError::InvalidArgument {
                     name,
-                    value: x.dtype().to_string(),
+                    value: dtype.to_string(),
                     reason: format!(
                         "must have the pool's dtype ({}) on a CUDA pool",
                         self.dtype()

@@ -70,7 +70,7 @@ impl CudaStorage {
         v: &TensorRef,
     ) -> Result<()> {
         for (name, t) in [("k", k), ("v", v)] {
-            if !self.is_local(name, t)? {
+            if !self.is_local(name, t.device())? {
                 return Err(KvError::Device(format!(
                     "{name} lives on the host; a captured append reads tensors on {}",
                     self.device()

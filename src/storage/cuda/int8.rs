@@ -11,7 +11,7 @@ use crate::dtype::DType;
 use crate::error::Result;
 use crate::storage::int8::scale_region;
 use crate::storage::Region;
-use crate::tensor::{copy_strided, TensorRef, MAX_RANK};
+use crate::tensor::{copy_strided, TensorMut, TensorRef, MAX_RANK};
 
 impl CudaStorage {
     /// The scales' device address and region for the codes' region `r` (int8 only).
@@ -53,7 +53,7 @@ impl CudaStorage {
                 )
             }
         };
-        if self.is_local("the source", src)? {
+        if self.is_local("the source", src.device())? {
             return launch(src.as_ptr() as DevicePtr, src.strides3());
         }
         self.with_upload(
@@ -64,7 +64,7 @@ impl CudaStorage {
 
     /// Reads region `src` of int8 codes into `dst` (floats, host or this device), each
     /// code times its vector's scale.
-    pub(super) fn read_dequantized(&self, src: Region, dst: &TensorRef) -> Result<()> {
+    pub(super) fn read_dequantized(&self, src: Region, dst: &TensorMut) -> Result<()> {
         let (scales, sr) = self.scales_of(&src);
         let n = src.numel();
         if n == 0 {
@@ -94,8 +94,8 @@ impl CudaStorage {
                 )
             }
         };
-        if self.is_local("the destination", dst)? {
-            return launch(dst.as_ptr() as DevicePtr, dst.dtype(), dst.strides3());
+        if self.is_local("the destination", dst.device())? {
+            return launch(dst.as_mut_ptr() as DevicePtr, dst.dtype(), dst.strides3());
         }
         let bytes = 4 * n;
         let mut host = vec![0u64; bytes.div_ceil(8)];

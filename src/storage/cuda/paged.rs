@@ -9,13 +9,13 @@ use super::storage::CudaStorage;
 use crate::error::Result;
 use crate::layout::BlockId;
 use crate::storage::{PagedTensor, Storage};
-use crate::tensor::TensorRef;
+use crate::tensor::{TensorMut, TensorRef};
 
 impl CudaStorage {
     /// Whether the scatter kernel can write `k`, `v`: both on this device, of one dtype,
     /// with `head_dim` contiguous (otherwise the region copies do it).
     pub(super) fn scatters(&self, k: &TensorRef, v: &TensorRef) -> Result<bool> {
-        let local = self.is_local("k", k)? && self.is_local("v", v)?;
+        let local = self.is_local("k", k.device())? && self.is_local("v", v.device())?;
         Ok(local
             && k.strides3()[2] == 1
             && v.strides3()[2] == 1
@@ -82,8 +82,8 @@ impl CudaStorage {
         blocks: &[BlockId],
         start: usize,
         n: usize,
-        k_out: &TensorRef,
-        v_out: &TensorRef,
+        k_out: &TensorMut,
+        v_out: &TensorMut,
     ) -> Result<()> {
         if n == 0 {
             return Ok(());
@@ -92,7 +92,7 @@ impl CudaStorage {
         let cache = self.device_addr(sh.block_offset(t.index, 0));
         let (ks, vs) = (k_out.strides3(), v_out.strides3());
         let fill = |w: &mut Vec<u64>| {
-            w.extend([cache, k_out.as_ptr() as u64, v_out.as_ptr() as u64]);
+            w.extend([cache, k_out.as_mut_ptr() as u64, v_out.as_mut_ptr() as u64]);
             // The int32 block table, two entries per word.
             w.extend(
                 blocks

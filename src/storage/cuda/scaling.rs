@@ -13,7 +13,7 @@ use super::kernels::{kernel, Kernel};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::layout::Device;
-use crate::tensor::{TensorRef, MAX_RANK};
+use crate::tensor::{TensorMut, TensorRef, MAX_RANK};
 
 /// Device memory for scaled copies, shared by a storage and its scalers.
 #[derive(Debug, Default)]
@@ -119,7 +119,7 @@ impl DeviceScaler {
         &self,
         inputs: [(&TensorRef, &[f32]); N],
         axis: usize,
-    ) -> Result<[TensorRef; N]> {
+    ) -> Result<[TensorRef<'_>; N]> {
         let mut s = self.scratch.lock();
         let scale_bytes: usize = inputs.iter().map(|(_, sc)| aligned(4 * sc.len())).sum();
         let data_bytes: usize = inputs
@@ -169,7 +169,7 @@ impl DeviceScaler {
     }
 
     /// Multiplies `t` (a float device tensor) in place by its scales along `axis`.
-    pub fn multiply(&self, t: &TensorRef, axis: usize, scales: &[f32]) -> Result<()> {
+    pub fn multiply(&self, t: &TensorMut, axis: usize, scales: &[f32]) -> Result<()> {
         let mut s = self.scratch.lock();
         let at = self.reserve(&mut s, aligned(4 * scales.len()))?;
         // SAFETY: the scratch holds the scales (reserved above).
@@ -182,10 +182,10 @@ impl DeviceScaler {
             )?
         };
         self.launch(
-            t.as_ptr() as DevicePtr,
+            t.as_mut_ptr() as DevicePtr,
             t.dtype(),
             t.strides3(),
-            t,
+            &t.as_ref(),
             at,
             scales.len(),
             axis,

@@ -15,9 +15,9 @@ use super::scaling::{DeviceScaler, Scratch};
 use crate::dtype::DType;
 use crate::error::{KvError, Result};
 use crate::layout::{BlockId, KvLayout, PagedShape};
-use crate::storage::int8::{scale_region, scales_tensor};
+use crate::storage::int8::{check_scales_len, scale_region};
 use crate::storage::{paged_ops, Device, PagedTensor, Region, RowScales, Storage};
-use crate::tensor::{copy_strided, TensorRef, MAX_RANK};
+use crate::tensor::{copy_strided, TensorMut, TensorRef, MAX_RANK};
 
 /// Keys and values in the memory of one CUDA device.
 #[derive(Debug)]
@@ -38,6 +38,9 @@ pub struct CudaStorage {
     pub(super) head_dim: usize,
     /// Device memory for fp8 scaling of device tensors ([`DeviceScaler`]).
     scratch: Arc<Mutex<Scratch>>,
+    /// Float32 zeros the size of one token's K (every head), made on first use: what
+    /// [`Storage::zero_slots`] scatters.
+    zero_row: Mutex<Option<DevicePtr>>,
     /// Page-locked host memory the block swaps pass through, made on first use.
     pub(super) pinned: Mutex<PinnedBuffer>,
 }
@@ -119,7 +122,20 @@ impl CudaStorage {
             head_dim: if dtype == DType::I8 { head_dim } else { 1 },
             scratch: Arc::new(Mutex::new(Scratch::default())),
             pinned: Mutex::new(PinnedBuffer::default()),
+            zero_row: Mutex::new(None),
         })
+    }
+
+    /// The device address of `n` float32 zeros (the same `n` on every call), made on
+    /// first use.
+    fn zero_row(&self, n: usize) -> Result<DevicePtr> {
+        let mut z = self.zero_row.lock();
+        if let Some(p) = *z {
+            return Ok(p);
+        }
+        let p = self.gpu.alloc_zeroed(4 * n.max(1))?;
+        *z = Some(p);
+        Ok(p)
     }
 
     /// Sends later launches to `stream` (`None`: kvrs's own stream of the device).
@@ -156,8 +172,8 @@ impl CudaStorage {
 
     /// Whether `t` lives on this storage's device; an error naming `name` when it lives on
     /// another device.
-    pub(super) fn is_local(&self, name: &str, t: &TensorRef) -> Result<bool> {
-        match t.device() {
+    pub(super) fn is_local(&self, name: &str, device: Device) -> Result<bool> {
+        match device {
             Device::Cpu => Ok(false),
             d if d == self.device() => Ok(true),
             d => Err(KvError::Device(format!(
@@ -350,10 +366,13 @@ pub(super) fn pack(t: &TensorRef, words: &mut Vec<u64>) {
 
 impl Drop for CudaStorage {
     fn drop(&mut self) {
-        // SAFETY: both allocations came from this gpu's alloc_zeroed and are freed once.
+        // SAFETY: these allocations came from this gpu's alloc_zeroed and are freed once.
         unsafe {
             if let Some(c) = *self.counter.get_mut() {
                 self.gpu.free(c);
+            }
+            if let Some(z) = *self.zero_row.get_mut() {
+                self.gpu.free(z);
             }
             self.gpu.free(self.staging.get_mut().ptr);
             self.gpu.free(self.ptr);
@@ -394,7 +413,7 @@ impl Storage for CudaStorage {
             self.dtype,
             dst.signed_strides(),
         );
-        if self.is_local("the source", src)? {
+        if self.is_local("the source", src.device())? {
             return self.copy3(
                 to.0,
                 to.1,
@@ -421,15 +440,15 @@ impl Storage for CudaStorage {
         )
     }
 
-    fn read(&self, src: Region, dst: &TensorRef) -> Result<()> {
+    fn read(&self, src: Region, dst: &TensorMut) -> Result<()> {
         self.check(&src);
         if self.scales.is_some() && dst.dtype() != DType::I8 {
             return self.read_dequantized(src, dst);
         }
         let from = self.device_addr(src.offset);
-        if self.is_local("the destination", dst)? {
+        if self.is_local("the destination", dst.device())? {
             return self.copy3(
-                dst.as_ptr() as DevicePtr,
+                dst.as_mut_ptr() as DevicePtr,
                 dst.dtype(),
                 dst.strides3(),
                 from,
@@ -512,12 +531,16 @@ impl Storage for CudaStorage {
         }
     }
 
-    fn zero(&self, t: &TensorRef) -> Result<()> {
-        if self.is_local("the output", t)? {
-            return self.zero3(t.as_ptr() as DevicePtr, t.dtype(), t.strides3(), t.shape3());
+    fn zero(&self, t: &TensorMut) -> Result<()> {
+        if self.is_local("the output", t.device())? {
+            return self.zero3(
+                t.as_mut_ptr() as DevicePtr,
+                t.dtype(),
+                t.strides3(),
+                t.shape3(),
+            );
         }
-        // SAFETY: a host tensor valid for writes (its contract).
-        unsafe { t.fill_zero() };
+        t.fill_zero();
         Ok(())
     }
 
@@ -532,6 +555,29 @@ impl Storage for CudaStorage {
             return paged_ops::write_slots(self, t, slots, k, v);
         }
         self.scatter(t, slots.len(), k, v, |w| {
+            w.extend(slots.iter().map(|&s| s as u64))
+        })
+    }
+
+    fn zero_slots(&mut self, t: PagedTensor, slots: &[i64]) -> Result<()> {
+        let (n, sh) = (slots.len(), t.shape);
+        if n == 0 {
+            return Ok(());
+        }
+        let row = self.zero_row(sh.num_kv_heads * sh.head_dim)?;
+        // SAFETY: `row` holds num_kv_heads * head_dim float32 zeros on this device for
+        // this storage's life; every token reads the same row (stride 0).
+        let zeros = unsafe {
+            TensorRef::new(
+                row as *const u8,
+                DType::F32,
+                &[n, sh.num_kv_heads, sh.head_dim],
+                &[0, sh.head_dim as isize, 1],
+            )?
+        }
+        .on(self.device());
+        // One launch for every slot (the scatter skips -1).
+        self.scatter(t, n, &zeros, &zeros, |w| {
             w.extend(slots.iter().map(|&s| s as u64))
         })
     }
@@ -559,10 +605,11 @@ impl Storage for CudaStorage {
         blocks: &[BlockId],
         start: usize,
         n: usize,
-        k_out: &TensorRef,
-        v_out: &TensorRef,
+        k_out: &TensorMut,
+        v_out: &TensorMut,
     ) -> Result<()> {
-        let local = self.is_local("k_out", k_out)? && self.is_local("v_out", v_out)?;
+        let local =
+            self.is_local("k_out", k_out.device())? && self.is_local("v_out", v_out.device())?;
         let same_dtype = k_out.dtype() == self.dtype && v_out.dtype() == self.dtype;
         if !local || !same_dtype || k_out.strides3()[2] != 1 || v_out.strides3()[2] != 1 {
             return paged_ops::read_positions(self, t, blocks, start, n, k_out, v_out);
@@ -628,7 +675,8 @@ impl Storage for CudaStorage {
             )));
         };
         let r = scale_region(&src, self.head_dim);
-        sc.read(r, &scales_tensor(dst, &r)?)
+        check_scales_len(dst.len(), &r)?;
+        sc.read(r, &TensorMut::from_f32_mut(dst, &r.shape)?)
     }
 
     fn write_row_scales(&mut self, dst: Region, src: &[f32]) -> Result<()> {
@@ -640,7 +688,8 @@ impl Storage for CudaStorage {
             )));
         };
         let r = scale_region(&dst, d);
-        sc.write(r, &scales_tensor(src, &r)?)
+        check_scales_len(src.len(), &r)?;
+        sc.write(r, &TensorRef::from_f32(src, &r.shape)?)
     }
 
     fn row_scales(&self) -> Option<RowScales> {
