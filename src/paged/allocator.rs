@@ -1,6 +1,8 @@
 //! Reference-counted block allocation with an O(1) free list.
 
+use crate::error::Result;
 use crate::layout::BlockId;
+use crate::sizes;
 
 /// Hands out blocks and counts references to them.
 ///
@@ -16,12 +18,13 @@ pub struct BlockAllocator {
 }
 
 impl BlockAllocator {
-    /// `num_blocks` free blocks; block 0 is handed out first.
-    pub fn new(num_blocks: usize) -> Self {
-        BlockAllocator {
-            refcount: vec![0; num_blocks],
-            free: (0..num_blocks as BlockId).rev().collect(),
-        }
+    /// `num_blocks` free blocks; block 0 is handed out first. Fails
+    /// ([`crate::KvError::OutOfMemory`]) when the host cannot hold the counts.
+    pub fn new(num_blocks: usize) -> Result<Self> {
+        let refcount = sizes::filled("the block reference counts", num_blocks, 0)?;
+        let mut free = sizes::with_capacity("the free-block list", num_blocks)?;
+        free.extend((0..num_blocks as BlockId).rev());
+        Ok(BlockAllocator { refcount, free })
     }
 
     /// Total blocks.
@@ -110,7 +113,7 @@ mod tests {
 
     #[test]
     fn allocate_share_release() {
-        let mut a = BlockAllocator::new(3);
+        let mut a = BlockAllocator::new(3).unwrap();
         let (x, y, z) = (
             a.allocate().unwrap(),
             a.allocate().unwrap(),
@@ -132,9 +135,14 @@ mod tests {
     }
 
     #[test]
+    fn an_unallocatable_pool_is_an_error() {
+        assert!(BlockAllocator::new(usize::MAX / 2).is_err());
+    }
+
+    #[test]
     #[should_panic(expected = "double free")]
     fn double_free_panics() {
-        let mut a = BlockAllocator::new(1);
+        let mut a = BlockAllocator::new(1).unwrap();
         let b = a.allocate().unwrap();
         assert!(a.release(b));
         let _ = a.release(b);
