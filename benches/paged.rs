@@ -6,7 +6,7 @@ use kvrs::paged::{BlockAllocator, KvLayout, PagedShape, PoolCore};
 use kvrs::{DType, Device};
 
 fn alloc_free(c: &mut Criterion) {
-    let mut a = BlockAllocator::new(1 << 20);
+    let mut a = BlockAllocator::new(1 << 20).unwrap();
     // Keep half the pool in use so the free list is neither full nor empty.
     let held: Vec<_> = (0..1 << 19).map(|_| a.allocate().unwrap()).collect();
     c.bench_function("block_alloc_free", |b| {

@@ -100,8 +100,9 @@ template <> __device__ __forceinline__ kvrs_e5m2 from_f32<kvrs_e5m2>(float x) {
 }
 
 // Quantizes the head vector src[0], src[src_stride], ... (n elements) into dst[0..n) as
-// the host does (quantize_row_i8 in src/quant.rs): scale = max|x| / 127 (NaNs ignored),
-// codes rint(x / scale) clamped to +-127 (NaN: 0). Returns the scale (0 for a zero vector).
+// the host does (quantize_row_i8 in src/quant.rs): scale = max|x| / 127 (NaNs ignored,
+// infinities counted as FLT_MAX; one ulp less when 127 * scale would overflow), codes
+// rint(x / scale) clamped to +-127 (NaN: 0). Returns the scale (0 for a zero vector).
 template <typename S>
 __device__ float quantize_vector(int8_t* dst, int64_t dst_stride, const S* src, int64_t src_stride, int n) {
     float amax = 0.0f;
@@ -113,7 +114,8 @@ __device__ float quantize_vector(int8_t* dst, int64_t dst_stride, const S* src, 
         for (int e = 0; e < n; ++e) dst[e * dst_stride] = 0;
         return 0.0f;
     }
-    const float scale = fminf(amax / 127.0f, 3.40282347e38f);
+    float scale = fminf(amax, 3.40282347e38f) / 127.0f;
+    if (scale * 127.0f > 3.40282347e38f) scale = bits_f32(f32_bits(scale) - 1u);
     for (int e = 0; e < n; ++e) {
         const float x = to_f32(src[e * src_stride]);
         const float q = rintf(fminf(fmaxf(x / scale, -127.0f), 127.0f));

@@ -77,6 +77,14 @@ pub enum KvError {
         /// What is wrong with it.
         reason: String,
     },
+    /// The host refused an allocation (Python: `MemoryError`).
+    #[error("cannot allocate {bytes} bytes for {what}")]
+    OutOfMemory {
+        /// What was being allocated.
+        what: &'static str,
+        /// Bytes asked for.
+        bytes: usize,
+    },
     /// A device that is unknown or unavailable (Python: `kvrs.DeviceError`).
     #[error("device error: {0}")]
     Device(String),

@@ -9,7 +9,9 @@ use crate::dtype::DType;
 use crate::error::{check_count, check_index, check_positive, KvError, Result};
 pub use crate::layout::Kv;
 use crate::layout::{Device, Region};
+use crate::paged::pool::check_layer_count;
 use crate::scales::{attention_scales, check_dtype, multiply_heads, with_divided, KvScales};
+use crate::sizes;
 use crate::storage::{allocate, RowScales, Storage};
 use crate::tensor::{check_disjoint, expect_block_pair, TensorMut, TensorRef};
 
@@ -27,7 +29,9 @@ pub struct CacheShape {
 }
 
 impl CacheShape {
-    /// Checks that every size is positive and that the whole cache is addressable.
+    /// Checks that every size is positive, that there are at most
+    /// [`MAX_LAYERS`](crate::paged::pool::MAX_LAYERS) layers and that the whole cache
+    /// is addressable; returns its number of elements.
     pub fn validate(&self, dtype: DType) -> Result<usize> {
         check_positive(&[
             ("num_layers", self.num_layers),
@@ -35,23 +39,19 @@ impl CacheShape {
             ("head_dim", self.head_dim),
             ("max_seq_len", self.max_seq_len),
         ])?;
-        [
-            2,
-            self.num_layers,
-            self.num_kv_heads,
-            self.max_seq_len,
+        check_layer_count(self.num_layers)?;
+        sizes::kv_bytes(
+            "the cache",
+            &[
+                ("num_layers", self.num_layers),
+                ("num_kv_heads", self.num_kv_heads),
+                ("max_seq_len", self.max_seq_len),
+            ],
             self.head_dim,
-            dtype.size(),
-        ]
-        .iter()
-        .try_fold(1usize, |acc, &x| acc.checked_mul(x))
-        .filter(|&b| b <= isize::MAX as usize)
-        .map(|b| b / dtype.size())
-        .ok_or_else(|| KvError::InvalidArgument {
-            name: "max_seq_len",
-            value: self.max_seq_len.to_string(),
-            reason: "the cache would exceed the address space".into(),
-        })
+            dtype,
+        )?;
+        // The bytes fit, so the element count does.
+        Ok(2 * self.num_layers * self.num_kv_heads * self.max_seq_len * self.head_dim)
     }
 }
 
@@ -96,7 +96,7 @@ impl CacheCore {
         Ok(CacheCore {
             shape,
             storage,
-            scales: KvScales::unit(shape.num_layers, shape.num_kv_heads),
+            scales: KvScales::unit(shape.num_layers, shape.num_kv_heads)?,
             seq_len: 0,
             layer_len: vec![0; shape.num_layers],
         })

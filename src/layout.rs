@@ -165,13 +165,6 @@ impl PagedShape {
         self.num_blocks * self.block_elems()
     }
 
-    /// Elements of a pool of `tensors` cache tensors, or `None` on overflow.
-    pub fn total_elems(&self, tensors: usize) -> Option<usize> {
-        tensors
-            .checked_mul(self.num_blocks)?
-            .checked_mul(self.block_elems())
-    }
-
     /// Element offset of `block` in cache tensor `tensor`.
     pub fn block_offset(&self, tensor: usize, block: BlockId) -> usize {
         tensor * self.layer_elems() + block as usize * self.block_elems()

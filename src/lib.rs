@@ -25,8 +25,8 @@
 //! strided copy), [`storage`] (the device-independent storage interface and its host
 //! backend), [`kv_cache`] (the contiguous cache's core, `CacheCore`), [`paged`] (the
 //! block pool's core, `PoolCore`), [`prefix`] (prefix caching), [`attention`] (attention
-//! over cached K/V in place), [`quant`] (8-bit codecs), [`scales`] (fp8 scales) and [`error`] (the one error
-//! type). [`typed`] wraps the cores for Rust callers.
+//! over cached K/V in place), [`quant`] (8-bit codecs), [`scales`] (fp8 scales), [`sizes`] (checked sizes, fallible
+//! bookkeeping allocations) and [`error`] (the one error type). [`typed`] wraps the cores for Rust callers.
 
 #![warn(missing_docs)]
 
@@ -42,6 +42,7 @@ pub mod prefix;
 pub mod quant;
 pub mod rope;
 pub mod scales;
+pub mod sizes;
 pub mod storage;
 pub mod tensor;
 pub mod tier;

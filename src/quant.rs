@@ -190,6 +190,10 @@ pub const I8_MAX: f32 = 127.0;
 /// Quantizes one row symmetrically into `dst` (same length) and returns its scale:
 /// `scale = max|x| / 127` and `q = clamp(round_ties_even(x / scale), -127, 127)`, in
 /// f32 (NaNs count as zero). An all-zero row has scale 0 and codes 0.
+///
+/// It saturates like fp8: infinities count as `±f32::MAX` (code ±127), and when
+/// `max|x| / 127` rounds up so far that `127 * scale` would overflow, the scale is the
+/// largest float with `127 * scale <= f32::MAX`. Every dequantized value is finite.
 pub fn quantize_row_i8(dst: &mut [i8], src: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
@@ -216,15 +220,28 @@ fn quantize_row_i8_with(dst: &mut [i8], src: &[f32]) -> f32 {
         dst.fill(0);
         return 0.0;
     }
-    // An infinite row saturates: every finite value becomes 0, infinities ±127.
-    let scale = (amax / I8_MAX).min(f32::MAX);
+    let scale = i8_scale(amax);
     for (d, &x) in dst.iter_mut().zip(src) {
-        // |x / scale| <= 127 except for infinities, which the clamp saturates (before
-        // rounding, so that the rounding trick stays in its range).
+        // |x / scale| <= 127 except for infinities and, with a stepped-down scale, the
+        // row's largest values, which the clamp saturates (before rounding, so that the
+        // rounding trick stays in its range).
         let q = round_small((x / scale).clamp(-I8_MAX, I8_MAX));
         *d = if x.is_nan() { 0 } else { q as i8 };
     }
     scale
+}
+
+/// The scale of a row whose largest magnitude is `amax` (> 0, possibly infinite):
+/// `amax / 127`, with `amax` saturated to `f32::MAX`, stepped down one ulp when
+/// `127 * scale` would overflow (only `f32::MAX / 127` rounds that far up).
+#[inline(always)]
+fn i8_scale(amax: f32) -> f32 {
+    let scale = amax.min(f32::MAX) / I8_MAX;
+    if (scale * I8_MAX).is_infinite() {
+        f32::from_bits(scale.to_bits() - 1)
+    } else {
+        scale
+    }
 }
 
 /// Reads `dst[i] = src[i] * scale` (same length).
@@ -354,6 +371,47 @@ mod tests {
         assert!(s.is_finite() && q[..2] == [127, 0]);
     }
 
+    /// Quantizes `row` and returns its codes, scale and dequantized values.
+    fn int8_round_trip(row: &[f32]) -> (Vec<i8>, f32, Vec<f32>) {
+        let mut q = vec![0i8; row.len()];
+        let scale = quantize_row_i8(&mut q, row);
+        let mut back = vec![0f32; row.len()];
+        dequantize_row_i8(&mut back, &q, scale);
+        (q, scale, back)
+    }
+
+    #[test]
+    fn int8_saturates_at_the_largest_float() {
+        let m = f32::MAX;
+        // The scale is the largest float whose 127 multiple is finite.
+        let top = f32::from_bits((m / I8_MAX).to_bits() - 1);
+        assert!((m / I8_MAX * I8_MAX).is_infinite(), "max / 127 rounds up");
+        assert!((top * I8_MAX).is_finite());
+        let rows: [&[f32]; 6] = [
+            &[m],
+            &[-m, 1.0],
+            &[f32::INFINITY, -1e30, 0.0],
+            &[f32::NEG_INFINITY, m],
+            &[f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 3e38],
+            &[1.0, m, -m, 2e38, -3e38],
+        ];
+        for row in rows {
+            let (q, scale, back) = int8_round_trip(row);
+            assert_eq!(scale, top, "{row:?}");
+            assert!(back.iter().all(|v| v.is_finite()), "{row:?} -> {back:?}");
+            for ((&x, &c), &y) in row.iter().zip(&q).zip(&back) {
+                match x {
+                    _ if x.is_nan() => assert_eq!(c, 0),
+                    _ if x.abs() >= m => assert_eq!(c, if x > 0.0 { 127 } else { -127 }),
+                    _ => assert!((x - y).abs() <= 0.5 * scale, "{x} -> {y}"),
+                }
+            }
+        }
+        // Just below the overflow, amax / 127 is kept.
+        let below = f32::from_bits(m.to_bits() - 1);
+        assert_eq!(int8_round_trip(&[below]).1, below / I8_MAX);
+    }
+
     proptest! {
         #[test]
         fn encoding_is_the_nearest_code(bits in any::<u32>(), small in -20.0f32..20.0) {
@@ -370,12 +428,36 @@ mod tests {
 
         #[test]
         fn int8_error_is_at_most_half_a_step(row in prop::collection::vec(-1e4f32..1e4, 1..64)) {
-            let mut q = vec![0i8; row.len()];
-            let scale = quantize_row_i8(&mut q, &row);
-            let mut back = vec![0f32; row.len()];
-            dequantize_row_i8(&mut back, &q, scale);
+            let (_, scale, back) = int8_round_trip(&row);
             for (x, y) in row.iter().zip(&back) {
                 prop_assert!((x - y).abs() <= 0.5 * scale * (1.0 + 1e-5) + f32::EPSILON * x.abs());
+            }
+        }
+
+        #[test]
+        fn int8_dequantizes_finite_values_from_any_non_nan_row(
+            bits in prop::collection::vec(any::<u32>(), 1..64),
+            huge in prop::collection::vec(any::<bool>(), 64),
+        ) {
+            // Any float (infinities included, NaNs skipped), half of them pushed up
+            // against f32::MAX so that the overflowing scale is hit often.
+            let row: Vec<f32> = bits
+                .iter()
+                .zip(&huge)
+                .map(|(&b, &h)| f32::from_bits(if h { b | 0x7f7f_fff0 } else { b }))
+                .filter(|x| !x.is_nan())
+                .collect();
+            let (_, scale, back) = int8_round_trip(&row);
+            prop_assert!(scale.is_finite() && (scale * I8_MAX).is_finite());
+            for (x, y) in row.iter().zip(&back) {
+                prop_assert!(y.is_finite(), "{} -> {}", x, y);
+                if x.is_finite() {
+                    // Half a step, plus the few ulps a stepped-down scale costs at the top.
+                    prop_assert!(
+                        (x - y).abs() <= 0.5 * scale * (1.0 + 1e-5) + f32::EPSILON * x.abs(),
+                        "{} -> {} (scale {})", x, y, scale
+                    );
+                }
             }
         }
     }

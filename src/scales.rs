@@ -14,6 +14,7 @@ use crate::attention;
 use crate::dtype::{read_f32, write_f32, DType};
 use crate::error::{KvError, Result};
 use crate::layout::{Device, Kv};
+use crate::sizes;
 use crate::storage::cuda::DeviceScaler;
 use crate::storage::Storage;
 use crate::tensor::{copy_strided, TensorMut, TensorRef};
@@ -33,20 +34,22 @@ pub struct KvScales {
 }
 
 impl KvScales {
-    /// Every scale 1.0.
-    pub fn unit(num_layers: usize, num_kv_heads: usize) -> Self {
-        let n = num_layers * num_kv_heads;
-        KvScales {
+    /// Every scale 1.0. Fails when `num_layers * num_kv_heads` scales exceed the
+    /// address space or the host's memory.
+    pub fn unit(num_layers: usize, num_kv_heads: usize) -> Result<Self> {
+        let n = count(num_layers, num_kv_heads)?;
+        Ok(KvScales {
             num_kv_heads,
-            k: vec![1.0; n],
-            v: vec![1.0; n],
-        }
+            k: sizes::filled("the K scales", n, 1.0)?,
+            v: sizes::filled("the V scales", n, 1.0)?,
+        })
     }
 
     /// Scales from `k` and `v`, each one value (every layer and head), `num_layers`
     /// values (one per layer) or `num_layers * num_kv_heads` values (layer-major);
     /// every value finite and positive.
     pub fn new(num_layers: usize, num_kv_heads: usize, k: &[f32], v: &[f32]) -> Result<Self> {
+        let n = count(num_layers, num_kv_heads)?;
         let expand = |name: &'static str, x: &[f32]| -> Result<Vec<f32>> {
             if let Some(bad) = x.iter().find(|s| !(s.is_finite() && **s > 0.0)) {
                 return Err(KvError::InvalidArgument {
@@ -55,14 +58,14 @@ impl KvScales {
                     reason: "scales must be finite and > 0".into(),
                 });
             }
-            let n = num_layers * num_kv_heads;
             match x.len() {
-                1 => Ok(vec![x[0]; n]),
+                1 => sizes::filled(name, n, x[0]),
                 l if l == n => Ok(x.to_vec()),
-                l if l == num_layers => Ok(x
-                    .iter()
-                    .flat_map(|&s| std::iter::repeat_n(s, num_kv_heads))
-                    .collect()),
+                l if l == num_layers => {
+                    let mut all = sizes::with_capacity(name, n)?;
+                    all.extend(x.iter().flat_map(|&s| std::iter::repeat_n(s, num_kv_heads)));
+                    Ok(all)
+                }
                 l => Err(KvError::Shape {
                     name,
                     got: vec![l],
@@ -108,6 +111,14 @@ impl KvScales {
     pub fn values(&self) -> &[f32] {
         &self.v
     }
+}
+
+/// The number of scales of K (or of V): one per layer and KV head.
+fn count(num_layers: usize, num_kv_heads: usize) -> Result<usize> {
+    sizes::product(
+        "the scales",
+        &[("num_layers", num_layers), ("num_kv_heads", num_kv_heads)],
+    )
 }
 
 /// What multiplies the elements of `layer` that attention reads from `storage`: its
@@ -291,10 +302,23 @@ mod tests {
         let s = KvScales::new(2, 3, &per_head, &per_head).unwrap();
         assert_eq!(s.heads(1, Kv::Value), &[4.0, 5.0, 6.0]);
         assert!(!s.is_unit());
-        assert!(KvScales::unit(2, 3).is_unit());
+        assert!(KvScales::unit(2, 3).unwrap().is_unit());
         assert!(KvScales::new(2, 3, &[1.0; 4], &[1.0]).is_err());
         assert!(KvScales::new(2, 3, &[0.0], &[1.0]).is_err());
         assert!(KvScales::new(2, 3, &[1.0], &[f32::NAN]).is_err());
+    }
+
+    #[test]
+    fn huge_scale_counts_are_errors() {
+        // Past the address space (a ValueError), or past the host's memory (MemoryError).
+        let e = KvScales::unit(2, usize::MAX).unwrap_err();
+        assert!(e.to_string().starts_with("num_kv_heads="), "{e}");
+        assert!(matches!(
+            KvScales::unit(1, 1 << 62),
+            Err(KvError::OutOfMemory { .. })
+        ));
+        assert!(KvScales::new(1, 1 << 62, &[0.5], &[1.0]).is_err());
+        assert!(KvScales::new(1 << 62, 1, &[0.5], &[1.0]).is_err());
     }
 
     #[test]

@@ -110,7 +110,8 @@ fn device_fp8_codecs_equal_the_host_codec_bit_for_bit() {
 
 #[test]
 fn device_int8_rows_equal_the_host_quantizer() {
-    // Rows of 4: ordinary, all zero, with an infinity, with a NaN, tiny, huge.
+    // Rows of 4: ordinary, all zero, with an infinity, with a NaN, tiny, huge, at
+    // float32's largest value (the scale steps down so that 127 * scale stays finite).
     let rows: Vec<[f32; 4]> = vec![
         [1.0, -2.5, 3.25, 0.1],
         [0.0, -0.0, 0.0, 0.0],
@@ -118,6 +119,8 @@ fn device_int8_rows_equal_the_host_quantizer() {
         [f32::NAN, 2.0, -1.0, 0.5],
         [1e-40, -3e-41, 0.0, 2e-45],
         [3e38, -3.4e38, 1.0, -1.0],
+        [f32::MAX, 1.0, -1e37, 0.0],
+        [-f32::MAX, f32::NEG_INFINITY, 2e38, f32::NAN],
     ];
     for (i, row) in rows.iter().enumerate() {
         let shape = CacheShape {

@@ -409,6 +409,91 @@ fn bad_sizes_and_shapes_are_errors_not_panics() {
     assert!(pool.seq_len(s).is_err());
 }
 
+#[test]
+fn huge_sizes_are_errors_not_aborts_or_panics() {
+    let invalid = |r: Result<(), KvError>, arg: &str| match r {
+        Err(KvError::InvalidArgument { name, .. }) if name == arg => {}
+        other => panic!("expected an invalid {arg}, got {other:?}"),
+    };
+    // Used to panic in KvScales::unit ("capacity overflow"): a block's size wrapped.
+    invalid(
+        BlockPool::<f32>::new(PoolConfig::new(1, 1 << 62, 4, 1, 1)).map(drop),
+        "num_kv_heads",
+    );
+    invalid(
+        BlockPool::<f32>::new(PoolConfig::new(1, 1, 1 << 62, 2, 1)).map(drop),
+        "head_dim",
+    );
+    invalid(
+        KvCache::<f32>::try_new(1 << 32, 1, 1, 1).map(drop),
+        "num_layers",
+    );
+    invalid(
+        KvCache::<f32>::try_new(1, 1, 1, usize::MAX / 2).map(drop),
+        "max_seq_len",
+    );
+    let tier: std::sync::Arc<dyn kvrs::tier::Tier> =
+        std::sync::Arc::new(kvrs::tier::host::HostTier::new(1 << 20));
+    for queue in [0, (1 << 20) + 1, 1 << 62] {
+        let mut config = PoolConfig::new(1, 1, 4, 4, 4)
+            .prefix_caching(1)
+            .tiers(vec![tier.clone()], "");
+        config.tiers.as_mut().unwrap().queue = queue;
+        invalid(BlockPool::<f32>::new(config).map(drop), "tier_queue");
+    }
+}
+
+/// Runs the test `name` of this binary again in a child process under an address-space
+/// limit of `mib` MiB and checks that it passed; true in the parent (which then
+/// returns), false in the child (which then runs the test's body).
+fn in_limited_child(name: &str, mib: u64) -> bool {
+    if std::env::var_os("KVRS_LIMITED_CHILD").is_some() {
+        return false;
+    }
+    let child = std::process::Command::new("sh")
+        .args([
+            "-c",
+            "ulimit -v $2 && exec \"$0\" --exact \"$1\" --test-threads=1",
+        ])
+        .arg(std::env::current_exe().unwrap())
+        .arg(name)
+        .arg((mib * 1024).to_string())
+        .env("KVRS_LIMITED_CHILD", "1")
+        .output()
+        .unwrap();
+    assert!(
+        child.status.success(),
+        "{name} under a {mib} MiB limit: {}\n{}{}",
+        child.status,
+        String::from_utf8_lossy(&child.stdout),
+        String::from_utf8_lossy(&child.stderr)
+    );
+    true
+}
+
+#[test]
+fn allocations_the_host_refuses_are_errors_not_aborts() {
+    if in_limited_child("allocations_the_host_refuses_are_errors_not_aborts", 1024) {
+        return;
+    }
+    let oom = |r: Result<(), KvError>, what: &str| match r {
+        Err(KvError::OutOfMemory { what: w, .. }) if w == what => {}
+        other => panic!("expected OutOfMemory for {what}, got {other:?}"),
+    };
+    // PoolConfig::new(1, 1, 1, 1, 700_000_000) under 8 GiB aborted ("memory allocation of
+    // 2800000000 bytes failed": the block counts). Scaled down, so that the storage
+    // (zeroed, 400 MB of fp8) fits and the counts (800 MB) do not.
+    let config = PoolConfig::new(1, 1, 1, 1, 200_000_000).storage(kvrs::DType::F8E4M3);
+    oom(
+        BlockPool::<f32>::new(config).map(drop),
+        "the block reference counts",
+    );
+    oom(
+        KvCache::<f32>::try_new(1, 1 << 40, 1, 1).map(drop),
+        "the K/V storage (host memory)",
+    );
+}
+
 /// What a pool storing `dtype` returns for `x` (rows of `d`): int8 rows quantized with
 /// their own scale, fp8 elements divided by `scale`, rounded, multiplied back.
 fn stored(x: &[f32], d: usize, dtype: kvrs::DType, scale: f32) -> Vec<f32> {

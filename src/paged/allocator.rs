@@ -1,7 +1,9 @@
 //! Reference-counted block allocation with an O(1) free list, and each block's
 //! generation.
 
+use crate::error::Result;
 use crate::layout::BlockId;
+use crate::sizes;
 
 /// Hands out blocks, counts references to them and numbers their changes of holder.
 ///
@@ -23,13 +25,18 @@ pub struct BlockAllocator {
 }
 
 impl BlockAllocator {
-    /// `num_blocks` free blocks; block 0 is handed out first.
-    pub fn new(num_blocks: usize) -> Self {
-        BlockAllocator {
-            refcount: vec![0; num_blocks],
-            generation: vec![0; num_blocks],
-            free: (0..num_blocks as BlockId).rev().collect(),
-        }
+    /// `num_blocks` free blocks; block 0 is handed out first. Fails
+    /// ([`crate::KvError::OutOfMemory`]) when the host cannot hold the counts.
+    pub fn new(num_blocks: usize) -> Result<Self> {
+        let refcount = sizes::filled("the block reference counts", num_blocks, 0)?;
+        let generation = sizes::filled("the block generations", num_blocks, 0)?;
+        let mut free = sizes::with_capacity("the free-block list", num_blocks)?;
+        free.extend((0..num_blocks as BlockId).rev());
+        Ok(BlockAllocator {
+            refcount,
+            generation,
+            free,
+        })
     }
 
     /// The generation of `block`: it changes whenever the block's references do.
@@ -134,7 +141,7 @@ mod tests {
 
     #[test]
     fn allocate_share_release() {
-        let mut a = BlockAllocator::new(3);
+        let mut a = BlockAllocator::new(3).unwrap();
         let (x, y, z) = (
             a.allocate().unwrap(),
             a.allocate().unwrap(),
@@ -157,7 +164,7 @@ mod tests {
 
     #[test]
     fn every_change_of_references_moves_the_generation() {
-        let mut a = BlockAllocator::new(2);
+        let mut a = BlockAllocator::new(2).unwrap();
         let b = a.allocate().unwrap();
         let g = a.generation(b);
         a.share(b);
@@ -175,9 +182,14 @@ mod tests {
     }
 
     #[test]
+    fn an_unallocatable_pool_is_an_error() {
+        assert!(BlockAllocator::new(usize::MAX / 2).is_err());
+    }
+
+    #[test]
     #[should_panic(expected = "double free")]
     fn double_free_panics() {
-        let mut a = BlockAllocator::new(1);
+        let mut a = BlockAllocator::new(1).unwrap();
         let b = a.allocate().unwrap();
         assert!(a.release(b));
         let _ = a.release(b);

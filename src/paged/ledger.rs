@@ -17,6 +17,7 @@
 use rustc_hash::FxHashMap;
 
 use super::allocator::BlockAllocator;
+use crate::error::Result;
 use crate::layout::BlockId;
 use crate::prefix::{CachedBlock, PrefixCounters, PrefixEvent, PrefixIndex};
 
@@ -41,13 +42,14 @@ pub struct BlockLedger {
 }
 
 impl BlockLedger {
-    /// `num_blocks` free blocks; caches prefixes in `prefix` when given.
-    pub fn new(num_blocks: usize, prefix: Option<PrefixIndex>) -> Self {
-        BlockLedger {
-            alloc: BlockAllocator::new(num_blocks),
+    /// `num_blocks` free blocks; caches prefixes in `prefix` when given. Fails
+    /// ([`crate::KvError::OutOfMemory`]) when the host cannot hold the bookkeeping.
+    pub fn new(num_blocks: usize, prefix: Option<PrefixIndex>) -> Result<Self> {
+        Ok(BlockLedger {
+            alloc: BlockAllocator::new(num_blocks)?,
             prefix,
             pins: FxHashMap::default(),
-        }
+        })
     }
 
     /// Total blocks.
@@ -296,7 +298,7 @@ mod tests {
 
     fn ledger(n: usize) -> BlockLedger {
         let index = PrefixIndex::new(HashKind::Xxh3, 0, false, false, n, 2);
-        BlockLedger::new(n, Some(index))
+        BlockLedger::new(n, Some(index)).unwrap()
     }
 
     fn meta(hash: u128) -> CachedBlock {

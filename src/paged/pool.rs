@@ -21,6 +21,7 @@ use crate::layout::PagedShape;
 use crate::prefix::PrefixIndex;
 use crate::rope::Rope;
 use crate::scales::{check_dtype, KvScales};
+use crate::sizes;
 use crate::storage::{allocate, Device, RowScales, Storage};
 
 /// Handle of a sequence in a pool (never reused within one pool).
@@ -105,17 +106,19 @@ impl PoolCore {
                 ),
             });
         }
-        let numel = shape
-            .total_elems(groups.per_block)
-            .filter(|&n| {
-                n.checked_mul(dtype.size())
-                    .is_some_and(|b| b <= isize::MAX as usize)
-            })
-            .ok_or_else(|| KvError::InvalidArgument {
-                name: "num_blocks",
-                value: shape.num_blocks.to_string(),
-                reason: "the pool would exceed the address space".into(),
-            })?;
+        sizes::kv_bytes(
+            "the pool",
+            &[
+                ("", groups.per_block),
+                ("num_blocks", shape.num_blocks),
+                ("block_size", shape.block_size),
+                ("num_kv_heads", shape.num_kv_heads),
+            ],
+            shape.head_dim,
+            dtype,
+        )?;
+        // The bytes fit, so the element count does.
+        let numel = groups.per_block * shape.num_blocks * shape.block_elems();
         let storage = allocate(device, dtype, numel, shape.head_dim)?;
         let partial_ok = groups.all_full();
         let prefix = prefix.map(|p| {
@@ -132,8 +135,8 @@ impl PoolCore {
             shape,
             groups,
             storage,
-            scales: KvScales::unit(shape.num_layers, shape.num_kv_heads),
-            blocks: BlockLedger::new(shape.num_blocks, prefix),
+            scales: KvScales::unit(shape.num_layers, shape.num_kv_heads)?,
+            blocks: BlockLedger::new(shape.num_blocks, prefix)?,
             rope: None,
             seqs: FxHashMap::default(),
             next_id: 0,

@@ -82,6 +82,7 @@ impl PoolCore {
         if tiers.is_empty() {
             return Ok(self);
         }
+        crate::tier::writer::check_queue(queue)?;
         let meta = expected_metadata(&self);
         let fingerprint = payload::fingerprint(
             meta.iter()

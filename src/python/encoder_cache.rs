@@ -66,8 +66,10 @@ impl PyEncoderCache {
         };
         let dtype = dtype.map(parse_dtype).transpose()?.unwrap_or(DType::F16);
         let device = device.map(parse_device).transpose()?.unwrap_or(Device::Cpu);
+        // The sizes are checked (and the storage allocated) before the scales are read.
+        let cache = EncoderCache::new(shape, dtype, device)?;
         let scales = parse_scales(k_scale, v_scale, shape.num_layers, shape.num_kv_heads)?;
-        let cache = EncoderCache::new(shape, dtype, device)?.with_scales(scales)?;
+        let cache = cache.with_scales(scales)?;
         let data = cache.cache().data_ptr() as usize;
         let target = Target {
             device,

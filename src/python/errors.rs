@@ -44,6 +44,7 @@ impl From<KvError> for PyErr {
             | KvError::BadFile { .. } => PyValueError::new_err(msg),
             KvError::UnsupportedDType { .. } => PyTypeError::new_err(msg),
             KvError::NotSupported(_) => NotSupportedError::new_err(msg),
+            KvError::OutOfMemory { .. } => PyMemoryError::new_err(msg),
             KvError::Device(ref m) if m.starts_with("cannot allocate") => {
                 PyMemoryError::new_err(msg)
             }

@@ -1,7 +1,9 @@
 //! Reading tensors handed in from Python: NumPy arrays directly, anything with
 //! `__dlpack__` (torch, JAX, CuPy) through DLPack, and anything else through
 //! `numpy.asarray` (the buffer protocol, `__array__`). Nothing is copied: the core reads
-//! the caller's memory in place and converts while it writes. A cache on a CUDA device
+//! the caller's memory in place and converts while it writes. The one exception is an
+//! array in the other byte order (`>f4` on a little-endian host), read through a
+//! native-order copy; an output in that order is refused. A cache on a CUDA device
 //! takes only tensors on that device, and a host cache only host tensors: never a
 //! silent copy between them.
 
@@ -163,6 +165,8 @@ fn read_any<'py>(
     from_numpy(&arr, name)
 }
 
+/// Reads a NumPy array in place, or through a native-order copy (held by the
+/// [`Input`]) when its byte order is not the machine's.
 fn from_numpy<'py>(arr: &Bound<'py, PyUntypedArray>, name: &'static str) -> PyResult<Input<'py>> {
     let py = arr.py();
     let d = arr.dtype();
@@ -178,6 +182,13 @@ fn from_numpy<'py>(arr: &Bound<'py, PyUntypedArray>, name: &'static str) -> PyRe
             .into())
         }
     };
+    if d.is_native_byteorder() == Some(false) {
+        let native = arr.call_method1(
+            intern!(py, "astype"),
+            (d.call_method1(intern!(py, "newbyteorder"), ("=",))?,),
+        )?;
+        return from_numpy(&native.cast_into::<PyUntypedArray>()?, name);
+    }
     let shape = arr.shape();
     check_rank(name, shape)?;
     let es = dtype.size() as isize;

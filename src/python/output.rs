@@ -2,7 +2,7 @@
 //! writable and apart from the cache's storage) or a fresh array (NumPy on the host, a
 //! `DeviceTensor` on CUDA), each held with the tensor the core writes through.
 
-use numpy::{PyUntypedArray, PyUntypedArrayMethods};
+use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 
 /// NumPy's flag of a writable array.
 const NPY_ARRAY_WRITEABLE: i32 = 0x0400;
@@ -57,6 +57,18 @@ pub fn writable<'py>(
                 name,
                 value: "a read-only array".into(),
                 reason: "must be writable".into(),
+            }
+            .into());
+        }
+        let d = arr.dtype();
+        if d.is_native_byteorder() == Some(false) {
+            // Reading converts through a copy; writing into one would lose the result.
+            return Err(KvError::InvalidArgument {
+                name,
+                value: format!("an array of dtype '{}'", d.str()?),
+                reason: "must be in the machine's byte order to be written in place: \
+                         pass an array of dtype.newbyteorder('=')"
+                    .into(),
             }
             .into());
         }

@@ -184,11 +184,8 @@ impl PyBlockPool {
             chunk_size,
             swa_memory,
         )?;
-        let per_block = LayerGroups::new(attention.clone()).per_block
-            * 2
-            * shape.block_size
-            * shape.num_kv_heads
-            * dtype.bytes_per_vector(shape.head_dim);
+        let per_block =
+            pool_args::block_bytes(LayerGroups::new(attention.clone()).per_block, &shape, dtype)?;
         shape.num_blocks = pool_args::num_blocks(num_blocks, memory_bytes, per_block)?;
         let prefix = pool_args::prefix(prefix_caching, hash, seed, partial_hits, events)?;
         let mut pool = PoolCore::with_attention(shape, attention, dtype, device, prefix)?;

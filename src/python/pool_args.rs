@@ -4,9 +4,11 @@
 use pyo3::prelude::*;
 
 use crate::bytes::parse_size;
+use crate::dtype::DType;
 use crate::error::{check_count, check_size, KvError};
-use crate::paged::{Attention, LayerKind, PrefixConfig};
+use crate::paged::{Attention, LayerKind, PagedShape, PrefixConfig};
 use crate::prefix::HashKind;
+use crate::sizes;
 
 /// Each layer's kind from `layer_types` (default: all full attention) with the window,
 /// chunk and extra memory of windowed layers, validated for `num_layers` layers.
@@ -35,6 +37,21 @@ pub fn attention(
     };
     attention.validate(num_layers)?;
     Ok(attention)
+}
+
+/// Bytes of one block id of a pool of `shape` and `dtype` with `tensors` cache tensors (a
+/// block of each layer of a group, K and V); fails past the address space.
+pub fn block_bytes(tensors: usize, shape: &PagedShape, dtype: DType) -> PyResult<usize> {
+    Ok(sizes::kv_bytes(
+        "one block",
+        &[
+            ("", tensors),
+            ("block_size", shape.block_size),
+            ("num_kv_heads", shape.num_kv_heads),
+        ],
+        shape.head_dim,
+        dtype,
+    )?)
 }
 
 /// The number of blocks: exactly one of `num_blocks` and `memory_bytes` (an int or a size

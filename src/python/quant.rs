@@ -25,7 +25,7 @@ pub fn parse_scales(
     num_kv_heads: usize,
 ) -> PyResult<KvScales> {
     if k.is_none() && v.is_none() {
-        return Ok(KvScales::unit(num_layers, num_kv_heads));
+        return Ok(KvScales::unit(num_layers, num_kv_heads)?);
     }
     let read = |name: &'static str, obj: Option<&Bound<'_, PyAny>>| -> PyResult<Vec<f32>> {
         let Some(obj) = obj else {

@@ -128,7 +128,8 @@ impl PyRope {
                     t.shape3(),
                 )
             };
-            for (row, &p) in buf.chunks_exact_mut(per_row).zip(&positions) {
+            // Rows of no element (a 0 in x's shape) have nothing to rotate.
+            for (row, &p) in buf.chunks_exact_mut(per_row.max(1)).zip(&positions) {
                 self.rope.rotate(head_dim, row, p as f64)?;
             }
         }

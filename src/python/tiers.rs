@@ -150,17 +150,20 @@ pub struct PyRedisTier {
     url: String,
 }
 
-/// A positive, finite number of seconds.
+/// A positive, finite number of seconds that a `Duration` holds.
 fn seconds(name: &'static str, s: f64) -> PyResult<Duration> {
-    if !(s.is_finite() && s > 0.0) {
-        return Err(KvError::InvalidArgument {
+    match Duration::try_from_secs_f64(s) {
+        Ok(d) if s > 0.0 => Ok(d),
+        _ => Err(KvError::InvalidArgument {
             name,
             value: s.to_string(),
-            reason: "must be a finite number of seconds > 0".into(),
+            reason: format!(
+                "must be a finite number of seconds > 0 and at most {}",
+                Duration::MAX.as_secs()
+            ),
         }
-        .into());
+        .into()),
     }
-    Ok(Duration::from_secs_f64(s))
 }
 
 #[pymethods]

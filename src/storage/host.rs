@@ -34,8 +34,9 @@ impl HostStorage {
         let layout =
             Layout::from_size_align(bytes.max(1), ALIGN).map_err(|_| too_large(numel, dtype))?;
         // SAFETY: the layout has a non-zero size.
-        let ptr = NonNull::new(unsafe { alloc_zeroed(layout) }).ok_or_else(|| {
-            KvError::Device(format!("cannot allocate {bytes} bytes of host memory"))
+        let ptr = NonNull::new(unsafe { alloc_zeroed(layout) }).ok_or(KvError::OutOfMemory {
+            what: "the K/V storage (host memory)",
+            bytes,
         })?;
         Ok(HostStorage {
             ptr,

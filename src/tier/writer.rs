@@ -15,9 +15,25 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use super::{payload, Tier};
+use crate::error::{KvError, Result};
 
 /// Most payloads written in one batch.
 const BATCH: usize = 64;
+
+/// The largest write-back queue (payloads): the queue is allocated up front.
+pub const MAX_QUEUE: usize = 1 << 20;
+
+/// Checks the write-back queue's capacity (`tier_queue`) is in `1..=MAX_QUEUE`.
+pub fn check_queue(queue: usize) -> Result<()> {
+    if !(1..=MAX_QUEUE).contains(&queue) {
+        return Err(KvError::InvalidArgument {
+            name: "tier_queue",
+            value: queue.to_string(),
+            reason: format!("must be in [1, {MAX_QUEUE}] (payloads)"),
+        });
+    }
+    Ok(())
+}
 
 /// What the thread is asked to do.
 enum Job {

@@ -193,10 +193,10 @@ impl<T: Element> BlockPool<T> {
             Device::Cpu,
             config.prefix,
         )?;
-        let scales = config
-            .scales
-            .unwrap_or_else(|| KvScales::unit(sh.num_layers, sh.num_kv_heads));
-        let mut core = core.with_scales(scales)?;
+        let mut core = match config.scales {
+            Some(scales) => core.with_scales(scales)?,
+            None => core,
+        };
         if let Some(t) = config.tiers {
             core = core.with_tiers(t.tiers, &t.model_id, t.queue, t.policy)?;
         }

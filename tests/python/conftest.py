@@ -39,10 +39,15 @@ def fp8_codes(x, dtype: str, scale=1.0):
 
 def int8_codes(x):
     """The reference symmetric int8 codes and scales of `x`, one scale per row of the last
-    axis: scale = max|row| / 127, code = clip(rint(x / scale), -127, 127), in float32."""
+    axis: scale = max|row| / 127, code = clip(rint(x / scale), -127, 127), in float32.
+    Saturating: infinities count as float32's max, and a scale whose 127 multiple would
+    overflow is stepped down to the next float below."""
     x = np.asarray(x, np.float32)
-    amax = np.abs(x).max(axis=-1, keepdims=True)
+    top = np.finfo(np.float32).max
+    amax = np.minimum(np.abs(x).max(axis=-1, keepdims=True), top)
     scale = amax / np.float32(127)
+    with np.errstate(over="ignore"):
+        scale = np.where(np.isinf(scale * np.float32(127)), np.nextafter(scale, np.float32(0)), scale)
     safe = np.where(scale > 0, scale, np.float32(1))
     codes = np.clip(np.rint(x / safe), -127, 127).astype(np.int8)
     return codes, scale[..., 0].astype(np.float32)

@@ -91,6 +91,40 @@ def test_int8_codes_and_scales_equal_the_reference_with_ties_and_zero_rows():
     np.testing.assert_array_equal(kd, codes.astype(np.float32) * scales[..., None])
 
 
+def test_int8_saturates_so_that_float32_max_and_infinities_read_back_finite():
+    top = np.finfo(np.float32).max
+    rows = np.array(
+        [
+            [[top, 1.0, -1e37, 0.0], [-top, 2e38, -3e38, 1e30]],
+            [[np.inf, -1.0, 1e38, 0.5], [-np.inf, np.inf, top, -top]],
+        ],
+        np.float32,
+    )
+    cache = kvrs.KVCache(1, 2, 4, 2, dtype="int8")
+    cache.append(0, rows, rows)
+    cache.advance(2)
+    k, _ = cache.get(0)
+    ks, _ = cache.scales(0)
+    codes, scales = int8_codes(rows.transpose(1, 0, 2))
+    np.testing.assert_array_equal(k, codes)
+    np.testing.assert_array_equal(ks, scales)
+    # One float below max / 127, the largest scale whose 127 multiple is finite.
+    assert ks[0, 0] == np.nextafter(top / np.float32(127), np.float32(0))
+    assert k[0, 0, 0] == 127 and k[1, 0, 0] == -127 and list(k[1, 1]) == [-127, 127, 127, -127]
+    kd, vd = cache.get(0, dequantize=True)
+    assert np.isfinite(kd).all() and np.isfinite(vd).all()
+    assert kd[0, 0, 0] == np.float32(127) * ks[0, 0]  # float32's max, less a few ulps
+    out = cache.attention(0, np.ones((2, 2, 4), np.float32))
+    assert np.isfinite(out).all(), out  # was NaN: the cache held inf
+
+    pool = kvrs.BlockPool(1, 2, 4, block_size=2, num_blocks=2, dtype="int8")
+    seq = pool.new_sequence()
+    seq.append(0, rows, rows)
+    seq.advance(2)
+    assert np.isfinite(seq.get(0, dequantize=True)[0]).all()
+    assert np.isfinite(seq.attention(0, np.ones((1, 2, 4), np.float32))).all()
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     x=hnp.arrays(
