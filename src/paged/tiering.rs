@@ -354,7 +354,7 @@ impl PoolCore {
                     .prefix
                     .as_mut()
                     .expect("prefix caching on")
-                    .register(b, meta, &c.tokens);
+                    .register(b, meta, &c.tokens, extra);
                 debug_assert!(registered, "only blocks the index lacks are loaded");
                 let tier = &self.tiers.as_ref().expect("tiers on").tiers[*t];
                 TierCounters::add(&tier.counters().hits, 1);

@@ -461,7 +461,8 @@ impl PoolCore {
             .chunks_exact(4)
             .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
             .collect();
-        let adopted = self.adopt_cached(b, meta, &tokens);
+        // Version 1 files do not record extra keys.
+        let adopted = self.adopt_cached(b, meta, &tokens, b"");
         assert!(adopted, "block {i} of the file was checked to be new");
         Ok(())
     }
