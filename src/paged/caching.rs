@@ -339,4 +339,9 @@ impl PoolCore {
         assert!(self.alloc.release(b));
         Some(b)
     }
+
+    /// Gives back a block [`Self::take_free_block`] took that was not cached after all.
+    pub(crate) fn return_free_block(&mut self, b: BlockId) {
+        self.alloc.push_free(b);
+    }
 }
