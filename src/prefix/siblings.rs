@@ -8,6 +8,7 @@
 //! removal cost `O(log n)`, however many siblings a parent has: every distinct prompt is
 //! a child of its namespace's root.
 
+use std::collections::hash_map::Entry;
 use std::collections::BTreeMap;
 use std::ops::Bound::{Excluded, Included, Unbounded};
 
@@ -16,8 +17,13 @@ use rustc_hash::FxHashMap;
 use super::hash::BlockHash;
 use crate::layout::BlockId;
 
-/// The children of one parent under one extra key, by their tokens.
-type Children<T> = BTreeMap<Box<[T]>, BlockId>;
+/// The children of one parent under one extra key, by their tokens. Most parents have
+/// one child (every block of a chain but its first), kept without a tree.
+#[derive(Debug)]
+enum Children<T> {
+    One(Box<[T]>, BlockId),
+    Many(BTreeMap<Box<[T]>, BlockId>),
+}
 
 /// The children of every parent, each parent's ordered by tokens (`T` is `u32`, a token
 /// id; tests count comparisons through another `T`).
@@ -44,32 +50,58 @@ impl<T: Ord + Clone> Siblings<T> {
     /// Siblings hold distinct tokens (same parent, tokens and extra key make the same
     /// hash, cached once); a second `b` for the same tokens replaces the first.
     pub fn insert(&mut self, parent: BlockHash, extra: u128, tokens: &[T], b: BlockId) {
-        self.by_parent
-            .entry((parent, extra))
-            .or_default()
-            .insert(tokens.into(), b);
+        let children = match self.by_parent.entry((parent, extra)) {
+            Entry::Vacant(e) => {
+                e.insert(Children::One(tokens.into(), b));
+                return;
+            }
+            Entry::Occupied(e) => e.into_mut(),
+        };
+        if let Children::One(t, c) = children {
+            if **t == *tokens {
+                *c = b;
+                return;
+            }
+            let only = (std::mem::take(t), *c);
+            *children = Children::Many(BTreeMap::from([only]));
+        }
+        if let Children::Many(m) = children {
+            m.insert(tokens.into(), b);
+        }
     }
 
     /// Removes the child of `parent` (under `extra`) holding `tokens`; returns its block.
     pub fn remove(&mut self, parent: BlockHash, extra: u128, tokens: &[T]) -> Option<BlockId> {
         let children = self.by_parent.get_mut(&(parent, extra))?;
-        let b = children.remove(tokens);
-        if children.is_empty() {
+        let (b, emptied) = match children {
+            Children::One(t, c) => ((**t == *tokens).then_some(*c)?, true),
+            Children::Many(m) => {
+                let b = m.remove(tokens)?;
+                (b, m.is_empty())
+            }
+        };
+        if emptied {
             self.by_parent.remove(&(parent, extra));
         }
-        b
+        Some(b)
     }
 
     /// The child of `parent` (under `extra`) holding `tokens`.
     pub fn get(&self, parent: BlockHash, extra: u128, tokens: &[T]) -> Option<BlockId> {
-        self.by_parent.get(&(parent, extra))?.get(tokens).copied()
+        match self.by_parent.get(&(parent, extra))? {
+            Children::One(t, b) => (**t == *tokens).then_some(*b),
+            Children::Many(m) => m.get(tokens).copied(),
+        }
     }
 
     /// The child of `parent` (under `extra`) whose tokens share the longest beginning with
     /// `want`, and that length; `None` when none shares a token. Of several children
     /// sharing the longest beginning, the one whose tokens come first in order.
     pub fn best(&self, parent: BlockHash, extra: u128, want: &[T]) -> Option<(BlockId, usize)> {
-        let children = self.by_parent.get(&(parent, extra))?;
+        let children = match self.by_parent.get(&(parent, extra))? {
+            Children::One(t, b) => return Some((*b, common(t, want))).filter(|m| m.1 > 0),
+            Children::Many(m) => m,
+        };
         let below = children
             .range::<[T], _>((Unbounded, Included(want)))
             .next_back();
@@ -90,7 +122,13 @@ impl<T: Ord + Clone> Siblings<T> {
 
     /// Children filed, over every parent.
     pub fn len(&self) -> usize {
-        self.by_parent.values().map(Children::len).sum()
+        self.by_parent
+            .values()
+            .map(|c| match c {
+                Children::One(..) => 1,
+                Children::Many(m) => m.len(),
+            })
+            .sum()
     }
 }
 
@@ -193,5 +231,10 @@ mod tests {
         assert_eq!(s.remove(1, 3, &[5, 6, 7, 9]), None);
         assert_eq!(s.len(), 3);
         assert_eq!(s.get(2, 0, &[5, 6, 7, 9]), Some(14));
+        assert_eq!(s.get(2, 0, &[5, 6, 7, 8]), None);
+        assert_eq!(s.best(2, 0, &[5, 6, 0]), Some((14, 2)));
+        assert_eq!(s.best(2, 0, &[0]), None);
+        s.insert(2, 0, &[5, 6, 7, 9], 15);
+        assert_eq!((s.get(2, 0, &[5, 6, 7, 9]), s.len()), (Some(15), 3));
     }
 }
