@@ -1,5 +1,5 @@
-//! Criterion benches of prefix caching: eviction with a million cached blocks, and
-//! hashing + matching a 32k-token prompt.
+//! Criterion benches of prefix caching: eviction with a million cached blocks, hashing +
+//! matching a 32k-token prompt, and a partial match among 100 and 40k root children.
 
 use std::time::{Duration, Instant};
 
@@ -68,5 +68,50 @@ fn matching(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, eviction, matching);
+/// A pool caching `n` one-block prompts, each a child of the root (they differ in their
+/// first token), filled as a server fills it: the prompt's ids, `reserve`, `advance`.
+fn root_children(n: usize) -> (PoolCore, Vec<u32>) {
+    let shape = PagedShape {
+        num_layers: 1,
+        num_kv_heads: 1,
+        head_dim: 1,
+        block_size: BS,
+        num_blocks: n + 8,
+        layout: KvLayout::Nhd,
+    };
+    let cfg = PrefixConfig {
+        hash: HashKind::Blake3,
+        seed: 0,
+        partial_hits: true,
+        events: false,
+    };
+    let mut pool = PoolCore::new(shape, DType::F16, Device::Cpu, Some(cfg)).unwrap();
+    let prompt = |i: usize| -> Vec<u32> {
+        std::iter::once(1_000_000 + i as u32)
+            .chain(1..BS as u32)
+            .collect()
+    };
+    for i in 0..n {
+        let id = pool.new_sequence_with(&prompt(i), b"", b"");
+        pool.reserve(&[id], &[BS as i64]).unwrap();
+        pool.advance(id, BS as i64, None).unwrap();
+        pool.free_sequence(id).unwrap();
+    }
+    let mut partial = prompt(n / 2)[..BS / 2].to_vec();
+    partial.extend(500..500 + 2 * BS as u32);
+    (pool, partial)
+}
+
+fn partial_matching(c: &mut Criterion) {
+    let mut group = c.benchmark_group("partial_match_among_root_children");
+    for n in [100, 40_000] {
+        let (pool, partial) = root_children(n);
+        group.bench_function(n.to_string(), |b| {
+            b.iter(|| assert_eq!(pool.match_prefix(&partial, b"", b""), BS / 2))
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, eviction, matching, partial_matching);
 criterion_main!(benches);

@@ -173,49 +173,14 @@ impl PoolCore {
                 .collect();
         }
         if p.partial_hits {
-            hit.partial = self.partial_match(
-                p,
-                hit.hashes.last().copied().unwrap_or(root),
-                tokens,
-                extra,
-                k * bs,
-                limit,
-            );
+            // The cached child of the last whole block whose tokens share the longest
+            // beginning with the next block's (pools whose layers are all full: one group).
+            let start = k * bs;
+            let want = &tokens[start..limit.min(start + bs).max(start)];
+            let parent = hit.hashes.last().copied().unwrap_or(root);
+            hit.partial = p.partial_match(parent, extra, want);
         }
         hit
-    }
-
-    /// The cached child of `parent` whose tokens share the longest beginning with
-    /// `tokens[start..limit]` (pools whose layers are all full: one group).
-    fn partial_match(
-        &self,
-        p: &PrefixIndex,
-        parent: BlockHash,
-        tokens: &[u32],
-        extra: &[u8],
-        start: usize,
-        limit: usize,
-    ) -> Option<(BlockId, usize)> {
-        let want = &tokens[start..limit.min(start + self.shape.block_size).max(start)];
-        let mut best = None;
-        let mut best_len = 0;
-        for &c in p.children(parent) {
-            // A child's hash also covers the extra key: only same-key children match.
-            if p.kind.block(parent, p.block_tokens(c), extra) != p.meta(c).expect("indexed").hash {
-                continue;
-            }
-            let lcp = p
-                .block_tokens(c)
-                .iter()
-                .zip(want)
-                .take_while(|(a, b)| a == b)
-                .count();
-            if lcp > best_len {
-                best_len = lcp;
-                best = Some((c, lcp));
-            }
-        }
-        best
     }
 
     /// Tokens of `tokens` (in `namespace`, with `extra`) that a new sequence would find
@@ -257,7 +222,7 @@ impl PoolCore {
                         first: i == 0,
                         root: s.root,
                     };
-                    self.blocks.register(b, meta, toks);
+                    self.blocks.register(b, meta, toks, &s.extra);
                 }
             }
         }
@@ -333,16 +298,27 @@ impl PoolCore {
         })
     }
 
-    /// Caches `tokens`' block `b` as `meta` says (from a saved cache or a tier) as
-    /// evictable, most recently used. For loading; `b` was taken with
+    /// Caches block `b` (holding `tokens`, hashed with `extra`) as `meta` says, from a
+    /// saved cache, as evictable, most recently used. For loading; `b` was taken with
     /// [`Self::take_free_block`]. When the hash is cached already, `b` returns to the
     /// free list and false is returned.
-    pub(crate) fn adopt_cached(&mut self, b: BlockId, meta: CachedBlock, tokens: &[u32]) -> bool {
-        self.blocks.adopt_loaded(b, meta, tokens)
+    pub(crate) fn adopt_cached(
+        &mut self,
+        b: BlockId,
+        meta: CachedBlock,
+        tokens: &[u32],
+        extra: &[u8],
+    ) -> bool {
+        self.blocks.adopt_loaded(b, meta, tokens, extra)
     }
 
     /// Takes a free block (not an evictable one) for loading, or `None`.
     pub(crate) fn take_free_block(&mut self) -> Option<BlockId> {
         self.blocks.take_for_loading()
+    }
+
+    /// Gives back a block [`Self::take_free_block`] took whose load failed.
+    pub(crate) fn return_free_block(&mut self, b: BlockId) {
+        self.blocks.discard(b);
     }
 }

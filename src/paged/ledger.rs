@@ -161,13 +161,20 @@ impl BlockLedger {
 
     // ----- caching ------------------------------------------------------------------------
 
-    /// Caches held block `b` under `meta` with `tokens`; false (and nothing changes) when
+    /// Caches held block `b` under `meta` with `tokens` (hashed with the extra key
+    /// `extra`); false (and nothing changes) when
     /// prefix caching is off, or the hash or the block is cached already.
-    pub fn register(&mut self, b: BlockId, meta: CachedBlock, tokens: &[u32]) -> bool {
+    pub fn register(
+        &mut self,
+        b: BlockId,
+        meta: CachedBlock,
+        tokens: &[u32],
+        extra: &[u8],
+    ) -> bool {
         let Some(p) = self.prefix.as_mut() else {
             return false;
         };
-        let registered = p.register(b, meta, tokens);
+        let registered = p.register(b, meta, tokens, extra);
         if registered {
             self.alloc.bump(b);
         }
@@ -185,9 +192,15 @@ impl BlockLedger {
     /// Caches parked block `b` (loaded from a file or a tier) as evictable, most
     /// recently used; when its hash or block is cached already, `b` returns to the free
     /// list instead and false is returned.
-    pub fn adopt_loaded(&mut self, b: BlockId, meta: CachedBlock, tokens: &[u32]) -> bool {
+    pub fn adopt_loaded(
+        &mut self,
+        b: BlockId,
+        meta: CachedBlock,
+        tokens: &[u32],
+        extra: &[u8],
+    ) -> bool {
         let p = self.prefix.as_mut().expect("loading needs prefix caching");
-        if !p.register(b, meta, tokens) {
+        if !p.register(b, meta, tokens, extra) {
             self.alloc.push_free(b);
             return false;
         }
@@ -297,7 +310,7 @@ mod tests {
     use crate::prefix::HashKind;
 
     fn ledger(n: usize) -> BlockLedger {
-        let index = PrefixIndex::new(HashKind::Xxh3, 0, false, false, n, 2);
+        let index = PrefixIndex::new(HashKind::Xxh3, 0, false, false, n, 2).unwrap();
         BlockLedger::new(n, Some(index)).unwrap()
     }
 
@@ -314,7 +327,7 @@ mod tests {
     fn a_cached_block_rests_evictable_and_is_taken_last() {
         let mut l = ledger(2);
         let (a, _) = l.take(false).unwrap();
-        assert!(l.register(a, meta(1), &[1, 2]));
+        assert!(l.register(a, meta(1), &[1, 2], b""));
         l.release(a);
         assert_eq!((l.num_free(), l.num_evictable()), (1, 1));
         let (b, evicted) = l.take(true).unwrap();
@@ -331,7 +344,7 @@ mod tests {
         let mut l = ledger(1);
         let (a, _) = l.take(false).unwrap();
         let g = l.generation(a);
-        assert!(l.register(a, meta(1), &[0, 0]));
+        assert!(l.register(a, meta(1), &[0, 0], b""));
         assert_ne!(l.generation(a), g);
         let g = l.generation(a);
         l.hold(a);
@@ -343,9 +356,12 @@ mod tests {
     fn a_load_that_is_not_adopted_returns_its_block() {
         let mut l = ledger(2);
         let (a, _) = l.take(false).unwrap();
-        assert!(l.register(a, meta(7), &[0, 0]));
+        assert!(l.register(a, meta(7), &[0, 0], b""));
         let b = l.take_for_loading().unwrap();
-        assert!(!l.adopt_loaded(b, meta(7), &[0, 0]), "hash 7 is cached");
+        assert!(
+            !l.adopt_loaded(b, meta(7), &[0, 0], b""),
+            "hash 7 is cached"
+        );
         assert_eq!(l.num_free(), 1);
         l.check(&[1, 0]).unwrap();
         let b = l.take_for_loading().unwrap();

@@ -117,26 +117,32 @@ impl PoolCore {
             shape.head_dim,
             dtype,
         )?;
+        // The bookkeeping first: a pool whose tables the host cannot hold fails before
+        // its storage is allocated.
+        let partial_ok = groups.all_full();
+        let prefix = prefix
+            .map(|p| {
+                PrefixIndex::new(
+                    p.hash,
+                    p.seed,
+                    p.partial_hits && partial_ok,
+                    p.events,
+                    shape.num_blocks,
+                    shape.block_size,
+                )
+            })
+            .transpose()?;
+        let blocks = BlockLedger::new(shape.num_blocks, prefix)?;
+        let scales = KvScales::unit(shape.num_layers, shape.num_kv_heads)?;
         // The bytes fit, so the element count does.
         let numel = groups.per_block * shape.num_blocks * shape.block_elems();
         let storage = allocate(device, dtype, numel, shape.head_dim)?;
-        let partial_ok = groups.all_full();
-        let prefix = prefix.map(|p| {
-            PrefixIndex::new(
-                p.hash,
-                p.seed,
-                p.partial_hits && partial_ok,
-                p.events,
-                shape.num_blocks,
-                shape.block_size,
-            )
-        });
         Ok(PoolCore {
             shape,
             groups,
             storage,
-            scales: KvScales::unit(shape.num_layers, shape.num_kv_heads)?,
-            blocks: BlockLedger::new(shape.num_blocks, prefix)?,
+            scales,
+            blocks,
             rope: None,
             seqs: FxHashMap::default(),
             next_id: 0,

@@ -351,7 +351,7 @@ impl PoolCore {
                     first: c.meta.first,
                     root,
                 };
-                let registered = self.blocks.register(b, meta, &c.tokens);
+                let registered = self.blocks.register(b, meta, &c.tokens, extra);
                 debug_assert!(registered, "only blocks the index lacks are loaded");
                 let tier = &self.tiers.as_ref().expect("tiers on").tiers[*t];
                 TierCounters::add(&tier.counters().hits, 1);

@@ -43,6 +43,21 @@ impl fmt::Display for HashKind {
     }
 }
 
+/// The digest of an extra key: 0 for none, else the first 16 bytes of
+/// `BLAKE3("kvrs-extra\0" ‖ extra)`. BLAKE3 block hashes take it as half their key, and
+/// the prefix index files cached blocks under it (whatever the pool's hash kind).
+pub fn extra_digest(extra: &[u8]) -> u128 {
+    if extra.is_empty() {
+        return 0;
+    }
+    let mut h = blake3::Hasher::new();
+    h.update(b"kvrs-extra\0");
+    h.update(extra);
+    let mut first = [0u8; 16];
+    first.copy_from_slice(&h.finalize().as_bytes()[..16]);
+    u128::from_le_bytes(first)
+}
+
 impl HashKind {
     fn digest(self, bytes: &[u8]) -> BlockHash {
         match self {
@@ -104,21 +119,9 @@ impl HashKind {
                 xxhash_rust::xxh3::xxh3_128(buf)
             }
             HashKind::Blake3 => {
-                let e: u128 = if extra.is_empty() {
-                    0
-                } else {
-                    let mut h = blake3::Hasher::new();
-                    h.update(b"kvrs-extra\0");
-                    h.update(extra);
-                    u128::from_le_bytes(
-                        h.finalize().as_bytes()[..16]
-                            .try_into()
-                            .expect("32-byte digest"),
-                    )
-                };
                 let mut key = [0u8; 32];
                 key[..16].copy_from_slice(&parent.to_le_bytes());
-                key[16..].copy_from_slice(&e.to_le_bytes());
+                key[16..].copy_from_slice(&extra_digest(extra).to_le_bytes());
                 u128::from_le_bytes(
                     blake3::keyed_hash(&key, buf).as_bytes()[..16]
                         .try_into()

@@ -1,7 +1,9 @@
 //! An intrusive doubly linked list over block ids: O(1) push to the back, removal of any
 //! member and pop from the front, with no allocation after construction.
 
+use crate::error::Result;
 use crate::paged::BlockId;
+use crate::sizes;
 
 const NIL: BlockId = BlockId::MAX;
 
@@ -17,16 +19,17 @@ pub struct Lru {
 }
 
 impl Lru {
-    /// An empty list for blocks `0..num_blocks`.
-    pub fn new(num_blocks: usize) -> Self {
-        Lru {
-            prev: vec![NIL; num_blocks],
-            next: vec![NIL; num_blocks],
-            member: vec![false; num_blocks],
+    /// An empty list for blocks `0..num_blocks`; fails ([`crate::KvError::OutOfMemory`])
+    /// when the host cannot hold its links.
+    pub fn new(num_blocks: usize) -> Result<Self> {
+        Ok(Lru {
+            prev: sizes::filled("the eviction order", num_blocks, NIL)?,
+            next: sizes::filled("the eviction order", num_blocks, NIL)?,
+            member: sizes::filled("the eviction order", num_blocks, false)?,
             head: NIL,
             tail: NIL,
             len: 0,
-        }
+        })
     }
 
     /// Members.
@@ -105,7 +108,7 @@ mod tests {
 
     #[test]
     fn order_and_removal() {
-        let mut l = Lru::new(5);
+        let mut l = Lru::new(5).unwrap();
         for b in [3, 1, 4] {
             l.push_back(b);
         }

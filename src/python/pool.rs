@@ -607,9 +607,11 @@ impl PyBlockPool {
 
     /// Writes every cached block to `path` (safetensors, atomically); returns how many.
     fn save_prefix_cache(&self, py: Python<'_>, path: std::path::PathBuf) -> PyResult<usize> {
-        Ok(self
+        // A copy under the pool's lock; the file is written after it is released.
+        let snapshot = self
             .core
-            .read_moving(py, usize::MAX, |c| c.save_prefix_cache(&path))?)
+            .read_moving(py, usize::MAX, |c| c.snapshot_prefix_cache())?;
+        Ok(py.detach(|| snapshot.write(&path))?)
     }
 
     /// Warms the prefix cache from a file written by save_prefix_cache(); returns
@@ -620,9 +622,17 @@ impl PyBlockPool {
         py: Python<'py>,
         path: std::path::PathBuf,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let r = self
-            .core
-            .write_detached(py, |c| c.load_prefix_cache(&path))?;
+        // The file is read and checked whole without the pool's lock (and the GIL); only
+        // loading the checked blocks takes the lock.
+        let config = self.core.read(py, |c| c.prefix_file_config())?;
+        let file = py.detach(|| -> crate::error::Result<_> {
+            let bytes = std::fs::read(&path).map_err(|e| crate::error::KvError::Io {
+                path: path.display().to_string(),
+                reason: e.to_string(),
+            })?;
+            config.check(&path, bytes)
+        })?;
+        let r = self.core.write_detached(py, |c| c.commit_file(file))?;
         let d = PyDict::new(py);
         d.set_item("loaded", r.loaded)?;
         d.set_item("skipped", r.skipped)?;

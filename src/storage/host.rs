@@ -14,7 +14,10 @@ const ALIGN: usize = 64;
 /// Keys and values in host memory.
 #[derive(Debug)]
 pub struct HostStorage {
+    /// Element 0: `base` rounded up to [`ALIGN`].
     ptr: NonNull<u8>,
+    /// The allocation, and its layout.
+    base: NonNull<u8>,
     layout: Layout,
     dtype: DType,
     numel: usize,
@@ -31,15 +34,24 @@ impl HostStorage {
         let bytes = numel
             .checked_mul(dtype.size())
             .ok_or_else(|| too_large(numel, dtype))?;
-        let layout =
-            Layout::from_size_align(bytes.max(1), ALIGN).map_err(|_| too_large(numel, dtype))?;
+        // Allocated with the allocator's own alignment and aligned by hand: zeroed memory
+        // then comes from calloc, whose large allocations are fresh pages the kernel zeroes
+        // on first touch, so a large pool costs nothing until it is written.
+        let layout = bytes
+            .checked_add(ALIGN)
+            .and_then(|b| Layout::from_size_align(b, 16).ok())
+            .ok_or_else(|| too_large(numel, dtype))?;
         // SAFETY: the layout has a non-zero size.
-        let ptr = NonNull::new(unsafe { alloc_zeroed(layout) }).ok_or(KvError::OutOfMemory {
+        let base = NonNull::new(unsafe { alloc_zeroed(layout) }).ok_or(KvError::OutOfMemory {
             what: "the K/V storage (host memory)",
             bytes,
         })?;
+        let skip = base.as_ptr().align_offset(ALIGN);
+        // SAFETY: `skip < ALIGN`, and the allocation has `ALIGN` bytes to spare.
+        let ptr = unsafe { NonNull::new_unchecked(base.as_ptr().add(skip)) };
         Ok(HostStorage {
             ptr,
+            base,
             layout,
             dtype,
             numel,
@@ -85,7 +97,7 @@ fn too_large(numel: usize, dtype: DType) -> KvError {
 impl Drop for HostStorage {
     fn drop(&mut self) {
         // SAFETY: allocated in `zeroed` with this layout.
-        unsafe { dealloc(self.ptr.as_ptr(), self.layout) }
+        unsafe { dealloc(self.base.as_ptr(), self.layout) }
     }
 }
 

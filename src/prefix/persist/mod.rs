@@ -1,0 +1,100 @@
+//! Saving the prefix cache to one safetensors file and warming a pool from it.
+//!
+//! Format version 2. Tensors: `tokens` (u32 `[n, block_size]`), `hashes` and `parents`
+//! (u8 `[n, 16]`, little-endian 128-bit), `first` (u8 `[n]`: 1 when the parent is a chain
+//! root), `extra_index` (u32 `[n]`: each block's extra key, an index into a table of the
+//! distinct keys: `extras`, u8 `[total]`, split by `extra_offsets`, u64 `[k + 1]`),
+//! `kv.{tensor}` (`[n, block_elems]` of the storage dtype: K then V of each block in each
+//! storage tensor, in the pool's layout; fp8 and int8 as their codes) and, for int8,
+//! `scales.{tensor}` (f32 `[n, block_elems / head_dim]`: the scale of each head vector).
+//! Blocks are stored least recently used first.
+//!
+//! The metadata records the pool's configuration (fp8 pools their scales too, so a pool
+//! whose codes would mean other values refuses the file), a seed id (one-way, for error
+//! messages; never the seed) and a MAC: BLAKE3 keyed with a key derived from the pool's
+//! seed over every other metadata entry and every tensor's name, shape and bytes. Only a
+//! pool with the same seed accepts a file; the seed is the key.
+//!
+//! Loading checks the whole file first, without the pool ([`FileConfig::check`]): MAC,
+//! configuration, shapes and dtypes, every block's hash recomputed from its parent, tokens
+//! and extra key, no two blocks with one hash, no looping chain. Only then are blocks
+//! loaded ([`crate::paged::PoolCore::commit_file`]). Saving likewise copies the cache out
+//! under the pool ([`crate::paged::PoolCore::snapshot_prefix_cache`]) and writes the file
+//! without it ([`PrefixSnapshot::write`]).
+
+mod check;
+mod commit;
+mod config;
+mod save;
+
+use std::fs;
+use std::path::Path;
+
+use safetensors::tensor::Dtype;
+
+pub use check::CheckedFile;
+pub(crate) use config::expected_metadata;
+pub use config::{seed_id, FileConfig};
+pub use save::PrefixSnapshot;
+
+use crate::dtype::DType;
+use crate::error::{KvError, Result};
+use crate::paged::PoolCore;
+
+/// What a load did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoadReport {
+    /// Blocks now cached from the file.
+    pub loaded: usize,
+    /// Blocks of the file not loaded: no room, already cached, or their chain broken.
+    pub skipped: usize,
+}
+
+fn io(path: &Path, e: impl std::fmt::Display) -> KvError {
+    KvError::Io {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    }
+}
+
+fn bad(path: &Path, reason: impl Into<String>) -> KvError {
+    KvError::BadFile {
+        path: path.display().to_string(),
+        reason: reason.into(),
+    }
+}
+
+/// A checked file given to a pool it was not checked for.
+fn bad_config() -> KvError {
+    KvError::InvalidArgument {
+        name: "file",
+        value: "a checked prefix-cache file".into(),
+        reason: "was checked against another pool's configuration".into(),
+    }
+}
+
+fn st_dtype(d: DType) -> Dtype {
+    match d {
+        DType::F32 => Dtype::F32,
+        DType::F16 => Dtype::F16,
+        DType::BF16 => Dtype::BF16,
+        DType::F8E4M3 => Dtype::F8_E4M3,
+        DType::F8E5M2 => Dtype::F8_E5M2,
+        DType::I8 => Dtype::I8,
+    }
+}
+
+impl PoolCore {
+    /// Warms the prefix cache from a file written by [`Self::save_prefix_cache`]: reads
+    /// it, checks all of it ([`FileConfig::check`]) and only then loads it
+    /// ([`Self::commit_file`]). A file of another configuration or seed, changed, or
+    /// inconsistent is refused (`KvError::BadFile`) and nothing is loaded. With less free
+    /// room than the file holds, the most recently used blocks that fit are loaded (only
+    /// those whose chain from a root is complete); loaded blocks are evictable, as if freed.
+    pub fn load_prefix_cache(&mut self, path: &Path) -> Result<LoadReport> {
+        let config = self.prefix_file_config()?;
+        let bytes = fs::read(path).map_err(|e| io(path, e))?;
+        let file = config.check(path, bytes)?;
+        self.commit_file(file)
+    }
+}
