@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 SOURCES := Cargo.toml Cargo.lock pyproject.toml $(shell find src python -type f \( -name '*.rs' -o -name '*.py' -o -name '*.pyi' \) 2>/dev/null)
 
 .DEFAULT_GOAL := help
-.PHONY: help redis demo test test-rust test-python test-wheel stubtest check-ptx ptx lint fmt bench bench-rust install wheel clean
+.PHONY: help redis demo test test-rust test-python test-wheel stubtest check-ptx ptx lint miri fmt bench bench-rust install wheel clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "} {printf "  make %-12s %s\n", $$1, $$2}'
@@ -67,6 +67,18 @@ lint: .stamp-install ## cargo fmt --check, clippy -D warnings, ruff, mypy on the
 	$(VENV)/bin/ruff check python tests benches
 	$(VENV)/bin/ruff format --check python tests benches
 	$(PY) -m mypy python/kvrs
+
+# Miri: files and the clock are allowed; floats are exact (the codec tests compare bits).
+MIRIFLAGS := -Zmiri-disable-isolation -Zmiri-deterministic-floats
+
+miri: ## the core's unit tests and the pool and cache property tests under Miri (nightly toolchain via rustup; slow, not in make test)
+	rustup toolchain install nightly --profile minimal --component miri,rust-src
+	cargo +nightly miri setup
+	PROPTEST_CASES=4 MIRIFLAGS="$(MIRIFLAGS)" CARGO_TARGET_DIR=target/miri \
+		cargo +nightly miri test --lib -- --skip storage::cuda --skip tier:: --skip do_not_visit_every_sibling
+	PROPTEST_CASES=2 MIRIFLAGS="$(MIRIFLAGS)" CARGO_TARGET_DIR=target/miri \
+		cargo +nightly miri test --test kv_cache_model --test paged_model --test typed_api --test seed_loop \
+		-- --skip allocations_the_host_refuses
 
 fmt: .stamp-install ## format Rust and Python sources
 	cargo fmt --all

@@ -31,7 +31,10 @@ fn cached_pool(blocks: usize, hash: HashKind) -> (PoolCore, Vec<u32>) {
         .map(|i| i.wrapping_mul(2654435761) % 128_000)
         .collect();
     let id = pool.new_sequence_with(&tokens, b"", b"");
-    pool.set_seq_len(id, tokens.len() as i64).unwrap();
+    // Reserved positions are the holder's (a kernel would write them); committing them
+    // caches every block.
+    pool.reserve(&[id], &[tokens.len() as i64]).unwrap();
+    pool.advance(id, tokens.len() as i64, None).unwrap();
     pool.free_sequence(id).unwrap();
     (pool, tokens)
 }

@@ -153,6 +153,60 @@ impl Span {
     }
 }
 
+/// The accessors both tensor types share: device, dtype, shape and strides, the bytes
+/// touched, shape checks and size.
+macro_rules! layout_accessors {
+    () => {
+        /// The same tensor, said to live on `device` (its pointer is then a device
+        /// address).
+        pub fn on(mut self, device: Device) -> Self {
+            self.raw.device = device;
+            self
+        }
+
+        /// Where the memory lives.
+        pub fn device(&self) -> Device {
+            self.raw.device
+        }
+
+        /// The element type.
+        pub fn dtype(&self) -> DType {
+            self.raw.dtype
+        }
+
+        /// The shape as given (without padding).
+        pub fn shape(&self) -> &[usize] {
+            self.raw.shape()
+        }
+
+        /// The shape padded to rank 3 with leading 1s.
+        pub fn shape3(&self) -> [usize; MAX_RANK] {
+            self.raw.shape
+        }
+
+        /// The strides (elements) padded to rank 3.
+        pub fn strides3(&self) -> [isize; MAX_RANK] {
+            self.raw.strides
+        }
+
+        /// The bytes the tensor touches.
+        pub fn span(&self) -> Span {
+            self.raw.span()
+        }
+
+        /// Fails with a shape error naming `name` unless the shape equals `expected`
+        /// exactly.
+        pub fn expect_shape(&self, name: &'static str, expected: &[usize]) -> Result<()> {
+            expect_shape(name, self.shape(), expected)
+        }
+
+        /// Number of bytes a contiguous copy of this tensor would take.
+        pub fn nbytes(&self) -> usize {
+            self.raw.shape.iter().product::<usize>() * self.raw.dtype.size()
+        }
+    };
+}
+
 /// A borrowed, strided, read-only view of host or device memory that the core reads
 /// from: the source of every write into a cache.
 ///
@@ -217,50 +271,11 @@ impl<'a> TensorRef<'a> {
         Self::from_bytes(bytemuck::cast_slice(data), DType::F32, shape)
     }
 
-    /// The same tensor, said to live on `device` (its pointer is then a device address).
-    pub fn on(mut self, device: Device) -> Self {
-        self.raw.device = device;
-        self
-    }
-
-    /// Where the memory lives.
-    pub fn device(&self) -> Device {
-        self.raw.device
-    }
-
-    /// The element type.
-    pub fn dtype(&self) -> DType {
-        self.raw.dtype
-    }
-
-    /// The shape as given (without padding).
-    pub fn shape(&self) -> &[usize] {
-        self.raw.shape()
-    }
-
-    /// The shape padded to rank 3 with leading 1s.
-    pub fn shape3(&self) -> [usize; MAX_RANK] {
-        self.raw.shape
-    }
-
-    /// The strides (elements) padded to rank 3.
-    pub fn strides3(&self) -> [isize; MAX_RANK] {
-        self.raw.strides
-    }
+    layout_accessors!();
 
     /// Address of element `[0, 0, 0]`.
     pub fn as_ptr(&self) -> *const u8 {
         self.raw.ptr
-    }
-
-    /// The bytes the tensor touches.
-    pub fn span(&self) -> Span {
-        self.raw.span()
-    }
-
-    /// Fails with a shape error naming `name` unless the shape equals `expected` exactly.
-    pub fn expect_shape(&self, name: &'static str, expected: &[usize]) -> Result<()> {
-        expect_shape(name, self.shape(), expected)
     }
 
     /// The sub-tensor of indices `start..start + len` along dimension `dim` of the rank-3
@@ -272,11 +287,6 @@ impl<'a> TensorRef<'a> {
     /// The same tensor with two dimensions of the rank-3 padded shape swapped.
     pub fn transposed(&self, a: usize, b: usize) -> TensorRef<'a> {
         Self::wrap(self.raw.transposed(a, b))
-    }
-
-    /// Number of bytes a contiguous copy of this tensor would take.
-    pub fn nbytes(&self) -> usize {
-        self.raw.shape.iter().product::<usize>() * self.raw.dtype.size()
     }
 }
 
@@ -343,55 +353,16 @@ impl<'a> TensorMut<'a> {
         Self::from_bytes_mut(bytemuck::cast_slice_mut(data), DType::F32, shape)
     }
 
-    /// The same tensor, said to live on `device` (its pointer is then a device address).
-    pub fn on(mut self, device: Device) -> Self {
-        self.raw.device = device;
-        self
-    }
-
     /// The tensor as a source (a read-only view of the same memory, borrowing this one).
     pub fn as_ref(&self) -> TensorRef<'_> {
         TensorRef::wrap(self.raw)
     }
 
-    /// Where the memory lives.
-    pub fn device(&self) -> Device {
-        self.raw.device
-    }
-
-    /// The element type.
-    pub fn dtype(&self) -> DType {
-        self.raw.dtype
-    }
-
-    /// The shape as given (without padding).
-    pub fn shape(&self) -> &[usize] {
-        self.raw.shape()
-    }
-
-    /// The shape padded to rank 3 with leading 1s.
-    pub fn shape3(&self) -> [usize; MAX_RANK] {
-        self.raw.shape
-    }
-
-    /// The strides (elements) padded to rank 3.
-    pub fn strides3(&self) -> [isize; MAX_RANK] {
-        self.raw.strides
-    }
+    layout_accessors!();
 
     /// Address of element `[0, 0, 0]`, for writing.
     pub fn as_mut_ptr(&self) -> *mut u8 {
         self.raw.ptr
-    }
-
-    /// The bytes the tensor touches.
-    pub fn span(&self) -> Span {
-        self.raw.span()
-    }
-
-    /// Fails with a shape error naming `name` unless the shape equals `expected` exactly.
-    pub fn expect_shape(&self, name: &'static str, expected: &[usize]) -> Result<()> {
-        expect_shape(name, self.shape(), expected)
     }
 
     /// The sub-tensor of indices `start..start + len` along dimension `dim` of the rank-3
@@ -421,11 +392,6 @@ impl<'a> TensorMut<'a> {
                 self.raw.shape,
             );
         }
-    }
-
-    /// Number of bytes a contiguous copy of this tensor would take.
-    pub fn nbytes(&self) -> usize {
-        self.raw.shape.iter().product::<usize>() * self.raw.dtype.size()
     }
 }
 

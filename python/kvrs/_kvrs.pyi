@@ -503,7 +503,8 @@ class BlockPool(Generic[_View_co]):
         """Frees every sequence of the pool not in `seqs`."""
     def reserve(self, seqs: Iterable[Sequence[Any]], counts: _IntsLike) -> npt.NDArray[np.int64]:
         """Reserves room for counts[i] new tokens in each sequence; returns the int64 slot mapping
-        ([n], or [num_layer_groups, n] when layers have several block tables)."""
+        ([n], or [num_layer_groups, n] when layers have several block tables). The positions
+        read as zeros until written."""
     def write(self, layer: int, k: _ArrayLike, v: _ArrayLike, slot_mapping: _IntsLike) -> None:
         """Scatters k, v [n_tokens, num_kv_heads, head_dim] into slot_mapping (-1 skips)."""
     def page_table(
@@ -576,7 +577,8 @@ class Sequence(Generic[_View_co]):
     def token_ids(self) -> npt.NDArray[np.uint32]:
         """The token ids the sequence knows (its prompt and committed tokens)."""
     def set_seq_len(self, n: int) -> None:
-        """Sets seq_len and every layer's length to n, growing or shrinking the block table."""
+        """Sets seq_len and every layer's length to n, growing or shrinking the block table;
+        positions gained without a write read as zeros and are never cached."""
     def extract_block(self, layer: int, start_pos: int, block_size: int) -> tuple[_View_co, _View_co]:
         """Copies [num_kv_heads, block_size, head_dim] keys and values of `layer` from start_pos."""
     def inject_block(

@@ -297,28 +297,4 @@ impl PoolCore {
             )
         })
     }
-
-    /// Caches block `b` (holding `tokens`, hashed with `extra`) as `meta` says, from a
-    /// saved cache, as evictable, most recently used. For loading; `b` was taken with
-    /// [`Self::take_free_block`]. When the hash is cached already, `b` returns to the
-    /// free list and false is returned.
-    pub(crate) fn adopt_cached(
-        &mut self,
-        b: BlockId,
-        meta: CachedBlock,
-        tokens: &[u32],
-        extra: &[u8],
-    ) -> bool {
-        self.blocks.adopt_loaded(b, meta, tokens, extra)
-    }
-
-    /// Takes a free block (not an evictable one) for loading, or `None`.
-    pub(crate) fn take_free_block(&mut self) -> Option<BlockId> {
-        self.blocks.take_for_loading()
-    }
-
-    /// Gives back a block [`Self::take_free_block`] took whose load failed.
-    pub(crate) fn return_free_block(&mut self, b: BlockId) {
-        self.blocks.discard(b);
-    }
 }

@@ -113,6 +113,14 @@ impl BlockLedger {
         if let Some(b) = self.alloc.allocate() {
             return Some((b, None));
         }
+        let e = self.pop_evictable(tokens)?;
+        self.alloc.revive(e.block);
+        Some((e.block, Some(e)))
+    }
+
+    /// Takes the least recently used evictable block out of the index (no reference, in
+    /// no list: the caller revives or frees it).
+    fn pop_evictable(&mut self, tokens: bool) -> Option<Evicted> {
         let p = self.prefix.as_mut()?;
         let b = p.lru.pop_front()?;
         let tokens = if tokens {
@@ -122,15 +130,11 @@ impl BlockLedger {
         };
         let meta = p.unregister(b);
         p.counters.evictions += 1;
-        self.alloc.revive(b);
-        Some((
-            b,
-            Some(Evicted {
-                block: b,
-                meta,
-                tokens,
-            }),
-        ))
+        Some(Evicted {
+            block: b,
+            meta,
+            tokens,
+        })
     }
 
     /// Adds a reference to `b` (held, or cached and evictable: it leaves the eviction
@@ -162,8 +166,8 @@ impl BlockLedger {
     // ----- caching ------------------------------------------------------------------------
 
     /// Caches held block `b` under `meta` with `tokens` (hashed with the extra key
-    /// `extra`); false (and nothing changes) when
-    /// prefix caching is off, or the hash or the block is cached already.
+    /// `extra`); false (and nothing changes) when prefix caching is off, or the hash or
+    /// the block is cached already.
     pub fn register(
         &mut self,
         b: BlockId,
@@ -217,22 +221,10 @@ impl BlockLedger {
     /// Evicts the least recently used evictable block to the free list; `None` when none
     /// is evictable.
     pub fn evict_one(&mut self, tokens: bool) -> Option<Evicted> {
-        let p = self.prefix.as_mut()?;
-        let b = p.lru.pop_front()?;
-        let tokens = if tokens {
-            p.block_tokens(b).to_vec()
-        } else {
-            Vec::new()
-        };
-        let meta = p.unregister(b);
-        p.counters.evictions += 1;
-        self.alloc.bump(b);
-        self.alloc.push_free(b);
-        Some(Evicted {
-            block: b,
-            meta,
-            tokens,
-        })
+        let e = self.pop_evictable(tokens)?;
+        self.alloc.bump(e.block);
+        self.alloc.push_free(e.block);
+        Some(e)
     }
 
     /// Counts one prefix query of `tokens` tokens that found `hits` cached.

@@ -657,7 +657,8 @@ impl PyBlockPool {
     }
 
     /// Reserves room for counts[i] new tokens at the end of each sequence (all or nothing)
-    /// and returns their int64 slot mapping (block * block_size + offset).
+    /// and returns their int64 slot mapping (block * block_size + offset); the positions
+    /// read as zeros until written.
     fn reserve<'py>(
         slf: &Bound<'py, Self>,
         seqs: &Bound<'py, PyAny>,

@@ -230,6 +230,7 @@ impl PySequence {
 
     /// Sets seq_len and every layer's length to n, growing or shrinking the block table
     /// (for callers that inject blocks kept elsewhere); caches blocks whose ids are known.
+    /// Positions a layer gains without a write read as zeros and are never cached.
     fn set_seq_len(&self, py: Python<'_>, n: i64) -> PyResult<()> {
         let id = self.id;
         Ok(self.core.write(py, |c| c.set_seq_len(id, n))?)

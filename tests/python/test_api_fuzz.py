@@ -615,27 +615,22 @@ URLS = st.sampled_from(
 def constructors(d, tmp: Path) -> dict:
     """One call of each constructor with arguments drawn by `d` (sizes kept small: the
     huge ones run in a limited child, below)."""
+
+    def contiguous(cls):
+        return lambda: cls(
+            d(SMALL),
+            d(SMALL),
+            d(SMALL),
+            d(SMALL),
+            dtype=d(DTYPES),
+            device=d(DEVICES),
+            k_scale=d(SCALES),
+            v_scale=d(SCALES),
+        )
+
     return {
-        "KVCache": lambda: kvrs.KVCache(
-            d(SMALL),
-            d(SMALL),
-            d(SMALL),
-            d(SMALL),
-            dtype=d(DTYPES),
-            device=d(DEVICES),
-            k_scale=d(SCALES),
-            v_scale=d(SCALES),
-        ),
-        "EncoderCache": lambda: kvrs.EncoderCache(
-            d(SMALL),
-            d(SMALL),
-            d(SMALL),
-            d(SMALL),
-            dtype=d(DTYPES),
-            device=d(DEVICES),
-            k_scale=d(SCALES),
-            v_scale=d(SCALES),
-        ),
+        "KVCache": contiguous(kvrs.KVCache),
+        "EncoderCache": contiguous(kvrs.EncoderCache),
         "BlockPool": lambda: kvrs.BlockPool(
             d(SMALL),
             d(SMALL),

@@ -79,7 +79,7 @@ impl PoolCore {
     fn load_block(&mut self, file: &CheckedFile, i: usize, root: BlockHash) -> Result<bool> {
         let sh = self.shape();
         let (dtype, elems) = (self.dtype(), sh.block_elems());
-        let Some(b) = self.take_free_block() else {
+        let Some(b) = self.blocks.take_for_loading() else {
             return Ok(false);
         };
         let per_block = self.groups().per_block;
@@ -113,10 +113,10 @@ impl PoolCore {
         let tokens = &file.tokens[i * sh.block_size..(i + 1) * sh.block_size];
         let extra = &file.extras[block.extra];
         if let Err(e) = written {
-            self.return_free_block(b);
+            self.blocks.discard(b);
             return Err(e);
         }
         // A hash cached meanwhile returns the block to the free list.
-        Ok(self.adopt_cached(b, meta, tokens, extra))
+        Ok(self.blocks.adopt_loaded(b, meta, tokens, extra))
     }
 }
