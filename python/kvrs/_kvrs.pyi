@@ -498,13 +498,14 @@ class BlockPool(Generic[_View_co]):
     def load_prefix_cache(self, path: str | os.PathLike[str]) -> dict[str, int]:
         """Warms the prefix cache from a saved file; returns {'loaded': n, 'skipped': m}."""
     def copy_prefix(self, src: Sequence[Any], dst: Sequence[Any], n: int) -> None:
-        """Makes `dst` hold the first `n` committed positions of `src`, sharing blocks."""
+        """Makes `dst` hold the first `n` committed positions of `src`, sharing blocks. `dst` keeps its
+        namespace and extra_key, which must equal src's when n > 0 (ValueError)."""
     def keep(self, seqs: Iterable[Sequence[Any]]) -> None:
         """Frees every sequence of the pool not in `seqs`."""
     def reserve(self, seqs: Iterable[Sequence[Any]], counts: _IntsLike) -> npt.NDArray[np.int64]:
         """Reserves room for counts[i] new tokens in each sequence; returns the int64 slot mapping
         ([n], or [num_layer_groups, n] when layers have several block tables). The positions
-        read as zeros until written."""
+        read as zeros until written; advance(tokens=...) states they hold those tokens' K/V."""
     def write(self, layer: int, k: _ArrayLike, v: _ArrayLike, slot_mapping: _IntsLike) -> None:
         """Scatters k, v [n_tokens, num_kv_heads, head_dim] into slot_mapping (-1 skips)."""
     def page_table(
@@ -666,9 +667,10 @@ class ForwardBatch(Generic[_View_co]):
     ) -> _View_co:
         """Attention of the batch's tokens (q [n_tokens, num_q_heads, head_dim]) over `layer`, in place."""
     def finish(self) -> None:
-        """Commits the batch: each sequence's seq_len moves past its new tokens."""
+        """Commits the batch: each sequence's seq_len moves past its new tokens. Refused (ValueError)
+        when put() wrote some layers but not all."""
     def cancel(self) -> None:
-        """Abandons the batch: the reserved positions are dropped again."""
+        """Abandons the batch: the reserved positions are dropped again (a stale batch cuts nothing)."""
     def __enter__(self) -> ForwardBatch[_View_co]: ...
     def __exit__(
         self,

@@ -270,6 +270,7 @@ impl PoolCore {
     pub(crate) fn cut_to(&mut self, id: SeqId, len: usize, cut_tokens: bool) {
         let bs = self.shape.block_size;
         let s = self.seq_mut(id);
+        s.edited();
         s.seq_len = s.seq_len.min(len);
         s.layer_len.iter_mut().for_each(|l| *l = (*l).min(len));
         s.hashes.truncate(s.seq_len / bs);
@@ -324,6 +325,7 @@ impl PoolCore {
         }
         let bs = self.shape.block_size;
         let s = self.seq_mut(id);
+        s.edited();
         s.layer_len.fill(n);
         s.seq_len = n;
         s.hashes.truncate(n / bs);

@@ -2,6 +2,8 @@
 //! sequence and position), write K/V per layer, read every sequence's history with a
 //! mask that lets each token see exactly its own sequence up to its own position, commit.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::pool::{PoolCore, SeqId};
@@ -17,8 +19,13 @@ use crate::tensor::{check_disjoint, TensorMut, TensorRef};
 /// those blocks still have those generations: a block changes generation whenever its
 /// holders change (its sequence was freed, truncated past it or forked, the block was
 /// reused or cached), and a stale plan then fails instead of writing or reading another
-/// sequence's blocks.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// sequence's blocks. A plan also records each sequence's edit count
+/// ([`super::SeqState::edits`]): one cut, shortened or replaced since is stale too.
+///
+/// The plan records which layers [`PoolCore::forward_write`] wrote: a batch is
+/// committed with every layer written through it, or none (its K/V written by other
+/// kernels through its slots), never with some layers left unwritten.
+#[derive(Debug)]
 pub struct ForwardPlan {
     /// `(sequence, first new position, new tokens)` in order of first appearance.
     pub seqs: Vec<(SeqId, usize, usize)>,
@@ -35,6 +42,10 @@ pub struct ForwardPlan {
     pub token_ids: Vec<Option<u32>>,
     /// The blocks the slots lie in, each once, with their generations at placement.
     blocks: Vec<(BlockId, u32)>,
+    /// Each sequence's edit count at placement, in `seqs` order.
+    edits: Vec<u32>,
+    /// Which layers `forward_write` wrote.
+    layers_put: Vec<AtomicBool>,
 }
 
 impl ForwardPlan {
@@ -52,6 +63,11 @@ impl ForwardPlan {
     pub fn group_slots(&self, g: usize) -> &[i64] {
         let n = self.num_tokens();
         &self.slots[g * n..(g + 1) * n]
+    }
+
+    /// The layers written through [`PoolCore::forward_write`] so far.
+    pub fn layers_put(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.layers_put.len()).filter(|&l| self.layers_put[l].load(Ordering::Relaxed))
     }
 }
 
@@ -166,6 +182,13 @@ impl PoolCore {
                 }
             })
             .collect();
+        let edits = seqs
+            .iter()
+            .map(|&(id, _, _)| Ok(self.seq(id)?.edits))
+            .collect::<Result<_>>()?;
+        let layers_put = (0..self.shape.num_layers)
+            .map(|_| AtomicBool::new(false))
+            .collect();
         Ok(ForwardPlan {
             seqs,
             token_seq,
@@ -174,6 +197,8 @@ impl PoolCore {
             tokens: tokens.map(<[u32]>::to_vec),
             token_ids,
             blocks,
+            edits,
+            layers_put,
         })
     }
 
@@ -187,6 +212,16 @@ impl PoolCore {
         };
         if let Some(&(id, _, _)) = plan.seqs.iter().find(|&&(id, _, _)| !self.is_live(id)) {
             return Err(stale(format!("its sequence {id} was freed")));
+        }
+        if let Some((&(id, _, _), _)) = plan
+            .seqs
+            .iter()
+            .zip(&plan.edits)
+            .find(|&(&(id, _, _), &e)| self.seq(id).map_or(true, |s| s.edits != e))
+        {
+            return Err(stale(format!(
+                "its sequence {id} was cut or replaced (truncate, remove, set_seq_len, copy_prefix)"
+            )));
         }
         if let Some(&(b, _)) = plan
             .blocks
@@ -212,7 +247,9 @@ impl PoolCore {
     ) -> Result<()> {
         self.check_plan(plan)?;
         let g = self.group_for(Some(layer))?;
-        self.write(layer, k, v, plan.group_slots(g))
+        self.write(layer, k, v, plan.group_slots(g))?;
+        plan.layers_put[layer as usize].store(true, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Positions of `layer`'s history that [`Self::forward_get`] returns: what each
@@ -300,8 +337,24 @@ impl PoolCore {
 
     /// Commits a placed batch: each sequence's committed length moves to the end of its
     /// new tokens (committing any earlier uncommitted positions the batch built on).
+    /// Refused when [`Self::forward_write`] wrote some layers but not all: the blocks
+    /// the batch completes would be cached with K/V nobody wrote.
     pub fn finish_forward(&mut self, plan: &ForwardPlan) -> Result<()> {
         self.check_plan(plan)?;
+        let put = plan.layers_put().count();
+        if put > 0 && put < plan.layers_put.len() {
+            let missing: Vec<usize> = (0..plan.layers_put.len())
+                .filter(|&l| !plan.layers_put[l].load(Ordering::Relaxed))
+                .collect();
+            return Err(KvError::InvalidArgument {
+                name: "batch",
+                value: format!("a batch of {} tokens", plan.num_tokens()),
+                reason: format!(
+                    "put {put} of {} layers; layers {missing:?} were never put: put them, or cancel",
+                    plan.layers_put.len()
+                ),
+            });
+        }
         for &(id, start, count) in &plan.seqs {
             let s = self.seq(id)?;
             if s.seq_len > start || s.layer_len.iter().any(|&l| l < start + count) {
@@ -322,10 +375,15 @@ impl PoolCore {
         Ok(())
     }
 
-    /// Abandons a placed batch: each live sequence drops the positions it reserved.
+    /// Abandons a placed batch: each sequence drops the positions the batch reserved
+    /// (and any appended after them), unless it was freed, edited or committed past
+    /// them since: a stale plan never cuts what others wrote.
     pub fn cancel_forward(&mut self, plan: &ForwardPlan) {
-        for &(id, start, _) in &plan.seqs {
-            if self.is_live(id) {
+        for (&(id, start, _), &edits) in plan.seqs.iter().zip(&plan.edits) {
+            let untouched = self
+                .seq(id)
+                .is_ok_and(|s| s.edits == edits && s.seq_len <= start);
+            if untouched {
                 self.cut_to(id, start, false);
             }
         }

@@ -338,6 +338,7 @@ impl PoolCore {
             num_cached_tokens: 0,
             tier_tokens: Default::default(),
             cache_limit: usize::MAX,
+            edits: 0,
         }
     }
 
@@ -416,7 +417,7 @@ impl PoolCore {
     pub fn copy_prefix(&mut self, src: SeqId, dst: SeqId, n: i64) -> Result<()> {
         let n = check_count("n", n)?;
         let s = self.seq(src)?;
-        self.seq(dst)?;
+        let d = self.seq(dst)?;
         if src == dst {
             return Err(KvError::InvalidArgument {
                 name: "dst",
@@ -431,13 +432,28 @@ impl PoolCore {
                 reason: format!("src has only {} committed positions", s.seq_len),
             });
         }
+        if n > 0 && (s.root != d.root || s.extra != d.extra) {
+            return Err(KvError::InvalidArgument {
+                name: "dst",
+                value: format!("sequence {dst}"),
+                reason: format!(
+                    "has another namespace or extra_key than src (sequence {src}): \
+                     K/V are shared only within one namespace and extra key"
+                ),
+            });
+        }
         let bs = self.shape.block_size;
         let mut copy = s.clone();
+        // dst keeps its identity (namespace, extra key) and its edit count, moved on.
+        copy.root = d.root;
+        copy.extra = d.extra.clone();
+        copy.edits = d.edits.wrapping_add(1);
         copy.hashes.truncate(n / bs);
         copy.tokens.truncate(n);
         copy.layer_len.fill(n);
         copy.seq_len = n;
         copy.num_cached_tokens = 0;
+        copy.tier_tokens.clear();
         for t in &mut copy.tables {
             t.start = t.start.min(n);
             let start = t.start;

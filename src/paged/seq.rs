@@ -67,6 +67,9 @@ pub struct SeqState {
     /// Blocks at or past this position are never cached: their K/V were moved by a
     /// middle removal and no longer match what the model computes for the tokens.
     pub cache_limit: usize,
+    /// Counts the edits other than growth (cuts, removals, replacements): a
+    /// [`super::ForwardPlan`] placed before one is stale.
+    pub edits: u32,
 }
 
 impl SeqState {
@@ -84,6 +87,11 @@ impl SeqState {
     pub fn uniform_len(&self) -> Option<usize> {
         let first = self.layer_len[0];
         self.layer_len.iter().all(|&l| l == first).then_some(first)
+    }
+
+    /// Records an edit other than growth (see [`SeqState::edits`]).
+    pub fn edited(&mut self) {
+        self.edits = self.edits.wrapping_add(1);
     }
 
     /// Every block held, all groups.

@@ -142,6 +142,7 @@ impl PoolCore {
             )?;
         }
         let s = self.seq_mut(id);
+        s.edited();
         s.layer_len.iter_mut().for_each(|l| *l = moved(*l));
         s.seq_len = moved(s.seq_len);
         if s.tokens.len() > begin {

@@ -88,8 +88,6 @@ impl PyForwardBatch {
         PyArray1::from_iter(py, self.plan.positions.iter().map(|&p| p as i64))
     }
 
-    /// Positions of history that get(layer) returns: what each sequence of the batch
-    /// holds in that layer, concatenated.
     /// The batch's sequences (each once, in order of first appearance).
     #[getter]
     fn sequences<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
@@ -108,6 +106,8 @@ impl PyForwardBatch {
         )
     }
 
+    /// Positions of history that get(layer) returns: what each sequence of the batch
+    /// holds in that layer, concatenated.
     #[pyo3(signature = (layer = 0))]
     fn history_len(&self, py: Python<'_>, layer: i64) -> PyResult<usize> {
         let plan = &self.plan;
@@ -193,7 +193,8 @@ impl PyForwardBatch {
         })
     }
 
-    /// Commits the batch: each sequence's seq_len moves past its new tokens.
+    /// Commits the batch: each sequence's seq_len moves past its new tokens. Refused
+    /// (ValueError) when put() wrote some layers but not all.
     fn finish(&self, py: Python<'_>) -> PyResult<()> {
         self.check_open()?;
         let plan = &self.plan;
@@ -202,7 +203,8 @@ impl PyForwardBatch {
         Ok(())
     }
 
-    /// Abandons the batch: the reserved positions are dropped again.
+    /// Abandons the batch: the reserved positions are dropped again (not those of a
+    /// sequence cut, freed or committed past them since: a stale batch cuts nothing).
     fn cancel(&self, py: Python<'_>) -> PyResult<()> {
         self.check_open()?;
         let plan = &self.plan;

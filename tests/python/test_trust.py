@@ -157,6 +157,64 @@ def test_a_batch_whose_sequence_was_forked_or_cut_refuses_to_write():
         pool.check_invariants()
 
 
+def kv(x, n):
+    return np.full((n, 1, 4), x, np.float32), np.full((n, 1, 4), x, np.float32)
+
+
+def test_a_batch_whose_sequence_was_truncated_within_its_block_is_stale():
+    # The cut keeps the batch's block (its generation does not move): the sequence's
+    # edit count tells.
+    pool = kvrs.BlockPool(1, 1, 4, block_size=4, num_blocks=4, dtype="float32")
+    s = pool.new_sequence()
+    s.append(0, *kv(1, 2))
+    s.advance(2)
+    batch = pool.start_forward([s])  # reserves position 2
+    s.truncate(1)
+    for call in (lambda: batch.put(0, *kv(7, 1)), lambda: batch.get(0), batch.finish):
+        with pytest.raises(ValueError, match="stale"):
+            call()
+    assert s.seq_len == 1
+    assert (s.get(0)[0] == 1).all()
+    pool.check_invariants()
+
+
+def test_cancelling_a_stale_batch_cuts_nothing_committed_since():
+    pool = kvrs.BlockPool(1, 1, 4, block_size=4, num_blocks=4, dtype="float32")
+    s = pool.new_sequence()
+    s.append(0, *kv(1, 2))
+    s.advance(2)
+    batch = pool.start_forward([s])
+    s.truncate(1)
+    s.append(0, *kv(5, 3))
+    s.advance(3)
+    batch.cancel()
+    assert s.seq_len == 4
+    assert s.get(0)[0].ravel()[::4].tolist() == [1, 5, 5, 5]
+    # A batch whose sequence was committed past it by advance() alone is stale the same way.
+    t = pool.new_sequence()
+    batch = pool.start_forward([t])
+    t.advance(1)
+    batch.cancel()
+    assert t.seq_len == 1
+    pool.check_invariants()
+
+
+def test_a_batch_that_put_some_layers_but_not_all_is_not_committed():
+    pool = kvrs.BlockPool(2, 1, 4, block_size=4, num_blocks=4, dtype="float32", seed=1)
+    s = pool.new_sequence(namespace="B")
+    batch = pool.start_forward([s] * 4, tokens=[1, 2, 3, 4])
+    batch.put(0, *kv(7, 4))
+    with pytest.raises(ValueError, match=r"layers \[1\] were never put"):
+        batch.finish()
+    assert s.seq_len == 0 and pool.match_prefix([1, 2, 3, 4, 5], namespace="B") == 0
+    batch.put(1, *kv(8, 4))
+    batch.finish()
+    assert s.seq_len == 4
+    s.free()
+    assert pool.match_prefix([1, 2, 3, 4, 5], namespace="B") == 4
+    pool.check_invariants()
+
+
 def test_a_batch_keeps_its_sequences_alive():
     pool = small_pool()
     batch = pool.start_forward([pool.new_sequence(), pool.new_sequence()], tokens=[5, 6])
@@ -263,6 +321,12 @@ def test_an_output_that_overlaps_the_cache_is_refused():
     q = np.ones((4, 1, 4), np.float32)
     with pytest.raises(ValueError, match="overlap q"):
         seq.attention(0, q, out=q)
+    # An output that overlaps itself (a broadcast made writable) is refused as well.
+    row = np.zeros((1, 4), np.float32)
+    self_overlapping = np.lib.stride_tricks.as_strided(row, (4, 1, 4), (0, 16, 4), writeable=True)
+    with pytest.raises(ValueError, match="overlap itself"):
+        seq.attention(0, q, out=self_overlapping)
+    assert not row.any()
 
 
 # ----- 8. another holder's K/V -----------------------------------------------------------
@@ -295,6 +359,29 @@ def test_reserved_positions_read_zeros_until_written():
     k, v = b.get(0)
     assert not k.any() and not v.any()
     assert all(not kk.any() for _, _, kk, _ in b.views(0))
+
+
+def test_copy_prefix_keeps_the_destinations_namespace_and_extra_key():
+    pool = kvrs.BlockPool(1, 1, 4, block_size=4, num_blocks=16, dtype="float32", seed=1)
+    src = pool.new_sequence([1, 2, 3, 4, 5], namespace="A")
+    src.append(0, *kv(1, 4))
+    src.advance(4)
+    for dst in (pool.new_sequence(namespace="B"), pool.new_sequence(namespace="A", extra_key="lora-x")):
+        with pytest.raises(ValueError, match="namespace or extra_key"):
+            pool.copy_prefix(src, dst, 4)
+        assert dst.seq_len == 0
+        # n == 0 only empties dst: it stays in its own namespace and keeps its extra key.
+        pool.copy_prefix(src, dst, 0)
+        dst.append(0, *kv(666, 4))
+        dst.advance(4, tokens=[9, 9, 9, 9])
+        dst.free()
+    assert pool.match_prefix([9, 9, 9, 9, 1], namespace="A") == 0
+    assert pool.match_prefix([9, 9, 9, 9, 1], namespace="B") == 4
+    assert pool.match_prefix([9, 9, 9, 9, 1], namespace="A", extra_key="lora-x") == 4
+    same = pool.new_sequence(namespace="A")
+    pool.copy_prefix(src, same, 4)
+    assert (same.get(0)[0] == 1).all()
+    pool.check_invariants()
 
 
 def test_a_batch_reads_zeros_before_its_put():
