@@ -494,9 +494,12 @@ class BlockPool(Generic[_View_co]):
     def drain_events(self) -> list[dict[str, Any]]:
         """Blocks stored in and removed from the prefix cache since the last call."""
     def save_prefix_cache(self, path: str | os.PathLike[str]) -> int:
-        """Writes every cached block to `path` (safetensors, atomically); returns how many."""
+        """Writes every cached block to `path` (safetensors, atomically), with the pool's
+        model_id; returns how many. MemoryError when the host cannot hold the copy."""
     def load_prefix_cache(self, path: str | os.PathLike[str]) -> dict[str, int]:
-        """Warms the prefix cache from a saved file; returns {'loaded': n, 'skipped': m}."""
+        """Warms the prefix cache from a file written by save_prefix_cache() of a pool with
+        the same seed, configuration and model_id; returns {'loaded': n, 'skipped': m}. Any
+        other file raises ValueError and loads nothing."""
     def copy_prefix(self, src: Sequence[Any], dst: Sequence[Any], n: int) -> None:
         """Makes `dst` hold the first `n` committed positions of `src`, sharing blocks. `dst` keeps its
         namespace and extra_key, which must equal src's when n > 0 (ValueError)."""

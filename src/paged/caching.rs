@@ -46,12 +46,24 @@ impl PoolCore {
     /// fresh copy of the matching beginning of a block for a partial hit) and reported
     /// as `num_cached_tokens`; at least one prompt token is always left to compute.
     pub fn new_sequence_with(&mut self, tokens: &[u32], namespace: &[u8], extra: &[u8]) -> SeqId {
+        self.new_sequence_owning(tokens.to_vec(), namespace, extra)
+    }
+
+    /// [`Self::new_sequence_with`] keeping `tokens` as the sequence's ids, without a copy
+    /// (the bindings copy a caller's array once, fallibly, and hand it over).
+    pub(crate) fn new_sequence_owning(
+        &mut self,
+        tokens: Vec<u32>,
+        namespace: &[u8],
+        extra: &[u8],
+    ) -> SeqId {
         let root = self.prefix().map_or(0, |p| p.root(namespace));
+        let mut s = self.empty_state(root, Arc::from(extra));
+        s.tokens = tokens;
+        let tokens = &s.tokens;
         let limit = tokens.len().saturating_sub(1);
         // What the pool lacks of the prompt's prefix, the tiers may hold.
         let tier_tokens = self.promote(root, tokens, extra, limit);
-        let mut s = self.empty_state(root, Arc::from(extra));
-        s.tokens = tokens.to_vec();
         let hit = self.match_blocks(root, tokens, extra, limit);
         for b in hit.blocks().collect::<Vec<_>>() {
             self.hold_block(b);
@@ -84,7 +96,7 @@ impl PoolCore {
                 n
             })
             .collect();
-        self.blocks.count_query(tokens.len(), cached);
+        self.blocks.count_query(s.tokens.len(), cached);
         let id = self.insert(s);
         self.trim(id);
         id

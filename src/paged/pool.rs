@@ -56,6 +56,8 @@ pub struct PoolCore {
     next_id: SeqId,
     /// Offload tiers below the prefix cache ([`super::tiering`]).
     pub(crate) tiers: Option<super::tiering::TierSet>,
+    /// The model whose K/V the blocks hold ([`PoolCore::with_model_id`]).
+    model_id: String,
 }
 
 impl PoolCore {
@@ -147,6 +149,7 @@ impl PoolCore {
             seqs: FxHashMap::default(),
             next_id: 0,
             tiers: None,
+            model_id: String::new(),
         })
     }
 
@@ -155,6 +158,19 @@ impl PoolCore {
         check_dtype(&scales, self.dtype())?;
         self.scales = scales;
         Ok(self)
+    }
+
+    /// Names the model whose K/V the pool holds. Prefix-cache files record it and load
+    /// only into a pool of the same model id (the default, empty, matches only empty);
+    /// [`Self::with_tiers`] sets it too.
+    pub fn with_model_id(mut self, model_id: &str) -> Self {
+        self.model_id = model_id.to_string();
+        self
+    }
+
+    /// The model id ([`Self::with_model_id`]); empty when none was given.
+    pub fn model_id(&self) -> &str {
+        &self.model_id
     }
 
     /// The fp8 scales (all 1 for other dtypes).

@@ -63,7 +63,8 @@ fn kv_span(shape: &PayloadShape) -> std::ops::Range<usize> {
 impl PoolCore {
     /// Attaches offload `tiers` (fastest first) to this pool, which must cache prefixes.
     /// `model_id` joins the configuration fingerprint, so pools of different models
-    /// sharing a store never read each other's blocks; `queue` bounds the write-back
+    /// sharing a store never read each other's blocks, and becomes the pool's model id
+    /// ([`PoolCore::with_model_id`]); `queue` bounds the write-back
     /// queue (payloads); `policy` says which tiers an evicted block is written to.
     pub fn with_tiers(
         mut self,
@@ -79,6 +80,7 @@ impl PoolCore {
                 reason: "offload tiers hold cached prefixes: turn prefix caching on".into(),
             });
         }
+        self = self.with_model_id(model_id);
         if tiers.is_empty() {
             return Ok(self);
         }

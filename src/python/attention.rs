@@ -72,7 +72,9 @@ fn floats(obj: &Bound<'_, PyAny>, name: &'static str) -> PyResult<Vec<f32>> {
         }
         .into());
     }
-    Ok(arr.as_array().iter().copied().collect())
+    let mut v = crate::sizes::with_capacity(name, arr.len())?;
+    v.extend(arr.as_array().iter().copied());
+    Ok(v)
 }
 
 /// Reads `q` (`[n, num_q_heads, head_dim]`), makes the output (`out`, or a fresh array

@@ -19,6 +19,7 @@ use pyo3::prelude::*;
 use super::views::is_bfloat16;
 use crate::dtype::DType;
 use crate::error::KvError;
+use crate::sizes;
 use crate::storage::Device;
 use crate::tensor::{copy_strided, Span, TensorMut, TensorRef, MAX_RANK};
 
@@ -91,7 +92,7 @@ impl Input<'_> {
             .into());
         }
         let shape = t.shape().to_vec();
-        let mut copy = vec![0u64; t.nbytes().div_ceil(8)];
+        let mut copy = sizes::filled(name, t.nbytes().div_ceil(8), 0u64)?;
         let bytes = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut copy)[..t.nbytes()];
         {
             let dst = TensorMut::from_bytes_mut(bytes, t.dtype(), &shape)?;
@@ -335,21 +336,31 @@ fn with_slice<T: numpy::Element + Copy, R>(
     Some(f(ro.as_slice().ok()?))
 }
 
-/// Reads `obj` (argument `name`: a list, tuple or 1-D integer array) as int64 values.
+/// `s` converted by `f`, in a vector allocated fallibly (`MemoryError` naming `name`
+/// when the host refuses it).
+fn copy_with<T: Copy, U>(s: &[T], name: &'static str, f: impl Fn(T) -> U) -> PyResult<Vec<U>> {
+    let mut v = sizes::with_capacity(name, s.len())?;
+    v.extend(s.iter().map(|&x| f(x)));
+    Ok(v)
+}
+
+/// Reads `obj` (argument `name`: a list, tuple or 1-D integer array) as int64 values,
+/// copied into a vector allocated fallibly (`MemoryError` when the host refuses it).
 pub fn read_ints(obj: &Bound<'_, PyAny>, name: &'static str) -> PyResult<Vec<i64>> {
     let py = obj.py();
-    if let Some(v) = with_slice::<i64, _>(obj, <[i64]>::to_vec) {
-        return Ok(v);
+    if let Some(v) = with_slice::<i64, _>(obj, |s| copy_with(s, name, |x| x)) {
+        return v;
     }
-    if let Some(v) = with_slice::<i32, _>(obj, |s| s.iter().map(|&x| x as i64).collect()) {
-        return Ok(v);
+    if let Some(v) = with_slice::<i32, _>(obj, |s| copy_with(s, name, i64::from)) {
+        return v;
     }
     // A list of Python ints converts faster item by item than through numpy.asarray.
     if let Ok(list) = obj.cast::<pyo3::types::PyList>() {
-        if let Ok(v) = list
+        let mut v = sizes::with_capacity(name, list.len())?;
+        if list
             .iter()
-            .map(|x| x.extract::<i64>())
-            .collect::<PyResult<Vec<i64>>>()
+            .try_for_each(|x| x.extract::<i64>().map(|x| v.push(x)))
+            .is_ok()
         {
             return Ok(v);
         }
@@ -367,11 +378,13 @@ pub fn read_ints(obj: &Bound<'_, PyAny>, name: &'static str) -> PyResult<Vec<i64
         )));
     }
     let arr = arr.call_method1(intern!(py, "astype"), ("int64",))?;
-    Ok(with_slice::<i64, _>(&arr, <[i64]>::to_vec).expect("a fresh contiguous int64 array"))
+    with_slice::<i64, _>(&arr, |s| copy_with(s, name, |x| x))
+        .expect("a fresh contiguous int64 array")
 }
 
 /// Reads token ids (a 1-D sequence of integers in [0, 2**32)); uint32, int32 and int64
-/// arrays are read straight from their memory.
+/// arrays are read straight from their memory. The ids are copied into a vector
+/// allocated fallibly: an array the host cannot copy raises `MemoryError`.
 pub fn read_token_ids(obj: &Bound<'_, PyAny>, name: &'static str) -> PyResult<Vec<u32>> {
     fn narrow<T: Copy + Into<i64>>(s: &[T], name: &'static str) -> PyResult<Vec<u32>> {
         if let Some(&bad) = s
@@ -386,10 +399,10 @@ pub fn read_token_ids(obj: &Bound<'_, PyAny>, name: &'static str) -> PyResult<Ve
             }
             .into());
         }
-        Ok(s.iter().map(|&t| t.into() as u32).collect())
+        copy_with(s, name, |t| t.into() as u32)
     }
-    if let Some(v) = with_slice::<u32, _>(obj, <[u32]>::to_vec) {
-        return Ok(v);
+    if let Some(v) = with_slice::<u32, _>(obj, |s| copy_with(s, name, |x| x)) {
+        return v;
     }
     if let Some(v) = with_slice::<i64, _>(obj, |s| narrow(s, name)) {
         return v;

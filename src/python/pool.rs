@@ -49,7 +49,11 @@ impl PyBlockPool {
     ) -> PyResult<Vec<SeqId>> {
         if let Ok(list) = seqs.cast::<PyList>() {
             // The common case, without the generic iterator protocol.
-            return list.iter().map(|s| Self::id_of(slf, &s, name)).collect();
+            let mut ids = crate::sizes::with_capacity(name, list.len())?;
+            for s in list.iter() {
+                ids.push(Self::id_of(slf, &s, name)?);
+            }
+            return Ok(ids);
         }
         let mut ids = Vec::new();
         for item in seqs.try_iter()? {
@@ -188,7 +192,8 @@ impl PyBlockPool {
             pool_args::block_bytes(LayerGroups::new(attention.clone()).per_block, &shape, dtype)?;
         shape.num_blocks = pool_args::num_blocks(num_blocks, memory_bytes, per_block)?;
         let prefix = pool_args::prefix(prefix_caching, hash, seed, partial_hits, events)?;
-        let mut pool = PoolCore::with_attention(shape, attention, dtype, device, prefix)?;
+        let mut pool = PoolCore::with_attention(shape, attention, dtype, device, prefix)?
+            .with_model_id(model_id);
         if let Some(r) = rope {
             pool = pool.with_rope(r.get().rope)?;
         }
@@ -472,7 +477,7 @@ impl PyBlockPool {
                 let t = read_token_ids(t, "tokens")?;
                 // Tier lookups may wait on a disk or a server, and long prompts take a
                 // while to hash: without the GIL.
-                pool.write_detached(py, |c| c.new_sequence_with(&t, &ns, &extra))
+                pool.write_detached(py, |c| c.new_sequence_owning(t, &ns, &extra))
             }
             None if ns.is_empty() && extra.is_empty() => pool.write(py, |c| c.new_sequence()),
             None => pool.write(py, |c| c.new_sequence_with(&[], &ns, &extra)),
@@ -605,7 +610,8 @@ impl PyBlockPool {
         Ok(out)
     }
 
-    /// Writes every cached block to `path` (safetensors, atomically); returns how many.
+    /// Writes every cached block to `path` (safetensors, atomically), with the pool's
+    /// model_id; returns how many. MemoryError when the host cannot hold the copy.
     fn save_prefix_cache(&self, py: Python<'_>, path: std::path::PathBuf) -> PyResult<usize> {
         // A copy under the pool's lock; the file is written after it is released.
         let snapshot = self
@@ -614,9 +620,10 @@ impl PyBlockPool {
         Ok(py.detach(|| snapshot.write(&path))?)
     }
 
-    /// Warms the prefix cache from a file written by save_prefix_cache(); returns
-    /// {'loaded': n, 'skipped': m}. A mismatched, truncated or corrupted file raises
-    /// ValueError and loads nothing.
+    /// Warms the prefix cache from a file written by save_prefix_cache() of a pool with
+    /// the same seed, configuration and model_id; returns {'loaded': n, 'skipped': m}.
+    /// Any other file (mismatched, truncated or corrupted) raises ValueError and loads
+    /// nothing.
     fn load_prefix_cache<'py>(
         &self,
         py: Python<'py>,
@@ -626,11 +633,7 @@ impl PyBlockPool {
         // loading the checked blocks takes the lock.
         let config = self.core.read(py, |c| c.prefix_file_config())?;
         let file = py.detach(|| -> crate::error::Result<_> {
-            let bytes = std::fs::read(&path).map_err(|e| crate::error::KvError::Io {
-                path: path.display().to_string(),
-                reason: e.to_string(),
-            })?;
-            config.check(&path, bytes)
+            config.check(&path, crate::prefix::persist::read_file(&path)?)
         })?;
         let r = self.core.write_detached(py, |c| c.commit_file(file))?;
         let d = PyDict::new(py);

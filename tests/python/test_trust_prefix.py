@@ -249,6 +249,64 @@ def test_version_1_files_are_refused_with_a_clear_message(tmp_path):
     assert_refused(path, "format version 1.*save the cache again")
 
 
+def test_a_file_loads_only_into_a_pool_of_its_model_id(tmp_path):
+    # The review's reproduction: model-b's prompts hit model-a's K/V, same seed and shape.
+    path = saved(tmp_path, model_id="model-a")
+    assert StFile(path.read_bytes()).meta["model_id"] == "model-a"
+    for model_id, written in (("model-b", '"model-a"'), ("", '"model-a"')):
+        other = pool(model_id=model_id)
+        before = other.stats()
+        message = f"model_id {written}, this pool's model_id is \"{model_id}\"; .*same model_id"
+        with pytest.raises(ValueError, match=message):
+            other.load_prefix_cache(path)
+        assert other.stats() == before
+        assert other.match_prefix(A) == 0
+        other.check_invariants()
+    same = pool(model_id="model-a")
+    assert same.load_prefix_cache(path) == {"loaded": 3, "skipped": 0}
+    assert same.match_prefix(A) == 8
+
+
+def test_a_pool_without_model_id_takes_only_files_without_one(tmp_path):
+    path = saved(tmp_path)
+    assert StFile(path.read_bytes()).meta["model_id"] == ""
+    with pytest.raises(ValueError, match=r"model_id \"\", this pool's model_id is \"model-a\""):
+        pool(model_id="model-a").load_prefix_cache(path)
+    assert pool().load_prefix_cache(path)["loaded"] == 3
+    # Tiers name the model the same way.
+    tiered = pool(model_id="m", tiers=[kvrs.HostTier(1 << 20)])
+    serve(tiered, A)
+    tiered.save_prefix_cache(path)
+    assert StFile(path.read_bytes()).meta["model_id"] == "m"
+    assert pool(model_id="m").load_prefix_cache(path)["loaded"] == 2
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_changed_model_id_is_refused_unless_signed_with_the_seed(tmp_path, scheme):
+    def relabel(f: StFile) -> None:
+        f.meta["model_id"] = "model-b"
+
+    path = saved(tmp_path, model_id="model-a")
+    f = StFile(path.read_bytes())
+    relabel(f)
+    resign(f, scheme)
+    path.write_bytes(f.to_bytes())
+    target = pool(model_id="model-b")
+    if scheme in REFUSED_BY:
+        with pytest.raises(ValueError, match="MAC mismatch"):
+            target.load_prefix_cache(path)
+        assert target.stats()["cached_blocks"] == 0
+    else:
+        # The seed is the key: its holder vouches for the model too.
+        assert target.load_prefix_cache(path)["loaded"] == 3
+    # A file without the entry (as saved before files recorded it) is refused.
+    del f.meta["model_id"]
+    resign(f, "right_key")
+    path.write_bytes(f.to_bytes())
+    with pytest.raises(ValueError, match=r"this file records no model_id, this pool's model_id is \"\""):
+        pool().load_prefix_cache(path)
+
+
 LAYER_TYPES = {"full": None, "sliding": ["full", "sliding"]}
 
 

@@ -12,9 +12,10 @@ use safetensors::tensor::{Dtype, SafeTensors};
 
 use super::config::{FileConfig, FORMAT, MAC, NUM_BLOCKS, VERSION};
 use super::{bad, st_dtype};
-use crate::error::Result;
+use crate::error::{KvError, Result};
 use crate::paged::caching::group_key;
 use crate::prefix::BlockHash;
+use crate::sizes;
 
 /// One block of a checked file.
 #[derive(Clone, Copy, Debug)]
@@ -55,30 +56,17 @@ impl CheckedFile {
     }
 }
 
-fn u128s(data: &[u8]) -> Vec<u128> {
-    data.chunks_exact(16)
-        .map(|c| {
-            let mut b = [0u8; 16];
-            b.copy_from_slice(c);
-            u128::from_le_bytes(b)
-        })
-        .collect()
-}
+/// What the checked file's allocations name when the host refuses them.
+const CHECKED: &str = "the checked prefix-cache file";
 
-fn u32s(data: &[u8]) -> Vec<u32> {
-    data.chunks_exact(4)
-        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
-}
-
-fn u64s(data: &[u8]) -> Vec<u64> {
-    data.chunks_exact(8)
-        .map(|c| {
-            let mut b = [0u8; 8];
-            b.copy_from_slice(c);
-            u64::from_le_bytes(b)
-        })
-        .collect()
+/// The little-endian values of `N` bytes each in `data`, allocated fallibly.
+fn values<const N: usize, T>(data: &[u8], f: fn([u8; N]) -> T) -> Result<Vec<T>> {
+    let mut out = sizes::with_capacity(CHECKED, data.len() / N)?;
+    out.extend(
+        data.chunks_exact(N)
+            .map(|c| f(c.try_into().expect("chunks of N bytes"))),
+    );
+    Ok(out)
 }
 
 impl FileConfig {
@@ -140,6 +128,19 @@ impl FileConfig {
                  pool with another seed"
                     .into(),
             ));
+        }
+        // After the MAC: the model id named is the one the file was signed with.
+        let model_id = entry("model_id");
+        if model_id != Some(self.model_id.as_str()) {
+            let written = model_id.map_or_else(
+                || "records no model_id".into(),
+                |m| format!("was written by a pool with model_id {m:?}"),
+            );
+            return Err(fail(format!(
+                "this file {written}, this pool's model_id is {:?}; a prefix-cache file loads \
+                 only into a pool of the same model_id",
+                self.model_id
+            )));
         }
         for (key, want) in &self.entries {
             let got = entry(key);
@@ -213,27 +214,32 @@ impl FileConfig {
             ranges.push(data_start + t.data_offsets.0..data_start + t.data_offsets.1);
         }
         let at = |i: usize| &bytes[ranges[i].clone()];
-        let tokens = u32s(at(0));
-        let (hashes, parents, first) = (u128s(at(1)), u128s(at(2)), at(3));
-        let extra_index = u32s(at(4));
-        let (offsets, extra_bytes) = (u64s(at(5)), at(6));
-        let ends: Vec<usize> = offsets
-            .iter()
-            .map(|&o| usize::try_from(o).unwrap_or(usize::MAX))
-            .collect();
+        let tokens = values(at(0), u32::from_le_bytes)?;
+        let (hashes, parents) = (
+            values(at(1), u128::from_le_bytes)?,
+            values(at(2), u128::from_le_bytes)?,
+        );
+        let first = at(3);
+        let extra_index = values(at(4), u32::from_le_bytes)?;
+        let extra_bytes = at(6);
+        let ends = values(at(5), |b| {
+            usize::try_from(u64::from_le_bytes(b)).unwrap_or(usize::MAX)
+        })?;
         if ends.first() != Some(&0)
             || ends.last() != Some(&extra_bytes.len())
             || ends.windows(2).any(|w| w[0] > w[1])
         {
             return Err(fail("extra_offsets do not split the extras tensor".into()));
         }
-        let extras: Vec<Arc<[u8]>> = ends
-            .windows(2)
-            .map(|w| Arc::from(&extra_bytes[w[0]..w[1]]))
-            .collect();
+        let mut extras: Vec<Arc<[u8]>> = sizes::with_capacity(CHECKED, ends.len() - 1)?;
+        extras.extend(ends.windows(2).map(|w| Arc::from(&extra_bytes[w[0]..w[1]])));
 
         let mut by_hash: FxHashMap<BlockHash, usize> = FxHashMap::default();
-        let mut blocks = Vec::with_capacity(n);
+        by_hash.try_reserve(n).map_err(|_| KvError::OutOfMemory {
+            what: CHECKED,
+            bytes: n.saturating_mul(size_of::<(BlockHash, usize)>()),
+        })?;
+        let mut blocks = sizes::with_capacity(CHECKED, n)?;
         let mut buf = Vec::new();
         for i in 0..n {
             let (hash, parent) = (hashes[i], parents[i]);
@@ -283,7 +289,9 @@ impl FileConfig {
             }
             b.file_parent = p;
         }
-        check_acyclic(&blocks).map_err(|i| fail(format!("the chain of block {i} loops")))?;
+        if let Some(i) = find_loop(&blocks)? {
+            return Err(fail(format!("the chain of block {i} loops")));
+        }
         Ok(CheckedFile {
             entries: self.entries.clone(),
             data: ranges.split_off(7),
@@ -295,26 +303,27 @@ impl FileConfig {
     }
 }
 
-/// `Err(i)` when following parents within the file from block `i` comes back to it.
-fn check_acyclic(blocks: &[FileBlock]) -> std::result::Result<(), usize> {
+/// `Some(i)` when following parents within the file from block `i` comes back to it.
+fn find_loop(blocks: &[FileBlock]) -> Result<Option<usize>> {
     // 0: not seen, 1: on the current walk, 2: its chain leaves the file or reaches a root.
-    let mut state = vec![0u8; blocks.len()];
+    let mut state = sizes::filled(CHECKED, blocks.len(), 0u8)?;
     for start in 0..blocks.len() {
-        let mut walk = Vec::new();
         let mut i = Some(start);
         while let Some(j) = i.filter(|&j| state[j] != 2) {
             if state[j] == 1 {
-                return Err(j);
+                return Ok(Some(j));
             }
             state[j] = 1;
-            walk.push(j);
             i = blocks[j].file_parent;
         }
-        for j in walk {
+        // The walk ended without a loop: mark it done.
+        let mut i = Some(start);
+        while let Some(j) = i.filter(|&j| state[j] == 1) {
             state[j] = 2;
+            i = blocks[j].file_parent;
         }
     }
-    Ok(())
+    Ok(None)
 }
 
 #[cfg(test)]
@@ -334,9 +343,9 @@ mod tests {
     #[test]
     fn loops_are_found_and_chains_pass() {
         let chain = [block(None), block(Some(0)), block(Some(1)), block(Some(1))];
-        assert_eq!(check_acyclic(&chain), Ok(()));
+        assert_eq!(find_loop(&chain).unwrap(), None);
         let looped = [block(None), block(Some(2)), block(Some(1)), block(Some(3))];
-        assert_eq!(check_acyclic(&looped), Err(1));
-        assert_eq!(check_acyclic(&[block(Some(0))]), Err(0));
+        assert_eq!(find_loop(&looped).unwrap(), Some(1));
+        assert_eq!(find_loop(&[block(Some(0))]).unwrap(), Some(0));
     }
 }

@@ -6,7 +6,11 @@ use super::{bad_config, LoadReport};
 use crate::error::Result;
 use crate::paged::PoolCore;
 use crate::prefix::{BlockHash, CachedBlock};
+use crate::sizes;
 use crate::tensor::TensorRef;
+
+/// What loading's bookkeeping names when the host refuses it.
+const WHAT: &str = "loading a prefix-cache file";
 
 impl PoolCore {
     /// Caches the blocks of `file` (checked by [`super::FileConfig::check`] against this
@@ -23,19 +27,21 @@ impl PoolCore {
             return Err(bad_config());
         };
         let room = self.free_block_count();
-        let fresh: Vec<usize> = (0..n)
-            .filter(|&i| index.lookup(file.blocks[i].hash).is_none())
-            .collect();
-        let mut taken = vec![false; n];
+        // Bookkeeping allocated fallibly, before any block is loaded.
+        let mut fresh: Vec<usize> = sizes::with_capacity(WHAT, n)?;
+        fresh.extend((0..n).filter(|&i| index.lookup(file.blocks[i].hash).is_none()));
+        let mut taken = sizes::filled(WHAT, n, false)?;
         for &i in &fresh[fresh.len().saturating_sub(room)..] {
             taken[i] = true;
         }
+        drop(fresh);
         // Each taken block's root, `None` when its chain is broken: a block's root is its
         // own (a first block), its taken parent's, or its cached parent's. The file's
         // parent links have no loops (checked), so each walk ends.
-        let mut roots: Vec<Option<Option<BlockHash>>> = vec![None; n];
+        let mut roots: Vec<Option<Option<BlockHash>>> = sizes::filled(WHAT, n, None)?;
+        let mut walk = sizes::with_capacity(WHAT, n)?;
         for start in (0..n).filter(|&i| taken[i]) {
-            let mut walk = Vec::new();
+            walk.clear();
             let mut i = start;
             let root = loop {
                 if let Some(r) = roots[i] {
@@ -57,7 +63,7 @@ impl PoolCore {
                 }
             };
             roots[start] = Some(root);
-            for j in walk {
+            for &j in &walk {
                 roots[j] = Some(root);
             }
         }

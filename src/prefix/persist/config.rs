@@ -27,6 +27,8 @@ pub struct FileConfig {
     pub(super) entries: Vec<(&'static str, String)>,
     /// The seed id written in the file ([`seed_id`]).
     pub(super) seed_id: String,
+    /// The pool's model id ([`PoolCore::with_model_id`]), written in the file.
+    pub(super) model_id: String,
     /// The key of the file MAC ([`mac_key`]).
     mac_key: [u8; 32],
     /// The pool's hash function (block hashes are recomputed with it on load).
@@ -52,6 +54,7 @@ impl fmt::Debug for FileConfig {
         f.debug_struct("FileConfig")
             .field("entries", &self.entries)
             .field("seed_id", &self.seed_id)
+            .field("model_id", &self.model_id)
             .finish_non_exhaustive()
     }
 }
@@ -128,8 +131,8 @@ fn layer_types(pool: &PoolCore) -> String {
 }
 
 impl PoolCore {
-    /// What a prefix-cache file of this pool records and must match, with the keys
-    /// derived from the pool's seed; `NotSupported` without prefix caching. Cheap: take
+    /// What a prefix-cache file of this pool records and must match (the model id
+    /// included), with the keys derived from the pool's seed; `NotSupported` without prefix caching. Cheap: take
     /// it under the pool's lock, then check a file ([`FileConfig::check`]) without it.
     pub fn prefix_file_config(&self) -> Result<FileConfig> {
         let p = self
@@ -140,13 +143,17 @@ impl PoolCore {
         let entries = [("format", FORMAT.to_string()), ("version", VERSION.into())]
             .into_iter()
             .chain(pool_entries(self))
-            .chain([("seed_id", seed_id.clone())])
+            .chain([
+                ("seed_id", seed_id.clone()),
+                ("model_id", self.model_id().to_string()),
+            ])
             .chain(fp8_scales(self).map(|s| ("kv_scales", s)))
             .collect();
         let tensors = self.groups().per_block;
         Ok(FileConfig {
             entries,
             seed_id,
+            model_id: self.model_id().to_string(),
             mac_key: mac_key(p.seed),
             kind: p.kind,
             groups: self.groups().groups.len(),

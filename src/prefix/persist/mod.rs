@@ -10,17 +10,21 @@
 //! Blocks are stored least recently used first.
 //!
 //! The metadata records the pool's configuration (fp8 pools their scales too, so a pool
-//! whose codes would mean other values refuses the file), a seed id (one-way, for error
-//! messages; never the seed) and a MAC: BLAKE3 keyed with a key derived from the pool's
-//! seed over every other metadata entry and every tensor's name, shape and bytes. Only a
-//! pool with the same seed accepts a file; the seed is the key.
+//! whose codes would mean other values refuses the file), its model id (a pool of
+//! another model, even of the same seed and shape, refuses the file), a seed id
+//! (one-way, for error messages; never the seed) and a MAC: BLAKE3 keyed with a key
+//! derived from the pool's seed over every other metadata entry and every tensor's name,
+//! shape and bytes. Only a pool with the same seed accepts a file; the seed is the key.
 //!
-//! Loading checks the whole file first, without the pool ([`FileConfig::check`]): MAC,
-//! configuration, shapes and dtypes, every block's hash recomputed from its parent, tokens
-//! and extra key, no two blocks with one hash, no looping chain. Only then are blocks
-//! loaded ([`crate::paged::PoolCore::commit_file`]). Saving likewise copies the cache out
-//! under the pool ([`crate::paged::PoolCore::snapshot_prefix_cache`]) and writes the file
-//! without it ([`PrefixSnapshot::write`]).
+//! Loading reads the file into a buffer allocated fallibly ([`read_file`]) and checks
+//! all of it first, without the pool ([`FileConfig::check`]): MAC, model id,
+//! configuration, shapes and dtypes, every block's hash recomputed from its parent,
+//! tokens and extra key, no two blocks with one hash, no looping chain. Only then are
+//! blocks loaded ([`crate::paged::PoolCore::commit_file`]). Saving likewise copies the
+//! cache out under the pool into buffers allocated fallibly
+//! ([`crate::paged::PoolCore::snapshot_prefix_cache`]) and streams the file from them
+//! without it ([`PrefixSnapshot::write`]). A host that cannot hold either is an error
+//! (`KvError::OutOfMemory`), never an abort.
 
 mod check;
 mod commit;
@@ -28,6 +32,7 @@ mod config;
 mod save;
 
 use std::fs;
+use std::io::Read;
 use std::path::Path;
 
 use safetensors::tensor::Dtype;
@@ -40,6 +45,7 @@ pub use save::PrefixSnapshot;
 use crate::dtype::DType;
 use crate::error::{KvError, Result};
 use crate::paged::PoolCore;
+use crate::sizes;
 
 /// What a load did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -84,16 +90,33 @@ fn st_dtype(d: DType) -> Dtype {
     }
 }
 
+/// The bytes of the file at `path`, read into a buffer allocated fallibly: a file the
+/// host cannot hold fails with [`KvError::OutOfMemory`], not an abort.
+pub fn read_file(path: &Path) -> Result<Vec<u8>> {
+    let mut f = fs::File::open(path).map_err(|e| io(path, e))?;
+    let len = f.metadata().map_err(|e| io(path, e))?.len();
+    let len = usize::try_from(len).unwrap_or(usize::MAX);
+    let mut bytes = sizes::with_capacity("the prefix-cache file", len)?;
+    // At most the bytes the room was made for (a file that grew meanwhile reads truncated
+    // and fails its checks), so the buffer never grows.
+    (&mut f)
+        .take(len as u64)
+        .read_to_end(&mut bytes)
+        .map_err(|e| io(path, e))?;
+    Ok(bytes)
+}
+
 impl PoolCore {
     /// Warms the prefix cache from a file written by [`Self::save_prefix_cache`]: reads
     /// it, checks all of it ([`FileConfig::check`]) and only then loads it
-    /// ([`Self::commit_file`]). A file of another configuration or seed, changed, or
-    /// inconsistent is refused (`KvError::BadFile`) and nothing is loaded. With less free
-    /// room than the file holds, the most recently used blocks that fit are loaded (only
-    /// those whose chain from a root is complete); loaded blocks are evictable, as if freed.
+    /// ([`Self::commit_file`]). A file of another configuration, model id or seed,
+    /// changed, or inconsistent is refused (`KvError::BadFile`) and nothing is loaded;
+    /// so is one the host cannot hold (`KvError::OutOfMemory`). With less free room than
+    /// the file holds, the most recently used blocks that fit are loaded (only those
+    /// whose chain from a root is complete); loaded blocks are evictable, as if freed.
     pub fn load_prefix_cache(&mut self, path: &Path) -> Result<LoadReport> {
         let config = self.prefix_file_config()?;
-        let bytes = fs::read(path).map_err(|e| io(path, e))?;
+        let bytes = read_file(path)?;
         let file = config.check(path, bytes)?;
         self.commit_file(file)
     }
