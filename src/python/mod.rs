@@ -12,6 +12,7 @@ mod kv_cache;
 mod output;
 mod pool;
 mod pool_args;
+mod pool_stats;
 mod quant;
 mod rope;
 mod sequence;

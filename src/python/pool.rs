@@ -13,7 +13,7 @@ use pyo3::types::{PyDict, PyList, PyTuple};
 use super::args::{parse_device, parse_dtype};
 use super::batch::PyForwardBatch;
 use super::input::{read_ints, read_tensor, read_token_ids};
-use super::pool_args;
+use super::pool_args::{self, key_bytes, prefix_args};
 use super::quant::{parse_scales, scale_property};
 use super::rope::PyRope;
 use super::sequence::PySequence;
@@ -418,43 +418,7 @@ impl PyBlockPool {
         let (s, tiers) = self
             .core
             .read(py, |c| (c.stats(), super::tiers::tier_snapshot(c)));
-        let d = PyDict::new(py);
-        d.set_item("num_blocks", s.num_blocks)?;
-        d.set_item("free_blocks", s.free_blocks)?;
-        d.set_item("used_blocks", s.used_blocks)?;
-        d.set_item("block_size", s.block_size)?;
-        d.set_item("bytes_total", s.bytes_total)?;
-        d.set_item("bytes_used", s.bytes_used)?;
-        d.set_item("tokens_stored", s.tokens_stored)?;
-        d.set_item("fragmentation_tokens", s.fragmentation_tokens)?;
-        d.set_item("utilization_ratio", s.utilization_ratio)?;
-        d.set_item("num_sequences", s.num_sequences)?;
-        d.set_item("cached_blocks", s.cached_blocks)?;
-        d.set_item("evictable_blocks", s.evictable_blocks)?;
-        d.set_item("prefix_queries", s.prefix.queries)?;
-        d.set_item("prefix_query_tokens", s.prefix.query_tokens)?;
-        d.set_item("prefix_hit_tokens", s.prefix.hit_tokens)?;
-        let rate = if s.prefix.query_tokens == 0 {
-            0.0
-        } else {
-            s.prefix.hit_tokens as f64 / s.prefix.query_tokens as f64
-        };
-        d.set_item("hit_rate", rate)?;
-        d.set_item("evictions", s.prefix.evictions)?;
-        let kinds = PyDict::new(py);
-        for k in &s.by_kind {
-            let e = PyDict::new(py);
-            e.set_item("layers", k.layers)?;
-            e.set_item("used_blocks", k.used_blocks)?;
-            e.set_item("bytes_used", k.bytes_used)?;
-            e.set_item("tokens_stored", k.tokens_stored)?;
-            kinds.set_item(k.kind.name(), e)?;
-        }
-        d.set_item("by_layer_type", kinds)?;
-        if let Some(t) = tiers {
-            super::tiers::tier_stats(py, &t, &d)?;
-        }
-        Ok(d)
+        super::pool_stats::stats_dict(py, &s, tiers.as_ref())
     }
 
     /// Starts a sequence; with `tokens` (the prompt's ids) it attaches the longest cached
@@ -772,35 +736,4 @@ impl PyBlockPool {
             s.num_layers, s.num_kv_heads, s.head_dim, s.block_size, s.num_blocks, self.dtype, self.device, s.layout
         )
     }
-}
-
-/// Reads a namespace or extra key: None, str (as UTF-8) or bytes.
-fn key_bytes(obj: Option<&Bound<'_, PyAny>>, name: &'static str) -> PyResult<Vec<u8>> {
-    match obj {
-        None => Ok(Vec::new()),
-        Some(o) if o.is_none() => Ok(Vec::new()),
-        Some(o) => {
-            if let Ok(s) = o.extract::<String>() {
-                Ok(s.into_bytes())
-            } else if let Ok(b) = o.extract::<Vec<u8>>() {
-                Ok(b)
-            } else {
-                Err(PyTypeError::new_err(format!("{name} must be str or bytes")))
-            }
-        }
-    }
-}
-
-/// The `(tokens, namespace=None, extra_key=None)` of a prefix query: the token ids and
-/// the key bytes.
-fn prefix_args(
-    tokens: &Bound<'_, PyAny>,
-    namespace: Option<&Bound<'_, PyAny>>,
-    extra_key: Option<&Bound<'_, PyAny>>,
-) -> PyResult<(Vec<u32>, Vec<u8>, Vec<u8>)> {
-    Ok((
-        read_token_ids(tokens, "tokens")?,
-        key_bytes(namespace, "namespace")?,
-        key_bytes(extra_key, "extra_key")?,
-    ))
 }

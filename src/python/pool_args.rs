@@ -1,7 +1,11 @@
 //! The arguments of `kvrs.BlockPool(...)` that need more than a type: layer kinds, the
-//! pool's size from `num_blocks` or `memory_bytes`, and prefix caching with its seed.
+//! pool's size from `num_blocks` or `memory_bytes`, and prefix caching with its seed;
+//! and the namespace, extra key and token ids of its prefix queries.
 
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
+
+use super::input::read_token_ids;
 
 use crate::bytes::parse_size;
 use crate::dtype::DType;
@@ -125,4 +129,35 @@ pub fn prefix(
         partial_hits,
         events,
     }))
+}
+
+/// Reads a namespace or extra key: None, str (as UTF-8) or bytes.
+pub fn key_bytes(obj: Option<&Bound<'_, PyAny>>, name: &'static str) -> PyResult<Vec<u8>> {
+    match obj {
+        None => Ok(Vec::new()),
+        Some(o) if o.is_none() => Ok(Vec::new()),
+        Some(o) => {
+            if let Ok(s) = o.extract::<String>() {
+                Ok(s.into_bytes())
+            } else if let Ok(b) = o.extract::<Vec<u8>>() {
+                Ok(b)
+            } else {
+                Err(PyTypeError::new_err(format!("{name} must be str or bytes")))
+            }
+        }
+    }
+}
+
+/// The `(tokens, namespace=None, extra_key=None)` of a prefix query: the token ids and
+/// the key bytes.
+pub fn prefix_args(
+    tokens: &Bound<'_, PyAny>,
+    namespace: Option<&Bound<'_, PyAny>>,
+    extra_key: Option<&Bound<'_, PyAny>>,
+) -> PyResult<(Vec<u32>, Vec<u8>, Vec<u8>)> {
+    Ok((
+        read_token_ids(tokens, "tokens")?,
+        key_bytes(namespace, "namespace")?,
+        key_bytes(extra_key, "extra_key")?,
+    ))
 }
