@@ -70,9 +70,9 @@ fn read(c: &mut Criterion) {
     group.throughput(Throughput::Bytes(2 * k.len() as u64));
     group.bench_function("fp16", |b| {
         b.iter(|| {
-            let tk = tensor_mut(&mut k, DType::F16, &[HEADS, 4096, DIM]);
-            let tv = tensor_mut(&mut v, DType::F16, &[HEADS, 4096, DIM]);
-            kv.extract_block(0, 0, 4096, &tk, &tv).unwrap();
+            let mut tk = tensor_mut(&mut k, DType::F16, &[HEADS, 4096, DIM]);
+            let mut tv = tensor_mut(&mut v, DType::F16, &[HEADS, 4096, DIM]);
+            kv.extract_block(0, 0, 4096, &mut tk, &mut tv).unwrap();
         })
     });
     group.finish();

@@ -90,7 +90,7 @@ impl EncoderCache {
         &self,
         layer: i64,
         q: &TensorRef,
-        out: &TensorMut,
+        out: &mut TensorMut,
         opts: &AttnOptions<'_>,
     ) -> Result<()> {
         let l = self.cache.check_layer(layer)?;

@@ -308,7 +308,7 @@ impl CacheCore {
         &self,
         layer: i64,
         q: &TensorRef,
-        out: &TensorMut,
+        out: &mut TensorMut,
         window: Option<i64>,
         opts: &AttnOptions<'_>,
     ) -> Result<()> {
@@ -349,7 +349,7 @@ impl CacheCore {
         &self,
         layer: usize,
         q: &TensorRef,
-        out: &TensorMut,
+        out: &mut TensorMut,
         rows: &[QueryRow],
         opts: &AttnOptions<'_>,
     ) -> Result<()> {
@@ -521,8 +521,8 @@ impl CacheCore {
         layer: i64,
         start_pos: i64,
         block_size: i64,
-        keys: &TensorMut,
-        values: &TensorMut,
+        keys: &mut TensorMut,
+        values: &mut TensorMut,
     ) -> Result<()> {
         let (layer, start, bs, inside) = self.check_block(layer, start_pos, block_size)?;
         let s = self.shape;
@@ -532,18 +532,18 @@ impl CacheCore {
             [s.num_kv_heads, bs, s.head_dim],
         )?;
         check_disjoint(("keys", keys), ("values", values))?;
-        for (kv, out) in [(Kv::Key, keys), (Kv::Value, values)] {
-            let out_in = out.slice(1, 0, inside);
+        for (kv, mut out) in [(Kv::Key, keys.reborrow()), (Kv::Value, values.reborrow())] {
+            let mut out_in = out.slice(1, 0, inside);
             self.storage
-                .read(self.region(layer, kv, start, inside), &out_in)?;
+                .read(self.region(layer, kv, start, inside), &mut out_in)?;
             multiply_heads(
                 self.storage.scaler(),
-                &out_in,
+                &mut out_in,
                 0,
                 self.scales.heads(layer, kv),
             )?;
             // Positions past max_seq_len read as zeros.
-            self.storage.zero(&out.slice(1, inside, bs - inside))?;
+            self.storage.zero(&mut out.slice(1, inside, bs - inside))?;
         }
         Ok(())
     }

@@ -75,16 +75,21 @@ pub struct Region {
 }
 
 impl Region {
-    /// One past the highest element offset the region touches (its offset when empty).
+    /// One past the highest element offset the region touches (its offset when empty),
+    /// or `usize::MAX` when that does not fit a `usize` (no storage holds such a region:
+    /// the storages' bounds checks compare this, so it must not wrap).
     pub fn end(&self) -> usize {
         if self.shape.contains(&0) {
             return self.offset;
         }
-        self.offset
-            + (0..MAX_RANK)
-                .map(|i| (self.shape[i] - 1) * self.strides[i])
-                .sum::<usize>()
-            + 1
+        (0..MAX_RANK)
+            .try_fold(self.offset, |acc, i| {
+                (self.shape[i] - 1)
+                    .checked_mul(self.strides[i])
+                    .and_then(|reach| acc.checked_add(reach))
+            })
+            .and_then(|last| last.checked_add(1))
+            .unwrap_or(usize::MAX)
     }
 
     /// Number of elements in the region.
@@ -220,6 +225,23 @@ impl PagedShape {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_region_end_that_overflows_saturates() {
+        // (3 - 1) * 2^63 wraps to 0: the region must not look like it ends at 1.
+        let r = Region {
+            offset: 0,
+            shape: [3, 1, 1],
+            strides: [1 << 63, 0, 1],
+        };
+        assert_eq!(r.end(), usize::MAX);
+        let r = Region {
+            offset: usize::MAX,
+            shape: [1, 1, 1],
+            strides: [0, 0, 1],
+        };
+        assert_eq!(r.end(), usize::MAX);
+    }
 
     #[test]
     fn regions_follow_flashinfer_layouts() {

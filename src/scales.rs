@@ -254,7 +254,7 @@ pub fn with_divided<const N: usize, R>(
 /// every scale is 1 or `t` holds raw codes.
 pub fn multiply_heads(
     device: Option<DeviceScaler>,
-    t: &TensorMut,
+    t: &mut TensorMut,
     head_axis: usize,
     scales: &[f32],
 ) -> Result<()> {
@@ -271,17 +271,19 @@ pub fn multiply_heads(
         };
     }
     let [a, b, c] = t.shape3();
-    let st = t.strides3();
-    let size = t.dtype().size() as isize;
+    let (st, dtype) = (t.strides3(), t.dtype());
+    let size = dtype.size() as isize;
+    let base = t.as_mut_ptr();
     for i in 0..a {
         for j in 0..b {
             for k in 0..c {
                 let at = (i as isize * st[0] + j as isize * st[1] + k as isize * st[2]) * size;
-                // SAFETY: the element lies in the tensor, valid for writes by contract.
+                // SAFETY: the element lies in the tensor, valid for writes and borrowed
+                // mutably by contract.
                 unsafe {
-                    let p = t.as_mut_ptr().offset(at);
-                    let x = read_f32(p, t.dtype()) * head_scale(scales, head_axis, [i, j, k]);
-                    write_f32(p, t.dtype(), x);
+                    let p = base.offset(at);
+                    let x = read_f32(p, dtype) * head_scale(scales, head_axis, [i, j, k]);
+                    write_f32(p, dtype, x);
                 }
             }
         }
@@ -346,8 +348,8 @@ mod tests {
         .unwrap();
         assert_eq!(got, vec![0.0, 0.5, 0.5, 0.75, 2.0, 2.5, 1.5, 1.75]);
         let mut back = got.clone();
-        let t = TensorMut::from_f32_mut(&mut back, &[2, 2, 2]).unwrap();
-        multiply_heads(None, &t, 1, &scales).unwrap();
+        let mut t = TensorMut::from_f32_mut(&mut back, &[2, 2, 2]).unwrap();
+        multiply_heads(None, &mut t, 1, &scales).unwrap();
         assert_eq!(back, x);
     }
 }

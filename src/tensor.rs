@@ -3,7 +3,7 @@
 
 use crate::dtype::{convert_contiguous, read_f32, write_f32, DType};
 use crate::error::{KvError, Result};
-use crate::layout::Device;
+use crate::layout::{Device, Region};
 use std::marker::PhantomData;
 
 pub use crate::layout::MAX_RANK;
@@ -76,11 +76,11 @@ impl Layout {
     }
 
     fn slice(&self, dim: usize, start: usize, len: usize) -> Layout {
+        // Written so that no sum can wrap: `start + len` may exceed `usize::MAX`.
         assert!(
-            start + len <= self.shape[dim],
-            "slicing dimension {dim} of {:?} to {start}..{}",
+            start <= self.shape[dim] && len <= self.shape[dim] - start,
+            "slicing dimension {dim} of {:?} to {start}..{start}+{len}",
             self.shape,
-            start + len
         );
         let mut t = *self;
         t.shape[dim] = len;
@@ -96,6 +96,37 @@ impl Layout {
         t.shape.swap(a, b);
         t.strides.swap(a, b);
         t
+    }
+
+    /// Whether two different indices may address the same element. Conservative: false
+    /// only when, with the dimensions ordered by stride, each stride steps past every
+    /// element the smaller ones reach (as in any C-order, Fortran-order or permuted
+    /// layout, or a slice of one), which makes the layout one-to-one.
+    fn may_overlap_itself(&self) -> bool {
+        if self.shape.contains(&0) {
+            return false;
+        }
+        let mut dims: [(usize, usize); MAX_RANK] =
+            std::array::from_fn(|i| (self.strides[i].unsigned_abs(), self.shape[i]));
+        dims.sort_unstable();
+        // The highest element offset the dimensions seen so far reach from [0, 0, 0].
+        let mut reach = 0usize;
+        for (stride, n) in dims {
+            if n == 1 {
+                continue;
+            }
+            if stride <= reach {
+                return true;
+            }
+            match (n - 1)
+                .checked_mul(stride)
+                .and_then(|r| r.checked_add(reach))
+            {
+                Some(r) => reach = r,
+                None => return true,
+            }
+        }
+        false
     }
 
     fn span(&self) -> Span {
@@ -200,6 +231,21 @@ macro_rules! layout_accessors {
             expect_shape(name, self.shape(), expected)
         }
 
+        /// Fails with a shape error naming `name` unless the tensor has region `r`'s
+        /// shape (padded to rank 3): a copy between a storage's region and a caller's
+        /// tensor runs over the region's shape, so any other tensor would be read or
+        /// written past its end. Every storage checks this before it copies.
+        pub(crate) fn expect_region(&self, name: &'static str, r: &Region) -> Result<()> {
+            if self.raw.shape != r.shape {
+                return Err(KvError::Shape {
+                    name,
+                    got: self.shape().to_vec(),
+                    expected: format!("{:?} (the shape of the storage region)", r.shape),
+                });
+            }
+            Ok(())
+        }
+
         /// Number of bytes a contiguous copy of this tensor would take.
         pub fn nbytes(&self) -> usize {
             self.raw.shape.iter().product::<usize>() * self.raw.dtype.size()
@@ -294,20 +340,48 @@ impl<'a> TensorRef<'a> {
 /// destination of every read out of a cache (gathers, block extracts, attention
 /// outputs).
 ///
-/// Built safely only from a mutable borrow ([`TensorMut::from_bytes_mut`]), so no
-/// other reference to the memory exists while it lives; the raw constructors are
-/// `unsafe` and used at the FFI edge. The core writes through it only inside a call
-/// that received it; sub-views ([`TensorMut::slice`]) may alias each other, so every
-/// call that takes two outputs checks that they are disjoint.
+/// A `TensorMut<'a>` behaves like `&'a mut [T]`: it is built safely only from a mutable
+/// borrow ([`TensorMut::from_bytes_mut`]), so no other reference to the memory exists
+/// while it lives, and everything that writes through it takes `&mut self` (the calls
+/// that fill it take `&mut TensorMut`). A sub-view ([`TensorMut::slice`],
+/// [`TensorMut::reborrow`]) borrows it mutably, so two sub-views of one tensor never
+/// coexist, and a shared `&TensorMut` only reads (its layout, or [`TensorMut::as_ref`]).
+/// The raw constructors are `unsafe` and used at the FFI edge, where two outputs may be
+/// one array: every call that takes two outputs checks that they are disjoint.
+///
+/// Two threads cannot write one tensor through a shared reference:
+///
+/// ```compile_fail
+/// use kvrs::tensor::TensorMut;
+/// let mut buf = [1f32; 16];
+/// let t = TensorMut::from_f32_mut(&mut buf, &[16]).unwrap();
+/// let shared = &t;
+/// std::thread::scope(|s| {
+///     s.spawn(move || shared.fill_zero());
+///     s.spawn(move || shared.fill_zero());
+/// });
+/// ```
+///
+/// and two sub-views of one tensor cannot be alive at once:
+///
+/// ```compile_fail
+/// use kvrs::tensor::TensorMut;
+/// let mut buf = [1f32; 16];
+/// let mut t = TensorMut::from_f32_mut(&mut buf, &[16]).unwrap();
+/// let mut a = t.slice(2, 0, 1);
+/// let mut b = t.slice(2, 0, 1);
+/// a.fill_zero();
+/// b.fill_zero();
+/// ```
 #[derive(Debug)]
 pub struct TensorMut<'a> {
     raw: Layout,
     _borrow: PhantomData<&'a mut [u8]>,
 }
 
-// SAFETY: as for `&'a mut [u8]`: the memory is valid for writes for 'a, on any thread.
-// Shared access (`&TensorMut`) lets several threads write disjoint sub-views, which the
-// core splits without overlap.
+// SAFETY: as for `&'a mut [u8]`: the tensor is the only way to its memory, valid for
+// writes for 'a on any thread, so moving it to another thread is sound; a shared
+// `&TensorMut` only reads it (every write takes `&mut self`), so sharing one is too.
 unsafe impl Send for TensorMut<'_> {}
 unsafe impl Sync for TensorMut<'_> {}
 
@@ -323,7 +397,8 @@ impl<'a> TensorMut<'a> {
     ///
     /// # Safety
     /// Every element addressed by the layout must be valid for reads and writes for
-    /// `'a`, and nothing else may read or write it during a call that writes the tensor.
+    /// `'a`, and nothing else may read or write it while the tensor lives (other than
+    /// through it).
     pub unsafe fn new(
         ptr: *mut u8,
         dtype: DType,
@@ -360,27 +435,35 @@ impl<'a> TensorMut<'a> {
 
     layout_accessors!();
 
-    /// Address of element `[0, 0, 0]`, for writing.
-    pub fn as_mut_ptr(&self) -> *mut u8 {
+    /// Address of element `[0, 0, 0]`, for writing (through `&mut self`: no other
+    /// access to the tensor runs while the caller writes).
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
         self.raw.ptr
     }
 
+    /// The same tensor, borrowed for a shorter time (as `&mut *r` reborrows `&mut [T]`):
+    /// this one is usable again once the result is dropped.
+    pub fn reborrow(&mut self) -> TensorMut<'_> {
+        Self::wrap(self.raw)
+    }
+
     /// The sub-tensor of indices `start..start + len` along dimension `dim` of the rank-3
-    /// padded shape (it may alias other sub-views of this tensor).
-    pub fn slice(&self, dim: usize, start: usize, len: usize) -> TensorMut<'_> {
+    /// padded shape, borrowing this tensor mutably (panics when the range exceeds the
+    /// dimension).
+    pub fn slice(&mut self, dim: usize, start: usize, len: usize) -> TensorMut<'_> {
         Self::wrap(self.raw.slice(dim, start, len))
     }
 
     /// The same tensor with two dimensions of the rank-3 padded shape swapped.
-    pub fn transposed(&self, a: usize, b: usize) -> TensorMut<'_> {
+    pub fn transposed(self, a: usize, b: usize) -> TensorMut<'a> {
         Self::wrap(self.raw.transposed(a, b))
     }
 
     /// Sets every element to zero.
-    pub fn fill_zero(&self) {
+    pub fn fill_zero(&mut self) {
         let zero = [0u8; 4];
-        // SAFETY: the tensor is valid for writes (its constructors' contract), and a
-        // zero of any dtype is read from `zero` with stride 0.
+        // SAFETY: the tensor is valid for writes and borrowed mutably (its constructors'
+        // contract), and a zero of any dtype is read from `zero` with stride 0.
         unsafe {
             copy_strided(
                 self.raw.ptr,
@@ -393,10 +476,67 @@ impl<'a> TensorMut<'a> {
             );
         }
     }
+
+    /// The tensor as a destination that several threads fill at once (rayon's workers,
+    /// each writing its own part), borrowing it mutably for as long as they run; `None`
+    /// when its layout may address one element twice (a stride-0 or overlapping view
+    /// from the FFI edge), which the callers then fill from one thread.
+    pub(crate) fn share(&mut self) -> Option<SharedTensorMut<'_>> {
+        if self.raw.may_overlap_itself() {
+            return None;
+        }
+        Some(SharedTensorMut {
+            raw: self.raw,
+            _borrow: PhantomData,
+        })
+    }
+}
+
+/// A [`TensorMut`] shared by threads that write disjoint parts of it: the one way the
+/// core splits a destination across rayon's workers (parallel gathers, attention
+/// items). Crate-private, made only by [`TensorMut::share`] (which borrows the tensor
+/// mutably and refuses a layout that addresses an element twice), and usable only
+/// through `unsafe` calls whose callers show the parts disjoint.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SharedTensorMut<'a> {
+    raw: Layout,
+    _borrow: PhantomData<&'a mut [u8]>,
+}
+
+// SAFETY: the memory is valid for writes for 'a on any thread (it comes from a
+// TensorMut borrowed mutably for 'a); each write through the handle is an `unsafe` call
+// whose caller guarantees that no other thread touches the same elements.
+unsafe impl Send for SharedTensorMut<'_> {}
+unsafe impl Sync for SharedTensorMut<'_> {}
+
+impl<'a> SharedTensorMut<'a> {
+    /// The element type.
+    pub(crate) fn dtype(&self) -> DType {
+        self.raw.dtype
+    }
+
+    /// Address of element `[0, 0, 0]` (writing through it is the caller's `unsafe`
+    /// business: see [`SharedTensorMut::slice`] for the rule).
+    pub(crate) fn as_mut_ptr(&self) -> *mut u8 {
+        self.raw.ptr
+    }
+
+    /// The sub-tensor of indices `start..start + len` along dimension `dim`, for one
+    /// thread to write (panics when the range exceeds the dimension).
+    ///
+    /// # Safety
+    /// Sub-tensors (and elements written through [`SharedTensorMut::as_mut_ptr`]) alive
+    /// at the same time must be disjoint: along one `dim`, their ranges must not
+    /// overlap. (The layout addresses each element once, so disjoint ranges are disjoint
+    /// memory.)
+    pub(crate) unsafe fn slice(&self, dim: usize, start: usize, len: usize) -> TensorMut<'a> {
+        TensorMut::wrap(self.raw.slice(dim, start, len))
+    }
 }
 
 /// Fails unless the outputs `a` and `b` (named for the message) touch no common byte:
-/// the core may fill them from different threads.
+/// the core may fill them from different threads, and two tensors from the raw
+/// constructors (the FFI edge) may be views of one array.
 pub fn check_disjoint(
     a: (&'static str, &TensorMut<'_>),
     b: (&'static str, &TensorMut<'_>),
@@ -563,6 +703,51 @@ mod tests {
             .map(|&b| half::f16::from_bits(b).to_f32())
             .collect();
         assert_eq!(got, vec![2.0, 1.0, 0.0, 5.0, 4.0, 3.0]);
+    }
+
+    #[test]
+    #[should_panic(expected = "slicing dimension 2")]
+    fn a_slice_range_cannot_wrap_around() {
+        let mut x = [0f32; 4];
+        let mut t = TensorMut::from_f32_mut(&mut x, &[4]).unwrap();
+        // 1 + usize::MAX wraps to 0 <= 4: must not pass as a range inside the tensor.
+        let _ = t.slice(2, 1, usize::MAX);
+    }
+
+    #[test]
+    fn sub_views_borrow_their_tensor_in_turn() {
+        let mut x = [1f32; 8];
+        let mut t = TensorMut::from_f32_mut(&mut x, &[2, 4]).unwrap();
+        t.slice(1, 0, 1).fill_zero();
+        let mut row = t.slice(1, 1, 1);
+        row.reborrow().slice(2, 2, 2).fill_zero();
+        assert_eq!(row.as_ref().shape(), &[1, 4]);
+        assert_eq!(x, [0., 0., 0., 0., 1., 1., 0., 0.]);
+    }
+
+    #[test]
+    fn only_layouts_addressing_each_element_once_are_shared() {
+        let mut x = [0f32; 24];
+        let p = x.as_mut_ptr() as *mut u8;
+        let make = |shape: &[usize], strides: &[isize]| unsafe {
+            TensorMut::new(p, DType::F32, shape, strides).unwrap()
+        };
+        // C order, a transpose, a slice of one, a padded row: each element once.
+        assert!(make(&[2, 3, 4], &[12, 4, 1]).share().is_some());
+        assert!(make(&[2, 3, 4], &[12, 4, 1])
+            .transposed(0, 1)
+            .share()
+            .is_some());
+        assert!(make(&[2, 2, 2], &[12, 4, 1]).share().is_some());
+        assert!(make(&[3, 4], &[8, 1]).share().is_some());
+        assert!(make(&[0, 4], &[0, 0]).share().is_some());
+        // A broadcast (stride 0) and overlapping rows address elements twice.
+        assert!(make(&[3, 4], &[0, 1]).share().is_none());
+        assert!(make(&[3, 4], &[2, 1]).share().is_none());
+        assert!(make(&[2, 3, 4], &[4, 12, 2]).share().is_none());
+        assert!(make(&[2, 2], &[isize::MIN / 2, isize::MIN / 2])
+            .share()
+            .is_none());
     }
 
     #[test]

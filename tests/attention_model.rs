@@ -137,17 +137,17 @@ proptest! {
         let sinks = values(seed ^ 0x99, hq);
         let opts = AttnOptions { softcap, sinks: use_sinks.then_some(&sinks[..]), ..Default::default() };
         let mut out = vec![0f32; n * hq * D];
-        let out_t = TensorMut::from_f32_mut(&mut out, &[n, hq, D]).unwrap();
-        pool.forward_attention(&plan, 0, &tensor(&q, &[n, hq, D]), &out_t, &opts).unwrap();
+        let mut out_t = TensorMut::from_f32_mut(&mut out, &[n, hq, D]).unwrap();
+        pool.forward_attention(&plan, 0, &tensor(&q, &[n, hq, D]), &mut out_t, &opts).unwrap();
         let tol = match dtype { DType::F32 => 1e-4, _ => 1e-3 };
         for (t, (&k_seq, &pos)) in plan.token_seq.iter().zip(&plan.positions).enumerate() {
             let id = plan.seqs[k_seq].0;
             let (first, end) = pool.layer_span(id, 0).unwrap();
             let len = end - first;
             let (mut gk, mut gv) = (vec![0f32; h * len * D], vec![0f32; h * len * D]);
-            let gk_t = TensorMut::from_f32_mut(&mut gk, &[h, len, D]).unwrap();
-            let gv_t = TensorMut::from_f32_mut(&mut gv, &[h, len, D]).unwrap();
-            pool.gather(id, 0, &gk_t, &gv_t).unwrap();
+            let mut gk_t = TensorMut::from_f32_mut(&mut gk, &[h, len, D]).unwrap();
+            let mut gv_t = TensorMut::from_f32_mut(&mut gv, &[h, len, D]).unwrap();
+            pool.gather(id, 0, &mut gk_t, &mut gv_t).unwrap();
             let lo = attention.first_visible(kind, pos).max(first);
             let want = reference(&q[t * hq * D..(t + 1) * hq * D], &gk, &gv, h, len, first, lo, pos,
                                  softcap, use_sinks.then_some(&sinks[..]));

@@ -25,9 +25,10 @@ fn contents(c: &CacheCore, layer: i64, n: usize) -> (Vec<f32>, Vec<f32>) {
     let len = s.num_kv_heads * n * s.head_dim;
     let (mut k, mut v) = (vec![0f32; len], vec![0f32; len]);
     let shape = [s.num_kv_heads, n, s.head_dim];
-    let tk = TensorMut::from_f32_mut(&mut k, &shape).unwrap();
-    let tv = TensorMut::from_f32_mut(&mut v, &shape).unwrap();
-    c.extract_block(layer, 0, n as i64, &tk, &tv).unwrap();
+    let mut tk = TensorMut::from_f32_mut(&mut k, &shape).unwrap();
+    let mut tv = TensorMut::from_f32_mut(&mut v, &shape).unwrap();
+    c.extract_block(layer, 0, n as i64, &mut tk, &mut tv)
+        .unwrap();
     (k, v)
 }
 
@@ -283,10 +284,10 @@ fn paged_attention_kernel_equals_the_cpu_core() {
                         plan.group_slots(pool.group_for(Some(layer as i64)).unwrap()),
                     )
                     .unwrap();
-                    let out = TensorMut::from_bytes_mut(&mut out_bytes, dtype, &[n, hq, d])
+                    let mut out = TensorMut::from_bytes_mut(&mut out_bytes, dtype, &[n, hq, d])
                         .unwrap()
                         .on(dev);
-                    pool.forward_attention(&plan, layer as i64, &q, &out, &opts)
+                    pool.forward_attention(&plan, layer as i64, &q, &mut out, &opts)
                         .unwrap();
                     let got: Vec<f32> = match dtype {
                         DType::F32 => out_bytes
@@ -325,4 +326,68 @@ fn paged_attention_kernel_equals_the_cpu_core() {
             }
         }
     }
+}
+
+/// A small paged shape on the simulated device, and a storage for one cache tensor of it.
+fn paged_storage() -> (kvrs::storage::PagedTensor, Box<dyn kvrs::storage::Storage>) {
+    let shape = kvrs::PagedShape {
+        num_layers: 1,
+        num_kv_heads: 2,
+        head_dim: 4,
+        block_size: 4,
+        num_blocks: 2,
+        layout: kvrs::KvLayout::Nhd,
+    };
+    let s = kvrs::storage::allocate(Device::Cuda(0), DType::F32, shape.layer_elems(), 4).unwrap();
+    (kvrs::storage::PagedTensor { shape, index: 0 }, s)
+}
+
+#[test]
+#[should_panic(expected = "is not one of the 2 blocks")]
+fn scatter_refuses_slots_outside_the_storage() {
+    let (t, mut s) = paged_storage();
+    let k = vec![0f32; 8];
+    let k = on(&k, &[1, 2, 4], Device::Cuda(0));
+    // Slot 8 is block 2 of a pool of 2: the kernel would write past the storage.
+    let _ = s.write_slots(t, &[8], &k, &k);
+}
+
+#[test]
+#[should_panic(expected = "exceed storage")]
+fn gather_refuses_cache_tensors_outside_the_storage() {
+    let (mut t, s) = paged_storage();
+    t.index = 1;
+    let (mut k, mut v) = (vec![0f32; 8], vec![0f32; 8]);
+    let mut ko = TensorMut::from_f32_mut(&mut k, &[2, 1, 4])
+        .unwrap()
+        .on(Device::Cuda(0));
+    let mut vo = TensorMut::from_f32_mut(&mut v, &[2, 1, 4])
+        .unwrap()
+        .on(Device::Cuda(0));
+    let _ = s.read_positions(t, &[0], 0, 1, &mut ko, &mut vo);
+}
+
+#[test]
+fn device_scaling_refuses_scales_that_do_not_match_the_tensor() {
+    let (_, s) = paged_storage();
+    let scaler = s.scaler().unwrap();
+    let mut x = vec![1f32; 16];
+    let mut t = TensorMut::from_f32_mut(&mut x, &[2, 2, 4])
+        .unwrap()
+        .on(Device::Cuda(0));
+    let e = scaler.multiply(&mut t, 1, &[2.0, 2.0, 2.0]).unwrap_err();
+    assert!(matches!(e, KvError::Shape { .. }), "{e}");
+    assert!(scaler.multiply(&mut t, 3, &[2.0, 2.0]).is_err());
+    scaler.multiply(&mut t, 1, &[2.0, 3.0]).unwrap();
+    let mut host = vec![1f32; 16];
+    let mut h = TensorMut::from_f32_mut(&mut host, &[2, 2, 4]).unwrap();
+    let e = scaler.multiply(&mut h, 1, &[2.0, 3.0]).unwrap_err();
+    assert!(matches!(e, KvError::Device(_)), "{e}");
+    s.as_cuda()
+        .unwrap()
+        .gpu()
+        .synchronize(s.as_cuda().unwrap().stream())
+        .unwrap();
+    let row = |j: usize| [2.0, 3.0][j % 2];
+    assert!((0..16).all(|i| x[i] == row(i / 4)), "{x:?}");
 }

@@ -139,20 +139,19 @@ fn device_int8_rows_equal_the_host_quantizer() {
             let t = TensorRef::from_f32(&row[..], &[1, 1, 4]).unwrap().on(dev);
             c.append(0, &t, &t).unwrap();
             let (mut raw, mut raw_v) = ([0i8; 4], [0i8; 4]);
-            let out = TensorMut::from_bytes_mut(
+            let mut out = TensorMut::from_bytes_mut(
                 bytemuck::cast_slice_mut(&mut raw),
                 DType::I8,
                 &[1, 1, 4],
             )
             .unwrap();
-            let out_v = TensorMut::from_bytes_mut(
+            let mut out_v = TensorMut::from_bytes_mut(
                 bytemuck::cast_slice_mut(&mut raw_v),
                 DType::I8,
                 &[1, 1, 4],
             )
             .unwrap();
-            c.extract_block(0, 0, 1, &out, &out_v).unwrap();
-            drop((out, out_v));
+            c.extract_block(0, 0, 1, &mut out, &mut out_v).unwrap();
             let rs = c.row_scales().unwrap();
             codes.push((raw, unsafe { *rs.ptr }));
         }
@@ -404,12 +403,12 @@ impl Twins {
                     plans[j].group_slots(g),
                 )
                 .unwrap();
-                let out = tensor_mut(&mut outs[j], DType::F32, &[n, hq, D], devs[j]);
+                let mut out = tensor_mut(&mut outs[j], DType::F32, &[n, hq, D], devs[j]);
                 p.forward_attention(
                     &plans[j],
                     layer as i64,
                     &tensor(&q, &[n, hq, D], devs[j]),
-                    &out,
+                    &mut out,
                     &AttnOptions::default(),
                 )
                 .unwrap();
@@ -468,8 +467,8 @@ impl Twins {
             pool.gather(
                 id,
                 layer as i64,
-                &tensor_mut(&mut kf, DType::F32, &[H, cap, D], Device::Cpu),
-                &tensor_mut(&mut vf, DType::F32, &[H, cap, D], Device::Cpu),
+                &mut tensor_mut(&mut kf, DType::F32, &[H, cap, D], Device::Cpu),
+                &mut tensor_mut(&mut vf, DType::F32, &[H, cap, D], Device::Cpu),
             )
             .unwrap();
             let floats = |b: &[u8]| -> Vec<f32> {
@@ -519,16 +518,16 @@ impl Twins {
                         .gather(
                             ids[j],
                             layer as i64,
-                            &tensor_mut(&mut k, self.dtype, &[H, cap, D], dev),
-                            &tensor_mut(&mut v, self.dtype, &[H, cap, D], dev),
+                            &mut tensor_mut(&mut k, self.dtype, &[H, cap, D], dev),
+                            &mut tensor_mut(&mut v, self.dtype, &[H, cap, D], dev),
                         )
                         .unwrap();
                     let (mut kf, mut vf) = (vec![0u8; 4 * size(cap)], vec![0u8; 4 * size(cap)]);
                     p.gather(
                         ids[j],
                         layer as i64,
-                        &tensor_mut(&mut kf, DType::F32, &[H, cap, D], dev),
-                        &tensor_mut(&mut vf, DType::F32, &[H, cap, D], dev),
+                        &mut tensor_mut(&mut kf, DType::F32, &[H, cap, D], dev),
+                        &mut tensor_mut(&mut vf, DType::F32, &[H, cap, D], dev),
                     )
                     .unwrap();
                     let scales = (self.dtype == DType::I8)
@@ -639,8 +638,8 @@ fn contiguous_fp8_cache_with_scales_equals_the_host() {
                     layer,
                     0,
                     9,
-                    &tensor_mut(&mut k, DType::F32, &[H, 9, D], dev),
-                    &tensor_mut(&mut v, DType::F32, &[H, 9, D], dev),
+                    &mut tensor_mut(&mut k, DType::F32, &[H, 9, D], dev),
+                    &mut tensor_mut(&mut v, DType::F32, &[H, 9, D], dev),
                 )
                 .unwrap();
                 got.push((k, v));
@@ -715,8 +714,8 @@ fn cuda_pools_swap_blocks_through_a_host_tier() {
                 p.gather(
                     id,
                     layer as i64,
-                    &tensor_mut(&mut k, DType::F32, &[H, 13, D], dev),
-                    &tensor_mut(&mut v, DType::F32, &[H, 13, D], dev),
+                    &mut tensor_mut(&mut k, DType::F32, &[H, 13, D], dev),
+                    &mut tensor_mut(&mut v, DType::F32, &[H, 13, D], dev),
                 )
                 .unwrap();
                 let first12 = |x: &[u8]| -> Vec<u8> {

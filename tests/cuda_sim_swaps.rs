@@ -19,7 +19,7 @@ fn reference(s: &dyn Storage, shape: &PagedShape, tensors: usize, blocks: &[Bloc
     for (i, &b) in blocks.iter().enumerate() {
         for t in 0..tensors {
             // SAFETY: `out` holds every block, 8-byte aligned.
-            let dst = unsafe {
+            let mut dst = unsafe {
                 TensorMut::contiguous(
                     base.add((i * tensors + t) * bb),
                     s.dtype(),
@@ -27,7 +27,7 @@ fn reference(s: &dyn Storage, shape: &PagedShape, tensors: usize, blocks: &[Bloc
                 )
             }
             .unwrap();
-            s.read(shape.whole_block(t, b), &dst).unwrap();
+            s.read(shape.whole_block(t, b), &mut dst).unwrap();
         }
     }
     // SAFETY: `out` holds at least that many bytes.

@@ -116,8 +116,8 @@ fn snapshot(c: &CacheCore) -> Model {
             l as i64,
             0,
             MAX as i64,
-            &tensor_mut(&mut k, &[H, MAX, D]),
-            &tensor_mut(&mut v, &[H, MAX, D]),
+            &mut tensor_mut(&mut k, &[H, MAX, D]),
+            &mut tensor_mut(&mut v, &[H, MAX, D]),
         )
         .unwrap();
         for (kv, buf) in [(0, &k), (1, &v)] {
@@ -274,11 +274,11 @@ fn apply_cache(c: &mut CacheCore, m: &Model, op: &Op) -> Result<(), KvError> {
         Op::Extract { layer, start, bs } => {
             let b = bs.max(1) as usize;
             let (mut k, mut v) = (vec![f32::NAN; H * b * D], vec![f32::NAN; H * b * D]);
-            let (tk, tv) = (
+            let (mut tk, mut tv) = (
                 tensor_mut(&mut k, &[H, b, D]),
                 tensor_mut(&mut v, &[H, b, D]),
             );
-            c.extract_block(layer, start, bs, &tk, &tv)?;
+            c.extract_block(layer, start, bs, &mut tk, &mut tv)?;
             for h in 0..H {
                 for p in 0..b {
                     for d in 0..D {

@@ -522,8 +522,8 @@ impl World {
                 .forward_get(
                     &plan,
                     layer as i64,
-                    &tensor_mut(&mut ko, &[H, hist, D]),
-                    &tensor_mut(&mut vo, &[H, hist, D]),
+                    &mut tensor_mut(&mut ko, &[H, hist, D]),
+                    &mut tensor_mut(&mut vo, &[H, hist, D]),
                     &mut mask,
                 )
                 .unwrap();
@@ -590,8 +590,8 @@ impl World {
                     .gather(
                         *id,
                         l as i64,
-                        &tensor_mut(&mut ko, &[H, cap, D]),
-                        &tensor_mut(&mut vo, &[H, cap, D]),
+                        &mut tensor_mut(&mut ko, &[H, cap, D]),
+                        &mut tensor_mut(&mut vo, &[H, cap, D]),
                     )
                     .unwrap();
                 assert_eq!(got, (first, len - first), "seq {id} layer {l}");

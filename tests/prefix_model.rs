@@ -313,8 +313,8 @@ impl World {
                     .gather(
                         l.id,
                         layer as i64,
-                        &tensor_mut(&mut k, &[H, cap, D]),
-                        &tensor_mut(&mut v, &[H, cap, D]),
+                        &mut tensor_mut(&mut k, &[H, cap, D]),
+                        &mut tensor_mut(&mut v, &[H, cap, D]),
                     )
                     .unwrap();
                 for p in 0..len {

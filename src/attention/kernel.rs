@@ -427,7 +427,8 @@ pub(super) fn write_row(p: &Problem<'_>, token: usize, head: usize, m: f32, l: f
     let d = o.len();
     let size = out.dtype().size();
     // SAFETY: `out` is C-contiguous [tokens, heads, d] (checked by `attend`) and each
-    // (token, head) row is written by exactly one item.
+    // (token, head) row is written by exactly one item (no token is in two rows:
+    // `attend`'s contract), so no other thread touches these elements.
     unsafe {
         let dst = out
             .as_mut_ptr()

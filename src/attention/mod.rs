@@ -173,10 +173,11 @@ pub struct KvHeads {
 /// # Safety
 /// Every `KvPages` describes host memory that holds, for every position a row names
 /// and every KV head, a key and a value of `head_dim` elements where its formula says;
-/// that memory stays valid and unwritten for the whole call.
+/// that memory stays valid and unwritten for the whole call. No token is named by two
+/// rows (rayon's threads write each token's output row from the one item holding it).
 pub unsafe fn attend(
     q: &TensorRef,
-    out: &TensorMut,
+    out: &mut TensorMut,
     heads: KvHeads,
     rows: &[QueryRow],
     seqs: &[SeqQueries<'_>],
@@ -190,12 +191,23 @@ pub unsafe fn attend(
         }
     }
     let (num_q_heads, scale) = validate(q, out, heads, opts)?;
+    // Checked, not assumed: a token past `q` would be written past `out`'s end.
     for s in seqs {
-        debug_assert!(s.rows.end <= rows.len());
-        debug_assert!(rows[s.rows.clone()]
-            .iter()
-            .all(|r| r.token < q.shape()[0] && r.lo <= r.hi));
+        let tokens = q.shape()[0];
+        let ok = rows
+            .get(s.rows.clone())
+            .is_some_and(|rs| rs.iter().all(|r| r.token < tokens && r.lo <= r.hi));
+        if !ok {
+            return Err(KvError::InvalidArgument {
+                name: "rows",
+                value: format!("{:?} of {} rows", s.rows, rows.len()),
+                reason: format!("each row must name a token below {tokens} and lo <= hi"),
+            });
+        }
     }
+    let out = out
+        .share()
+        .expect("a C-contiguous output (checked above) addresses each element once");
     schedule::run(&mut schedule::Problem {
         q,
         out,

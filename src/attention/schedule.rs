@@ -7,7 +7,7 @@ use rayon::prelude::*;
 
 use super::kernel::{rescale, run_item, write_row, Dest};
 use super::{AttnOptions, KvHeads, QueryRow, SeqQueries};
-use crate::tensor::{TensorMut, TensorRef};
+use crate::tensor::{SharedTensorMut, TensorRef};
 
 /// Query tokens of one sequence per item: each K/V run is converted once for them all.
 const TILE_TOKENS: usize = 16;
@@ -21,7 +21,9 @@ const MIN_SPLIT: usize = 512;
 /// One validated attention call.
 pub(super) struct Problem<'a> {
     pub q: &'a TensorRef<'a>,
-    pub out: &'a TensorMut<'a>,
+    /// The output, C-contiguous: each `(token, head)` row is written by the one item
+    /// that holds it (or the merge of its split item).
+    pub out: SharedTensorMut<'a>,
     pub num_q_heads: usize,
     pub heads: KvHeads,
     pub rows: &'a [QueryRow],

@@ -27,7 +27,7 @@ impl PoolCore {
         plan: &ForwardPlan,
         layer: i64,
         q: &TensorRef,
-        out: &TensorMut,
+        out: &mut TensorMut,
         opts: &AttnOptions<'_>,
     ) -> Result<()> {
         self.check_plan(plan)?;
@@ -98,7 +98,7 @@ impl PoolCore {
         id: SeqId,
         layer: i64,
         q: &TensorRef,
-        out: &TensorMut,
+        out: &mut TensorMut,
         opts: &AttnOptions<'_>,
     ) -> Result<()> {
         let layer = check_index("layer", layer, self.shape.num_layers)?;
@@ -130,7 +130,7 @@ impl PoolCore {
         &self,
         layer: usize,
         q: &TensorRef,
-        out: &TensorMut,
+        out: &mut TensorMut,
         rows: &[QueryRow],
         spans: &[(&Table, Range<usize>)],
         opts: &AttnOptions<'_>,

@@ -396,8 +396,8 @@ impl PoolCore {
         layer: i64,
         start_pos: i64,
         block_size: i64,
-        keys: &TensorMut,
-        values: &TensorMut,
+        keys: &mut TensorMut,
+        values: &mut TensorMut,
     ) -> Result<()> {
         let (layer, start, n) =
             self.block_args(layer, start_pos, block_size, keys.shape(), values.shape())?;
@@ -405,16 +405,16 @@ impl PoolCore {
         let s = self.seq(id)?;
         let t = &s.tables[self.groups.group_of[layer]];
         let (lo, hi) = (t.start.max(start), s.layer_len[layer].min(start + n));
-        for out in [keys, values] {
+        for mut out in [keys.reborrow(), values.reborrow()] {
             // The caller's [H, n, D] tensor, zeroed before the held part is read.
-            self.storage.zero(out)?;
+            self.storage.zero(&mut out)?;
         }
         if lo < hi {
-            let (k, v) = (
+            let (mut k, mut v) = (
                 keys.slice(1, lo - start, hi - lo),
                 values.slice(1, lo - start, hi - lo),
             );
-            self.read_positions(&t.blocks, layer, lo, hi - lo, &k, &v)?;
+            self.read_positions(&t.blocks, layer, lo, hi - lo, &mut k, &mut v)?;
         }
         Ok(())
     }
@@ -491,9 +491,9 @@ impl PoolCore {
         }
         for layer in 0..sh.num_layers {
             let len = s.layer_len[layer];
-            let (k, v) = cache.host_tensors_mut(layer, len)?;
+            let (mut k, mut v) = cache.host_tensors_mut(layer, len)?;
             let t = &s.tables[self.groups.group_of[layer]];
-            self.read_positions(&t.blocks, layer, 0, len, &k, &v)?;
+            self.read_positions(&t.blocks, layer, 0, len, &mut k, &mut v)?;
         }
         cache.set_lengths(s.seq_len, &s.layer_len);
         Ok(())

@@ -275,8 +275,8 @@ impl PoolCore {
         &self,
         plan: &ForwardPlan,
         layer: i64,
-        k_out: &TensorMut,
-        v_out: &TensorMut,
+        k_out: &mut TensorMut,
+        v_out: &mut TensorMut,
         mask: &mut [f32],
     ) -> Result<()> {
         let sh = self.shape();
@@ -284,7 +284,7 @@ impl PoolCore {
         check_disjoint(("k_out", k_out), ("v_out", v_out))?;
         let layer = layer as usize;
         let (g, kind) = (self.groups.group_of[layer], self.groups.kind(layer));
-        for (name, out) in [("k_out", k_out), ("v_out", v_out)] {
+        for (name, out) in [("k_out", &*k_out), ("v_out", &*v_out)] {
             out.expect_shape(name, &[sh.num_kv_heads, history, sh.head_dim])?;
         }
         if mask.len() != plan.num_tokens() * history {
@@ -315,8 +315,8 @@ impl PoolCore {
                 layer,
                 t.start,
                 len,
-                &k_out.slice(1, off, len),
-                &v_out.slice(1, off, len),
+                &mut k_out.slice(1, off, len),
+                &mut v_out.slice(1, off, len),
             )?;
             offsets.push((off, t.start));
             off += len;

@@ -31,14 +31,14 @@ impl PoolCore {
         &self,
         id: SeqId,
         layer: i64,
-        k_out: &TensorMut,
-        v_out: &TensorMut,
+        k_out: &mut TensorMut,
+        v_out: &mut TensorMut,
     ) -> Result<(usize, usize)> {
         let sh = self.shape;
         let layer = check_index("layer", layer, sh.num_layers)?;
         let (first, end) = self.layer_span(id, layer)?;
         let len = end - first;
-        for (name, out) in [("k_out", k_out), ("v_out", v_out)] {
+        for (name, out) in [("k_out", &*k_out), ("v_out", &*v_out)] {
             let o = out.shape();
             if o.len() != 3 || o[0] != sh.num_kv_heads || o[1] < len || o[2] != sh.head_dim {
                 return Err(KvError::Shape {
@@ -52,17 +52,25 @@ impl PoolCore {
         let blocks = &self.seq(id)?.tables[self.groups.group_of[layer]].blocks;
         let bytes = 2 * len * sh.num_kv_heads * sh.head_dim * self.storage.dtype().size();
         let on_host = self.device() == Device::Cpu;
-        if !on_host || bytes < PARALLEL_GATHER_BYTES || rayon::current_num_threads() < 2 {
-            self.read_positions(blocks, layer, first, len, k_out, v_out)?;
-        } else {
-            // Whole blocks per task, a few tasks per thread; each writes its own positions.
-            let per_task = len.div_ceil(4 * rayon::current_num_threads());
-            let chunk = per_task.div_ceil(sh.block_size) * sh.block_size;
-            (0..len).into_par_iter().step_by(chunk).try_for_each(|t| {
-                let n = chunk.min(len - t);
-                let (k, v) = (k_out.slice(1, t, n), v_out.slice(1, t, n));
-                self.read_positions(blocks, layer, first + t, n, &k, &v)
-            })?;
+        let parallel =
+            on_host && bytes >= PARALLEL_GATHER_BYTES && rayon::current_num_threads() >= 2;
+        match (k_out.share(), v_out.share()) {
+            (Some(k_shared), Some(v_shared)) if parallel => {
+                // Whole blocks per task, a few tasks per thread; each writes its own
+                // positions.
+                let per_task = len.div_ceil(4 * rayon::current_num_threads());
+                let chunk = per_task.div_ceil(sh.block_size) * sh.block_size;
+                (0..len).into_par_iter().step_by(chunk).try_for_each(|t| {
+                    let n = chunk.min(len - t);
+                    // SAFETY: each task takes positions t..t + n of dimension 1, a range no
+                    // other task takes; neither output addresses an element twice
+                    // (`share`) and they do not overlap each other (`check_disjoint`).
+                    let (mut k, mut v) =
+                        unsafe { (k_shared.slice(1, t, n), v_shared.slice(1, t, n)) };
+                    self.read_positions(blocks, layer, first + t, n, &mut k, &mut v)
+                })?;
+            }
+            _ => self.read_positions(blocks, layer, first, len, k_out, v_out)?,
         }
         Ok((first, len))
     }
@@ -116,16 +124,16 @@ impl PoolCore {
         layer: usize,
         start: usize,
         n: usize,
-        k_out: &TensorMut,
-        v_out: &TensorMut,
+        k_out: &mut TensorMut,
+        v_out: &mut TensorMut,
     ) -> Result<()> {
         let t = self.paged_tensor(layer);
         self.storage
             .read_positions(t, blocks, start, n, k_out, v_out)?;
-        for (out, kv) in [(k_out, Kv::Key), (v_out, Kv::Value)] {
+        for (mut out, kv) in [(k_out.reborrow(), Kv::Key), (v_out.reborrow(), Kv::Value)] {
             multiply_heads(
                 self.storage.scaler(),
-                &out.slice(1, 0, n),
+                &mut out.slice(1, 0, n),
                 0,
                 self.scales.heads(layer, kv),
             )?;

@@ -129,8 +129,8 @@ impl PoolCore {
                 layer,
                 src,
                 n,
-                &TensorMut::from_f32_mut(&mut k, &[h, n, d])?,
-                &TensorMut::from_f32_mut(&mut v, &[h, n, d])?,
+                &mut TensorMut::from_f32_mut(&mut k, &[h, n, d])?,
+                &mut TensorMut::from_f32_mut(&mut v, &[h, n, d])?,
             )?;
             rope.rotate(d, &mut k, -(shift as f64))?;
             self.write_positions(

@@ -86,14 +86,14 @@ pub fn run<'py>(
     q: &Bound<'py, PyAny>,
     out: Option<&Bound<'py, PyAny>>,
     target: &Target,
-    f: impl FnOnce(&TensorRef<'_>, &TensorMut<'_>) -> Result<()>,
+    f: impl FnOnce(&TensorRef<'_>, &mut TensorMut<'_>) -> Result<()>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let q_in = read_tensor(q, "q", &Target::device_only(target.device))?;
     let qt = q_in.tensor();
-    let o = match out {
+    let mut o = match out {
         Some(o) => writable(o, "out", target)?,
         None => new_output(py, target.device, qt.dtype(), qt.shape())?,
     };
-    f(&qt, o.tensor())?;
+    f(&qt, &mut o.tensor())?;
     Ok(o.into_object())
 }

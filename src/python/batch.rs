@@ -150,16 +150,16 @@ impl PyForwardBatch {
             self.plan.num_tokens(),
         );
         let dtype = read_dtype(pool.dtype);
-        let k = new_output(py, pool.device, dtype, &[h, hist, d])?;
-        let v = new_output(py, pool.device, dtype, &[h, hist, d])?;
+        let mut k = new_output(py, pool.device, dtype, &[h, hist, d])?;
+        let mut v = new_output(py, pool.device, dtype, &[h, hist, d])?;
         let mask = PyArray1::<f32>::zeros(py, n * hist, false);
         {
             // SAFETY: a fresh array nothing else references yet.
             let mut m = unsafe { mask.as_array_mut() };
             let m = m.as_slice_mut().expect("fresh contiguous array");
-            let (kt, vt, plan) = (k.tensor(), v.tensor(), &self.plan);
+            let (mut kt, mut vt, plan) = (k.tensor(), v.tensor(), &self.plan);
             pool.read_moving(py, 2 * kt.nbytes(), |c| {
-                c.forward_get(plan, layer, kt, vt, m)
+                c.forward_get(plan, layer, &mut kt, &mut vt, m)
             })?;
         }
         let mask = mask.reshape([n, hist])?;

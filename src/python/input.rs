@@ -95,7 +95,7 @@ impl Input<'_> {
         let mut copy = sizes::filled(name, t.nbytes().div_ceil(8), 0u64)?;
         let bytes = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut copy)[..t.nbytes()];
         {
-            let dst = TensorMut::from_bytes_mut(bytes, t.dtype(), &shape)?;
+            let mut dst = TensorMut::from_bytes_mut(bytes, t.dtype(), &shape)?;
             // SAFETY: `t` is valid for reads (held by `self`); `dst` is the fresh copy.
             unsafe {
                 copy_strided(

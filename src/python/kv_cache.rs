@@ -500,11 +500,11 @@ impl PyKVCache {
             self.shape.head_dim,
         ];
         let dtype = read_dtype(self.dtype);
-        let k = new_output(py, self.device, dtype, &shape)?;
-        let v = new_output(py, self.device, dtype, &shape)?;
-        let (kt, vt) = (k.tensor(), v.tensor());
+        let mut k = new_output(py, self.device, dtype, &shape)?;
+        let mut v = new_output(py, self.device, dtype, &shape)?;
+        let (mut kt, mut vt) = (k.tensor(), v.tensor());
         self.core.read_moving(py, 2 * kt.nbytes(), |c| {
-            c.extract_block(layer, start_pos, block_size, kt, vt)
+            c.extract_block(layer, start_pos, block_size, &mut kt, &mut vt)
         })?;
         PyTuple::new(py, [k.into_object(), v.into_object()])
     }

@@ -20,15 +20,15 @@ const NPY_ARRAY_WRITEABLE: i32 = 0x0400;
 /// A Python object the core writes into, and the tensor over its memory.
 pub struct Output<'py> {
     obj: Bound<'py, PyAny>,
-    /// Valid while `obj` lives: handed out only through [`Output::tensor`], whose borrow
-    /// of `self` bounds it.
+    /// Valid while `obj` lives: handed out only reborrowed through [`Output::tensor`],
+    /// whose mutable borrow of `self` bounds it.
     tensor: TensorMut<'static>,
 }
 
 impl<'py> Output<'py> {
-    /// The tensor the core writes through.
-    pub fn tensor(&self) -> &TensorMut<'_> {
-        &self.tensor
+    /// The tensor the core writes through, borrowing this output mutably.
+    pub fn tensor(&mut self) -> TensorMut<'_> {
+        self.tensor.reborrow()
     }
 
     /// The Python object, once the core has written it.

@@ -122,16 +122,16 @@ pub fn dequantized_pair<'py>(
     device: Device,
     [heads, mut len, head_dim]: [usize; 3],
     mut read: impl FnMut(
-        &TensorMut<'_>,
-        &TensorMut<'_>,
+        &mut TensorMut<'_>,
+        &mut TensorMut<'_>,
         usize,
     ) -> crate::error::Result<Result<(), usize>>,
 ) -> PyResult<Bound<'py, PyTuple>> {
     loop {
         let shape = [heads, len, head_dim];
-        let k = new_output(py, device, DType::F32, &shape)?;
-        let v = new_output(py, device, DType::F32, &shape)?;
-        match read(k.tensor(), v.tensor(), len)? {
+        let mut k = new_output(py, device, DType::F32, &shape)?;
+        let mut v = new_output(py, device, DType::F32, &shape)?;
+        match read(&mut k.tensor(), &mut v.tensor(), len)? {
             Ok(()) => return PyTuple::new(py, [k.into_object(), v.into_object()]),
             Err(now) => len = now,
         }

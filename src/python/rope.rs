@@ -115,7 +115,7 @@ impl PyRope {
         {
             let mut view = unsafe { out.as_array_mut() };
             let buf = view.as_slice_mut().expect("fresh contiguous array");
-            let dst = TensorMut::from_f32_mut(buf, &shape)?;
+            let mut dst = TensorMut::from_f32_mut(buf, &shape)?;
             // SAFETY: both tensors are valid for their shapes; the output is fresh.
             unsafe {
                 copy_strided(

@@ -254,11 +254,11 @@ impl PySequence {
             pool.shape.head_dim,
         ];
         let dtype = read_dtype(pool.dtype);
-        let k = new_output(py, pool.device, dtype, &shape)?;
-        let v = new_output(py, pool.device, dtype, &shape)?;
-        let (kt, vt, id) = (k.tensor(), v.tensor(), self.id);
+        let mut k = new_output(py, pool.device, dtype, &shape)?;
+        let mut v = new_output(py, pool.device, dtype, &shape)?;
+        let (mut kt, mut vt, id) = (k.tensor(), v.tensor(), self.id);
         pool.read_moving(py, 2 * kt.nbytes(), |c| {
-            c.extract_block(id, layer, start_pos, block_size, kt, vt)
+            c.extract_block(id, layer, start_pos, block_size, &mut kt, &mut vt)
         })?;
         PyTuple::new(py, [k.into_object(), v.into_object()])
     }
@@ -355,13 +355,14 @@ impl PySequence {
         let l = crate::error::check_index("layer", layer, pool.shape.num_layers)?;
         if let Some(pair) = out {
             let (k, v): (Bound<'py, PyAny>, Bound<'py, PyAny>) = pair.extract()?;
-            let (ko, vo) = (
+            let (mut ko, mut vo) = (
                 writable(&k, "out[0]", &pool.target)?,
                 writable(&v, "out[1]", &pool.target)?,
             );
-            let (kt, vt) = (ko.tensor(), vo.tensor());
+            let (mut kt, mut vt) = (ko.tensor(), vo.tensor());
             let bytes = kt.nbytes() + vt.nbytes();
-            let (_, len) = pool.read_moving(py, bytes, |c| c.gather(id, layer, kt, vt))?;
+            let (_, len) =
+                pool.read_moving(py, bytes, |c| c.gather(id, layer, &mut kt, &mut vt))?;
             let cut = (
                 pyo3::types::PySlice::full(py),
                 pyo3::types::PySlice::new(py, 0, len as isize, 1),
@@ -374,17 +375,17 @@ impl PySequence {
         let mut len = self.with(py, |_, p| p.layer_span(id, l).map(|(a, b)| b - a))??;
         loop {
             let shape = [h, len, d];
-            let (k, v) = (
+            let (mut k, mut v) = (
                 new_output(py, pool.device, dtype, &shape)?,
                 new_output(py, pool.device, dtype, &shape)?,
             );
-            let (kt, vt) = (k.tensor(), v.tensor());
+            let (mut kt, mut vt) = (k.tensor(), v.tensor());
             let read = pool.read_moving(py, kt.nbytes() + vt.nbytes(), |c| {
                 let (first, end) = c.layer_span(id, l)?;
                 if end - first != len {
                     return Ok(Err(end - first));
                 }
-                c.gather(id, layer, kt, vt).map(|_| Ok(()))
+                c.gather(id, layer, &mut kt, &mut vt).map(|_| Ok(()))
             })?;
             match read {
                 Ok(()) => return PyTuple::new(py, [k.into_object(), v.into_object()]),

@@ -121,8 +121,9 @@ impl Storage for HostStorage {
     fn write(&mut self, dst: Region, src: &TensorRef) -> Result<()> {
         self.check_region(&dst);
         on_host("the source", src.device())?;
-        debug_assert_eq!(dst.shape, src.shape3());
-        // SAFETY: dst checked above; src validity is the TensorRef's contract.
+        src.expect_region("the source", &dst)?;
+        // SAFETY: dst checked above; src holds dst's shape (checked above), readable by
+        // the TensorRef's contract.
         unsafe {
             copy_strided(
                 self.at(dst.offset),
@@ -137,11 +138,11 @@ impl Storage for HostStorage {
         Ok(())
     }
 
-    fn read(&self, src: Region, dst: &TensorMut) -> Result<()> {
+    fn read(&self, src: Region, dst: &mut TensorMut) -> Result<()> {
         self.check_region(&src);
         on_host("the destination", dst.device())?;
-        debug_assert_eq!(src.shape, dst.shape3());
-        // SAFETY: as in `write`, with the roles swapped.
+        dst.expect_region("the destination", &src)?;
+        // SAFETY: as in `write`, with the roles swapped (dst is borrowed mutably).
         unsafe {
             copy_strided(
                 dst.as_mut_ptr(),
@@ -197,7 +198,7 @@ impl Storage for HostStorage {
         Ok(())
     }
 
-    fn zero(&self, t: &TensorMut) -> Result<()> {
+    fn zero(&self, t: &mut TensorMut) -> Result<()> {
         on_host("the output", t.device())?;
         t.fill_zero();
         Ok(())
@@ -223,17 +224,29 @@ mod tests {
         let mut out = [0f32; 6];
         s.read(
             region,
-            &TensorMut::from_f32_mut(&mut out, &[1, 2, 3]).unwrap(),
+            &mut TensorMut::from_f32_mut(&mut out, &[1, 2, 3]).unwrap(),
         )
         .unwrap();
         assert_eq!(out, data);
         s.fill_zero(region).unwrap();
         s.read(
             region,
-            &TensorMut::from_f32_mut(&mut out, &[1, 2, 3]).unwrap(),
+            &mut TensorMut::from_f32_mut(&mut out, &[1, 2, 3]).unwrap(),
         )
         .unwrap();
         assert_eq!(out, [0.0; 6]);
+    }
+
+    #[test]
+    #[should_panic(expected = "exceeds storage")]
+    fn a_region_whose_end_wraps_is_caught() {
+        let mut s = HostStorage::zeroed(DType::F32, 4).unwrap();
+        s.fill_zero(Region {
+            offset: 0,
+            shape: [3, 1, 1],
+            strides: [1 << 63, 0, 1],
+        })
+        .unwrap();
     }
 
     #[test]

@@ -118,6 +118,7 @@ impl Storage for Int8Storage {
     }
 
     fn write(&mut self, dst: Region, src: &TensorRef) -> Result<()> {
+        src.expect_region("the source", &dst)?;
         self.scale_region(&dst);
         if src.dtype() == DType::I8 {
             // Codes as they are; their scales come through `write_row_scales`.
@@ -136,7 +137,8 @@ impl Storage for Int8Storage {
         let scales = self.scales.data_ptr() as *mut f32;
         Self::with_scratch(n, |rows| {
             let [_, b, c] = dst.shape;
-            // SAFETY: `rows` holds n f32s; src's validity is the TensorRef's contract.
+            // SAFETY: `rows` holds n f32s; src holds dst's shape (checked above),
+            // readable by the TensorRef's contract.
             unsafe {
                 copy_strided(
                     rows.as_mut_ptr() as *mut u8,
@@ -159,7 +161,8 @@ impl Storage for Int8Storage {
         Ok(())
     }
 
-    fn read(&self, src: Region, dst: &TensorMut) -> Result<()> {
+    fn read(&self, src: Region, dst: &mut TensorMut) -> Result<()> {
+        dst.expect_region("the destination", &src)?;
         if dst.dtype() == DType::I8 {
             return self.codes.read(src, dst);
         }
@@ -183,8 +186,8 @@ impl Storage for Int8Storage {
                 }
             }
             let [_, b, c] = src.shape;
-            // SAFETY: `rows` holds the region's values row-major; dst's validity is the
-            // TensorRef's contract.
+            // SAFETY: `rows` holds the region's values row-major; dst holds src's shape
+            // (checked above), writable and borrowed mutably by the TensorMut's contract.
             unsafe {
                 copy_strided(
                     dst.as_mut_ptr(),
@@ -212,7 +215,7 @@ impl Storage for Int8Storage {
         self.scales.fill_zero(ds)
     }
 
-    fn zero(&self, t: &TensorMut) -> Result<()> {
+    fn zero(&self, t: &mut TensorMut) -> Result<()> {
         self.codes.zero(t)
     }
 
@@ -220,7 +223,7 @@ impl Storage for Int8Storage {
         let r = self.scale_region(&src);
         check_scales_len(dst.len(), &r)?;
         self.scales
-            .read(r, &TensorMut::from_f32_mut(dst, &r.shape)?)
+            .read(r, &mut TensorMut::from_f32_mut(dst, &r.shape)?)
     }
 
     fn write_row_scales(&mut self, dst: Region, src: &[f32]) -> Result<()> {
@@ -280,7 +283,7 @@ mod tests {
         let x: Vec<f32> = (0..16).map(|i| (i as f32 - 7.5) * 0.3).collect();
         s.write(region, &tensor(&x, &[2, 2, 4])).unwrap();
         let mut back = vec![0f32; 16];
-        s.read(region, &out(&mut back, &[2, 2, 4])).unwrap();
+        s.read(region, &mut out(&mut back, &[2, 2, 4])).unwrap();
         let scales = s.row_scales().unwrap();
         for (r, (row, got)) in x.chunks(4).zip(back.chunks_mut(4)).enumerate() {
             let scale = unsafe { *scales.ptr.add(2 + r) };
@@ -292,10 +295,10 @@ mod tests {
         }
         // Raw codes read back as int8; the untouched rows stay zero.
         let mut codes = [0i8; 16];
-        let raw =
+        let mut raw =
             TensorMut::from_bytes_mut(bytemuck::cast_slice_mut(&mut codes), DType::I8, &[2, 2, 4])
                 .unwrap();
-        s.read(region, &raw).unwrap();
+        s.read(region, &mut raw).unwrap();
         assert!(codes.iter().any(|&c| c == 127 || c == -127));
         assert_eq!(unsafe { *scales.ptr }, 0.0);
     }
@@ -312,13 +315,13 @@ mod tests {
         s.write(at(0), &tensor(&x, &[1, 1, 8])).unwrap();
         s.copy_within(at(0), at(8)).unwrap();
         let mut back = [0f32; 8];
-        s.read(at(8), &out(&mut back, &[1, 1, 8])).unwrap();
+        s.read(at(8), &mut out(&mut back, &[1, 1, 8])).unwrap();
         let mut first = [0f32; 8];
-        s.read(at(0), &out(&mut first, &[1, 1, 8])).unwrap();
+        s.read(at(0), &mut out(&mut first, &[1, 1, 8])).unwrap();
         assert_eq!(back, first);
         assert_eq!(back[4], 100.0);
         s.fill_zero(at(0)).unwrap();
-        s.read(at(0), &out(&mut back, &[1, 1, 8])).unwrap();
+        s.read(at(0), &mut out(&mut back, &[1, 1, 8])).unwrap();
         assert_eq!(back, [0.0; 8]);
         assert_eq!(s.nbytes(), 16 + 4 * 4);
     }

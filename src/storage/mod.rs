@@ -36,11 +36,13 @@ pub trait Storage: Send + Sync + fmt::Debug {
     /// Address of element 0 (a host pointer, or a device address for device storages).
     fn data_ptr(&self) -> *mut u8;
     /// Writes `src` (host memory, or memory on this storage's device; any supported
-    /// dtype) into `dst`, converting to the storage dtype. `src` must have `dst`'s shape.
+    /// dtype) into `dst`, converting to the storage dtype. Fails (a shape error, nothing
+    /// written) unless `src` has `dst`'s shape.
     fn write(&mut self, dst: Region, src: &TensorRef) -> Result<()>;
     /// Reads `src` into `dst` (host memory, or memory on this storage's device; any
-    /// supported dtype), converting from the storage dtype. `dst` has `src`'s shape.
-    fn read(&self, src: Region, dst: &TensorMut) -> Result<()>;
+    /// supported dtype), converting from the storage dtype. Fails (a shape error, `dst`
+    /// untouched) unless `dst` has `src`'s shape.
+    fn read(&self, src: Region, dst: &mut TensorMut) -> Result<()>;
     /// Copies region `src` onto region `dst` of the same storage (same shape; the two
     /// must not overlap): copy-on-write and forks.
     fn copy_within(&mut self, src: Region, dst: Region) -> Result<()>;
@@ -48,10 +50,10 @@ pub trait Storage: Send + Sync + fmt::Debug {
     fn fill_zero(&mut self, dst: Region) -> Result<()>;
     /// Sets every element of a caller's tensor to zero (host memory, or memory on this
     /// storage's device).
-    fn zero(&self, t: &TensorMut) -> Result<()>;
+    fn zero(&self, t: &mut TensorMut) -> Result<()>;
 
-    /// Writes `k`, `v` (`[n, H, D]`) at paged `slots` (`block * block_size + offset`; -1
-    /// skips) of cache tensor `t`.
+    /// Writes `k`, `v` (`[n, H, D]`, `n` the number of slots: a shape error otherwise)
+    /// at paged `slots` (`block * block_size + offset`; -1 skips) of cache tensor `t`.
     fn write_slots(
         &mut self,
         t: PagedTensor,
@@ -67,8 +69,8 @@ pub trait Storage: Send + Sync + fmt::Debug {
     fn zero_slots(&mut self, t: PagedTensor, slots: &[i64]) -> Result<()> {
         paged_ops::zero_slots(self, t, slots)
     }
-    /// Writes `k`, `v` (`[n, H, D]`) at positions `start..start + n` of cache tensor `t`
-    /// through the block table `blocks`.
+    /// Writes `k`, `v` (both `[n, H, D]`: a shape error otherwise) at positions
+    /// `start..start + n` of cache tensor `t` through the block table `blocks`.
     fn write_positions(
         &mut self,
         t: PagedTensor,
@@ -80,7 +82,7 @@ pub trait Storage: Send + Sync + fmt::Debug {
         paged_ops::write_positions(self, t, blocks, start, k, v)
     }
     /// Reads positions `start..start + n` of cache tensor `t` through the block table
-    /// `blocks` into `[H, >= n, D]` outputs.
+    /// `blocks` into `[H, >= n, D]` outputs (a shape error otherwise).
     #[allow(clippy::too_many_arguments)]
     fn read_positions(
         &self,
@@ -88,8 +90,8 @@ pub trait Storage: Send + Sync + fmt::Debug {
         blocks: &[BlockId],
         start: usize,
         n: usize,
-        k_out: &TensorMut,
-        v_out: &TensorMut,
+        k_out: &mut TensorMut,
+        v_out: &mut TensorMut,
     ) -> Result<()> {
         paged_ops::read_positions(self, t, blocks, start, n, k_out, v_out)
     }
@@ -104,9 +106,10 @@ pub trait Storage: Send + Sync + fmt::Debug {
         paged_ops::copy_blocks(self, shape, tensors, pairs)
     }
 
-    /// Reads whole `blocks` of cache tensors `0..tensors` into `out` (any alignment),
-    /// packed block-major, raw storage elements: the swap-out of the offload tiers, one
-    /// launch and one transfer per chunk on a device.
+    /// Reads whole `blocks` of cache tensors `0..tensors` into `out` (any alignment;
+    /// exactly their size, an error otherwise), packed block-major, raw storage
+    /// elements: the swap-out of the offload tiers, one launch and one transfer per chunk
+    /// on a device.
     fn read_blocks(
         &self,
         shape: PagedShape,
@@ -118,7 +121,8 @@ pub trait Storage: Send + Sync + fmt::Debug {
     }
     /// Writes whole `blocks` of cache tensors `0..tensors`, block `i` from `data[i]`
     /// (any alignment; its tensors one after another, as [`Storage::read_blocks`]
-    /// packs one block): the swap-in, straight from the tiers' payloads.
+    /// packs one block; one slice per block, each exactly one block of every tensor, an
+    /// error otherwise): the swap-in, straight from the tiers' payloads.
     fn write_blocks(
         &mut self,
         shape: PagedShape,

@@ -2,7 +2,7 @@
 //! backend runs, and the reference the CUDA backend's one-launch kernels must equal.
 
 use super::Storage;
-use crate::error::Result;
+use crate::error::{KvError, Result};
 use crate::layout::{BlockId, Kv, PagedShape};
 use crate::tensor::{TensorMut, TensorRef};
 
@@ -15,6 +15,78 @@ pub struct PagedTensor {
     pub index: usize,
 }
 
+/// Fails unless `k` and `v` are both `[n, H, D]` token rows for cache tensor `t`
+/// (`n`: `rows`, or `k`'s when `None`); returns `n`. Every write of token rows checks
+/// this before it copies: the copies and the device's scatter read `n` whole rows.
+pub(crate) fn check_rows(
+    t: &PagedTensor,
+    rows: Option<usize>,
+    k: &TensorRef,
+    v: &TensorRef,
+) -> Result<usize> {
+    let (h, d) = (t.shape.num_kv_heads, t.shape.head_dim);
+    let n = rows.unwrap_or(k.shape3()[0]);
+    for (name, x) in [("k", k), ("v", v)] {
+        if x.shape3() != [n, h, d] {
+            return Err(KvError::Shape {
+                name,
+                got: x.shape().to_vec(),
+                expected: format!("[{n}, {h}, {d}] ([tokens, num_kv_heads, head_dim])"),
+            });
+        }
+    }
+    Ok(n)
+}
+
+/// Fails unless `k_out` and `v_out` are both `[H, >= n, D]` for cache tensor `t`: what
+/// every read of `n` positions checks before it copies.
+pub(crate) fn check_outputs(
+    t: &PagedTensor,
+    n: usize,
+    k_out: &TensorMut,
+    v_out: &TensorMut,
+) -> Result<()> {
+    let (h, d) = (t.shape.num_kv_heads, t.shape.head_dim);
+    for (name, out) in [("k_out", k_out), ("v_out", v_out)] {
+        let [a, b, c] = out.shape3();
+        if a != h || b < n || c != d {
+            return Err(KvError::Shape {
+                name,
+                got: out.shape().to_vec(),
+                expected: format!("[{h}, >= {n}, {d}] ([num_kv_heads, positions, head_dim])"),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Fails unless a packed buffer (`name`) of `len` bytes holds exactly `blocks` blocks
+/// of `tensors` cache tensors of `shape` as `s` stores them: what the block swaps
+/// check before they copy.
+pub(crate) fn check_packed<S: Storage + ?Sized>(
+    s: &S,
+    name: &'static str,
+    len: usize,
+    shape: &PagedShape,
+    tensors: usize,
+    blocks: usize,
+) -> Result<()> {
+    let want = blocks
+        .checked_mul(tensors)
+        .and_then(|b| b.checked_mul(block_bytes(s, shape)));
+    if want != Some(len) {
+        return Err(KvError::Shape {
+            name,
+            got: vec![len],
+            expected: format!(
+                "{blocks} blocks of {tensors} cache tensors, {} bytes each, packed",
+                block_bytes(s, shape)
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// Writes `k`, `v` (`[n, H, D]`) at `slots` (`block * block_size + offset`; -1 skips),
 /// consecutive slots of one block as one region.
 pub fn write_slots<S: Storage + ?Sized>(
@@ -24,6 +96,7 @@ pub fn write_slots<S: Storage + ?Sized>(
     k: &TensorRef,
     v: &TensorRef,
 ) -> Result<()> {
+    check_rows(&t, Some(slots.len()), k, v)?;
     for_slot_runs(t.shape.block_size, slots, |b, off, i, run| {
         for (kv, src) in [(Kv::Key, k), (Kv::Value, v)] {
             s.write(
@@ -81,7 +154,7 @@ pub fn write_positions<S: Storage + ?Sized>(
     v: &TensorRef,
 ) -> Result<()> {
     let bs = t.shape.block_size;
-    let n = k.shape3()[0];
+    let n = check_rows(&t, None, k, v)?;
     let mut i = 0;
     while i < n {
         let pos = start + i;
@@ -105,20 +178,20 @@ pub fn read_positions<S: Storage + ?Sized>(
     blocks: &[BlockId],
     start: usize,
     n: usize,
-    k_out: &TensorMut,
-    v_out: &TensorMut,
+    k_out: &mut TensorMut,
+    v_out: &mut TensorMut,
 ) -> Result<()> {
+    check_outputs(&t, n, k_out, v_out)?;
     let bs = t.shape.block_size;
     let mut i = 0;
     while i < n {
         let pos = start + i;
         let run = (bs - pos % bs).min(n - i);
         let block = blocks[pos / bs];
-        for (kv, out) in [(Kv::Key, k_out), (Kv::Value, v_out)] {
-            let part = out.slice(1, i, run);
+        for (kv, mut out) in [(Kv::Key, k_out.reborrow()), (Kv::Value, v_out.reborrow())] {
             s.read(
                 t.shape.positions(t.index, kv, block, pos % bs, run),
-                &part.transposed(0, 1),
+                &mut out.slice(1, i, run).transposed(0, 1),
             )?;
         }
         i += run;
@@ -197,19 +270,40 @@ pub fn read_blocks<S: Storage + ?Sized>(
     blocks: &[BlockId],
     out: &mut [u8],
 ) -> Result<()> {
+    check_packed(s, "out", out.len(), &shape, tensors, blocks.len())?;
     let bb = block_bytes(s, &shape);
-    assert_eq!(out.len(), blocks.len() * tensors * bb, "packed blocks");
     with_aligned_mut(out, |base| {
         for (i, &b) in blocks.iter().enumerate() {
             for t in 0..tensors {
                 // SAFETY: `base` is 8-byte aligned and holds every block, each a whole
                 // number of elements.
-                let dst = unsafe { block_at(s, &shape, base.add((i * tensors + t) * bb))? };
-                s.read(shape.whole_block(t, b), &dst)?;
+                let mut dst = unsafe { block_at(s, &shape, base.add((i * tensors + t) * bb))? };
+                s.read(shape.whole_block(t, b), &mut dst)?;
             }
         }
         Ok(())
     })
+}
+
+/// Fails unless `data` holds one slice per one of `blocks`, each exactly one block of
+/// cache tensors `0..tensors` as `s` stores them: what the swap-ins check before they
+/// copy.
+pub(crate) fn check_data<S: Storage + ?Sized>(
+    s: &S,
+    shape: &PagedShape,
+    tensors: usize,
+    blocks: &[BlockId],
+    data: &[&[u8]],
+) -> Result<()> {
+    if data.len() != blocks.len() {
+        return Err(KvError::Shape {
+            name: "data",
+            got: vec![data.len()],
+            expected: format!("[{}] (one slice per block)", blocks.len()),
+        });
+    }
+    data.iter()
+        .try_for_each(|one| check_packed(s, "data", one.len(), shape, tensors, 1))
 }
 
 /// Writes whole `blocks` of cache tensors `0..tensors`, block `i` from `data[i]` (any
@@ -221,10 +315,9 @@ pub fn write_blocks<S: Storage + ?Sized>(
     blocks: &[BlockId],
     data: &[&[u8]],
 ) -> Result<()> {
+    check_data(s, &shape, tensors, blocks, data)?;
     let bb = block_bytes(s, &shape);
-    assert_eq!(data.len(), blocks.len(), "one slice per block");
     for (&b, one) in blocks.iter().zip(data) {
-        assert_eq!(one.len(), tensors * bb, "a block of every tensor");
         with_aligned(one, |base| {
             for t in 0..tensors {
                 // SAFETY: as in read_blocks, for this block's tensors.

@@ -215,10 +215,15 @@ impl<T: Element> KvCache<T> {
         let shape = [self.num_kv_heads(), block_size, self.head_dim()];
         let mut keys = vec![T::default(); shape.iter().product()];
         let mut values = keys.clone();
-        let kt = tensor_mut("keys", &mut keys, &shape)?;
-        let vt = tensor_mut("values", &mut values, &shape)?;
-        self.core
-            .extract_block(index(layer), index(start_pos), index(block_size), &kt, &vt)?;
+        let mut kt = tensor_mut("keys", &mut keys, &shape)?;
+        let mut vt = tensor_mut("values", &mut values, &shape)?;
+        self.core.extract_block(
+            index(layer),
+            index(start_pos),
+            index(block_size),
+            &mut kt,
+            &mut vt,
+        )?;
         Ok((keys, values))
     }
 
@@ -264,9 +269,9 @@ impl<T: Element> KvCache<T> {
         window: Option<usize>,
         opts: &AttnOptions<'_>,
     ) -> Result<()> {
-        let (qt, ot) = query_tensors(q, out, num_q_heads, self.head_dim())?;
+        let (qt, mut ot) = query_tensors(q, out, num_q_heads, self.head_dim())?;
         self.core
-            .attention(index(layer), &qt, &ot, window.map(index), opts)
+            .attention(index(layer), &qt, &mut ot, window.map(index), opts)
     }
 
     /// Drops positions `>= n` from `seq_len` and every layer (rollback); a no-op when

@@ -294,9 +294,9 @@ impl<T: Element> BlockPool<T> {
         let shape = [sh.num_kv_heads, len, sh.head_dim];
         let mut keys = vec![T::default(); shape.iter().product()];
         let mut values = keys.clone();
-        let kt = tensor_mut("keys", &mut keys, &shape)?;
-        let vt = tensor_mut("values", &mut values, &shape)?;
-        self.core.gather(seq, index(layer), &kt, &vt)?;
+        let mut kt = tensor_mut("keys", &mut keys, &shape)?;
+        let mut vt = tensor_mut("values", &mut values, &shape)?;
+        self.core.gather(seq, index(layer), &mut kt, &mut vt)?;
         Ok((keys, values))
     }
 
@@ -325,8 +325,9 @@ impl<T: Element> BlockPool<T> {
         out: &mut [Q],
         opts: &AttnOptions<'_>,
     ) -> Result<()> {
-        let (qt, ot) = query_tensors(q, out, num_q_heads, self.shape().head_dim)?;
-        self.core.seq_attention(seq, index(layer), &qt, &ot, opts)
+        let (qt, mut ot) = query_tensors(q, out, num_q_heads, self.shape().head_dim)?;
+        self.core
+            .seq_attention(seq, index(layer), &qt, &mut ot, opts)
     }
 
     /// A new sequence sharing every block of `seq` (copy-on-write: the first write to a

@@ -151,9 +151,9 @@ impl PoolCore {
         for (layer, name) in names.iter().take(config.tensors).enumerate() {
             let mut buf = sizes::filled(SNAPSHOT, n * block_bytes, 0u8)?;
             for (chunk, &b) in buf.chunks_exact_mut(block_bytes).zip(&order) {
-                let dst =
+                let mut dst =
                     TensorMut::from_bytes_mut(chunk, self.dtype(), &[1, 1, sh.block_elems()])?;
-                self.storage().read(sh.whole_block(layer, b), &dst)?;
+                self.storage().read(sh.whole_block(layer, b), &mut dst)?;
             }
             tensors.push((
                 name.clone(),

@@ -77,12 +77,15 @@ impl CudaStorage {
     /// `rows` reads its sequence's block table at its offset in `tables`. An fp8 storage
     /// multiplies its codes by `head_scales` (K's and V's, one per KV head); int8 by
     /// its own per-vector scales. `scale` and `opts` were validated by the caller.
+    ///
+    /// Crate-private: the kernel trusts `rows` and `tables` (tokens inside `q` and `out`,
+    /// positions held by tables of this storage's blocks), which only the pool builds.
     #[allow(clippy::too_many_arguments)]
-    pub fn paged_attention(
+    pub(crate) fn paged_attention(
         &self,
         t: PagedTensor,
         q: &TensorRef,
-        out: &TensorMut,
+        out: &mut TensorMut,
         tables: &[u32],
         rows: &[DeviceRow],
         scale: f32,

@@ -42,7 +42,8 @@ impl CudaStorage {
                 .i32(self.head_dim as i32);
             let name = kernel(Kernel::Quantize3, src.dtype(), DType::I8)?;
             // SAFETY: the region and its scales lie in this storage (checked by the
-            // caller and scale_region); the source holds dst's shape (its contract).
+            // caller and scale_region); the source holds dst's shape (checked by
+            // `write`), readable by its contract.
             unsafe {
                 self.gpu().launch(
                     name,
@@ -64,7 +65,7 @@ impl CudaStorage {
 
     /// Reads region `src` of int8 codes into `dst` (floats, host or this device), each
     /// code times its vector's scale.
-    pub(super) fn read_dequantized(&self, src: Region, dst: &TensorMut) -> Result<()> {
+    pub(super) fn read_dequantized(&self, src: Region, dst: &mut TensorMut) -> Result<()> {
         let (scales, sr) = self.scales_of(&src);
         let n = src.numel();
         if n == 0 {
@@ -83,7 +84,7 @@ impl CudaStorage {
                 .i32(self.head_dim as i32);
             let name = kernel(Kernel::Dequantize3, DType::I8, dtype)?;
             // SAFETY: the region and its scales lie in this storage; the destination
-            // holds src's shape (its contract, or the staging buffer reserved below).
+            // holds src's shape (checked by `read`, or the staging buffer reserved below).
             unsafe {
                 self.gpu().launch(
                     name,

@@ -65,8 +65,8 @@ impl CudaStorage {
                 .i64(ks[1] as i64)
                 .i64(vs[0] as i64)
                 .i64(vs[1] as i64);
-            // Slots were validated against the pool by the caller; k and v are [n, H, D]
-            // device tensors (their contract).
+            // The slots lie in this storage (`check_slots`) and k and v are [n, H, D]
+            // device tensors (`check_rows`), both checked by the caller.
             let name = kernel(Kernel::Scatter, k.dtype(), self.dtype())?;
             self.launch_rows(name, n, &sh, args)
         })
@@ -82,8 +82,8 @@ impl CudaStorage {
         blocks: &[BlockId],
         start: usize,
         n: usize,
-        k_out: &TensorMut,
-        v_out: &TensorMut,
+        k_out: &mut TensorMut,
+        v_out: &mut TensorMut,
     ) -> Result<()> {
         if n == 0 {
             return Ok(());
@@ -91,8 +91,10 @@ impl CudaStorage {
         let sh = t.shape;
         let cache = self.device_addr(sh.block_offset(t.index, 0));
         let (ks, vs) = (k_out.strides3(), v_out.strides3());
+        let outs = [k_out.as_mut_ptr() as u64, v_out.as_mut_ptr() as u64];
         let fill = |w: &mut Vec<u64>| {
-            w.extend([cache, k_out.as_mut_ptr() as u64, v_out.as_mut_ptr() as u64]);
+            w.push(cache);
+            w.extend(outs);
             // The int32 block table, two entries per word.
             w.extend(
                 blocks
@@ -111,8 +113,9 @@ impl CudaStorage {
                 .i64(ks[1] as i64)
                 .i64(vs[0] as i64)
                 .i64(vs[1] as i64);
-            // The positions are held by the table and the outputs are [H, >= n, D] device
-            // tensors (both checked by the pool).
+            // The table holds the positions, in this storage (`check_positions`), and the
+            // outputs are [H, >= n, D] device tensors (`check_outputs`), both checked by
+            // the caller.
             self.launch_rows(gather_kernel(self.dtype()), n, &sh, args)
         })
     }
@@ -135,7 +138,7 @@ impl CudaStorage {
                 .u64(base)
                 .u64(base + 8 * tensors as u64)
                 .i64(block_words as i64);
-            // SAFETY: block ids come from the pool's allocator, inside every tensor.
+            // SAFETY: the blocks lie inside every tensor (`check_blocks`, by the callers).
             unsafe {
                 self.gpu.launch(
                     "kvrs_copy_blocks",

@@ -11,7 +11,7 @@ use parking_lot::Mutex;
 use super::gpu::{blocks_for, Args, DevicePtr, Gpu, StreamHandle, THREADS};
 use super::kernels::{kernel, Kernel};
 use crate::dtype::DType;
-use crate::error::Result;
+use crate::error::{KvError, Result};
 use crate::layout::Device;
 use crate::tensor::{TensorMut, TensorRef, MAX_RANK};
 
@@ -85,6 +85,20 @@ impl DeviceScaler {
         divide: bool,
     ) -> Result<()> {
         let shape = src.shape3();
+        if src.device() != Device::Cuda(self.gpu.ordinal()) {
+            return Err(KvError::Device(format!(
+                "the tensor lives on {}; this scaler works on cuda:{}",
+                src.device(),
+                self.gpu.ordinal()
+            )));
+        }
+        if n_scales != 1 && (axis >= MAX_RANK || shape[axis] != n_scales) {
+            return Err(KvError::Shape {
+                name: "the tensor",
+                got: src.shape().to_vec(),
+                expected: format!("{n_scales} indices along dimension {axis} (one per scale)"),
+            });
+        }
         let n: usize = shape.iter().product();
         if n == 0 {
             return Ok(());
@@ -169,7 +183,7 @@ impl DeviceScaler {
     }
 
     /// Multiplies `t` (a float device tensor) in place by its scales along `axis`.
-    pub fn multiply(&self, t: &TensorMut, axis: usize, scales: &[f32]) -> Result<()> {
+    pub fn multiply(&self, t: &mut TensorMut, axis: usize, scales: &[f32]) -> Result<()> {
         let mut s = self.scratch.lock();
         let at = self.reserve(&mut s, aligned(4 * scales.len()))?;
         // SAFETY: the scratch holds the scales (reserved above).

@@ -38,9 +38,9 @@ pub struct CudaStorage {
     pub(super) head_dim: usize,
     /// Device memory for fp8 scaling of device tensors ([`DeviceScaler`]).
     scratch: Arc<Mutex<Scratch>>,
-    /// Float32 zeros the size of one token's K (every head), made on first use: what
-    /// [`Storage::zero_slots`] scatters.
-    zero_row: Mutex<Option<DevicePtr>>,
+    /// Float32 zeros the size of one token's K (every head) and their number, made on
+    /// first use (and grown for a larger token): what [`Storage::zero_slots`] scatters.
+    zero_row: Mutex<Option<(DevicePtr, usize)>>,
     /// Page-locked host memory the block swaps pass through, made on first use.
     pub(super) pinned: Mutex<PinnedBuffer>,
 }
@@ -126,15 +126,22 @@ impl CudaStorage {
         })
     }
 
-    /// The device address of `n` float32 zeros (the same `n` on every call), made on
-    /// first use.
+    /// The device address of at least `n` float32 zeros, made on first use (and again
+    /// when a call needs more).
     fn zero_row(&self, n: usize) -> Result<DevicePtr> {
         let mut z = self.zero_row.lock();
-        if let Some(p) = *z {
-            return Ok(p);
+        match *z {
+            Some((p, len)) if len >= n => return Ok(p),
+            Some((p, _)) => {
+                // SAFETY: allocated below by an earlier call, freed once (after the
+                // queued work that reads it).
+                unsafe { self.gpu.free(p) };
+                *z = None;
+            }
+            None => {}
         }
         let p = self.gpu.alloc_zeroed(4 * n.max(1))?;
-        *z = Some(p);
+        *z = Some((p, n));
         Ok(p)
     }
 
@@ -167,6 +174,80 @@ impl CudaStorage {
             r.end() <= self.numel,
             "region {r:?} exceeds storage of {} elements",
             self.numel
+        );
+    }
+
+    /// Panics unless cache tensors `0..tensors` of `shape` lie in this storage (with
+    /// their sizes in the kernels' 32-bit arguments, and int8's vectors of its
+    /// `head_dim`) and each of `blocks` is one of their blocks. The paged kernels
+    /// address blocks themselves where the host path checks each region; as in
+    /// [`CudaStorage::check`], a block past the allocation is a bug in kvrs, and stopping
+    /// beats corrupting device memory.
+    pub(super) fn check_blocks(
+        &self,
+        shape: &PagedShape,
+        tensors: usize,
+        blocks: impl IntoIterator<Item = u64>,
+    ) {
+        let small = |x: usize| x <= i32::MAX as usize;
+        let fits = shape.block_size > 0
+            && small(shape.block_size)
+            && shape
+                .num_kv_heads
+                .checked_mul(shape.head_dim)
+                .is_some_and(small)
+            && (self.scales.is_none() || shape.head_dim == self.head_dim)
+            && (2 * shape.block_size)
+                .checked_mul(shape.num_kv_heads * shape.head_dim)
+                .and_then(|b| b.checked_mul(shape.num_blocks))
+                .and_then(|l| l.checked_mul(tensors))
+                .is_some_and(|end| end <= self.numel);
+        assert!(
+            fits,
+            "{tensors} cache tensors of {shape:?} exceed storage of {} elements",
+            self.numel
+        );
+        for b in blocks {
+            assert!(
+                b < shape.num_blocks as u64,
+                "block {b} is not one of the {} blocks of {shape:?}",
+                shape.num_blocks
+            );
+        }
+    }
+
+    /// Panics unless cache tensor `t` lies in this storage and block table `blocks`
+    /// holds positions `start..start + n`, each in one of its blocks (see
+    /// [`CudaStorage::check_blocks`]): what the gather and scatter by position read.
+    fn check_positions(&self, t: &PagedTensor, blocks: &[BlockId], start: usize, n: usize) {
+        let tensors = t.index.checked_add(1).expect("a cache tensor index");
+        self.check_blocks(&t.shape, tensors, []);
+        if n > 0 {
+            let bs = t.shape.block_size;
+            let last = start.checked_add(n - 1).expect("positions in range") / bs;
+            assert!(
+                last < blocks.len(),
+                "positions {start}..{start}+{n} exceed a block table of {} blocks of {bs}",
+                blocks.len()
+            );
+            self.check_blocks(
+                &t.shape,
+                tensors,
+                blocks[start / bs..=last].iter().map(|&b| b as u64),
+            );
+        }
+    }
+
+    /// Panics unless cache tensor `t` lies in this storage and each of `slots` is -1 or
+    /// a slot of one of its blocks (see [`CudaStorage::check_blocks`]): what the
+    /// scatter by slot writes.
+    fn check_slots(&self, t: &PagedTensor, slots: &[i64]) {
+        let tensors = t.index.checked_add(1).expect("a cache tensor index");
+        let bs = t.shape.block_size.max(1) as u64;
+        self.check_blocks(
+            &t.shape,
+            tensors,
+            slots.iter().filter(|&&s| s >= 0).map(|&s| s as u64 / bs),
         );
     }
 
@@ -371,7 +452,7 @@ impl Drop for CudaStorage {
             if let Some(c) = *self.counter.get_mut() {
                 self.gpu.free(c);
             }
-            if let Some(z) = *self.zero_row.get_mut() {
+            if let Some((z, _)) = *self.zero_row.get_mut() {
                 self.gpu.free(z);
             }
             self.gpu.free(self.staging.get_mut().ptr);
@@ -405,6 +486,7 @@ impl Storage for CudaStorage {
 
     fn write(&mut self, dst: Region, src: &TensorRef) -> Result<()> {
         self.check(&dst);
+        src.expect_region("the source", &dst)?;
         if self.scales.is_some() && src.dtype() != DType::I8 {
             return self.write_quantized(dst, src);
         }
@@ -440,8 +522,9 @@ impl Storage for CudaStorage {
         )
     }
 
-    fn read(&self, src: Region, dst: &TensorMut) -> Result<()> {
+    fn read(&self, src: Region, dst: &mut TensorMut) -> Result<()> {
         self.check(&src);
+        dst.expect_region("the destination", &src)?;
         if self.scales.is_some() && dst.dtype() != DType::I8 {
             return self.read_dequantized(src, dst);
         }
@@ -531,7 +614,7 @@ impl Storage for CudaStorage {
         }
     }
 
-    fn zero(&self, t: &TensorMut) -> Result<()> {
+    fn zero(&self, t: &mut TensorMut) -> Result<()> {
         if self.is_local("the output", t.device())? {
             return self.zero3(
                 t.as_mut_ptr() as DevicePtr,
@@ -551,9 +634,11 @@ impl Storage for CudaStorage {
         k: &TensorRef,
         v: &TensorRef,
     ) -> Result<()> {
+        paged_ops::check_rows(&t, Some(slots.len()), k, v)?;
         if !self.scatters(k, v)? {
             return paged_ops::write_slots(self, t, slots, k, v);
         }
+        self.check_slots(&t, slots);
         self.scatter(t, slots.len(), k, v, |w| {
             w.extend(slots.iter().map(|&s| s as u64))
         })
@@ -564,6 +649,7 @@ impl Storage for CudaStorage {
         if n == 0 {
             return Ok(());
         }
+        self.check_slots(&t, slots);
         let row = self.zero_row(sh.num_kv_heads * sh.head_dim)?;
         // SAFETY: `row` holds num_kv_heads * head_dim float32 zeros on this device for
         // this storage's life; every token reads the same row (stride 0).
@@ -590,10 +676,12 @@ impl Storage for CudaStorage {
         k: &TensorRef,
         v: &TensorRef,
     ) -> Result<()> {
+        let n = paged_ops::check_rows(&t, None, k, v)?;
         if !self.scatters(k, v)? {
             return paged_ops::write_positions(self, t, blocks, start, k, v);
         }
-        let (n, bs) = (k.shape3()[0], t.shape.block_size);
+        self.check_positions(&t, blocks, start, n);
+        let bs = t.shape.block_size;
         self.scatter(t, n, k, v, |w| {
             w.extend((start..start + n).map(|p| (blocks[p / bs] as usize * bs + p % bs) as u64))
         })
@@ -605,15 +693,17 @@ impl Storage for CudaStorage {
         blocks: &[BlockId],
         start: usize,
         n: usize,
-        k_out: &TensorMut,
-        v_out: &TensorMut,
+        k_out: &mut TensorMut,
+        v_out: &mut TensorMut,
     ) -> Result<()> {
+        paged_ops::check_outputs(&t, n, k_out, v_out)?;
         let local =
             self.is_local("k_out", k_out.device())? && self.is_local("v_out", v_out.device())?;
         let same_dtype = k_out.dtype() == self.dtype && v_out.dtype() == self.dtype;
         if !local || !same_dtype || k_out.strides3()[2] != 1 || v_out.strides3()[2] != 1 {
             return paged_ops::read_positions(self, t, blocks, start, n, k_out, v_out);
         }
+        self.check_positions(&t, blocks, start, n);
         self.gather(t, blocks, start, n, k_out, v_out)
     }
 
@@ -631,6 +721,11 @@ impl Storage for CudaStorage {
             // The kernel moves 32-bit words; odd 8-bit blocks go region by region.
             return paged_ops::copy_blocks(self, shape, tensors, pairs);
         }
+        self.check_blocks(
+            &shape,
+            tensors,
+            pairs.iter().flat_map(|&(s, d)| [s as u64, d as u64]),
+        );
         let codes = (0..tensors).map(|t| self.device_addr(shape.block_offset(t, 0)));
         self.launch_copy_blocks(codes, pairs, block_bytes / 4)?;
         if let Some(sc) = &self.scales {
@@ -648,6 +743,7 @@ impl Storage for CudaStorage {
         blocks: &[BlockId],
         out: &mut [u8],
     ) -> Result<()> {
+        paged_ops::check_packed(self, "out", out.len(), &shape, tensors, blocks.len())?;
         match self.save_blocks(shape, tensors, blocks, out) {
             Some(r) => r,
             None => paged_ops::read_blocks(self, shape, tensors, blocks, out),
@@ -661,6 +757,7 @@ impl Storage for CudaStorage {
         blocks: &[BlockId],
         data: &[&[u8]],
     ) -> Result<()> {
+        paged_ops::check_data(self, &shape, tensors, blocks, data)?;
         match self.load_blocks(shape, tensors, blocks, data) {
             Some(r) => r,
             None => paged_ops::write_blocks(self, shape, tensors, blocks, data),
@@ -676,7 +773,7 @@ impl Storage for CudaStorage {
         };
         let r = scale_region(&src, self.head_dim);
         check_scales_len(dst.len(), &r)?;
-        sc.read(r, &TensorMut::from_f32_mut(dst, &r.shape)?)
+        sc.read(r, &mut TensorMut::from_f32_mut(dst, &r.shape)?)
     }
 
     fn write_row_scales(&mut self, dst: Region, src: &[f32]) -> Result<()> {

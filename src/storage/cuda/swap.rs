@@ -34,8 +34,9 @@ impl CudaStorage {
             .u64(table + 8 * tensors as u64)
             .u64(packed)
             .i64(block_words as i64);
-        // SAFETY: block ids come from the pool's allocator (inside every tensor) and the
-        // packed buffer holds items x tensors blocks.
+        // SAFETY: the blocks lie inside every tensor (`check_blocks`) and the packed
+        // buffer holds items x tensors blocks (the caller's buffers were checked against
+        // the blocks: `check_packed`, `check_data`).
         unsafe {
             self.gpu.launch(
                 name,
@@ -76,6 +77,7 @@ impl CudaStorage {
         out: &mut [u8],
     ) -> Option<Result<()>> {
         let (per_block, chunk) = self.swap_sizes(&shape, tensors, blocks.len())?;
+        self.check_blocks(&shape, tensors, blocks.iter().map(|&b| b as u64));
         let words = per_block / tensors / 4;
         let mut pinned = self.pinned.lock();
         let mut swaps = blocks.chunks(chunk).zip(out.chunks_mut(chunk * per_block));
@@ -113,6 +115,7 @@ impl CudaStorage {
         data: &[&[u8]],
     ) -> Option<Result<()>> {
         let (per_block, chunk) = self.swap_sizes(&shape, tensors, blocks.len())?;
+        self.check_blocks(&shape, tensors, blocks.iter().map(|&b| b as u64));
         let words = per_block / tensors / 4;
         let mut pinned = self.pinned.lock();
         let mut swaps = blocks.chunks(chunk).zip(data.chunks(chunk));
