@@ -200,6 +200,13 @@ macro_rules! layout_accessors {
             self.raw.device
         }
 
+        /// Whether two different indices may address the same element (a broadcast or
+        /// an `as_strided` view). Conservative: false only when, by growing stride, each
+        /// dimension steps past every element the smaller ones reach.
+        pub fn may_overlap_itself(&self) -> bool {
+            self.raw.may_overlap_itself()
+        }
+
         /// The element type.
         pub fn dtype(&self) -> DType {
             self.raw.dtype

@@ -12,7 +12,7 @@ use super::views::new_array;
 use crate::dtype::DType;
 use crate::error::KvError;
 use crate::storage::Device;
-use crate::tensor::{TensorMut, MAX_RANK};
+use crate::tensor::TensorMut;
 
 /// NumPy's flag of a writable array.
 const NPY_ARRAY_WRITEABLE: i32 = 0x0400;
@@ -74,7 +74,7 @@ pub fn writable<'py>(
         }
     }
     let tensor = read_writable(obj, name, target.device)?;
-    if overlaps_itself(tensor.shape3(), tensor.strides3()) {
+    if tensor.may_overlap_itself() {
         return Err(KvError::InvalidArgument {
             name,
             value: format!("an array of strides {:?} (elements)", tensor.strides3()),
@@ -118,26 +118,4 @@ pub fn new_output<'py>(
         Device::Cuda(ordinal) => PyDeviceTensor::fresh(py, ordinal, dtype, shape)?,
     };
     Ok(Output { obj, tensor })
-}
-
-/// Whether two elements of a layout (strides in elements) may share memory: taken by
-/// growing stride, each dimension must step past everything the smaller ones span.
-/// Conservative: an exotic interleaving that never collides is refused too.
-fn overlaps_itself(shape: [usize; MAX_RANK], strides: [isize; MAX_RANK]) -> bool {
-    if shape.contains(&0) {
-        return false;
-    }
-    let mut dims: Vec<(usize, usize)> = (0..MAX_RANK)
-        .filter(|&i| shape[i] > 1)
-        .map(|i| (strides[i].unsigned_abs(), shape[i]))
-        .collect();
-    dims.sort_unstable();
-    let mut extent = 1usize;
-    for (stride, len) in dims {
-        if stride < extent {
-            return true;
-        }
-        extent = stride.saturating_mul(len - 1).saturating_add(extent);
-    }
-    false
 }
