@@ -48,6 +48,22 @@ pub struct ForwardPlan {
     layers_put: Vec<AtomicBool>,
 }
 
+impl PartialEq for ForwardPlan {
+    /// Plans are equal when they place the same tokens in the same slots over the same
+    /// blocks and have written the same layers.
+    fn eq(&self, other: &Self) -> bool {
+        self.seqs == other.seqs
+            && self.token_seq == other.token_seq
+            && self.positions == other.positions
+            && self.slots == other.slots
+            && self.tokens == other.tokens
+            && self.token_ids == other.token_ids
+            && self.blocks == other.blocks
+            && self.edits == other.edits
+            && self.layers_put().eq(other.layers_put())
+    }
+}
+
 impl ForwardPlan {
     /// Tokens in the batch.
     pub fn num_tokens(&self) -> usize {
