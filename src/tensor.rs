@@ -468,19 +468,34 @@ impl<'a> TensorMut<'a> {
 
     /// Sets every element to zero.
     pub fn fill_zero(&mut self) {
-        let zero = [0u8; 4];
-        // SAFETY: the tensor is valid for writes and borrowed mutably (its constructors'
-        // contract), and a zero of any dtype is read from `zero` with stride 0.
-        unsafe {
-            copy_strided(
-                self.raw.ptr,
-                self.raw.dtype,
-                self.raw.strides,
-                zero.as_ptr(),
-                self.raw.dtype,
-                [0; MAX_RANK],
-                self.raw.shape,
-            );
+        let r = &self.raw;
+        if r.shape.contains(&0) {
+            return;
+        }
+        let size = r.dtype.size() as isize;
+        let [s0, s1, s2] = r.strides;
+        let [n0, n1, n2] = r.shape;
+        if s2 == 1 && (n1 == 1 || s1 == n2 as isize) && (n0 == 1 || s0 == (n1 * n2) as isize) {
+            // SAFETY: as below; the tensor is one contiguous run of n0 * n1 * n2 elements.
+            unsafe { std::ptr::write_bytes(r.ptr, 0, n0 * n1 * n2 * size as usize) };
+            return;
+        }
+        for i in 0..r.shape[0] as isize {
+            for j in 0..r.shape[1] as isize {
+                let row = r.ptr.wrapping_offset((i * s0 + j * s1) * size);
+                // SAFETY: every element lies in the tensor, valid for writes and borrowed
+                // mutably (its constructors' contract); zero bytes are a zero of every
+                // dtype. Contiguous rows are cleared in one call.
+                unsafe {
+                    if s2 == 1 {
+                        std::ptr::write_bytes(row, 0, r.shape[2] * size as usize);
+                    } else {
+                        for k in 0..r.shape[2] as isize {
+                            std::ptr::write_bytes(row.offset(k * s2 * size), 0, size as usize);
+                        }
+                    }
+                }
+            }
         }
     }
 

@@ -284,6 +284,21 @@ impl PoolCore {
         for g in 0..self.groups.groups.len() {
             self.normalize_table(id, g);
         }
+        self.mark_cut_tails(id);
+    }
+
+    /// Flags the block holding each group's new end of sequence `id` as stale: the
+    /// positions past the end still hold what was cut (see [`super::BlockLedger`]).
+    pub(crate) fn mark_cut_tails(&mut self, id: SeqId) {
+        let bs = self.shape.block_size;
+        for g in 0..self.groups.groups.len() {
+            let s = self.seq(id).expect("a live sequence");
+            let end = s.held_by(&self.groups.groups[g].layers);
+            let b = s.tables[g].blocks.get(end / bs).copied();
+            if let Some(b) = b.filter(|&b| !end.is_multiple_of(bs) && b != NO_BLOCK) {
+                self.blocks.mark_stale(b);
+            }
+        }
     }
 
     /// Drops positions `>= n`; a no-op when `n >= seq_len` (as [`crate::kv_cache::CacheCore::truncate`]).

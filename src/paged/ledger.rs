@@ -33,23 +33,45 @@ pub struct Evicted {
     pub tokens: Vec<u32>,
 }
 
-/// Reference counts, generations, the prefix index and pins of a pool's blocks.
+/// Reference counts, generations, the prefix index and pins of a pool's blocks, and
+/// which blocks may hold stale K/V past their holder's positions.
+///
+/// Invariant (stale tails): a block whose stale flag is clear holds zeros at every
+/// position past those its holders hold in it. A block is flagged when it is taken for
+/// a new holder (it holds whatever its previous holder left) and when a holder cuts
+/// positions out of it; the pool clears the flag by zeroing the block from the first
+/// position it claims without a write, so claims in clean blocks cost nothing.
 #[derive(Debug)]
 pub struct BlockLedger {
     alloc: BlockAllocator,
     prefix: Option<PrefixIndex>,
     pins: FxHashMap<BlockId, u32>,
+    stale: Vec<bool>,
 }
 
 impl BlockLedger {
     /// `num_blocks` free blocks; caches prefixes in `prefix` when given. Fails
     /// ([`crate::KvError::OutOfMemory`]) when the host cannot hold the bookkeeping.
     pub fn new(num_blocks: usize, prefix: Option<PrefixIndex>) -> Result<Self> {
+        // A device's fresh memory is not known to be zero: every block starts flagged.
+        let stale = crate::sizes::filled("the pool's stale-block flags", num_blocks, true)?;
         Ok(BlockLedger {
             alloc: BlockAllocator::new(num_blocks)?,
             prefix,
             pins: FxHashMap::default(),
+            stale,
         })
+    }
+
+    /// Flags `b` as possibly holding stale K/V past its holders' positions.
+    pub fn mark_stale(&mut self, b: BlockId) {
+        self.stale[b as usize] = true;
+    }
+
+    /// Clears `b`'s stale flag; returns whether it was set (the caller then zeroes the
+    /// block past the positions its holder keeps).
+    pub fn take_stale(&mut self, b: BlockId) -> bool {
+        std::mem::replace(&mut self.stale[b as usize], false)
     }
 
     /// Total blocks.
@@ -111,10 +133,12 @@ impl BlockLedger {
     /// true, for the offload tiers). `None` when no block is available.
     pub fn take(&mut self, tokens: bool) -> Option<(BlockId, Option<Evicted>)> {
         if let Some(b) = self.alloc.allocate() {
+            self.stale[b as usize] = true;
             return Some((b, None));
         }
         let e = self.pop_evictable(tokens)?;
         self.alloc.revive(e.block);
+        self.stale[e.block as usize] = true;
         Some((e.block, Some(e)))
     }
 

@@ -72,11 +72,23 @@ impl PoolCore {
             }
             at += c;
         }
+        // Zero what the claimed blocks may hold past the holders' positions: from the
+        // first claimed position of each stale block to its end (see BlockLedger).
+        let mut stale: Vec<Vec<i64>> = vec![Vec::new(); ng];
+        for (g, run) in slots.chunks_exact(total.max(1)).enumerate() {
+            for &slot in run {
+                let (b, off) = (slot as usize / bs, slot as usize % bs);
+                if self.blocks.take_stale(b as BlockId) {
+                    stale[g].extend((off..bs).map(|o| (b * bs + o) as i64));
+                }
+            }
+        }
         for layer in 0..self.shape.num_layers {
             let g = self.groups.group_of[layer];
-            let t = self.paged_tensor(layer);
-            self.storage
-                .zero_slots(t, &slots[g * total..(g + 1) * total])?;
+            if !stale[g].is_empty() {
+                let t = self.paged_tensor(layer);
+                self.storage.zero_slots(t, &stale[g])?;
+            }
         }
         Ok(slots)
     }

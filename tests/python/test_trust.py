@@ -361,6 +361,32 @@ def test_reserved_positions_read_zeros_until_written():
     assert all(not kk.any() for _, _, kk, _ in b.views(0))
 
 
+def test_positions_cut_inside_a_block_read_zeros_when_reserved_again():
+    # A block keeps its rows past a cut until it is claimed again: truncate, remove and a
+    # fork's partial tail must not let a later reserve read the cut values.
+    pool = kvrs.BlockPool(1, 1, 4, block_size=4, num_blocks=4, dtype="float32")
+    s = pool.new_sequence()
+    s.append(0, *kv(7, 6))
+    s.advance(6)
+    s.truncate(1)
+    pool.reserve([s], [3])
+    k, v = s.get(0)
+    assert (k[:, :1] == 7).all() and not k[:, 1:].any() and not v[:, 1:].any()
+    t = pool.new_sequence()
+    t.append(0, *kv(9, 6))
+    t.advance(6)
+    t.remove(2)
+    pool.reserve([t], [4])
+    k, _ = t.get(0)
+    assert (k[:, :2] == 9).all() and not k[:, 2:].any()
+    child = t.fork()
+    child.truncate(1)
+    pool.reserve([child], [2])
+    k, _ = child.get(0)
+    assert (k[:, :1] == 9).all() and not k[:, 1:].any()
+    pool.check_invariants()
+
+
 def test_copy_prefix_keeps_the_destinations_namespace_and_extra_key():
     pool = kvrs.BlockPool(1, 1, 4, block_size=4, num_blocks=16, dtype="float32", seed=1)
     src = pool.new_sequence([1, 2, 3, 4, 5], namespace="A")
