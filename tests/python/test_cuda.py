@@ -278,7 +278,7 @@ def test_eight_bit_pool_on_the_device_equals_the_host(dtype, layout):
                 reads += [torch.from_numpy(np.asarray(x)) for x in s.scales(layer)]
         results.append((outs, reads))
     (gpu_outs, gpu_reads), (cpu_outs, cpu_reads) = results
-    assert len(gpu_reads) == len(cpu_reads) == 28
+    assert len(gpu_reads) == len(cpu_reads) == 2 * 2 * 6  # (a, b) x layers x (K, V) raw, dequantized, scales
     for got, want in zip(gpu_reads, cpu_reads, strict=True):
         assert torch.equal(got, want)
     for got, want in zip(gpu_outs, cpu_outs, strict=True):
