@@ -48,6 +48,12 @@ def main() -> int:
     ap.add_argument(
         "--flashinfer-timeout", type=float, default=240, help="seconds for FlashInfer's JIT build"
     )
+    ap.add_argument(
+        "--ncu",
+        action="store_true",
+        help="time nothing: run each kvrs call once inside cudaProfilerStart/Stop and an NVTX range "
+        "named after its row, for `ncu --profile-from-start off` (benches/gpu_session.sh, step ncu)",
+    )
     args = ap.parse_args()
     cases = set(args.cases.split(","))
     if unknown := cases - set(CASES):
@@ -63,10 +69,10 @@ def main() -> int:
         print("bench_gpu: torch sees no CUDA device; nothing to measure", file=sys.stderr)
         return 0
     peer = flashinfer_peer.Peer(None, {"error": "--no-flashinfer"})
-    if not args.no_flashinfer:
+    if not (args.no_flashinfer or args.ncu):
         peer = flashinfer_peer.load(args.flashinfer_timeout)
     print(f"FlashInfer: {peer.info}", flush=True)
-    bench = Bench(torch, args.json, peer)
+    bench = Bench(torch, args.json, peer, ncu=args.ncu)
     print(HEADER, flush=True)
     if "decode" in cases:
         for dtype in STORAGE:
@@ -83,6 +89,8 @@ def main() -> int:
         decode_write(bench)
     if "swap" in cases:
         swap(bench)
+    if args.ncu:
+        return 0
     bench.run_graphs()
     ratios(bench.rows)
     bench.save()
