@@ -190,13 +190,18 @@ def swap(bench: Bench) -> None:
     dst = kvrs.BlockPool(layers, HEADS, DIM, **kw)
     nbytes = kv_bytes("float16", n, layers)
 
-    def load() -> None:
-        seq = dst.new_sequence(tokens=prompt)
-        assert seq.cached_tokens_by_tier["host"] == n
-        seq.free()
+    held: list[Any] = []
+
+    def drop() -> None:
+        """Frees the last load's sequence and evicts its blocks (untimed)."""
+        for seq in held:
+            assert seq.cached_tokens_by_tier["host"] == n
+            seq.free()
+        held.clear()
         dst.evict_all()
+        dst.flush_tiers()
 
     case = f"swap-in {n // 1024}k x {layers} layers"
-    bench.add(case, "kvrs HostTier", nbytes, load)
+    bench.add(case, "kvrs HostTier", nbytes, lambda: held.append(dst.new_sequence(tokens=prompt)), setup=drop)
     pinned = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
     bench.add(case, "torch pinned H2D copy", nbytes, lambda: pinned.to("cuda", non_blocking=True))
