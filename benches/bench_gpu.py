@@ -73,7 +73,6 @@ def main() -> int:
         peer = flashinfer_peer.load(args.flashinfer_timeout)
     print(f"FlashInfer: {peer.info}", flush=True)
     bench = Bench(torch, args.json, peer, ncu=args.ncu)
-    print(HEADER, flush=True)
     if "decode" in cases:
         for dtype in STORAGE:
             decode_single(bench, dtype)
@@ -91,7 +90,6 @@ def main() -> int:
         swap(bench)
     if args.ncu:
         return 0
-    bench.run_graphs()
     ratios(bench.rows)
     bench.save()
     print(

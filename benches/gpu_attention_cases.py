@@ -30,7 +30,7 @@ def sdpa_rows(
     for impl, fn in (("SDPA enable_gqa", gqa), ("SDPA repeat_kv", repeat)):
         try:
             check = f"|kvrs-SDPA| {max_diff(torch, ref, fn()):.1e}" if ref is not None else ""
-            bench.add(case, impl, nbytes, fn, check=check)
+            bench.add(case, impl, nbytes, fn, check=check, graph_bind=impl == "SDPA enable_gqa" or None)
         except Exception as e:  # a variant this torch refuses drops its row, says why
             print(f"{case}: {impl} failed: {type(e).__name__}: {e}", file=sys.stderr)
 
@@ -51,7 +51,14 @@ def decode_single(bench: Bench, dtype: str, n: int = 32768) -> None:
     out = torch.empty_like(q)
     seq.attention(0, q, out=out)
     ref = out.clone()
-    bench.add(case, "kvrs", kv_bytes(dtype, n), lambda: seq.attention(0, q, out=out), storage=dtype)
+    bench.add(
+        case,
+        "kvrs",
+        kv_bytes(dtype, n),
+        lambda: seq.attention(0, q, out=out),
+        storage=dtype,
+        graph_bind=getattr(pool, "set_stream", False),
+    )
     if dtype == "float16":
         kc, vc = (x.transpose(0, 1)[None].contiguous() for x in (k, v))
         sdpa_rows(
@@ -94,7 +101,14 @@ def decode_batch(bench: Bench, dtype: str, batch: int = 256, hist: int = 2048) -
     fwd.attention(0, q, out=out)
     ref = out.clone()
     nbytes = kv_bytes(dtype, batch * (hist + 1))
-    bench.add(case, "kvrs", nbytes, lambda: fwd.attention(0, q, out=out), storage=dtype)
+    bench.add(
+        case,
+        "kvrs",
+        nbytes,
+        lambda: fwd.attention(0, q, out=out),
+        storage=dtype,
+        graph_bind=getattr(pool, "set_stream", False),
+    )
     fwd.finish()
     if dtype == "float16":
         kc, vc = (

@@ -40,7 +40,6 @@ class Bench:
         self.json_path = json_path
         self.peer = peer
         self.rows: list[dict[str, Any]] = []
-        self.graphs: list[tuple[dict[str, Any], Callable[[], object], Any]] = []
         self.meta: dict[str, Any] = {
             "device": torch.cuda.get_device_name(),
             "torch": torch.__version__,
@@ -52,6 +51,7 @@ class Bench:
         if not ncu:
             us, self.ceiling = copy_ceiling(torch, self.timer)
             self.meta["copy_ceiling_gbps"] = round(self.ceiling, 1)
+            print(HEADER, flush=True)
             self.add("device copy 1 GiB", "torch copy_", 2 << 30, None, stream_us=us)
 
     def add(
@@ -68,8 +68,9 @@ class Bench:
         **times: float | None,
     ) -> dict[str, Any] | None:
         """Times `fn` (or takes the given times), records and prints the row. `setup` runs
-        before each call, untimed (no back-to-back time then). kvrs rows with `graph_bind`
-        (a pool's set_stream, or False: not capturable) get a graph replay at the end."""
+        before each call, untimed (no back-to-back time then). `graph_bind` asks for a CUDA
+        graph replay too: True for torch's own calls, a pool's set_stream for kvrs's, False
+        where the pool has none (the row says it cannot be captured)."""
         if self.ncu:
             self._profile_once(f"{case} | {impl} [{storage}]", fn, setup)
             return None
@@ -92,9 +93,9 @@ class Bench:
             row["check"] = check
         if k is not None:
             row["kernels"] = {n: round(v, 2) for n, v in k.names.items()}
+        if graph_bind is not None and fn is not None:
+            self._graph(row, fn, graph_bind)
         self.rows.append(row)
-        if graph_bind is not None and fn is not None and setup is None:
-            self.graphs.append((row, fn, graph_bind))
         print(line(row), flush=True)
         self.save()
         return row
@@ -122,19 +123,16 @@ class Bench:
         if self.json_path:
             Path(self.json_path).write_text(json.dumps({"meta": self.meta, "rows": self.rows}, indent=1))
 
-    def run_graphs(self) -> None:
-        """Replays each capturable kvrs row from a CUDA graph, after every other row: a
-        capture that fails cannot disturb them."""
-        for row, fn, bind in self.graphs:
-            if bind is False:
-                row["graph"] = "not capturable: BlockPool has no set_stream"
-                continue
-            try:
-                row["graph_us"] = self.timer.graph(fn, bind)
-            except Exception as e:  # report why, keep the row
-                row["graph"] = f"capture failed: {type(e).__name__}: {str(e)[:160]}"
-                self.torch.cuda.synchronize()
-        self.save()
+    def _graph(self, row: dict[str, Any], fn: Callable[[], object], bind: Any) -> None:
+        """Adds the row's CUDA-graph replay time, or why the call could not be captured."""
+        if bind is False:
+            row["graph"] = "not capturable: BlockPool has no set_stream"
+            return
+        try:
+            row["graph_us"] = self.timer.graph(fn, None if bind is True else bind)
+        except Exception as e:  # report why, keep the row
+            row["graph"] = f"capture failed: {type(e).__name__}: {str(e)[:160]}"
+            self.torch.cuda.synchronize()
 
 
 def line(row: dict[str, Any]) -> str:
