@@ -15,6 +15,40 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+// Cooperative primitives. On the GPU they are what they say; the simulator
+// (kernels/sim, which defines KVRS_SIM) provides the same names with the same results:
+// - kvrs_group_sum<W>(x), kvrs_group_max<W>(x): x reduced over each aligned group of W
+//   lanes (W a power of two <= 32; every lane of the warp calls it, full mask) by the xor
+//   butterfly W/2, ..., 1, so every lane of a group gets the group's result, bit for bit
+//   the same on the simulator.
+// - kvrs_cp_async16(dst, src): 16 bytes from global src to shared dst, asynchronously
+//   (cp.async.cg; both 16-byte aligned); kvrs_cp_async_commit() closes a group;
+//   kvrs_cp_async_wait<N>() waits until at most N groups are pending (the calling
+//   thread's own copies: a __syncthreads() must follow before other threads read them).
+// - KVRS_DYNAMIC_SHARED(T, name): the launch's dynamic shared memory as T name[],
+//   16-byte aligned.
+#ifndef KVRS_SIM
+template <int W> __device__ __forceinline__ float kvrs_group_sum(float x) {
+#pragma unroll
+    for (int m = W / 2; m > 0; m >>= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+    return x;
+}
+template <int W> __device__ __forceinline__ float kvrs_group_max(float x) {
+#pragma unroll
+    for (int m = W / 2; m > 0; m >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, m));
+    return x;
+}
+__device__ __forceinline__ void kvrs_cp_async16(void* dst, const void* src) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void kvrs_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void kvrs_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+#define KVRS_DYNAMIC_SHARED(T, name) extern __shared__ __align__(16) T name[]
+#endif
+
 namespace {
 
 template <typename T> __device__ __forceinline__ float to_f32(T x);

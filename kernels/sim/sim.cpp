@@ -3,6 +3,7 @@
 // `cuda-sim`). Device memory is host memory; a launch runs every block and thread of
 // its grid one after another, which is exact for kernels without shared memory or
 // barriers (none of ours has either).
+#define KVRS_SIM 1  // kvrs.cu leaves the cooperative primitives to the simulator
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
