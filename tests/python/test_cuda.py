@@ -282,7 +282,8 @@ def test_eight_bit_pool_on_the_device_equals_the_host(dtype, layout):
     for got, want in zip(gpu_reads, cpu_reads, strict=True):
         assert torch.equal(got, want)
     for got, want in zip(gpu_outs, cpu_outs, strict=True):
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        # Outputs reach ~100 here: float32 sums in another order differ by ~1e-6 of that.
+        torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=1e-4)
     assert pools[0].stats()["bytes_total"] == pools[1].stats()["bytes_total"]
 
 
