@@ -256,7 +256,7 @@ def test_a_file_loads_only_into_a_pool_of_its_model_id(tmp_path):
     for model_id, written in (("model-b", '"model-a"'), ("", '"model-a"')):
         other = pool(model_id=model_id)
         before = other.stats()
-        message = f"model_id {written}, this pool's model_id is \"{model_id}\"; .*same model_id"
+        message = f'model_id {written}, this pool\'s model_id is "{model_id}"; .*same model_id'
         with pytest.raises(ValueError, match=message):
             other.load_prefix_cache(path)
         assert other.stats() == before
