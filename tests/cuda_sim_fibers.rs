@@ -127,18 +127,24 @@ fn block_sum_reference(v: &[f32], b: usize) -> f32 {
     partial[0]
 }
 
-/// The lane whose value lane `l` reads in a shuffle of `width` lanes (CUDA's rules).
+/// The lanes whose values lane `l` reads in `__shfl_sync`, `__shfl_xor_sync`,
+/// `__shfl_down_sync` and `__shfl_up_sync` of `width` lanes, by the PTX ISA's
+/// definition of `shfl.sync` (CUDA passes c = (32 - width) << 8 | 31, or
+/// (32 - width) << 8 for up).
 fn shuffle_sources(l: u32, src: i32, lane_mask: i32, delta: u32, width: u32) -> [u32; 4] {
-    let start = l / width * width;
-    let end = start + width - 1;
-    let xor = l ^ lane_mask as u32;
-    let down = l as u64 + delta as u64;
-    let up = l as i64 - delta as i64;
+    let segmask = 32 - width;
+    let min_lane = l & segmask;
+    let max_lane = |c: u32| (l & segmask) | (c & !segmask);
+    let pick = |j: i64, valid: bool| if valid { j as u32 } else { l };
+    let idx = (min_lane | (src as u32 & 31 & !segmask)) as i64;
+    let bfly = (l ^ (lane_mask as u32 & 31)) as i64;
+    let down = l as i64 + (delta & 31) as i64;
+    let up = l as i64 - (delta & 31) as i64;
     [
-        start + src.rem_euclid(width as i32) as u32,
-        if xor > end { l } else { xor },
-        if down > end as u64 { l } else { down as u32 },
-        if up < start as i64 { l } else { up as u32 },
+        pick(idx, idx <= max_lane(31) as i64),
+        pick(bfly, bfly <= max_lane(31) as i64),
+        pick(down, down <= max_lane(31) as i64),
+        pick(up, up >= max_lane(0) as i64),
     ]
 }
 
@@ -189,9 +195,9 @@ proptest! {
 
     #[test]
     fn shuffles_follow_cudas_rules(
-        src in -40i32..40,
-        lane_mask in 0i32..40,
-        delta in 0u32..40,
+        src in -40i32..70,
+        lane_mask in prop::sample::select(vec![0i32, 1, 3, 8, 16, 31, 40, -1]),
+        delta in prop::sample::select(vec![0u32, 1, 2, 5, 16, 31, 32, 40, u32::MAX]),
         width_log in 0u32..6,
         shape in prop::sample::select(vec![[32u32, 1, 1], [64, 1, 1], [16, 2, 2], [8, 4, 3]]),
     ) {
@@ -307,9 +313,19 @@ fn another_order_exposes_a_missing_barrier() {
 
 #[test]
 fn deadlocks_and_divergent_barriers_are_device_errors() {
-    let e = failure("kvrs_test_deadlock", 2, [64, 1, 1], Args::new());
+    let e = failure("kvrs_test_deadlock", 2, [64, 1, 1], Args::new().i32(0));
+    assert!(e.contains("(deadlock)"), "{e}");
     assert!(
-        e.contains("(deadlock)") && e.contains("waits at __syncthreads at test_kernels.cu"),
+        e.contains("waits at a warp collective (mask 0xffffffff) for lanes 0xffff0000;"),
+        "{e}"
+    );
+    assert!(
+        e.contains("waits at __syncthreads at test_kernels.cu:"),
+        "{e}"
+    );
+    let e = failure("kvrs_test_deadlock", 1, [64, 1, 1], Args::new().i32(1));
+    assert!(
+        e.contains("(deadlock)") && e.contains("(lanes 0xffff0000 returned)"),
         "{e}"
     );
     let e = failure("kvrs_test_divergent", 1, [64, 1, 1], Args::new().i32(0));
@@ -322,12 +338,28 @@ fn deadlocks_and_divergent_barriers_are_device_errors() {
         e.contains("thread (32,0,0) returned while 32 threads wait"),
         "{e}"
     );
+    let e = failure("kvrs_test_divergent", 1, [32, 1, 1], Args::new().i32(2));
+    assert!(e.contains("call different collectives"), "{e}");
+    for order in ORDERS {
+        let e = in_order(order, || {
+            failure("kvrs_test_divergent", 1, [32, 1, 1], Args::new().i32(3))
+        });
+        assert!(
+            e.contains("(divergent barrier)") && e.contains(" mask 0x0000000"),
+            "{e}"
+        );
+    }
+    let e = failure("kvrs_test_divergent", 1, [32, 1, 1], Args::new().i32(4));
+    assert!(
+        e.contains("(misused cooperation)") && e.contains("does not name its own lane 1"),
+        "{e}"
+    );
     let e = failure("kvrs_test_plain_barrier", 1, [4, 1, 1], Args::new());
     assert!(
         e.contains("(misused cooperation)") && e.contains("register it with KF"),
         "{e}"
     );
-    let e = failure("kvrs_test_deadlock", 1, [1025, 1, 1], Args::new());
+    let e = failure("kvrs_test_deadlock", 1, [1025, 1, 1], Args::new().i32(0));
     assert!(e.contains("(invalid launch)"), "{e}");
     let e = launch(
         "kvrs_test_dynamic_shared",

