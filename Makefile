@@ -30,11 +30,12 @@ demo: .stamp-install ## run the main job: python -m kvrs demo (chat serving on a
 
 test: test-rust test-python test-wheel stubtest check-ptx ## build and run every test (Rust, Python, the wheel, stub and typing checks, PTX check)
 
-test-rust: ## cargo test (the core without Python, doc examples, the README's Rust), the examples, the CUDA backend on the simulated device
+test-rust: ## cargo test (the core without Python, doc examples, the README's Rust), the examples, the CUDA backend on the simulated device (the kernel tests again with threads resumed in reverse order)
 	cargo test --release --quiet --features cuda
 	cargo run --release --quiet --features cuda --example decode_loop
 	cargo run --release --quiet --features cuda --example paged_batch
-	cargo test --release --quiet --features cuda-sim --test cuda_sim --test cuda_sim_quantized --test cuda_sim_swaps --test kv_cache_model --test paged_model --test soundness
+	cargo test --release --quiet --features cuda-sim --test cuda_sim --test cuda_sim_fibers --test cuda_sim_quantized --test cuda_sim_swaps --test kv_cache_model --test paged_model --test soundness
+	KVRS_SIM_ORDER=reverse cargo test --release --quiet --features cuda-sim --test cuda_sim --test cuda_sim_fibers --test cuda_sim_quantized
 
 test-python: .stamp-install redis ## pytest (hypothesis state machines, errors, interop; a real Redis server for the tier tests)
 	$(PY) -m pytest
