@@ -249,11 +249,12 @@ impl Gpu for DriverGpu {
         self.synchronize(stream)
     }
 
-    unsafe fn launch(
+    unsafe fn launch_shared(
         &self,
         name: &str,
         grid: [u32; 3],
         block: [u32; 3],
+        shared_bytes: u32,
         args: &Args,
         stream: StreamHandle,
     ) -> Result<()> {
@@ -264,7 +265,7 @@ impl Gpu for DriverGpu {
             f,
             (grid[0], grid[1], grid[2]),
             (block[0], block[1], block[2]),
-            0,
+            shared_bytes,
             stream as sys::CUstream,
             &mut params,
         )

@@ -72,7 +72,7 @@ pub trait Gpu: Send + Sync + fmt::Debug {
         bytes: usize,
         stream: StreamHandle,
     ) -> Result<()>;
-    /// Launches kernel `name` of `kernels/kvrs.cu`.
+    /// Launches kernel `name` of `kernels/kvrs.cu` without dynamic shared memory.
     ///
     /// # Safety
     /// `args` match the kernel's parameters and every address they hold is valid for
@@ -82,6 +82,22 @@ pub trait Gpu: Send + Sync + fmt::Debug {
         name: &str,
         grid: [u32; 3],
         block: [u32; 3],
+        args: &Args,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        self.launch_shared(name, grid, block, 0, args, stream)
+    }
+    /// Launches kernel `name` of `kernels/kvrs.cu` with `shared_bytes` of dynamic shared
+    /// memory per block (`KVRS_DYNAMIC_SHARED`).
+    ///
+    /// # Safety
+    /// As [`Gpu::launch`].
+    unsafe fn launch_shared(
+        &self,
+        name: &str,
+        grid: [u32; 3],
+        block: [u32; 3],
+        shared_bytes: u32,
         args: &Args,
         stream: StreamHandle,
     ) -> Result<()>;

@@ -1,11 +1,13 @@
 //! A simulated CUDA device for tests on machines without a GPU (feature `cuda-sim`):
 //! device memory is host memory and a launch runs `kernels/kvrs.cu` compiled for the host
-//! (`kernels/sim/sim.cpp`, built by `build.rs`), block after block. The storage code
-//! above it is the one that runs on a GPU; only the driver calls differ.
+//! (`kernels/sim/sim.cpp`, built by `build.rs`), block after block, each block's threads
+//! as fibers where the kernel cooperates (barriers, shared memory, warp collectives).
+//! The storage code above it is the one that runs on a GPU; only the driver calls
+//! differ. A deadlock or divergent barrier in a kernel is a [`KvError::Device`].
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::collections::{HashMap, HashSet};
-use std::ffi::{c_char, c_int, c_void, CString};
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
@@ -14,12 +16,30 @@ use super::gpu::{Args, DevicePtr, Gpu, StreamHandle};
 use crate::error::{KvError, Result};
 
 extern "C" {
+    /// Runs a kernel of `kernels/kvrs.cu` (or the simulator's test kernels); returns 0
+    /// or a negative status whose reason `kvrs_sim_last_error` gives.
     fn kvrs_sim_launch(
         name: *const c_char,
         grid: *const u32,
         block: *const u32,
+        shared_bytes: u32,
         params: *mut *mut c_void,
     ) -> c_int;
+    /// The reason for the calling thread's last failed `kvrs_sim_launch`.
+    fn kvrs_sim_last_error() -> *const c_char;
+}
+
+/// What a failed launch's status (`kvrs_sim::Status` in `kernels/sim/scheduler.h`) means.
+fn launch_failure(status: c_int) -> &'static str {
+    match status {
+        -1 => "unknown kernel",
+        -2 => "deadlock",
+        -3 => "divergent barrier",
+        -4 => "misused cooperation",
+        -5 => "invalid launch",
+        -6 => "out of memory",
+        _ => "failure",
+    }
 }
 
 /// Alignment of simulated device allocations (cudaMalloc's is 256 bytes).
@@ -125,24 +145,31 @@ impl Gpu for SimGpu {
         Ok(())
     }
 
-    unsafe fn launch(
+    unsafe fn launch_shared(
         &self,
         name: &str,
         grid: [u32; 3],
         block: [u32; 3],
+        shared_bytes: u32,
         args: &Args,
         _stream: StreamHandle,
     ) -> Result<()> {
         let c = CString::new(name).expect("kernel names have no NUL");
         let mut params = args.params();
-        if kvrs_sim_launch(
+        let status = kvrs_sim_launch(
             c.as_ptr(),
             grid.as_ptr(),
             block.as_ptr(),
+            shared_bytes,
             params.as_mut_ptr(),
-        ) != 0
-        {
-            return Err(KvError::Device(format!("no kernel named {name}")));
+        );
+        if status != 0 {
+            // SAFETY: a NUL-terminated string of this thread, valid until its next launch.
+            let why = CStr::from_ptr(kvrs_sim_last_error()).to_string_lossy();
+            return Err(KvError::Device(format!(
+                "simulated launch of {name} failed ({}): {why}",
+                launch_failure(status)
+            )));
         }
         Ok(())
     }
