@@ -564,7 +564,7 @@ __device__ void paged_attention(const Q* q, TokenStrides qs, Q* out, const C* ca
     constexpr float UNIT = S::GENERIC ? 1.0f : V::UNIT;
     const float neg_inf = -__builtin_huge_valf();
 
-    __shared__ alignas(16) unsigned char stage[2][KVRS_STAGE_BYTES];
+    __shared__ __align__(16) unsigned char stage[2][KVRS_STAGE_BYTES];
     __shared__ int64_t offs[3][TILE];                 // K row offsets of a tile's positions (-1: none)
     __shared__ float row_scales[3][2][INT8 ? TILE : 1];  // int8: the rows' K and V scales
 
