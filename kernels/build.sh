@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds or checks the committed PTX with the pinned nvcc from PyPI (kernels/requirements.txt).
 #   kernels/build.sh ptx     regenerate kernels/kvrs.ptx from kernels/kvrs.cu
-#   kernels/build.sh check   fail unless kernels/kvrs.ptx matches kvrs.cu and assembles for sm_80 and sm_90
+#   kernels/build.sh check   fail unless kernels/kvrs.ptx matches kvrs.cu and assembles for sm_80 and sm_90,
+#                            and every attention kernel has no stack frame (ptxas -v, sm_90) and
+#                            moves K/V in 16-byte pieces (cp.async ..., 16 in its PTX)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -24,6 +26,23 @@ case "${1:-}" in
     for arch in sm_80 sm_90; do
       "$CUDA/bin/ptxas" -arch="$arch" kernels/kvrs.ptx -o /dev/null
     done
+    # Attention kernels: a 0-byte stack frame for sm_90 (q, the accumulator and the scores in
+    # registers), and their K/V loads 16-byte cp.async copies.
+    "$CUDA/bin/ptxas" -v -arch=sm_90 kernels/kvrs.ptx -o /dev/null 2>&1 | awk '
+      /Compiling entry function/ { name = $0; sub(/.*function .|. for .*/, "", name) }
+      /bytes stack frame/ && name ~ /attention/ {
+        n++
+        if ($1 != 0) { print name ": " $1 " bytes stack frame" > "/dev/stderr"; bad = 1 }
+      }
+      END { if (bad || n == 0) exit 1; print n " attention kernels: no stack frame (sm_90)" }'
+    awk '
+      /^\.visible \.entry/ { name = $3; sub(/\(.*/, "", name); attn = name ~ /^kvrs_paged_attention/; if (attn) n++ }
+      attn && /cp\.async\.cg\.shared\.global.*, 16;/ { wide[name] = 1 }
+      END {
+        for (k in wide) w++
+        if (n == 0 || w != n) { print (n - w) " of " n " attention kernels lack 16-byte cp.async K/V loads" > "/dev/stderr"; exit 1 }
+        print n " attention kernels: K/V through 16-byte cp.async"
+      }' kernels/kvrs.ptx
     entries=$(grep -c '^\.visible \.entry' kernels/kvrs.ptx)
     echo "kernels/kvrs.ptx: up to date, $entries kernels, assembles for sm_80 and sm_90"
     ;;

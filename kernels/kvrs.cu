@@ -379,122 +379,518 @@ __device__ void scale3(T* dst, int64_t d0, int64_t d1, int64_t d2, const S* src,
     }
 }
 
-// Largest head_dim the attention kernel takes (its accumulator lives in registers).
-constexpr int KVRS_MAX_HEAD_DIM = 256;
-
-// Adds head h's sink (sinks: null for none) to the denominator l of a softmax whose
-// running max is m; returns the factor the unnormalised output is rescaled by.
-__device__ __forceinline__ float add_sink(float m, float& l, const float* sinks, int h) {
-    if (!sinks) return 1.0f;
-    const float mx = fmaxf(m, sinks[h]);
-    const float f = m == -__builtin_huge_valf() ? 0.0f : expf(m - mx);
-    l = l * f + expf(sinks[h] - mx);
-    return f;
-}
-
-// Finishes one query row's head from its running max m, denominator l and unnormalised
-// output acc: adds the head's sink, divides and writes o[0..head_dim) in T.
-template <typename T>
-__device__ void finish_head(T* o, const float* acc, float m, float l, const float* sinks, int h, int head_dim) {
-    const float f = add_sink(m, l, sinks, h);
-    const float inv = l > 0.0f ? f / l : 0.0f;
-    for (int d = 0; d < head_dim; ++d) o[d] = from_f32<T>(acc[d] * inv);
-}
-
-// Paged attention, the CPU core's semantics: query row r (rows[5r..5r+5] = token, offset of
-// its sequence's block table in `tables`, position, first and one-past-last visible
-// position) attends, for each query head, over positions lo..hi of its own sequence,
-// read through the block table; f32 scores and an online softmax; scale, soft-capping
-// (softcap > 0), sinks and ALiBi slopes (null: none) as in kvrs::attention. q is
-// [tokens, q_heads, head_dim] with element strides (token, head); out is C-contiguous, of
-// q's type Q. The cache's elements C may be 8-bit codes, converted in registers and
-// multiplied by their scale: scale_mode 0 none, 1 one per KV head (k_scales[kvh], fp8),
-// 2 one per head vector (k_scales[element offset / head_dim], int8; v_scales likewise).
+// ---------------------------------------------------------------------------------------
+// Paged attention (decode and extend), FlashInfer-style, and the merge of its splits.
 //
-// Flash-decoding: grid (rows, splits), one thread per query head; split s of a row reads
-// positions lo + s * chunk .. min(hi, lo + (s + 1) * chunk), so a long history is read
-// by many threads at once. With `partial` (splits > 1) each split writes its running max,
-// denominator and unnormalised output there, [rows, splits, q_heads, 2 + head_dim] f32,
-// and kvrs_attention_merge combines them; without it (one split) the thread finishes the
-// row itself. No shared memory, no barriers, so the simulated device runs it exactly.
-template <typename Q, typename C>
+// The host (src/storage/cuda/attention.rs) plans the launch: query rows (rows[5r..5r+5] =
+// token, offset of its sequence's block table in `tables`, position, first and one past
+// the last visible position) are grouped into tiles of consecutive rows of one sequence
+// (one row for decode, several for extend/chunked prefill), and a tile's positions
+// (the union of its rows' windows) into chunks (split-K). A work item is one chunk of one
+// tile: items[4i..4i+4] = (first row | rows << 32, first position, end position, first
+// partial row or -1). Grid (items, kv_heads * head_chunks), blockDim 32 * warps.
+//
+// A block reads its item's K/V rows of one KV head once, through shared memory: 16-byte
+// cp.async copies in two stages (tile t + 2 is in flight while tile t is computed), the
+// row offsets of each tile computed from the block table ahead of time into shared memory
+// (int8: the rows' scales too). Each warp serves one "row slot" (a query token and HPT of
+// the GQA group's query heads, q and the f32 accumulator in registers) and a share of the
+// tile's positions (`wpr` warps per row slot); within a warp, LPR lanes hold one 16-byte
+// piece each of a K/V row (HEAD_DIM a template parameter; 0 = any head_dim up to 256,
+// elementwise), so a warp reads PPW = 32 / LPR positions at once, and every K/V element
+// loaded serves the HPT heads of the slot. Scores are f32, reduced with kvrs_group_sum,
+// and go through an online softmax in base 2; at the end the warps of a slot merge
+// through shared memory. An item without a partial row writes the output (sinks added);
+// otherwise it writes its (max, denominator, unnormalised output) and kvrs_attention_merge
+// combines the splits.
+//
+// Semantics are the CPU core's (kvrs::attention): q scaled by `scale`, soft-capping
+// (softcap > 0), ALiBi slopes and sinks per query head (null: none). 8-bit storage is
+// decoded in registers and its scale applied once per score and once per output (fp8:
+// per KV head, k_scales[kvh]; int8: per row, k_scales[element offset / head_dim], V's
+// likewise), never per element; float storage has no scale at all.
+
+// log2(e): scores are kept in base 2 (exp2 of log2(e)-scaled scores).
+constexpr float KVRS_LOG2E = 1.4426950408889634f;
+// Bytes of K and V one pipeline stage holds (two stages).
+constexpr int KVRS_STAGE_BYTES = 16384;
+// Positions a lane scores before it rescales its accumulator.
+constexpr int KVRS_STEP = 4;
+// Most splits of one row (kvrs_attention_merge keeps 4 per lane).
+constexpr int KVRS_MAX_SPLITS = 128;
+
+// 16 bytes, the unit a lane loads.
+struct alignas(16) kvrs_u4 {
+    uint32_t x, y, z, w;
+};
+
+__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ int64_t lmax(int64_t a, int64_t b) { return a > b ? a : b; }
+__device__ __forceinline__ int64_t lmin(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// The value of float16 bits b (low 16 bits).
+__device__ __forceinline__ float half_bits_f32(uint32_t b) {
+#ifdef KVRS_SIM
+    const uint16_t s = (uint16_t)b;
+    __half h;
+    memcpy(&h, &s, 2);
+    return __half2float(h);
+#else
+    return __half2float(__ushort_as_half((unsigned short)b));
+#endif
+}
+
+// 16 bytes of stored elements C decoded to 16 / sizeof(C) floats, each UNIT times smaller than its
+// value where UNIT != 1 (the kernel multiplies scores and outputs by UNIT instead).
+template <typename C> struct Vec16;
+template <> struct Vec16<float> {
+    static constexpr float UNIT = 1.0f;
+    static __device__ __forceinline__ void decode(const kvrs_u4& v, float* o) {
+        o[0] = bits_f32(v.x), o[1] = bits_f32(v.y), o[2] = bits_f32(v.z), o[3] = bits_f32(v.w);
+    }
+};
+template <> struct Vec16<__half> {
+    static constexpr float UNIT = 1.0f;
+    static __device__ __forceinline__ void decode(const kvrs_u4& v, float* o) {
+        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o[2 * i] = half_bits_f32(w[i] & 0xffffu), o[2 * i + 1] = half_bits_f32(w[i] >> 16);
+    }
+};
+template <> struct Vec16<__nv_bfloat16> {
+    static constexpr float UNIT = 1.0f;
+    static __device__ __forceinline__ void decode(const kvrs_u4& v, float* o) {
+        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o[2 * i] = bits_f32(w[i] << 16), o[2 * i + 1] = bits_f32(w[i] & 0xffff0000u);
+    }
+};
+// E5M2 is the top byte of a float16.
+template <> struct Vec16<kvrs_e5m2> {
+    static constexpr float UNIT = 1.0f;
+    static __device__ __forceinline__ void decode(const kvrs_u4& v, float* o) {
+        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 16; ++i) o[i] = half_bits_f32(((w[i / 4] >> (8 * (i % 4))) & 0xffu) << 8);
+    }
+};
+// E4M3 moved into float16's bit positions is its value / 256 (normals and subnormals
+// alike); its NaN codes (0x7f, 0xff) are put back per word, when a word holds one.
+template <> struct Vec16<kvrs_e4m3> {
+    static constexpr float UNIT = 256.0f;
+    static __device__ __forceinline__ void decode(const kvrs_u4& v, float* o) {
+        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const uint32_t b = (w[i / 4] >> (8 * (i % 4))) & 0xffu;
+            o[i] = half_bits_f32(((b & 0x80u) << 8) | ((b & 0x7fu) << 7));
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const uint32_t y = (w[i] & 0x7f7f7f7fu) ^ 0x7f7f7f7fu;  // a zero byte: a NaN code
+            if ((y - 0x01010101u) & ~y & 0x80808080u) {
+#pragma unroll
+                for (int k = 0; k < 4; ++k)
+                    if (((y >> (8 * k)) & 0xffu) == 0) o[4 * i + k] = bits_f32(0x7fc00000u);
+            }
+        }
+    }
+};
+// int8 codes through the 2^23 magic number: float bits 0x4b0000xx are 2^23 + xx.
+template <> struct Vec16<int8_t> {
+    static constexpr float UNIT = 1.0f;
+    static __device__ __forceinline__ void decode(const kvrs_u4& v, float* o) {
+        const uint32_t w[4] = {v.x ^ 0x80808080u, v.y ^ 0x80808080u, v.z ^ 0x80808080u, v.w ^ 0x80808080u};
+#pragma unroll
+        for (int i = 0; i < 16; ++i) o[i] = bits_f32(0x4b000000u | ((w[i / 4] >> (8 * (i % 4))) & 0xffu)) - 8388736.0f;
+    }
+};
+
+// The work split of the attention kernel for storage C and HEAD_DIM HD (0: any head_dim
+// up to 256, read elementwise).
+template <typename C, int HD> struct AttnShape {
+    static constexpr bool GENERIC = HD == 0;
+    static constexpr int MAXD = GENERIC ? 256 : HD;                  // elements of a row, at most
+    static constexpr int VEC = 16 / (int)sizeof(C);                  // elements per 16 bytes
+    static constexpr int CPR = MAXD / VEC;                           // 16-byte pieces per row
+    static constexpr int LPR = GENERIC ? 32 : (CPR < 32 ? CPR : 32);  // lanes per row
+    static constexpr int NV = GENERIC ? 1 : CPR / LPR;               // 16-byte pieces per lane
+    static constexpr int E = MAXD / LPR;                             // elements per lane
+    static constexpr int PPW = 32 / LPR;                             // positions a warp reads at once
+    static constexpr int HPT = E >= 8 ? 32 / E : 4;                  // query heads per thread
+    static constexpr int ROW_BYTES = MAXD * (int)sizeof(C);          // a row's stride in shared memory
+    static constexpr int TILE = KVRS_STAGE_BYTES / (2 * ROW_BYTES);  // positions per stage
+    static constexpr int STEPS = TILE / (PPW * KVRS_STEP);           // a tile's steps (split over wpr warps)
+    static_assert(STEPS >= 1 && TILE <= 128, "tile");
+    // The end-of-item merge of up to 7 warps' states fits in the stage buffers.
+    static_assert(7 * HPT * (2 + MAXD) * 4 <= 2 * KVRS_STAGE_BYTES, "merge scratch");
+};
+
+// Merges another online-softmax state (mo, lo, its accumulator through `other`) into
+// (m, l, acc), all in base 2.
+__device__ __forceinline__ void merge_state(float& m, float& l, float mo, float lo, float& fa, float& fb) {
+    const float mx = fmaxf(m, mo);
+    const float mref = mx == -__builtin_huge_valf() ? 0.0f : mx;
+    fa = exp2f(m - mref);
+    fb = exp2f(mo - mref);
+    l = l * fa + lo * fb;
+    m = mx;
+}
+
+// Adds head h's sink (in base 2: sink2, or no sink) to a final state and returns what
+// multiplies the unnormalised output.
+__device__ __forceinline__ float finish_factor(float m, float l, const float* sinks, int h) {
+    float f = 1.0f;
+    if (sinks) {
+        const float s2 = sinks[h] * KVRS_LOG2E;
+        const float mx = fmaxf(m, s2);
+        f = m == -__builtin_huge_valf() ? 0.0f : exp2f(m - mx);
+        l = l * f + exp2f(s2 - mx);
+    }
+    return l > 0.0f ? f / l : 0.0f;
+}
+
+template <typename Q, typename C, int HD>
 __device__ void paged_attention(const Q* q, TokenStrides qs, Q* out, const C* cache, const int32_t* tables,
-                                const int64_t* rows, int q_heads, float scale, float softcap, const float* sinks,
-                                const float* alibi, int64_t chunk, float* partial, int bs, int heads,
-                                int head_dim, int hnd, const float* k_scales, const float* v_scales,
-                                int scale_mode) {
-    const int64_t* row = rows + 5 * (int64_t)blockIdx.x;
-    const int64_t token = row[0], pos = row[2], hi = row[4];
-    const int64_t begin = row[3] + (int64_t)blockIdx.y * chunk;
-    const int64_t end = begin + chunk < hi ? begin + chunk : hi;
-    const int32_t* table = tables + row[1];
-    for (int h = threadIdx.x; h < q_heads; h += blockDim.x) {
-        const int kvh = h / (q_heads / heads);
-        const Q* qv = q + token * qs.tok + h * qs.head;
-        float qf[KVRS_MAX_HEAD_DIM], acc[KVRS_MAX_HEAD_DIM];
-        for (int d = 0; d < head_dim; ++d) {
-            qf[d] = to_f32(qv[d]) * scale;
-            acc[d] = 0.0f;
+                                const int64_t* rows, const int64_t* items, int q_heads, int group, float scale,
+                                float softcap, const float* sinks, const float* alibi, float* part_o,
+                                float* part_ml, int bs, int heads, int head_dim, int hnd, const float* k_scales,
+                                const float* v_scales, int tile_rows, int hsb, int wpr) {
+    using S = AttnShape<C, HD>;
+    using V = Vec16<C>;
+    constexpr bool INT8 = same<C, int8_t>::value;
+    constexpr bool FP8 = same<C, kvrs_e4m3>::value || same<C, kvrs_e5m2>::value;
+    constexpr int HPT = S::HPT, E = S::E, LPR = S::LPR, TILE = S::TILE, RB = S::ROW_BYTES;
+    constexpr float UNIT = S::GENERIC ? 1.0f : V::UNIT;
+    const float neg_inf = -__builtin_huge_valf();
+
+    __shared__ __align__(16) unsigned char stage[2][KVRS_STAGE_BYTES];
+    __shared__ int64_t offs[3][TILE];                 // K row offsets of a tile's positions (-1: none)
+    __shared__ float row_scales[3][2][INT8 ? TILE : 1];  // int8: the rows' K and V scales
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nthreads = blockDim.x;
+    const int64_t* item = items + 4 * (int64_t)blockIdx.x;
+    const int row0 = (int)(item[0] & 0xffffffff), nrows = (int)(item[0] >> 32);
+    const int64_t kb = item[1], ke = item[2], pbase = item[3];
+    const int head_chunks = gridDim.y / heads;
+    const int kvh = blockIdx.y / head_chunks;
+    const int32_t* table = tables + rows[5 * (int64_t)row0 + 1];
+    const int64_t v_off = (int64_t)bs * heads * head_dim;  // from a block's K rows to its V rows
+
+    // This warp's row slot: query token t of the item, heads j0 .. j0 + nh of the group.
+    const int slot = warp / wpr, part = warp % wpr;
+    const int t = slot / hsb;
+    const int j0 = ((blockIdx.y % head_chunks) * hsb + slot % hsb) * HPT;
+    const int nh = imin(HPT, group - j0);
+    const bool active = slot < tile_rows * hsb && t < nrows && nh > 0;
+    const int gi = lane / LPR, tx = lane % LPR;
+    // Element e of this lane's part of a row.
+    auto dim = [&](int e) { return S::GENERIC ? tx * E + e : (tx + (e / S::VEC) * LPR) * S::VEC + e % S::VEC; };
+
+    int64_t token = 0, pos = 0, wlo = 0, whi = 0;
+    float qf[HPT][E], acc[HPT][E], m[HPT], l[HPT], slope[HPT];
+#pragma unroll
+    for (int j = 0; j < HPT; ++j) {
+        m[j] = neg_inf, l[j] = 0.0f, slope[j] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) qf[j][e] = 0.0f, acc[j][e] = 0.0f;
+    }
+    if (active) {
+        const int64_t* row = rows + 5 * (int64_t)(row0 + t);
+        token = row[0], pos = row[2], wlo = lmax(row[3], kb), whi = lmin(row[4], ke);
+#pragma unroll
+        for (int j = 0; j < HPT; ++j) {
+            if (j >= nh) continue;
+            const int h = kvh * group + j0 + j;
+            const Q* qv = q + token * qs.tok + h * qs.head;
+            if (alibi) slope[j] = alibi[h];
+#pragma unroll
+            for (int e = 0; e < E; ++e)
+                if (!S::GENERIC || dim(e) < head_dim) qf[j][e] = to_f32(qv[dim(e)]) * scale;
         }
-        const float neg_inf = -__builtin_huge_valf();
-        float m = neg_inf, l = 0.0f;
-        for (int64_t p = begin; p < end; ++p) {
-            const int64_t block = table[p / bs], off = p % bs;
-            const int64_t ko = paged_offset(block, 0, off, kvh, 0, bs, heads, head_dim, hnd);
-            const int64_t vo = paged_offset(block, 1, off, kvh, 0, bs, heads, head_dim, hnd);
-            const C* k = cache + ko;
-            const C* v = cache + vo;
-            // What multiplies the codes: 1, the KV head's scale (fp8), the vector's (int8).
-            const float ks = scale_mode == 1 ? k_scales[kvh] : scale_mode == 2 ? k_scales[ko / head_dim] : 1.0f;
-            const float vs = scale_mode == 1 ? v_scales[kvh] : scale_mode == 2 ? v_scales[vo / head_dim] : 1.0f;
-            float s = 0.0f;
-            for (int d = 0; d < head_dim; ++d) s += qf[d] * (to_f32(k[d]) * ks);
-            if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
-            if (alibi) s += alibi[h] * (float)(p - pos);
-            const float mx = fmaxf(m, s);
-            const float f = m == neg_inf ? 0.0f : expf(m - mx);
-            const float w = expf(s - mx);
-            l = l * f + w;
-            for (int d = 0; d < head_dim; ++d) acc[d] = acc[d] * f + w * (to_f32(v[d]) * vs);
-            m = mx;
+    }
+    // K's factor per KV head (fp8: its scale; UNIT for the decoding), V's likewise.
+    const float k_fold = FP8 ? k_scales[kvh] * UNIT : UNIT, v_fold = FP8 ? v_scales[kvh] * UNIT : UNIT;
+
+    const int64_t ntiles = ke > kb ? (ke - kb + TILE - 1) / TILE : 0;
+    // The block of position p's row, and from it the K row's offset.
+    auto block_of = [&](int64_t ti, int i) -> int64_t {
+        const int64_t p = kb + ti * TILE + i;
+        return ti < ntiles && p < ke ? table[p / bs] : -1;
+    };
+    auto offset_of = [&](int64_t ti, int i, int64_t block) -> int64_t {
+        const int64_t p = kb + ti * TILE + i;
+        return block < 0 ? -1 : paged_offset(block, 0, p % bs, kvh, 0, bs, heads, head_dim, hnd);
+    };
+    auto load_scales = [&](int64_t ti) {  // int8: tile ti's row scales, into registers
+        float ks = 0.0f, vs = 0.0f;
+        if (INT8 && tid < TILE) {
+            const int64_t o = offs[ti % 3][tid];
+            if (o >= 0) ks = k_scales[o / head_dim], vs = v_scales[(o + v_off) / head_dim];
         }
-        if (partial) {
-            float* w = partial + (((int64_t)blockIdx.x * gridDim.y + blockIdx.y) * q_heads + h) * (2 + head_dim);
-            w[0] = m;
-            w[1] = l;
-            for (int d = 0; d < head_dim; ++d) w[2 + d] = acc[d];
+        return kvrs_u4{f32_bits(ks), f32_bits(vs), 0, 0};
+    };
+    auto store_scales = [&](int64_t ti, const kvrs_u4& s) {
+        if (INT8 && tid < TILE) row_scales[ti % 3][0][tid] = bits_f32(s.x), row_scales[ti % 3][1][tid] = bits_f32(s.y);
+    };
+    // Tile ti's K and V rows into stage ti % 2.
+    auto issue = [&](int64_t ti) {
+        if (ti < ntiles) {
+            unsigned char* dst = stage[ti & 1];
+            const int64_t* o = offs[ti % 3];
+            const int row_bytes = head_dim * (int)sizeof(C);
+            if (!S::GENERIC || row_bytes % 16 == 0) {
+                const int cpr = S::GENERIC ? row_bytes / 16 : S::CPR;
+                for (int c = tid; c < 2 * TILE * cpr; c += nthreads) {
+                    const int kv = c / (TILE * cpr), r = c % (TILE * cpr), i = r / cpr, piece = r % cpr;
+                    if (o[i] >= 0)
+                        kvrs_cp_async16(dst + kv * TILE * RB + i * RB + piece * 16,
+                                        cache + o[i] + kv * v_off + piece * S::VEC);
+                }
+            } else {
+                C* d = reinterpret_cast<C*>(dst);
+                for (int c = tid; c < 2 * TILE * head_dim; c += nthreads) {
+                    const int kv = c / (TILE * head_dim), r = c % (TILE * head_dim), i = r / head_dim,
+                              e = r % head_dim;
+                    if (o[i] >= 0) d[(kv * TILE * RB + i * RB) / (int)sizeof(C) + e] = cache[o[i] + kv * v_off + e];
+                }
+            }
+        }
+        kvrs_cp_async_commit();
+    };
+    // This lane's part of a row in shared memory, as floats (times 1 / UNIT).
+    auto load_row = [&](const unsigned char* row, float (&x)[E]) {
+        if (S::GENERIC) {
+            const C* r = reinterpret_cast<const C*>(row);
+#pragma unroll
+            for (int e = 0; e < E; ++e) x[e] = dim(e) < head_dim ? to_f32(r[dim(e)]) : 0.0f;
         } else {
-            finish_head<Q>(out + (token * q_heads + h) * head_dim, acc, m, l, sinks, h, head_dim);
+#pragma unroll
+            for (int i = 0; i < S::NV; ++i)
+                V::decode(*reinterpret_cast<const kvrs_u4*>(row + (tx + i * LPR) * 16), x + i * S::VEC);
+        }
+    };
+
+    // Prologue: offsets of tiles 0..2, scales of tiles 0 and 1, tiles 0 and 1 in flight.
+    for (int ti = 0; ti < 3; ++ti)
+        for (int i = tid; i < TILE; i += nthreads) offs[ti][i] = offset_of(ti, i, block_of(ti, i));
+    __syncthreads();
+    for (int ti = 0; ti < 2; ++ti) store_scales(ti, load_scales(ti));
+    issue(0);
+    issue(1);
+
+    for (int64_t ti = 0; ti < ntiles; ++ti) {
+        kvrs_cp_async_wait<1>();
+        __syncthreads();
+        // Ahead: the blocks of tile ti + 3 and the scales of tile ti + 2, loads in flight
+        // while this tile is computed (the host launches at least TILE threads).
+        const int64_t next_block = tid < TILE ? block_of(ti + 3, tid) : -1;
+        const kvrs_u4 next_scales = load_scales(ti + 2);
+        const int64_t p0 = kb + ti * TILE;
+        if (active && p0 < whi && p0 + TILE > wlo) {
+            const unsigned char* ks = stage[ti & 1];
+            const unsigned char* vs = ks + TILE * RB;
+            for (int st = part; st < S::STEPS; st += wpr) {
+                float s[HPT][KVRS_STEP];
+                int at[KVRS_STEP];
+                bool valid[KVRS_STEP];
+#pragma unroll
+                for (int u = 0; u < KVRS_STEP; ++u) {
+                    at[u] = (st * KVRS_STEP + u) * S::PPW + gi;
+                    const int64_t p = p0 + at[u];
+                    valid[u] = p >= wlo && p < whi;
+                    float kf[E];
+                    load_row(ks + at[u] * RB, kf);
+#pragma unroll
+                    for (int j = 0; j < HPT; ++j) {
+                        float d = 0.0f;
+#pragma unroll
+                        for (int e = 0; e < E; ++e) d = fmaf(qf[j][e], kf[e], d);
+                        s[j][u] = d;
+                    }
+                }
+#pragma unroll
+                for (int j = 0; j < HPT; ++j) {
+                    if (j >= nh) continue;  // uniform across the warp
+#pragma unroll
+                    for (int u = 0; u < KVRS_STEP; ++u) s[j][u] = kvrs_group_sum<LPR>(s[j][u]);
+                }
+#pragma unroll
+                for (int u = 0; u < KVRS_STEP; ++u) {
+                    const float kf = INT8 ? row_scales[ti % 3][0][at[u]] : k_fold;
+                    const float rel = (float)(p0 + at[u] - pos);
+#pragma unroll
+                    for (int j = 0; j < HPT; ++j) {
+                        float x = s[j][u] * kf;
+                        if (softcap > 0.0f) x = softcap * tanhf(x / softcap);
+                        x = fmaf(slope[j], rel, x);
+                        s[j][u] = valid[u] ? x * KVRS_LOG2E : neg_inf;
+                    }
+                }
+#pragma unroll
+                for (int j = 0; j < HPT; ++j) {
+                    float mx = m[j];
+#pragma unroll
+                    for (int u = 0; u < KVRS_STEP; ++u) mx = fmaxf(mx, s[j][u]);
+                    const float mref = mx == neg_inf ? 0.0f : mx;
+                    const float f = exp2f(m[j] - mref);
+                    l[j] *= f;
+#pragma unroll
+                    for (int e = 0; e < E; ++e) acc[j][e] *= f;
+                    m[j] = mx;
+#pragma unroll
+                    for (int u = 0; u < KVRS_STEP; ++u) {
+                        s[j][u] = exp2f(s[j][u] - mref);
+                        l[j] += s[j][u];
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < KVRS_STEP; ++u) {
+                    if (!valid[u]) continue;  // an invisible row is never read (it may hold anything)
+                    float vf[E];
+                    load_row(vs + at[u] * RB, vf);
+                    const float vsc = INT8 ? row_scales[ti % 3][1][at[u]] : 1.0f;
+#pragma unroll
+                    for (int j = 0; j < HPT; ++j) {
+                        const float w = s[j][u] * vsc;
+#pragma unroll
+                        for (int e = 0; e < E; ++e) acc[j][e] = fmaf(w, vf[e], acc[j][e]);
+                    }
+                }
+            }
+        }
+        if (tid < TILE) offs[(ti + 3) % 3][tid] = offset_of(ti + 3, tid, next_block);
+        store_scales(ti + 2, next_scales);
+        __syncthreads();
+        issue(ti + 2);
+    }
+    kvrs_cp_async_wait<0>();
+
+    // The position groups of a warp merged (xor over lanes LPR apart).
+    if (active) {
+#pragma unroll
+        for (int off = LPR; off < 32; off <<= 1) {
+#pragma unroll
+            for (int j = 0; j < HPT; ++j) {
+                if (j >= nh) continue;
+                float fa, fb;
+                const float mo = __shfl_xor_sync(0xffffffffu, m[j], off);
+                const float lo = __shfl_xor_sync(0xffffffffu, l[j], off);
+                merge_state(m[j], l[j], mo, lo, fa, fb);
+#pragma unroll
+                for (int e = 0; e < E; ++e) acc[j][e] = acc[j][e] * fa + __shfl_xor_sync(0xffffffffu, acc[j][e], off) * fb;
+            }
+        }
+    }
+    // The warps of a row slot merged through shared memory (the stages, now free).
+    if (wpr > 1) {
+        float* scratch = reinterpret_cast<float*>(&stage[0][0]);
+        constexpr int PER = HPT * (2 + S::MAXD);
+        __syncthreads();
+        if (active && part > 0 && gi == 0) {
+            float* w = scratch + (slot * (wpr - 1) + part - 1) * PER;
+#pragma unroll
+            for (int j = 0; j < HPT; ++j) {
+                if (tx == 0) w[j * (2 + S::MAXD)] = m[j], w[j * (2 + S::MAXD) + 1] = l[j];
+#pragma unroll
+                for (int e = 0; e < E; ++e) w[j * (2 + S::MAXD) + 2 + dim(e)] = acc[j][e];
+            }
+        }
+        __syncthreads();
+        if (active && part == 0) {
+            for (int o = 1; o < wpr; ++o) {
+                const float* w = scratch + (slot * (wpr - 1) + o - 1) * PER;
+#pragma unroll
+                for (int j = 0; j < HPT; ++j) {
+                    float fa, fb;
+                    merge_state(m[j], l[j], w[j * (2 + S::MAXD)], w[j * (2 + S::MAXD) + 1], fa, fb);
+#pragma unroll
+                    for (int e = 0; e < E; ++e) acc[j][e] = acc[j][e] * fa + w[j * (2 + S::MAXD) + 2 + dim(e)] * fb;
+                }
+            }
+        }
+    }
+    if (!active || part != 0 || gi != 0) return;
+#pragma unroll
+    for (int j = 0; j < HPT; ++j) {
+        if (j >= nh) continue;
+        const int h = kvh * group + j0 + j;
+        if (pbase < 0) {
+            const float f = finish_factor(m[j], l[j], sinks, h) * v_fold;
+            Q* o = out + (token * q_heads + h) * head_dim;
+#pragma unroll
+            for (int e = 0; e < E; ++e)
+                if (!S::GENERIC || dim(e) < head_dim) o[dim(e)] = from_f32<Q>(acc[j][e] * f);
+        } else {
+            const int64_t entry = (pbase + t) * q_heads + h;
+            float* o = part_o + entry * head_dim;
+#pragma unroll
+            for (int e = 0; e < E; ++e)
+                if (!S::GENERIC || dim(e) < head_dim) o[dim(e)] = acc[j][e] * v_fold;
+            if (tx == 0) part_ml[2 * entry] = m[j], part_ml[2 * entry + 1] = l[j];
         }
     }
 }
 
-// The splits of kvrs_paged_attention combined by their log-sum-exp: grid (rows), threads
-// stride over q_heads * head_dim, each one output element (the split maxima and
-// denominators are re-read per element: a handful of words, cached).
+// The splits of kvrs_paged_attention combined: merges[4i..4i+4] = (row, first partial
+// row, splits, stride between its partial rows); one warp per (merged row, query head):
+// grid (merged rows, ceil(q_heads / warps)). Each split's (max, denominator) is read once
+// (lane s % 32 keeps split s's), its output in 16-byte pieces.
 template <typename T>
-__device__ void attention_merge(const float* partial, int splits, const int64_t* rows, T* out, int q_heads,
-                                const float* sinks, int head_dim) {
-    const int64_t token = rows[5 * (int64_t)blockIdx.x];
+__device__ void attention_merge(const float* part_o, const float* part_ml, const int32_t* merges,
+                                const int64_t* rows, T* out, int q_heads, const float* sinks, int head_dim) {
+    constexpr int KEEP = KVRS_MAX_SPLITS / 32;
     const float neg_inf = -__builtin_huge_valf();
-    for (int i = threadIdx.x; i < q_heads * head_dim; i += blockDim.x) {
-        const int h = i / head_dim, d = i % head_dim;
-        const float* w = partial + ((int64_t)blockIdx.x * splits * q_heads + h) * (2 + head_dim);
-        const int64_t stride = (int64_t)q_heads * (2 + head_dim);
-        float m = neg_inf;
-        for (int s = 0; s < splits; ++s) m = fmaxf(m, w[s * stride]);
-        float l = 0.0f, o = 0.0f;
-        if (m != neg_inf) {
-            for (int s = 0; s < splits; ++s) {
-                const float ms = w[s * stride];
-                if (ms == neg_inf) continue;
-                const float f = expf(ms - m);
-                l += w[s * stride + 1] * f;
-                o += w[s * stride + 2 + d] * f;
+    const int lane = threadIdx.x & 31;
+    const int h = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (h >= q_heads) return;  // a whole warp; no block barrier follows
+    const int32_t* mg = merges + 4 * (int64_t)blockIdx.x;
+    const int64_t token = rows[5 * (int64_t)mg[0]];
+    const int first = mg[1], count = mg[2], stride = mg[3];
+    auto entry = [&](int s) { return ((int64_t)first + (int64_t)s * stride) * q_heads + h; };
+    float ms[KEEP], mloc = neg_inf, lloc = 0.0f;
+#pragma unroll
+    for (int k = 0; k < KEEP; ++k) {
+        const int s = lane + 32 * k;
+        ms[k] = neg_inf;
+        if (s < count) {
+            ms[k] = part_ml[2 * entry(s)];
+            float fa, fb;
+            merge_state(mloc, lloc, ms[k], part_ml[2 * entry(s) + 1], fa, fb);
+        }
+    }
+    const float mx = kvrs_group_max<32>(mloc);
+    const float mref = mx == neg_inf ? 0.0f : mx;
+    const float l = kvrs_group_sum<32>(lloc * exp2f(mloc - mref));
+    const bool vec = head_dim % 4 == 0;
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // vec: pieces lane, lane + 32; else elements lane + 32i
+#pragma unroll
+    for (int k = 0; k < KEEP; ++k) {
+        const float f = exp2f(ms[k] - mref);
+        for (int i = 0; i < 32 && 32 * k + i < count; ++i) {
+            const float fs = __shfl_sync(0xffffffffu, f, i);
+            const float* o = part_o + entry(32 * k + i) * head_dim;
+            if (vec) {
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    if (4 * (lane + 32 * c) >= head_dim) continue;
+                    const kvrs_u4 x = *reinterpret_cast<const kvrs_u4*>(o + 4 * (lane + 32 * c));
+                    acc[4 * c] += fs * bits_f32(x.x), acc[4 * c + 1] += fs * bits_f32(x.y);
+                    acc[4 * c + 2] += fs * bits_f32(x.z), acc[4 * c + 3] += fs * bits_f32(x.w);
+                }
+            } else {
+#pragma unroll
+                for (int c = 0; c < 8; ++c)
+                    if (lane + 32 * c < head_dim) acc[c] += fs * o[lane + 32 * c];
             }
         }
-        const float f = add_sink(m, l, sinks, h);
-        out[(token * q_heads + h) * head_dim + d] = from_f32<T>(l > 0.0f ? o * f / l : 0.0f);
+    }
+    const float f = finish_factor(mx, l, sinks, h);
+    T* o = out + (token * q_heads + h) * head_dim;
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+        const int d = vec ? 4 * (lane + 32 * (c / 4)) + c % 4 : lane + 32 * c;
+        if (d < head_dim) o[d] = from_f32<T>(acc[c] * f);
     }
 }
 
@@ -557,15 +953,23 @@ extern "C" __global__ void kvrs_advance_counter(int64_t* position, int64_t n) {
                                                   int divide) {                                               \
         scale3<S, T>(dst, d0, d1, d2, src, s0, s1, s2, n0, n1, n2, scales, n_scales, axis, divide);           \
     }
-#define KVRS_ATTENTION(NAME, Q, C)                                                                            \
-    extern "C" __global__ void kvrs_paged_attention_##NAME(                                                  \
+// Attention for queries Q over storage C, one kernel per head size: d64, d128, d256 and
+// dn (any head_dim up to 256). At most 256 threads per block (the host launches 128-256).
+#define KVRS_ATTENTION_HD(NAME, Q, C, HD, SUFFIX)                                                             \
+    extern "C" __global__ void __launch_bounds__(256) kvrs_paged_attention_##NAME##_##SUFFIX(                 \
         const Q* q, int64_t q_tok, int64_t q_head, Q* out, const C* cache, const int32_t* tables,              \
-        const int64_t* rows, int q_heads, float scale, float softcap, const float* sinks, const float* alibi,  \
-        int64_t chunk, float* partial, int bs, int heads, int head_dim, int hnd, const float* k_scales,        \
-        const float* v_scales, int scale_mode) {                                                               \
-        paged_attention<Q, C>(q, {q_tok, q_head}, out, cache, tables, rows, q_heads, scale, softcap, sinks,    \
-                              alibi, chunk, partial, bs, heads, head_dim, hnd, k_scales, v_scales, scale_mode); \
+        const int64_t* rows, const int64_t* items, int q_heads, int group, float scale, float softcap,         \
+        const float* sinks, const float* alibi, float* part_o, float* part_ml, int bs, int heads, int head_dim, \
+        int hnd, const float* k_scales, const float* v_scales, int tile_rows, int hsb, int wpr) {              \
+        paged_attention<Q, C, HD>(q, {q_tok, q_head}, out, cache, tables, rows, items, q_heads, group, scale,  \
+                                  softcap, sinks, alibi, part_o, part_ml, bs, heads, head_dim, hnd, k_scales,   \
+                                  v_scales, tile_rows, hsb, wpr);                                              \
     }
+#define KVRS_ATTENTION(NAME, Q, C)                \
+    KVRS_ATTENTION_HD(NAME, Q, C, 64, d64)        \
+    KVRS_ATTENTION_HD(NAME, Q, C, 128, d128)      \
+    KVRS_ATTENTION_HD(NAME, Q, C, 256, d256)      \
+    KVRS_ATTENTION_HD(NAME, Q, C, 0, dn)
 #define KVRS_FOR_INPUTS(MACRO, T, TN) \
     MACRO(f32_##TN, float, T)         \
     MACRO(f16_##TN, __half, T)        \
@@ -577,9 +981,10 @@ extern "C" __global__ void kvrs_advance_counter(int64_t* position, int64_t n) {
     KVRS_FOR_INPUTS(KVRS_COPY3, T, TN)                                                                        \
     KVRS_FOR_INPUTS(KVRS_SCALE3, T, TN)                                                                       \
     KVRS_ATTENTION(TN, T, T)                                                                                   \
-    extern "C" __global__ void kvrs_attention_merge_##TN(const float* partial, int splits, const int64_t* rows, \
-                                                         T* out, int q_heads, const float* sinks, int head_dim) { \
-        attention_merge<T>(partial, splits, rows, out, q_heads, sinks, head_dim);                              \
+    extern "C" __global__ void kvrs_attention_merge_##TN(const float* part_o, const float* part_ml,           \
+                                                         const int32_t* merges, const int64_t* rows, T* out,      \
+                                                         int q_heads, const float* sinks, int head_dim) {         \
+        attention_merge<T>(part_o, part_ml, merges, rows, out, q_heads, sinks, head_dim);                      \
     }                                                                                                          \
     extern "C" __global__ void kvrs_gather_##TN(const T* const* cache, const int32_t* table, int64_t start,   \
                                                 T* const* out_k, T* const* out_v, int64_t k_head,             \

@@ -47,18 +47,21 @@ struct Entry {
 // shared memory or warp collectives (fibers).
 #define K(NAME) Entry{#NAME, [](void** p) { invoke(NAME, p); }, false}
 #define KF(NAME) Entry{#NAME, [](void** p) { invoke(NAME, p); }, true}
+// The attention kernels of one dtype pair, one per head size.
+#define K_ATTENTION(PREFIX) KF(PREFIX##_d64), KF(PREFIX##_d128), KF(PREFIX##_d256), KF(PREFIX##_dn)
 #define K_INPUTS(PREFIX, TN) K(PREFIX##_f32_##TN), K(PREFIX##_f16_##TN), K(PREFIX##_bf16_##TN)
 #define K_STORAGE(TN)                                                                           \
     K_INPUTS(kvrs_scatter, TN), K_INPUTS(kvrs_append_contiguous, TN), K_INPUTS(kvrs_copy3, TN), \
         K_INPUTS(kvrs_scale3, TN), K(kvrs_gather_##TN), K(kvrs_rope_rotate_##TN),                \
-        K(kvrs_paged_attention_##TN), K(kvrs_attention_merge_##TN)
+        K_ATTENTION(kvrs_paged_attention_##TN), KF(kvrs_attention_merge_##TN)
 #define K_FP8(TN)                                                                               \
     K_INPUTS(kvrs_scatter, TN), K_INPUTS(kvrs_append_contiguous, TN), K_INPUTS(kvrs_copy3, TN), \
         K(kvrs_copy3_##TN##_f32), K(kvrs_copy3_##TN##_f16), K(kvrs_copy3_##TN##_bf16),          \
-        K_INPUTS(kvrs_paged_attention, TN)
+        K_ATTENTION(kvrs_paged_attention_f32_##TN), K_ATTENTION(kvrs_paged_attention_f16_##TN),          \
+        K_ATTENTION(kvrs_paged_attention_bf16_##TN)
 #define K_INT8(SN)                                                                             \
     K(kvrs_scatter_##SN##_i8), K(kvrs_append_contiguous_##SN##_i8), K(kvrs_quantize3_##SN), \
-        K(kvrs_dequantize3_##SN), K(kvrs_paged_attention_##SN##_i8)
+        K(kvrs_dequantize3_##SN), K_ATTENTION(kvrs_paged_attention_##SN##_i8)
 
 const Entry KERNELS[] = {
     K(kvrs_copy_blocks), K(kvrs_load_blocks), K(kvrs_save_blocks), K(kvrs_advance_counter), K_STORAGE(f32), K_STORAGE(f16), K_STORAGE(bf16),

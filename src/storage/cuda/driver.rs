@@ -27,6 +27,7 @@ pub struct DriverGpu {
     module: sys::CUmodule,
     functions: Mutex<HashMap<String, sys::CUfunction>>,
     stream: sys::CUstream,
+    sm_count: usize,
 }
 
 // SAFETY: the context, module, functions and stream are driver handles, usable from any
@@ -61,6 +62,10 @@ impl DriverGpu {
         // SAFETY: a context just retained.
         unsafe { cu::ctx::set_current(ctx) }.map_err(|e| driver_error(&what("set_current"), e))?;
         let module = load_module().map_err(|why| KvError::Device(what(&why)))?;
+        let sm = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
+        // SAFETY: `dev` came from device::get.
+        let sm_count = unsafe { cu::device::get_attribute(dev, sm) }
+            .map_err(|e| driver_error(&what("cannot read the SM count"), e))?;
         let stream = cu::stream::create(cu::stream::StreamKind::Default)
             .map_err(|e| driver_error(&what("cannot create a stream"), e))?;
         Ok(DriverGpu {
@@ -69,6 +74,7 @@ impl DriverGpu {
             module,
             functions: Mutex::new(HashMap::new()),
             stream,
+            sm_count: sm_count.max(1) as usize,
         })
     }
 
@@ -164,6 +170,10 @@ fn include_dirs() -> Vec<String> {
 impl Gpu for DriverGpu {
     fn ordinal(&self) -> usize {
         self.ordinal
+    }
+
+    fn sm_count(&self) -> usize {
+        self.sm_count
     }
 
     fn default_stream(&self) -> StreamHandle {

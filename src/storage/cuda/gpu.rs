@@ -27,6 +27,9 @@ pub const THREADS: u32 = 256;
 pub trait Gpu: Send + Sync + fmt::Debug {
     /// The device ordinal.
     fn ordinal(&self) -> usize;
+    /// The device's streaming multiprocessors (the attention split aims at a few blocks
+    /// per SM).
+    fn sm_count(&self) -> usize;
     /// The stream kvrs uses when a caller names none.
     fn default_stream(&self) -> StreamHandle;
     /// `bytes` of zeroed device memory.

@@ -23,18 +23,15 @@ pub enum Kernel {
     Quantize3,
     /// `kvrs_dequantize3_*`: a region of int8 codes read into floats (int8, destination).
     Dequantize3,
-    /// `kvrs_paged_attention_*`: attention (query dtype, storage dtype).
-    Attention,
 }
 
-const KERNELS: [Kernel; 7] = [
+const KERNELS: [Kernel; 6] = [
     Kernel::Scatter,
     Kernel::AppendContiguous,
     Kernel::Copy3,
     Kernel::Scale3,
     Kernel::Quantize3,
     Kernel::Dequantize3,
-    Kernel::Attention,
 ];
 
 /// Every dtype, in the table's order.
@@ -73,10 +70,6 @@ fn defined(kernel: Kernel, a: DType, b: DType) -> Option<String> {
         Kernel::Scale3 if float(a) && float(b) => Some(format!("kvrs_scale3_{pa}_{pb}")),
         Kernel::Quantize3 if float(a) && b == DType::I8 => Some(format!("kvrs_quantize3_{pa}")),
         Kernel::Dequantize3 if a == DType::I8 && float(b) => Some(format!("kvrs_dequantize3_{pb}")),
-        Kernel::Attention if a == b && float(a) => Some(format!("kvrs_paged_attention_{pa}")),
-        Kernel::Attention if float(a) && !float(b) => {
-            Some(format!("kvrs_paged_attention_{pa}_{pb}"))
-        }
         _ => None,
     }
 }
@@ -110,6 +103,55 @@ pub fn kernel(kernel: Kernel, a: DType, b: DType) -> Result<&'static str> {
              read as float32, float16 or bfloat16)"
         ))
     })
+}
+
+/// The head sizes with their own attention kernel (q and the accumulator in registers,
+/// 16-byte rows); any other head_dim up to [`MAX_HEAD_DIM`] takes the `dn` kernel.
+pub const ATTENTION_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+
+/// Largest head_dim the attention kernels take.
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// The attention kernel for queries of `q` over storage of `c` with rows of `head_dim`
+/// (at most [`MAX_HEAD_DIM`]): `kvrs_paged_attention_{q}[_{c}]_d{64,128,256,n}`. Float
+/// storage takes queries of its own dtype, 8-bit storage any float queries.
+pub fn attention_kernel(q: DType, c: DType, head_dim: usize) -> Result<&'static str> {
+    const VARIANTS: usize = ATTENTION_HEAD_DIMS.len() + 1;
+    static TABLE: OnceLock<Vec<Option<&'static str>>> = OnceLock::new();
+    let index = |a: usize, b: usize, v: usize| (a * DTYPES.len() + b) * VARIANTS + v;
+    let table = TABLE.get_or_init(|| {
+        let mut t = vec![None; DTYPES.len() * DTYPES.len() * VARIANTS];
+        for (i, &a) in DTYPES.iter().enumerate() {
+            for (j, &b) in DTYPES.iter().enumerate() {
+                let base = match (a.is_quantized(), b.is_quantized()) {
+                    (false, false) if a == b => format!("kvrs_paged_attention_{}", part(a)),
+                    (false, true) => format!("kvrs_paged_attention_{}_{}", part(a), part(b)),
+                    _ => continue,
+                };
+                let suffixes = ATTENTION_HEAD_DIMS.iter().map(|d| format!("d{d}"));
+                for (v, suffix) in suffixes.chain(["dn".to_string()]).enumerate() {
+                    // A fixed set of names, made once for the process.
+                    t[index(i, j, v)] = Some(&*format!("{base}_{suffix}").leak());
+                }
+            }
+        }
+        t
+    });
+    let at = |d: DType| DTYPES.iter().position(|&x| x == d).expect("every dtype");
+    let variant = ATTENTION_HEAD_DIMS
+        .iter()
+        .position(|&d| d == head_dim)
+        .unwrap_or(ATTENTION_HEAD_DIMS.len());
+    match table[index(at(q), at(c), variant)] {
+        Some(name) if head_dim <= MAX_HEAD_DIM => Ok(name),
+        Some(_) => Err(KvError::NotSupported(format!(
+            "attention on a CUDA pool with head_dim={head_dim} (at most {MAX_HEAD_DIM})"
+        ))),
+        None => Err(KvError::NotSupported(format!(
+            "attention with {q} queries over {c} storage on a CUDA device (float storage takes \
+             queries of its dtype, 8-bit storage float32, float16 or bfloat16 queries)"
+        ))),
+    }
 }
 
 /// The kernel that merges the attention kernel's splits, for queries of `dtype`.
@@ -159,8 +201,25 @@ mod tests {
                 }
             }
         }
-        assert!(named > 60, "{named}");
+        for q in DTYPES {
+            for c in DTYPES {
+                for d in [64, 128, 256, 4, 80] {
+                    if let Ok(name) = attention_kernel(q, c, d) {
+                        named += 1;
+                        let entry = format!(".visible .entry {name}(");
+                        assert!(ptx.contains(&entry), "{name} is not in kernels/kvrs.ptx");
+                    }
+                }
+            }
+        }
+        assert!(named > 100, "{named}");
         assert!(kernel(Kernel::Copy3, DType::I8, DType::F32).is_err());
-        assert!(kernel(Kernel::Attention, DType::I8, DType::F16).is_err());
+        assert!(attention_kernel(DType::I8, DType::F16, 128).is_err());
+        assert!(attention_kernel(DType::F16, DType::F32, 128).is_err());
+        assert!(attention_kernel(DType::F16, DType::F16, 512).is_err());
+        assert_eq!(
+            attention_kernel(DType::BF16, DType::F8E4M3, 96).unwrap(),
+            "kvrs_paged_attention_bf16_e4m3_dn"
+        );
     }
 }

@@ -18,6 +18,7 @@
 //! - [`storage`]: [`CudaStorage`], the [`super::Storage`] on a device.
 
 pub mod attention;
+pub mod attention_plan;
 mod counter;
 pub mod detect;
 #[cfg(all(feature = "cuda", not(feature = "cuda-sim")))]

@@ -77,6 +77,11 @@ impl Gpu for SimGpu {
         self.ordinal
     }
 
+    /// An H100's count, so that launches are planned as on one.
+    fn sm_count(&self) -> usize {
+        132
+    }
+
     fn default_stream(&self) -> StreamHandle {
         0
     }
