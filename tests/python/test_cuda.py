@@ -187,8 +187,8 @@ def test_write_layers_and_put_layers_equal_the_host(store, layout):
     """write_layers / put_layers on a CUDA pool (one kvrs_scatter launch for every layer,
     inputs sliced from a larger buffer: a layer stride) against the host pool's writes."""
     g = torch.Generator(device="cuda").manual_seed(5)
-    kw = dict(block_size=4, num_blocks=64, dtype=store, layout=layout, layer_types=["full", "sliding", "full"],
-              sliding_window=8)  # fmt: skip
+    kinds = ["full", "sliding", "full"]
+    kw = dict(block_size=4, num_blocks=64, dtype=store, layout=layout, layer_types=kinds, sliding_window=8)
     pools = [kvrs.BlockPool(3, 2, 64, device="cuda", **kw), kvrs.BlockPool(3, 2, 64, **kw)]
     buf = torch.randn(2, 3, 7, 2, 64, device="cuda", generator=g).to(torch.float16)
     k, v = buf[0, :, :6], buf[1, :, :6]
