@@ -183,21 +183,188 @@ struct TokenStrides {
     int64_t tok, head;
 };
 
-// vLLM's reshape_and_cache. Grid (tokens, layers); threads stride over heads * head_dim.
+// ---- Copies at copy speed (scatter, gather, block copies and swaps) --------------------
+//
+// The small arrays of a launch (slots, block tables, block pairs, per-layer base
+// addresses) are 64-bit "words", passed either as a kernel parameter (the `_w480` and
+// `_w4000` instances: a __grid_constant__ struct, so no upload precedes the launch and
+// the launch can be captured in a CUDA graph; 4000 words need CUDA 12.1's 32 KB of
+// parameters) or, when larger, through a device pointer (the `_wp` instances). The host
+// picks the smallest instance that holds them.
+//
+// The kernels read their pointers once into __restrict__ locals, move up to 16 bytes per
+// access (the host picks the vector width `vec`, in elements, from the alignment of
+// every address and stride, and passes it; the kernel switches to the instance
+// compiled for it), stride over tokens with the loop unrolled so several loads are in
+// flight, and do no 64-bit division: the host splits each slot into its block and
+// offset.
+
+#ifdef KVRS_SIM
+struct alignas(16) kvrs_v16 {
+    uint32_t x, y, z, w;
+};
+struct alignas(8) kvrs_v8 {
+    uint32_t x, y;
+};
+#define KVRS_UNROLL(N)
+#else
+typedef uint4 kvrs_v16;
+typedef uint2 kvrs_v8;
+#define KVRS_PRAGMA(X) _Pragma(#X)
+#define KVRS_UNROLL(N) KVRS_PRAGMA(unroll N)
+#endif
+
+// A slot split by the host: block << 32 | offset; all ones skips the token (slot -1).
+#define KVRS_SKIP_SLOT (~(uint64_t)0)
+
+// The unsigned integer type of B bytes (the vector a copy moves per access).
+template <int B> struct raw_of;
+template <> struct raw_of<16> { typedef kvrs_v16 type; };
+template <> struct raw_of<8> { typedef kvrs_v8 type; };
+template <> struct raw_of<4> { typedef uint32_t type; };
+template <> struct raw_of<2> { typedef uint16_t type; };
+template <> struct raw_of<1> { typedef uint8_t type; };
+
+// E elements of S as one raw vector (the address aligned to E elements).
+template <typename S, int E> struct Lane {
+    typedef typename raw_of<E * sizeof(S)>::type type;
+};
+template <typename S, int E> __device__ __forceinline__ typename Lane<S, E>::type load_vec(const S* __restrict__ src) {
+    return *reinterpret_cast<const typename Lane<S, E>::type*>(src);
+}
+
+// Stores the E elements of S in `in` at dst as T (a same-type store moves the bits).
+template <typename S, typename T, int E>
+__device__ __forceinline__ void store_vec(T* __restrict__ dst, typename Lane<S, E>::type in) {
+    if constexpr (same<S, T>::value) {
+        *reinterpret_cast<typename Lane<S, E>::type*>(dst) = in;
+    } else {
+        union {
+            typename Lane<S, E>::type raw;
+            S x[E];
+        } from;
+        union {
+            typename Lane<T, E>::type raw;
+            T x[E];
+        } to;
+        from.raw = in;
+        for (int e = 0; e < E; ++e) to.x[e] = convert<S, T>(from.x[e]);
+        *reinterpret_cast<typename Lane<T, E>::type*>(dst) = to.raw;
+    }
+}
+
+// Tokens a thread has in flight: each round loads KVRS_BATCH tokens' vectors before it
+// stores any, so the loads overlap.
+#define KVRS_BATCH 4
+
+// A compile-time vector width.
+template <int E> struct Vec {
+    static constexpr int value = E;
+};
+
+// Calls f(Vec<E>{}) for E = vec, among the widths whose accesses of S and T are at most
+// 16 bytes (the host never asks for more); E = 1 otherwise.
+template <typename S, typename T, typename F> __device__ __forceinline__ void with_vec(int vec, F f) {
+    constexpr int wide = sizeof(S) > sizeof(T) ? sizeof(S) : sizeof(T);
+    if constexpr (16 / wide >= 16) {
+        if (vec == 16) return f(Vec<16>{});
+    }
+    if constexpr (16 / wide >= 8) {
+        if (vec == 8) return f(Vec<8>{});
+    }
+    if constexpr (16 / wide >= 4) {
+        if (vec == 4) return f(Vec<4>{});
+    }
+    if (vec == 2) return f(Vec<2>{});
+    f(Vec<1>{});
+}
+
+// Geometry of one paged cache tensor: a block is [2][bs][heads][head_dim] (NHD) or
+// [2][heads][bs][head_dim] (HND).
+struct Paged {
+    int bs, heads, head_dim, hnd;
+    // Elements of K (or V) of one block, and of the whole block.
+    __device__ __forceinline__ int64_t plane() const { return (int64_t)bs * heads * head_dim; }
+    // Elements between positions (offsets) of one head.
+    __device__ __forceinline__ int64_t off_step() const { return hnd ? head_dim : (int64_t)heads * head_dim; }
+    // Offset of (head h, dim d) at position 0 of K.
+    __device__ __forceinline__ int64_t head_at(int h, int d) const {
+        return hnd ? (int64_t)h * bs * head_dim + d : (int64_t)h * head_dim + d;
+    }
+};
+
+// vLLM's reshape_and_cache over every layer of one step: grid (token blocks, layers),
+// threads (x: vectors of a token's row, y: tokens). Layer l's cache tensor starts at
+// words[l * rec], its slots (split) at words + words[l * rec + 1]; its K and V inputs
+// at k + l * k_layer, v + l * v_layer.
 template <typename S, typename T>
-__device__ void scatter(const S* const* k, const S* const* v, T* const* cache, const int64_t* slots,
-                        TokenStrides ks, TokenStrides vs, int bs, int heads, int head_dim, int hnd) {
-    const int64_t t = blockIdx.x;
+__device__ void scatter_rows(const uint64_t* __restrict__ words, int rec, const S* __restrict__ k,
+                             const S* __restrict__ v, int64_t k_layer, int64_t v_layer, TokenStrides ks,
+                             TokenStrides vs, int n, Paged g, int vec) {
     const int layer = blockIdx.y;
-    const int64_t slot = slots[t];
-    if (slot < 0) return;  // -1: padding, skip
-    const int64_t block = slot / bs, off = slot % bs;
-    for (int i = threadIdx.x; i < heads * head_dim; i += blockDim.x) {
-        const int h = i / head_dim, d = i % head_dim;
-        cache[layer][paged_offset(block, 0, off, h, d, bs, heads, head_dim, hnd)] =
-            convert<S, T>(k[layer][t * ks.tok + h * ks.head + d]);
-        cache[layer][paged_offset(block, 1, off, h, d, bs, heads, head_dim, hnd)] =
-            convert<S, T>(v[layer][t * vs.tok + h * vs.head + d]);
+    T* __restrict__ cache = reinterpret_cast<T*>(words[layer * rec]);
+    const uint64_t* __restrict__ slots = words + words[layer * rec + 1];
+    const S* __restrict__ kl = k + layer * k_layer;
+    const S* __restrict__ vl = v + layer * v_layer;
+    const int64_t plane = g.plane(), step = g.off_step();
+    with_vec<S, T>(vec, [&](auto e) {
+        constexpr int E = decltype(e)::value;
+        const int dv = g.head_dim / E, row = g.heads * dv;
+        for (int r = threadIdx.x; r < row; r += blockDim.x) {
+            const int h = r / dv, d = (r - h * dv) * E;
+            const S* __restrict__ kr = kl + h * ks.head + d;
+            const S* __restrict__ vr = vl + h * vs.head + d;
+            T* __restrict__ cr = cache + g.head_at(h, d);
+            const int stride = gridDim.x * blockDim.y;
+            for (int t0 = blockIdx.x * blockDim.y + threadIdx.y; t0 < n; t0 += KVRS_BATCH * stride) {
+                typename Lane<S, E>::type kx[KVRS_BATCH] = {}, vx[KVRS_BATCH] = {};
+                T* dst[KVRS_BATCH];
+                KVRS_UNROLL(KVRS_BATCH)
+                for (int u = 0; u < KVRS_BATCH; ++u) {
+                    const int t = t0 + u * stride;
+                    const uint64_t s = t < n ? slots[t] : KVRS_SKIP_SLOT;
+                    dst[u] = nullptr;
+                    if (s != KVRS_SKIP_SLOT) {
+                        dst[u] = cr + (int64_t)(uint32_t)(s >> 32) * 2 * plane + (int64_t)(uint32_t)s * step;
+                        kx[u] = load_vec<S, E>(kr + t * ks.tok);
+                        vx[u] = load_vec<S, E>(vr + t * vs.tok);
+                    }
+                }
+                KVRS_UNROLL(KVRS_BATCH)
+                for (int u = 0; u < KVRS_BATCH; ++u) {
+                    if (dst[u] == nullptr) continue;
+                    store_vec<S, T, E>(dst[u], kx[u]);
+                    store_vec<S, T, E>(dst[u] + plane, vx[u]);
+                }
+            }
+        }
+    });
+}
+
+// scatter_rows into int8 storage: each thread quantizes whole head vectors (threads x:
+// heads); layer l's float32 scales start at words[l * rec + 2].
+template <typename S>
+__device__ void scatter_rows_q8(const uint64_t* __restrict__ words, int rec, const S* __restrict__ k,
+                                const S* __restrict__ v, int64_t k_layer, int64_t v_layer, TokenStrides ks,
+                                TokenStrides vs, int n, Paged g, int /* vec: one vector per thread */) {
+    const int layer = blockIdx.y;
+    int8_t* __restrict__ cache = reinterpret_cast<int8_t*>(words[layer * rec]);
+    const uint64_t* __restrict__ slots = words + words[layer * rec + 1];
+    float* __restrict__ scales = reinterpret_cast<float*>(words[layer * rec + 2]);
+    const S* __restrict__ kl = k + layer * k_layer;
+    const S* __restrict__ vl = v + layer * v_layer;
+    // Offsets in head vectors (every offset below is a multiple of head_dim).
+    const int64_t plane = g.plane() / g.head_dim, step = g.off_step() / g.head_dim;
+    for (int h = threadIdx.x; h < g.heads; h += blockDim.x) {
+        const int64_t at = g.head_at(h, 0) / g.head_dim;
+        for (int t = blockIdx.x * blockDim.y + threadIdx.y; t < n; t += gridDim.x * blockDim.y) {
+            const uint64_t s = slots[t];
+            if (s == KVRS_SKIP_SLOT) continue;
+            const int64_t kvec = at + (int64_t)(uint32_t)(s >> 32) * 2 * plane + (int64_t)(uint32_t)s * step;
+            const int64_t vvec = kvec + plane;
+            scales[kvec] = quantize_vector(cache + kvec * g.head_dim, 1, kl + t * ks.tok + h * ks.head, 1, g.head_dim);
+            scales[vvec] = quantize_vector(cache + vvec * g.head_dim, 1, vl + t * vs.tok + h * vs.head, 1, g.head_dim);
+        }
     }
 }
 
@@ -206,20 +373,106 @@ struct HeadStrides {
     int64_t head, pos;
 };
 
-// Positions start..start+n of a block table gathered into K/V [heads, >= n, head_dim]
-// (output position 0 is position start). Grid (n, layers); threads stride over
-// heads * head_dim.
+// Positions first..first+n of a block table (int32 entries, two per word, from the
+// block holding position first on) gathered into K/V [heads, >= n, head_dim]: raw
+// copies. Grid (position blocks), threads (x: vectors of a position's row, y: positions).
 template <typename T>
-__device__ void gather(const T* const* cache, const int32_t* table, int64_t start, T* const* out_k,
-                       T* const* out_v, HeadStrides ks, HeadStrides vs, int bs, int heads, int head_dim,
-                       int hnd) {
-    const int64_t t = blockIdx.x, p = start + t;
-    const int layer = blockIdx.y;
-    const int64_t block = table[p / bs], off = p % bs;
-    for (int i = threadIdx.x; i < heads * head_dim; i += blockDim.x) {
-        const int h = i / head_dim, d = i % head_dim;
-        out_k[layer][h * ks.head + t * ks.pos + d] = cache[layer][paged_offset(block, 0, off, h, d, bs, heads, head_dim, hnd)];
-        out_v[layer][h * vs.head + t * vs.pos + d] = cache[layer][paged_offset(block, 1, off, h, d, bs, heads, head_dim, hnd)];
+__device__ void gather_rows(const uint64_t* __restrict__ words, const T* __restrict__ cache, int first, int n,
+                            T* __restrict__ out_k, T* __restrict__ out_v, HeadStrides ks, HeadStrides vs, Paged g,
+                            int vec) {
+    const uint32_t* __restrict__ table = reinterpret_cast<const uint32_t*>(words);
+    const int64_t plane = g.plane(), step = g.off_step();
+    const unsigned bs = g.bs;
+    with_vec<T, T>(vec, [&](auto e) {
+        constexpr int E = decltype(e)::value;
+        const int dv = g.head_dim / E, row = g.heads * dv;
+        for (int r = threadIdx.x; r < row; r += blockDim.x) {
+            const int h = r / dv, d = (r - h * dv) * E;
+            const T* __restrict__ cr = cache + g.head_at(h, d);
+            T* __restrict__ ko = out_k + h * ks.head + d;
+            T* __restrict__ vo = out_v + h * vs.head + d;
+            const int stride = gridDim.x * blockDim.y;
+            for (int t0 = blockIdx.x * blockDim.y + threadIdx.y; t0 < n; t0 += KVRS_BATCH * stride) {
+                typename Lane<T, E>::type kx[KVRS_BATCH] = {}, vx[KVRS_BATCH] = {};
+                KVRS_UNROLL(KVRS_BATCH)
+                for (int u = 0; u < KVRS_BATCH; ++u) {
+                    const int t = t0 + u * stride;
+                    if (t < n) {
+                        const unsigned p = first + t, b = p / bs;
+                        const T* src = cr + (int64_t)table[b] * 2 * plane + (int64_t)(p - b * bs) * step;
+                        kx[u] = load_vec<T, E>(src);
+                        vx[u] = load_vec<T, E>(src + plane);
+                    }
+                }
+                KVRS_UNROLL(KVRS_BATCH)
+                for (int u = 0; u < KVRS_BATCH; ++u) {
+                    const int t = t0 + u * stride;
+                    if (t < n) {
+                        store_vec<T, T, E>(ko + t * ks.pos, kx[u]);
+                        store_vec<T, T, E>(vo + t * vs.pos, vx[u]);
+                    }
+                }
+            }
+        }
+    });
+}
+
+// Bytes [z * chunk, (z + 1) * chunk) of one block (z = blockIdx.z) in B-byte vectors:
+// threads stride over them, KVRS_BATCH loads in flight.
+template <int B>
+__device__ __forceinline__ void move_chunk(const char* __restrict__ from, char* __restrict__ to, int64_t block_bytes,
+                                           int64_t chunk) {
+    typedef typename raw_of<B>::type R;
+    const R* __restrict__ src = reinterpret_cast<const R*>(from);
+    R* __restrict__ dst = reinterpret_cast<R*>(to);
+    const int64_t n = block_bytes / B, lo = blockIdx.z * (chunk / B), end = lo + chunk / B;
+    const int64_t hi = end < n ? end : n;
+    for (int64_t i0 = lo + threadIdx.x; i0 < hi; i0 += KVRS_BATCH * blockDim.x) {
+        R x[KVRS_BATCH] = {};
+        KVRS_UNROLL(KVRS_BATCH)
+        for (int u = 0; u < KVRS_BATCH; ++u) {
+            const int64_t i = i0 + u * blockDim.x;
+            if (i < hi) x[u] = src[i];
+        }
+        KVRS_UNROLL(KVRS_BATCH)
+        for (int u = 0; u < KVRS_BATCH; ++u) {
+            const int64_t i = i0 + u * blockDim.x;
+            if (i < hi) dst[i] = x[u];
+        }
+    }
+}
+
+// move_chunk with B = vec bytes (16, 8 or 4; every address and size a multiple of it).
+__device__ __forceinline__ void move_chunk_vec(const char* from, char* to, int64_t block_bytes, int64_t chunk,
+                                               int vec) {
+    if (vec == 16) return move_chunk<16>(from, to, block_bytes, chunk);
+    if (vec == 8) return move_chunk<8>(from, to, block_bytes, chunk);
+    move_chunk<4>(from, to, block_bytes, chunk);
+}
+
+// Whole blocks copied in every tensor: grid (pairs, tensors, chunks of `chunk` bytes).
+// words[0..tensors) are the tensors' bases, words[tensors + i] pair i (source block in
+// the low half, destination in the high). No block is both a source and a destination
+// of one launch.
+__device__ void copy_blocks(const uint64_t* __restrict__ words, int64_t block_bytes, int64_t chunk, int vec) {
+    const uint64_t pair = words[gridDim.y + blockIdx.x];
+    char* base = reinterpret_cast<char*>(words[blockIdx.y]);
+    move_chunk_vec(base + (int64_t)(uint32_t)pair * block_bytes, base + (int64_t)(uint32_t)(pair >> 32) * block_bytes,
+                   block_bytes, chunk, vec);
+}
+
+// Whole blocks between the cache tensors and a packed host-transfer buffer (the block
+// swaps of the offload tiers), grid (items, tensors, chunks): item i's block of tensor t
+// is bytes [(i * tensors + t) * block_bytes, + block_bytes) of `packed` and block
+// words[tensors + i] of the tensor at words[t]. load: packed -> tensors; else the reverse.
+__device__ void swap_blocks(const uint64_t* __restrict__ words, char* packed, int64_t block_bytes, int64_t chunk,
+                            int vec, bool load) {
+    char* tensor = reinterpret_cast<char*>(words[blockIdx.y]) + (int64_t)words[gridDim.y + blockIdx.x] * block_bytes;
+    char* buffer = packed + ((int64_t)blockIdx.x * gridDim.y + blockIdx.y) * block_bytes;
+    if (load) {
+        move_chunk_vec(buffer, tensor, block_bytes, chunk, vec);
+    } else {
+        move_chunk_vec(tensor, buffer, block_bytes, chunk, vec);
     }
 }
 
@@ -294,25 +547,6 @@ __device__ void append_contiguous(const S* k, const S* v, TokenStrides ks, Token
 
 // int8 storage keeps one float32 scale per head vector: the vector at element offset o
 // of the codes has its scale at o / head_dim of the scales (the same regions, divided).
-
-// The scatter into int8 storage: each thread quantizes whole head vectors of one token.
-// Grid (tokens, layers); threads stride over heads.
-template <typename S>
-__device__ void scatter_q8(const S* const* k, const S* const* v, int8_t* const* cache, float* const* scales,
-                           const int64_t* slots, TokenStrides ks, TokenStrides vs, int bs, int heads, int head_dim,
-                           int hnd) {
-    const int64_t t = blockIdx.x;
-    const int layer = blockIdx.y;
-    const int64_t slot = slots[t];
-    if (slot < 0) return;
-    const int64_t block = slot / bs, off = slot % bs;
-    for (int h = threadIdx.x; h < heads; h += blockDim.x) {
-        const int64_t ko = paged_offset(block, 0, off, h, 0, bs, heads, head_dim, hnd);
-        const int64_t vo = paged_offset(block, 1, off, h, 0, bs, heads, head_dim, hnd);
-        scales[layer][ko / head_dim] = quantize_vector(cache[layer] + ko, 1, k[layer] + t * ks.tok + h * ks.head, 1, head_dim);
-        scales[layer][vo / head_dim] = quantize_vector(cache[layer] + vo, 1, v[layer] + t * vs.tok + h * vs.head, 1, head_dim);
-    }
-}
 
 // append_contiguous into int8 storage (`scales` holds the scales of `cache`'s vectors).
 // Grid (tokens, layers); threads stride over heads.
@@ -896,43 +1130,68 @@ __device__ void attention_merge(const float* part_o, const float* part_ml, const
 
 }  // namespace
 
-// Whole blocks copied, every layer: pairs[i] = (src, dst). Grid (pairs, layers); threads
-// stride over the block's 32-bit words (a block's bytes are always a multiple of 4).
-extern "C" __global__ void kvrs_copy_blocks(uint32_t* const* layers, const int64_t* pairs, int64_t block_words) {
-    const int64_t src = pairs[2 * blockIdx.x] * block_words, dst = pairs[2 * blockIdx.x + 1] * block_words;
-    uint32_t* data = layers[blockIdx.y];
-    for (int64_t i = threadIdx.x; i < block_words; i += blockDim.x) data[dst + i] = data[src + i];
-}
+// Kernels taking launch words (see "Copies at copy speed"): NAME_w480 and NAME_w4000
+// hold them in a parameter of 480 or 4000 words (the latter needs CUDA 12.1's large
+// parameters, and is left out when compiled by an older NVRTC), NAME_wp reads them
+// through a pointer. PARAMS are the other parameters; BODY runs with `words` their address.
+template <int N> struct KvrsWords {
+    uint64_t w[N];
+};
+#if !defined(__CUDACC_VER_MAJOR__) || __CUDACC_VER_MAJOR__ > 12 || \
+    (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 1)
+#define KVRS_LARGE_PARAMS 1
+#endif
+#define KVRS_EXPAND(...) __VA_ARGS__
+#ifdef KVRS_SIM
+// The simulator hands a kernel its parameters in place (no copy per simulated thread).
+#define KVRS_WORDS_T(N) const KvrsWords<N>&
+#else
+#define KVRS_WORDS_T(N) const __grid_constant__ KvrsWords<N>
+#endif
+#define KVRS_WORDS_PARAM(NAME, N, PARAMS, BODY)                                                  \
+    extern "C" __global__ void NAME##_w##N(KVRS_WORDS_T(N) in_words, KVRS_EXPAND PARAMS) {      \
+        const uint64_t* words = in_words.w;                                                                 \
+        KVRS_EXPAND BODY;                                                                                   \
+    }
+#ifdef KVRS_LARGE_PARAMS
+#define KVRS_WORDS_LARGE(NAME, PARAMS, BODY) KVRS_WORDS_PARAM(NAME, 4000, PARAMS, BODY)
+#else
+#define KVRS_WORDS_LARGE(NAME, PARAMS, BODY)
+#endif
+#define KVRS_WORDS(NAME, PARAMS, BODY)                                                           \
+    KVRS_WORDS_PARAM(NAME, 480, PARAMS, BODY)                                                    \
+    KVRS_WORDS_LARGE(NAME, PARAMS, BODY)                                                         \
+    extern "C" __global__ void NAME##_wp(const uint64_t* __restrict__ words, KVRS_EXPAND PARAMS) { \
+        KVRS_EXPAND BODY;                                                                        \
+    }
 
-// Whole blocks between the cache tensors and a packed host-transfer buffer, every layer
-// in one launch (the block swaps of the offload tiers): item i's block of tensor t is
-// words [(i * tensors + t) * block_words, + block_words) of `packed`, and
-// blocks[i] * block_words of layers[t]. Grid (items, tensors); threads stride over words.
-extern "C" __global__ void kvrs_load_blocks(uint32_t* const* layers, const int64_t* blocks, const uint32_t* packed,
-                                            int64_t block_words) {
-    const uint32_t* src = packed + ((int64_t)blockIdx.x * gridDim.y + blockIdx.y) * block_words;
-    uint32_t* dst = layers[blockIdx.y] + blocks[blockIdx.x] * block_words;
-    for (int64_t i = threadIdx.x; i < block_words; i += blockDim.x) dst[i] = src[i];
-}
-extern "C" __global__ void kvrs_save_blocks(const uint32_t* const* layers, const int64_t* blocks, uint32_t* packed,
-                                            int64_t block_words) {
-    uint32_t* dst = packed + ((int64_t)blockIdx.x * gridDim.y + blockIdx.y) * block_words;
-    const uint32_t* src = layers[blockIdx.y] + blocks[blockIdx.x] * block_words;
-    for (int64_t i = threadIdx.x; i < block_words; i += blockDim.x) dst[i] = src[i];
-}
+KVRS_WORDS(kvrs_copy_blocks, (int64_t block_bytes, int64_t chunk, int vec),
+           (copy_blocks(words, block_bytes, chunk, vec)))
+KVRS_WORDS(kvrs_load_blocks, (char* packed, int64_t block_bytes, int64_t chunk, int vec),
+           (swap_blocks(words, packed, block_bytes, chunk, vec, true)))
+KVRS_WORDS(kvrs_save_blocks, (char* packed, int64_t block_bytes, int64_t chunk, int vec),
+           (swap_blocks(words, packed, block_bytes, chunk, vec, false)))
 
 // Adds n to the device-resident position counter (the end of a captured decode step).
 extern "C" __global__ void kvrs_advance_counter(int64_t* position, int64_t n) {
     if (blockIdx.x == 0 && threadIdx.x == 0) *position += n;
 }
 
+// The scatter's parameters after the words: inputs [layers, tokens, heads, head_dim]
+// with element strides, tokens, the pool's geometry and the vector width.
+#define KVRS_SCATTER_PARAMS(S)                                                                                \
+    (const S* k, const S* v, int64_t k_layer, int64_t v_layer, int64_t k_tok, int64_t k_head, int64_t v_tok,   \
+     int64_t v_head, int n, int bs, int heads, int head_dim, int hnd, int vec)
 #define KVRS_SCATTER(NAME, S, T)                                                                              \
-    extern "C" __global__ void kvrs_scatter_##NAME(const S* const* k, const S* const* v, T* const* cache,     \
-                                                   const int64_t* slots, int64_t k_tok, int64_t k_head,        \
-                                                   int64_t v_tok, int64_t v_head, int bs, int heads,           \
-                                                   int head_dim, int hnd) {                                     \
-        scatter<S, T>(k, v, cache, slots, {k_tok, k_head}, {v_tok, v_head}, bs, heads, head_dim, hnd);       \
-    }
+    KVRS_WORDS(kvrs_scatter_##NAME, KVRS_SCATTER_PARAMS(S),                                                      \
+               (scatter_rows<S, T>(words, 2, k, v, k_layer, v_layer, {k_tok, k_head}, {v_tok, v_head}, n,      \
+                                   {bs, heads, head_dim, hnd}, vec)))
+#define KVRS_GATHER(TN, T)                                                                                    \
+    KVRS_WORDS(kvrs_gather_##TN,                                                                              \
+               (const T* cache, int first, int n, T* out_k, T* out_v, int64_t k_head, int64_t k_pos,          \
+                int64_t v_head, int64_t v_pos, int bs, int heads, int head_dim, int hnd, int vec),            \
+               (gather_rows<T>(words, cache, first, n, out_k, out_v, {k_head, k_pos}, {v_head, v_pos},         \
+                               {bs, heads, head_dim, hnd}, vec)))
 #define KVRS_APPEND(NAME, S, T)                                                                               \
     extern "C" __global__ void kvrs_append_contiguous_##NAME(                                                 \
         const S* k, const S* v, int64_t k_tok, int64_t k_head, int64_t v_tok, int64_t v_head, int64_t k_layer, \
@@ -986,13 +1245,7 @@ extern "C" __global__ void kvrs_advance_counter(int64_t* position, int64_t n) {
                                                          int q_heads, const float* sinks, int head_dim) {         \
         attention_merge<T>(part_o, part_ml, merges, rows, out, q_heads, sinks, head_dim);                      \
     }                                                                                                          \
-    extern "C" __global__ void kvrs_gather_##TN(const T* const* cache, const int32_t* table, int64_t start,   \
-                                                T* const* out_k, T* const* out_v, int64_t k_head,             \
-                                                int64_t k_pos, int64_t v_head, int64_t v_pos, int bs,         \
-                                                int heads, int head_dim, int hnd) {                           \
-        gather<T>(cache, table, start, out_k, out_v, {k_head, k_pos}, {v_head, v_pos}, bs, heads, head_dim,   \
-                  hnd);                                                                                        \
-    }                                                                                                          \
+    KVRS_GATHER(TN, T)                                                                                         \
     extern "C" __global__ void kvrs_rope_rotate_##TN(T* const* cache, const int32_t* table, int64_t start,    \
                                                      const float* cos_t, const float* sin_t, int rotary_dim,  \
                                                      int style, int bs, int heads, int head_dim, int hnd) {   \
@@ -1020,13 +1273,9 @@ KVRS_PER_FP8(kvrs_e5m2, e5m2)
 // int8 storage, per float input S (named SN): quantizing scatter, append and region
 // write; dequantizing region read into S; attention with S queries.
 #define KVRS_PER_INT8_INPUT(S, SN)                                                                            \
-    extern "C" __global__ void kvrs_scatter_##SN##_i8(const S* const* k, const S* const* v,                   \
-                                                      int8_t* const* cache, float* const* scales,              \
-                                                      const int64_t* slots, int64_t k_tok, int64_t k_head,     \
-                                                      int64_t v_tok, int64_t v_head, int bs, int heads,        \
-                                                      int head_dim, int hnd) {                                 \
-        scatter_q8<S>(k, v, cache, scales, slots, {k_tok, k_head}, {v_tok, v_head}, bs, heads, head_dim, hnd); \
-    }                                                                                                          \
+    KVRS_WORDS(kvrs_scatter_##SN##_i8, KVRS_SCATTER_PARAMS(S),                                                   \
+               (scatter_rows_q8<S>(words, 3, k, v, k_layer, v_layer, {k_tok, k_head}, {v_tok, v_head}, n,      \
+                                   {bs, heads, head_dim, hnd}, vec)))                                          \
     extern "C" __global__ void kvrs_append_contiguous_##SN##_i8(                                              \
         const S* k, const S* v, int64_t k_tok, int64_t k_head, int64_t v_tok, int64_t v_head, int64_t k_layer, \
         int64_t v_layer, int8_t* cache, float* scales, const int64_t* position, int64_t max_seq_len, int heads, \
@@ -1054,11 +1303,7 @@ KVRS_PER_INT8_INPUT(__nv_bfloat16, bf16)
 
 // 1-byte storage of any kind: raw copies and gathers of the codes.
 KVRS_COPY3(b8_b8, uint8_t, uint8_t)
-extern "C" __global__ void kvrs_gather_b8(const uint8_t* const* cache, const int32_t* table, int64_t start,
-                                          uint8_t* const* out_k, uint8_t* const* out_v, int64_t k_head, int64_t k_pos,
-                                          int64_t v_head, int64_t v_pos, int bs, int heads, int head_dim, int hnd) {
-    gather<uint8_t>(cache, table, start, out_k, out_v, {k_head, k_pos}, {v_head, v_pos}, bs, heads, head_dim, hnd);
-}
+KVRS_GATHER(b8, uint8_t)
 
 // Zeroing by element width: 1 byte (8-bit codes), 2 (float16, bfloat16) or 4 (float32).
 extern "C" __global__ void kvrs_zero3_b8(uint8_t* dst, int64_t d0, int64_t d1, int64_t d2, int64_t n0, int64_t n1,

@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include <tuple>
+#include <type_traits>
 #include <utility>
 
 #include "cooperative.h"
@@ -27,10 +28,11 @@
 namespace {
 
 // Calls `f` with its arguments read from `params`, as cuLaunchKernel passes them: one
-// pointer per argument, to a value of the argument's type.
+// pointer per argument, to a value of the argument's type (a reference parameter, the
+// launch words, refers to that value in place).
 template <typename... A, size_t... I>
 void call(void (*f)(A...), void** params, std::index_sequence<I...>) {
-    f(*static_cast<A*>(params[I])...);
+    f(*static_cast<std::remove_reference_t<A>*>(params[I])...);
 }
 template <typename... A>
 void invoke(void (*f)(A...), void** params) {
@@ -50,23 +52,26 @@ struct Entry {
 // The attention kernels of one dtype pair, one per head size.
 #define K_ATTENTION(PREFIX) KF(PREFIX##_d64), KF(PREFIX##_d128), KF(PREFIX##_d256), KF(PREFIX##_dn)
 #define K_INPUTS(PREFIX, TN) K(PREFIX##_f32_##TN), K(PREFIX##_f16_##TN), K(PREFIX##_bf16_##TN)
+// A kernel taking launch words: its instances with the words in a parameter or behind a pointer.
+#define KW(NAME) K(NAME##_w480), K(NAME##_w4000), K(NAME##_wp)
+#define KW_INPUTS(PREFIX, TN) KW(PREFIX##_f32_##TN), KW(PREFIX##_f16_##TN), KW(PREFIX##_bf16_##TN)
 #define K_STORAGE(TN)                                                                           \
-    K_INPUTS(kvrs_scatter, TN), K_INPUTS(kvrs_append_contiguous, TN), K_INPUTS(kvrs_copy3, TN), \
-        K_INPUTS(kvrs_scale3, TN), K(kvrs_gather_##TN), K(kvrs_rope_rotate_##TN),                \
+    KW_INPUTS(kvrs_scatter, TN), K_INPUTS(kvrs_append_contiguous, TN), K_INPUTS(kvrs_copy3, TN), \
+        K_INPUTS(kvrs_scale3, TN), KW(kvrs_gather_##TN), K(kvrs_rope_rotate_##TN),                \
         K_ATTENTION(kvrs_paged_attention_##TN), KF(kvrs_attention_merge_##TN)
 #define K_FP8(TN)                                                                               \
-    K_INPUTS(kvrs_scatter, TN), K_INPUTS(kvrs_append_contiguous, TN), K_INPUTS(kvrs_copy3, TN), \
+    KW_INPUTS(kvrs_scatter, TN), K_INPUTS(kvrs_append_contiguous, TN), K_INPUTS(kvrs_copy3, TN), \
         K(kvrs_copy3_##TN##_f32), K(kvrs_copy3_##TN##_f16), K(kvrs_copy3_##TN##_bf16),          \
         K_ATTENTION(kvrs_paged_attention_f32_##TN), K_ATTENTION(kvrs_paged_attention_f16_##TN),          \
         K_ATTENTION(kvrs_paged_attention_bf16_##TN)
 #define K_INT8(SN)                                                                             \
-    K(kvrs_scatter_##SN##_i8), K(kvrs_append_contiguous_##SN##_i8), K(kvrs_quantize3_##SN), \
+    KW(kvrs_scatter_##SN##_i8), K(kvrs_append_contiguous_##SN##_i8), K(kvrs_quantize3_##SN), \
         K(kvrs_dequantize3_##SN), K_ATTENTION(kvrs_paged_attention_##SN##_i8)
 
 const Entry KERNELS[] = {
-    K(kvrs_copy_blocks), K(kvrs_load_blocks), K(kvrs_save_blocks), K(kvrs_advance_counter), K_STORAGE(f32), K_STORAGE(f16), K_STORAGE(bf16),
+    KW(kvrs_copy_blocks), KW(kvrs_load_blocks), KW(kvrs_save_blocks), K(kvrs_advance_counter), K_STORAGE(f32), K_STORAGE(f16), K_STORAGE(bf16),
     K_FP8(e4m3),         K_FP8(e5m2),             K_INT8(f32),    K_INT8(f16),    K_INT8(bf16),
-    K(kvrs_copy3_b8_b8), K(kvrs_gather_b8),       K(kvrs_zero3_b8), K(kvrs_zero3_b16), K(kvrs_zero3_b32),
+    K(kvrs_copy3_b8_b8), KW(kvrs_gather_b8),      K(kvrs_zero3_b8), K(kvrs_zero3_b16), K(kvrs_zero3_b32),
     // The simulator's own tests (test_kernels.cu).
     KF(kvrs_test_block_sum), KF(kvrs_test_shuffles), KF(kvrs_test_votes), KF(kvrs_test_group_reductions),
     KF(kvrs_test_dynamic_shared), KF(kvrs_test_neighbour_sum), KF(kvrs_test_deadlock), KF(kvrs_test_divergent),

@@ -511,6 +511,10 @@ class BlockPool(Generic[_View_co]):
         read as zeros until written; advance(tokens=...) states they hold those tokens' K/V."""
     def write(self, layer: int, k: _ArrayLike, v: _ArrayLike, slot_mapping: _IntsLike) -> None:
         """Scatters k, v [n_tokens, num_kv_heads, head_dim] into slot_mapping (-1 skips)."""
+    def write_layers(self, k: _ArrayLike, v: _ArrayLike, slot_mapping: _IntsLike) -> None:
+        """write() of every layer in one call (one launch on a CUDA pool): k, v
+        [num_layers, n_tokens, num_kv_heads, head_dim] (any layer stride); slot_mapping
+        [n_tokens] or [num_layer_groups, n_tokens] as reserve() returns it (-1 skips)."""
     def page_table(
         self, seqs: Iterable[Sequence[Any]], layer: int | None = None
     ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32], npt.NDArray[np.int32]]:
@@ -654,6 +658,9 @@ class ForwardBatch(Generic[_View_co]):
         """Positions of history that get(layer) returns."""
     def put(self, layer: int, k: _ArrayLike, v: _ArrayLike) -> None:
         """Writes this layer's K and V for the batch's tokens ([n_tokens, heads, head_dim])."""
+    def put_layers(self, k: _ArrayLike, v: _ArrayLike) -> None:
+        """put() of every layer in one call (one launch on a CUDA pool): k, v
+        [num_layers, n_tokens, num_kv_heads, head_dim] (any layer stride)."""
     def get(self, layer: int) -> tuple[_View_co, _View_co, npt.NDArray[np.float32]]:
         """(K, V, mask) over every sequence of the batch; mask: 0 where a token may attend, else -inf.
         Prefer attention(), which reads the blocks in place."""

@@ -49,36 +49,41 @@ impl PoolCore {
     }
 
     /// Makes positions `start..end` of group `g` of sequence `id` writable: copies shared
-    /// or cached blocks (copy-on-write), fills released entries and appends new blocks.
-    /// The caller has checked with [`Self::group_blocks_needed`] that blocks suffice.
+    /// or cached blocks (copy-on-write; every copy of the call in one
+    /// [`Self::batch_copies`]), fills released entries and appends new blocks. The caller
+    /// has checked with [`Self::group_blocks_needed`] that blocks suffice.
     pub(crate) fn prepare_group(&mut self, id: SeqId, g: usize, start: usize, end: usize) {
         if start >= end {
             return;
         }
-        let bs = self.shape.block_size;
-        let mut blocks = std::mem::take(&mut self.seq_mut(id).tables[g].blocks);
-        for i in start / bs..end.div_ceil(bs).min(blocks.len()) {
-            let old = blocks[i];
-            if old == NO_BLOCK {
-                blocks[i] = self.take_block();
-            } else if self.needs_copy(old) {
-                let new = self.take_block();
-                self.copy_block(old, new);
-                self.release_block(old);
-                blocks[i] = new;
+        self.batch_copies(|pool| {
+            let bs = pool.shape.block_size;
+            let mut blocks = std::mem::take(&mut pool.seq_mut(id).tables[g].blocks);
+            for i in start / bs..end.div_ceil(bs).min(blocks.len()) {
+                let old = blocks[i];
+                if old == NO_BLOCK {
+                    blocks[i] = pool.take_block();
+                } else if pool.needs_copy(old) {
+                    let new = pool.take_block();
+                    pool.copy_block(old, new);
+                    pool.release_block(old);
+                    blocks[i] = new;
+                }
             }
-        }
-        while blocks.len() < end.div_ceil(bs) {
-            blocks.push(self.take_block());
-        }
-        self.seq_mut(id).tables[g].blocks = blocks;
+            while blocks.len() < end.div_ceil(bs) {
+                blocks.push(pool.take_block());
+            }
+            pool.seq_mut(id).tables[g].blocks = blocks;
+        })
     }
 
-    /// [`Self::prepare_group`] for every group.
+    /// [`Self::prepare_group`] for every group, the copies of all in one batch.
     pub(crate) fn prepare_write(&mut self, id: SeqId, start: usize, end: usize) {
-        for g in 0..self.groups.groups.len() {
-            self.prepare_group(id, g, start, end);
-        }
+        self.batch_copies(|pool| {
+            for g in 0..pool.groups.groups.len() {
+                pool.prepare_group(id, g, start, end);
+            }
+        })
     }
 
     pub(crate) fn ensure_room(&self, needed: usize, what: impl FnOnce() -> String) -> Result<()> {

@@ -268,6 +268,22 @@ impl PoolCore {
         Ok(())
     }
 
+    /// [`Self::forward_write`] of every layer at once (`k[l]`, `v[l]`: layer `l`'s rows,
+    /// one entry per layer): one launch on a CUDA pool.
+    pub fn forward_write_layers(
+        &mut self,
+        plan: &ForwardPlan,
+        k: &[TensorRef],
+        v: &[TensorRef],
+    ) -> Result<()> {
+        self.check_plan(plan)?;
+        self.write_layers(k, v, &plan.slots)?;
+        for put in &plan.layers_put {
+            put.store(true, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
     /// Positions of `layer`'s history that [`Self::forward_get`] returns: what each
     /// sequence of the batch holds in that layer, old and new tokens, concatenated in
     /// `seqs` order.

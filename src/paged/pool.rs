@@ -58,6 +58,10 @@ pub struct PoolCore {
     pub(crate) tiers: Option<super::tiering::TierSet>,
     /// The model whose K/V the blocks hold ([`PoolCore::with_model_id`]).
     model_id: String,
+    /// Block copies of the operation in progress, made together by one
+    /// [`Storage::copy_blocks`] when it ends ([`PoolCore::batch_copies`]); `None`
+    /// outside one, when each copy is made at once.
+    pending_copies: Option<Vec<(BlockId, BlockId)>>,
 }
 
 impl PoolCore {
@@ -150,6 +154,7 @@ impl PoolCore {
             next_id: 0,
             tiers: None,
             model_id: String::new(),
+            pending_copies: None,
         })
     }
 
@@ -299,6 +304,10 @@ impl PoolCore {
             .blocks
             .take(self.tiers.is_some())
             .expect("free blocks checked by the caller");
+        if self.copy_pending(b) {
+            // A batched copy still reads the block its caller will overwrite.
+            self.flush_copies();
+        }
         if let Some(e) = evicted.filter(|_| self.tiers.is_some()) {
             // The block leaves the pool: its payload goes to the tiers (read before the
             // caller overwrites it).
@@ -327,12 +336,69 @@ impl PoolCore {
         }
     }
 
-    /// Copies block `src` onto block `dst` in every storage tensor. Both are the pool's
-    /// own blocks, so this fails only when the device itself has failed (a CUDA context
-    /// that can no longer launch), which no state of the pool can recover from.
+    /// Copies block `src` onto block `dst` in every storage tensor: at once, or with the
+    /// other copies of the operation in progress ([`Self::batch_copies`]).
     pub(crate) fn copy_block(&mut self, src: BlockId, dst: BlockId) {
+        match &mut self.pending_copies {
+            Some(pending) => {
+                // Copies of one batch run together: a block copied onto earlier in the
+                // batch, or read by it, goes in the next batch.
+                if pending
+                    .iter()
+                    .any(|&(s, d)| d == src || s == dst || d == dst)
+                {
+                    self.flush_copies();
+                }
+                self.pending_copies
+                    .as_mut()
+                    .expect("batching")
+                    .push((src, dst));
+            }
+            None => self.copy_blocks_now(&[(src, dst)]),
+        }
+    }
+
+    /// Runs `f`, making the block copies it asks for ([`Self::copy_block`]) together
+    /// when it returns: one [`Storage::copy_blocks`] call (one launch on a CUDA pool)
+    /// for every copy-on-write of an operation over many sequences. Inside `f` the pool
+    /// must not read or write block contents other than through [`Self::take_block`]
+    /// (which makes the copies first when they read the block it hands out).
+    pub(crate) fn batch_copies<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
+        if self.pending_copies.is_some() {
+            return f(self);
+        }
+        self.pending_copies = Some(Vec::new());
+        let r = f(self);
+        self.flush_copies();
+        self.pending_copies = None;
+        r
+    }
+
+    /// Whether a batched copy still reads or writes block `b`.
+    fn copy_pending(&self, b: BlockId) -> bool {
+        self.pending_copies
+            .as_ref()
+            .is_some_and(|p| p.iter().any(|&(s, d)| s == b || d == b))
+    }
+
+    /// Makes the batched copies (the batch goes on, empty).
+    fn flush_copies(&mut self) {
+        let pairs = self
+            .pending_copies
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default();
+        if !pairs.is_empty() {
+            self.copy_blocks_now(&pairs);
+        }
+    }
+
+    /// Copies blocks `(src, dst)` in every storage tensor. They are the pool's own
+    /// blocks, so this fails only when the device itself has failed (a CUDA context that
+    /// can no longer launch), which no state of the pool can recover from.
+    fn copy_blocks_now(&mut self, pairs: &[(BlockId, BlockId)]) {
         self.storage
-            .copy_blocks(self.shape, self.groups.per_block, &[(src, dst)])
+            .copy_blocks(self.shape, self.groups.per_block, pairs)
             .expect("copying blocks within the pool's storage: the device failed");
     }
 

@@ -10,6 +10,7 @@ use crate::error::{check_count, check_index, KvError, Result};
 use crate::layout::BlockId;
 use crate::layout::Kv;
 use crate::scales::with_divided;
+use crate::storage::LayerRows;
 use crate::tensor::TensorRef;
 
 impl PoolCore {
@@ -56,22 +57,26 @@ impl PoolCore {
         })?;
         let (ng, bs) = (self.groups.groups.len(), self.shape.block_size);
         let mut slots = vec![0i64; ng * total];
-        let mut at = 0;
-        for (id, start, c, blocks) in plan {
-            if blocks > 0 {
-                // Otherwise the tables already hold writable blocks there (most decode steps).
-                self.prepare_write(id, start, start + c);
-            }
-            let s = self.seq_mut(id);
-            s.layer_len.fill(start + c);
-            for (g, t) in s.tables.iter().enumerate() {
-                let row = &mut slots[g * total + at..g * total + at + c];
-                for (out, p) in row.iter_mut().zip(start..) {
-                    *out = slot(t.blocks[p / bs], p, bs);
+        // Every copy-on-write of every sequence in one batch (one launch on a CUDA pool),
+        // made before the reserved slots are zeroed below.
+        self.batch_copies(|pool| {
+            let mut at = 0;
+            for (id, start, c, blocks) in plan {
+                if blocks > 0 {
+                    // Otherwise the tables already hold writable blocks there (most decode steps).
+                    pool.prepare_write(id, start, start + c);
                 }
+                let s = pool.seq_mut(id);
+                s.layer_len.fill(start + c);
+                for (g, t) in s.tables.iter().enumerate() {
+                    let row = &mut slots[g * total + at..g * total + at + c];
+                    for (out, p) in row.iter_mut().zip(start..) {
+                        *out = slot(t.blocks[p / bs], p, bs);
+                    }
+                }
+                at += c;
             }
-            at += c;
-        }
+        });
         // Zero what the claimed blocks may hold past the holders' positions: from the
         // first claimed position of each stale block to its end (see BlockLedger).
         let mut stale: Vec<Vec<i64>> = vec![Vec::new(); ng];
@@ -133,6 +138,103 @@ impl PoolCore {
                 expected: format!("[{n}] (one per token)"),
             });
         }
+        self.check_write_slots(slots)?;
+        let t = self.paged_tensor(layer);
+        let (ks, vs) = (
+            self.scales.heads(layer, Kv::Key),
+            self.scales.heads(layer, Kv::Value),
+        );
+        let storage = &mut self.storage;
+        with_divided(storage.scaler(), [(k, ks), (v, vs)], 1, |[k, v]| {
+            storage.write_slots(t, slots, k, v)
+        })
+    }
+
+    /// [`Self::write`] of every layer at once: `k[l]`, `v[l]` are layer `l`'s rows
+    /// (`[n_tokens, heads, head_dim]`, one entry per layer), written at `slots`: one run
+    /// of `n_tokens` slots for every layer, or one run per layer group (a layer uses its
+    /// group's), as [`Self::reserve`] returns them. Everything is checked before anything
+    /// is written; a CUDA pool writes all layers in one launch (without fp8 scales).
+    pub fn write_layers(&mut self, k: &[TensorRef], v: &[TensorRef], slots: &[i64]) -> Result<()> {
+        let sh = self.shape;
+        for (name, x) in [("k", k), ("v", v)] {
+            if x.len() != sh.num_layers {
+                return Err(KvError::Shape {
+                    name,
+                    got: vec![x.len()],
+                    expected: format!(
+                        "[{}, n_tokens, {}, {}] (every layer)",
+                        sh.num_layers, sh.num_kv_heads, sh.head_dim
+                    ),
+                });
+            }
+        }
+        let Some(first) = k.first() else {
+            return Ok(());
+        };
+        let n = token_count("k", first, sh)?;
+        for (name, x) in [("k", k), ("v", v)] {
+            for t in x {
+                t.expect_shape(name, &[n, sh.num_kv_heads, sh.head_dim])?;
+            }
+        }
+        let ng = self.groups.groups.len();
+        let rows = match slots.len() {
+            len if len == n => 1,
+            len if len == ng * n => ng,
+            len => {
+                return Err(KvError::Shape {
+                    name: "slot_mapping",
+                    got: vec![len],
+                    expected: format!(
+                        "[{n}] or [{ng}, {n}] (one per token, or one run per layer group)"
+                    ),
+                })
+            }
+        };
+        self.check_write_slots(slots)?;
+        let row = |layer: usize| {
+            let g = if rows == 1 {
+                0
+            } else {
+                self.groups.group_of[layer]
+            };
+            &slots[g * n..(g + 1) * n]
+        };
+        if !self.scales.is_unit() {
+            // Each layer divided by its own scales, then written.
+            for layer in 0..sh.num_layers {
+                let t = self.paged_tensor(layer);
+                let (ks, vs) = (
+                    self.scales.heads(layer, Kv::Key),
+                    self.scales.heads(layer, Kv::Value),
+                );
+                let slots = row(layer);
+                let storage = &mut self.storage;
+                with_divided(
+                    storage.scaler(),
+                    [(&k[layer], ks), (&v[layer], vs)],
+                    1,
+                    |[k, v]| storage.write_slots(t, slots, k, v),
+                )?;
+            }
+            return Ok(());
+        }
+        let layers: Vec<LayerRows> = (0..sh.num_layers)
+            .map(|layer| LayerRows {
+                tensor: self.paged_tensor(layer),
+                slots: row(layer),
+                k: k[layer],
+                v: v[layer],
+            })
+            .collect();
+        self.storage.write_layers(&layers)
+    }
+
+    /// Fails unless every slot is -1 or lies in a block that exactly one sequence holds
+    /// and that is not cached: what a write by slot may touch.
+    fn check_write_slots(&self, slots: &[i64]) -> Result<()> {
+        let sh = self.shape;
         let limit = sh.num_blocks * sh.block_size;
         for &slot in slots {
             if slot == -1 {
@@ -157,15 +259,7 @@ impl PoolCore {
                 reason,
             });
         }
-        let t = self.paged_tensor(layer);
-        let (ks, vs) = (
-            self.scales.heads(layer, Kv::Key),
-            self.scales.heads(layer, Kv::Value),
-        );
-        let storage = &mut self.storage;
-        with_divided(storage.scaler(), [(k, ks), (v, vs)], 1, |[k, v]| {
-            storage.write_slots(t, slots, k, v)
-        })
+        Ok(())
     }
 
     /// FlashInfer's page table of group `g` for `ids`: `(indptr [B+1], indices,

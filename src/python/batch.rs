@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
 use super::attention::{self, AttnArgs};
-use super::input::read_tensor;
+use super::input::{read_stacked, read_tensor};
 use super::output::new_output;
 use super::quant::read_dtype;
 use super::sequence::PySequence;
@@ -132,6 +132,26 @@ impl PyForwardBatch {
         pool.write_moving(py, kt.nbytes() + vt.nbytes(), |c| {
             c.forward_write(plan, layer, &kt, &vt)
         })?;
+        Ok(())
+    }
+
+    /// put() of every layer in one call (one launch on a CUDA pool): k, v
+    /// [num_layers, n_tokens, num_kv_heads, head_dim] (any layer stride).
+    fn put_layers(
+        &self,
+        py: Python<'_>,
+        k: &Bound<'_, PyAny>,
+        v: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        self.check_open()?;
+        let pool = &self.pool;
+        let (k, v) = (
+            read_stacked(k, "k", &pool.target)?,
+            read_stacked(v, "v", &pool.target)?,
+        );
+        let (kl, vl, plan) = (k.layers(), v.layers(), &self.plan);
+        let bytes = kl.iter().chain(&vl).map(|t| t.nbytes()).sum();
+        pool.write_moving(py, bytes, |c| c.forward_write_layers(plan, &kl, &vl))?;
         Ok(())
     }
 

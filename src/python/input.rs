@@ -54,6 +54,9 @@ pub struct Input<'py> {
     /// Valid while `_owner` lives: handed out only through [`Input::tensor`], whose
     /// borrow of `self` bounds it.
     tensor: TensorRef<'static>,
+    /// A stacked input's leading dimension: its length and element stride (`tensor` is
+    /// its first entry).
+    lead: Option<(usize, isize)>,
     _owner: Owner<'py>,
 }
 
@@ -73,14 +76,44 @@ impl Input<'_> {
         self.tensor
     }
 
+    /// A stacked input's entries along its leading dimension (one per layer), each
+    /// borrowed like [`Input::tensor`]; the tensor alone when not stacked.
+    pub fn layers(&self) -> Vec<TensorRef<'_>> {
+        let t = self.tensor;
+        let Some((count, stride)) = self.lead else {
+            return vec![t];
+        };
+        let bytes = stride * t.dtype().size() as isize;
+        (0..count)
+            .map(|l| {
+                // SAFETY: entry l of the held input: its first entry's layout, `l` leading
+                // strides on (the producer's shape and strides).
+                unsafe {
+                    TensorRef::new(
+                        t.as_ptr().wrapping_offset(l as isize * bytes),
+                        t.dtype(),
+                        t.shape(),
+                        &t.strides3()[MAX_RANK - t.shape().len()..],
+                    )
+                }
+                .expect("the first entry's layout")
+                .on(t.device())
+            })
+            .collect()
+    }
+
     /// This input, or a private contiguous copy of it when it shares memory with
     /// `target` (a view of the cache handed back in): the copy is what the cache held
     /// before the write, as if the input had been copied first.
     fn apart_from(self, name: &'static str, target: &Target) -> PyResult<Self> {
-        let t = self.tensor;
-        if !target.overlaps(t.device(), &t.span()) {
+        let views = self.layers();
+        let Some(t) = views
+            .iter()
+            .find(|t| target.overlaps(t.device(), &t.span()))
+            .copied()
+        else {
             return Ok(self);
-        }
+        };
         if t.device() != Device::Cpu {
             return Err(KvError::InvalidArgument {
                 name,
@@ -92,29 +125,34 @@ impl Input<'_> {
             .into());
         }
         let shape = t.shape().to_vec();
-        let mut copy = sizes::filled(name, t.nbytes().div_ceil(8), 0u64)?;
-        let bytes = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut copy)[..t.nbytes()];
+        let each = t.nbytes();
+        let mut copy = sizes::filled(name, (views.len() * each).div_ceil(8), 0u64)?;
         {
-            let mut dst = TensorMut::from_bytes_mut(bytes, t.dtype(), &shape)?;
-            // SAFETY: `t` is valid for reads (held by `self`); `dst` is the fresh copy.
-            unsafe {
-                copy_strided(
-                    dst.as_mut_ptr(),
-                    t.dtype(),
-                    dst.strides3(),
-                    t.as_ptr(),
-                    t.dtype(),
-                    t.strides3(),
-                    t.shape3(),
-                )
-            };
+            let all = bytemuck::cast_slice_mut::<u64, u8>(&mut copy);
+            for (t, bytes) in views.iter().zip(all.chunks_mut(each.max(1))) {
+                let mut dst = TensorMut::from_bytes_mut(&mut bytes[..each], t.dtype(), &shape)?;
+                // SAFETY: `t` is valid for reads (held by `self`); `dst` is the fresh copy.
+                unsafe {
+                    copy_strided(
+                        dst.as_mut_ptr(),
+                        t.dtype(),
+                        dst.strides3(),
+                        t.as_ptr(),
+                        t.dtype(),
+                        t.strides3(),
+                        t.shape3(),
+                    )
+                };
+            }
         }
         // SAFETY: the copy is moved into the new Input's owner (a Vec's buffer does not
         // move with it), which outlives every use of the tensor.
         let tensor =
             unsafe { TensorRef::contiguous(copy.as_ptr() as *const u8, t.dtype(), &shape)? };
+        let numel = shape.iter().product::<usize>() as isize;
         Ok(Input {
             tensor,
+            lead: self.lead.map(|(count, _)| (count, numel)),
             _owner: Owner::Copy(copy),
         })
     }
@@ -128,7 +166,18 @@ pub fn read_tensor<'py>(
     name: &'static str,
     target: &Target,
 ) -> PyResult<Input<'py>> {
-    read_any(obj, name, target.device)?.apart_from(name, target)
+    read_any(obj, name, target.device, false)?.apart_from(name, target)
+}
+
+/// Reads `obj` (argument `name`) as a stacked tensor of 4 dimensions (one `[n, H, D]`
+/// entry per layer, any leading stride; [`Input::layers`]), otherwise as
+/// [`read_tensor`] does.
+pub fn read_stacked<'py>(
+    obj: &Bound<'py, PyAny>,
+    name: &'static str,
+    target: &Target,
+) -> PyResult<Input<'py>> {
+    read_any(obj, name, target.device, true)?.apart_from(name, target)
 }
 
 /// Reads `obj` as a tensor on `device`, wherever its memory lies.
@@ -136,6 +185,7 @@ fn read_any<'py>(
     obj: &Bound<'py, PyAny>,
     name: &'static str,
     device: Device,
+    stacked: bool,
 ) -> PyResult<Input<'py>> {
     let py = obj.py();
     if let Device::Cuda(_) = device {
@@ -146,13 +196,13 @@ fn read_any<'py>(
             ))
             .into());
         }
-        return from_dlpack(obj, name, device);
+        return from_dlpack(obj, name, device, stacked);
     }
     if let Ok(arr) = obj.cast::<PyUntypedArray>() {
-        return from_numpy(arr, name);
+        return from_numpy(arr, name, stacked);
     }
     if obj.hasattr(intern!(py, "__dlpack__"))? {
-        return from_dlpack(obj, name, device);
+        return from_dlpack(obj, name, device, stacked);
     }
     let arr = py
         .import(intern!(py, "numpy"))?
@@ -163,12 +213,16 @@ fn read_any<'py>(
             ))
         })?;
     let arr = arr.cast_into::<PyUntypedArray>().map_err(PyErr::from)?;
-    from_numpy(&arr, name)
+    from_numpy(&arr, name, stacked)
 }
 
 /// Reads a NumPy array in place, or through a native-order copy (held by the
 /// [`Input`]) when its byte order is not the machine's.
-fn from_numpy<'py>(arr: &Bound<'py, PyUntypedArray>, name: &'static str) -> PyResult<Input<'py>> {
+fn from_numpy<'py>(
+    arr: &Bound<'py, PyUntypedArray>,
+    name: &'static str,
+    stacked: bool,
+) -> PyResult<Input<'py>> {
     let py = arr.py();
     let d = arr.dtype();
     let dtype = match d.num() {
@@ -188,12 +242,12 @@ fn from_numpy<'py>(arr: &Bound<'py, PyUntypedArray>, name: &'static str) -> PyRe
             intern!(py, "astype"),
             (d.call_method1(intern!(py, "newbyteorder"), ("=",))?,),
         )?;
-        return from_numpy(&native.cast_into::<PyUntypedArray>()?, name);
+        return from_numpy(&native.cast_into::<PyUntypedArray>()?, name, stacked);
     }
     let shape = arr.shape();
-    check_rank(name, shape)?;
+    check_rank(name, shape, stacked)?;
     let es = dtype.size() as isize;
-    let mut strides = [0isize; MAX_RANK];
+    let mut strides = [0isize; MAX_RANK + 1];
     for (i, &s) in arr.strides().iter().enumerate() {
         if s % es != 0 {
             return Err(KvError::InvalidArgument {
@@ -208,9 +262,11 @@ fn from_numpy<'py>(arr: &Bound<'py, PyUntypedArray>, name: &'static str) -> PyRe
     // SAFETY: the array object is held in `_owner`, and the tensor is handed out only
     // borrowed from the Input.
     let data = unsafe { (*arr.as_array_ptr()).data as *const u8 };
-    let tensor = unsafe { TensorRef::new(data, dtype, shape, &strides[..shape.len()])? };
+    let (lead, shape, strides) = split_lead(stacked, shape, &strides[..shape.len()]);
+    let tensor = unsafe { TensorRef::new(data, dtype, shape, strides)? };
     Ok(Input {
         tensor,
+        lead,
         _owner: Owner::Array(arr.clone().into_any()),
     })
 }
@@ -219,6 +275,7 @@ fn from_dlpack<'py>(
     obj: &Bound<'py, PyAny>,
     name: &'static str,
     device: Device,
+    stacked: bool,
 ) -> PyResult<Input<'py>> {
     let owner = match obj.extract::<ManagedBox<DLManagedTensorVersioned>>() {
         Ok(m) => Owner::Versioned(m),
@@ -271,8 +328,8 @@ fn from_dlpack<'py>(
         unsafe { std::slice::from_raw_parts(t.shape, ndim) }
     };
     let shape: Vec<usize> = shape_i64.iter().map(|&s| s.max(0) as usize).collect();
-    check_rank(name, &shape)?;
-    let mut strides = [0isize; MAX_RANK];
+    check_rank(name, &shape, stacked)?;
+    let mut strides = [0isize; MAX_RANK + 1];
     if t.strides.is_null() {
         let mut acc = 1isize;
         for i in (0..ndim).rev() {
@@ -287,9 +344,11 @@ fn from_dlpack<'py>(
     // SAFETY: the managed tensor is held in `_owner`, and the tensor is handed out only
     // borrowed from the Input.
     let data = unsafe { (t.data as *const u8).add(t.byte_offset as usize) };
-    let tensor = unsafe { TensorRef::new(data, dtype, &shape, &strides[..ndim])? }.on(device);
+    let (lead, shape, strides) = split_lead(stacked, &shape, &strides[..ndim]);
+    let tensor = unsafe { TensorRef::new(data, dtype, shape, strides)? }.on(device);
     Ok(Input {
         tensor,
+        lead,
         _owner: owner,
     })
 }
@@ -313,16 +372,35 @@ fn dlpack_dtype_name(dt: dlpark::ffi::DLDataType) -> String {
     format!("{kind}{}{lanes}", dt.bits)
 }
 
-fn check_rank(name: &'static str, shape: &[usize]) -> PyResult<()> {
-    if shape.len() > MAX_RANK {
-        return Err(KvError::Shape {
-            name,
-            got: shape.to_vec(),
-            expected: format!("at most {MAX_RANK} dimensions"),
+fn check_rank(name: &'static str, shape: &[usize], stacked: bool) -> PyResult<()> {
+    let expected = match stacked {
+        false if shape.len() > MAX_RANK => format!("at most {MAX_RANK} dimensions"),
+        true if shape.len() != MAX_RANK + 1 => {
+            "[num_layers, n_tokens, num_kv_heads, head_dim] (4 dimensions)".to_string()
         }
-        .into());
+        _ => return Ok(()),
+    };
+    Err(KvError::Shape {
+        name,
+        got: shape.to_vec(),
+        expected,
     }
-    Ok(())
+    .into())
+}
+
+/// A stacked input's leading dimension (length, stride) and the shape and strides of
+/// its entries; the whole shape when not stacked.
+#[allow(clippy::type_complexity)]
+fn split_lead<'a>(
+    stacked: bool,
+    shape: &'a [usize],
+    strides: &'a [isize],
+) -> (Option<(usize, isize)>, &'a [usize], &'a [isize]) {
+    if stacked {
+        (Some((shape[0], strides[0])), &shape[1..], &strides[1..])
+    } else {
+        (None, shape, strides)
+    }
 }
 
 /// Runs `f` on the elements of `obj` when it is a C-contiguous 1-D NumPy array of `T`;
@@ -342,6 +420,22 @@ fn copy_with<T: Copy, U>(s: &[T], name: &'static str, f: impl Fn(T) -> U) -> PyR
     let mut v = sizes::with_capacity(name, s.len())?;
     v.extend(s.iter().map(|&x| f(x)));
     Ok(v)
+}
+
+/// Reads a slot mapping of one row (`[n]`) or one row per layer group (`[groups, n]`,
+/// flattened row after row) as int64 (argument `slot_mapping`).
+pub fn read_slot_rows(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+    let py = obj.py();
+    let arr = py
+        .import(intern!(py, "numpy"))?
+        .call_method1(intern!(py, "asarray"), (obj,))?;
+    if arr.getattr(intern!(py, "ndim"))?.extract::<usize>()? == 2 {
+        return read_ints(
+            &arr.call_method1(intern!(py, "reshape"), (-1,))?,
+            "slot_mapping",
+        );
+    }
+    read_ints(obj, "slot_mapping")
 }
 
 /// Reads `obj` (argument `name`: a list, tuple or 1-D integer array) as int64 values,
@@ -420,7 +514,7 @@ pub(super) fn read_writable(
     name: &'static str,
     device: Device,
 ) -> PyResult<TensorMut<'static>> {
-    let t = read_any(obj, name, device)?.tensor;
+    let t = read_any(obj, name, device, false)?.tensor;
     // SAFETY: the memory belongs to `obj` (or a capsule of it that the producer keeps
     // valid while `obj` lives), which the caller holds beside the tensor; NumPy outputs
     // were checked writable.

@@ -12,7 +12,7 @@ use pyo3::types::{PyDict, PyList, PyTuple};
 
 use super::args::{parse_device, parse_dtype};
 use super::batch::PyForwardBatch;
-use super::input::{read_ints, read_tensor, read_token_ids};
+use super::input::{read_ints, read_slot_rows, read_stacked, read_tensor, read_token_ids};
 use super::pool_args::{self, key_bytes, prefix_args};
 use super::quant::{parse_scales, scale_property};
 use super::rope::PyRope;
@@ -658,6 +658,29 @@ impl PyBlockPool {
         self.core.write_moving(py, kt.nbytes() + vt.nbytes(), |c| {
             c.write(layer, &kt, &vt, &slots)
         })?;
+        Ok(())
+    }
+
+    /// Scatters every layer in one call (one launch on a CUDA pool): k, v
+    /// [num_layers, n_tokens, num_kv_heads, head_dim] (any layer stride) into
+    /// slot_mapping [n_tokens] or [num_layer_groups, n_tokens] (-1 skips), as write()
+    /// per layer would.
+    fn write_layers(
+        &self,
+        py: Python<'_>,
+        k: &Bound<'_, PyAny>,
+        v: &Bound<'_, PyAny>,
+        slot_mapping: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let (k, v) = (
+            read_stacked(k, "k", &self.target)?,
+            read_stacked(v, "v", &self.target)?,
+        );
+        let slots = read_slot_rows(slot_mapping)?;
+        let (kl, vl) = (k.layers(), v.layers());
+        let bytes = kl.iter().chain(&vl).map(|t| t.nbytes()).sum();
+        self.core
+            .write_moving(py, bytes, |c| c.write_layers(&kl, &vl, &slots))?;
         Ok(())
     }
 

@@ -11,7 +11,7 @@ pub mod paged_ops;
 
 pub use host::HostStorage;
 pub use int8::Int8Storage;
-pub use paged_ops::PagedTensor;
+pub use paged_ops::{LayerRows, PagedTensor};
 
 use std::fmt;
 
@@ -62,6 +62,13 @@ pub trait Storage: Send + Sync + fmt::Debug {
         v: &TensorRef,
     ) -> Result<()> {
         paged_ops::write_slots(self, t, slots, k, v)
+    }
+    /// Writes each of `layers` as [`Storage::write_slots`] does, in order (the CUDA
+    /// backend: one launch for all of them where it can).
+    fn write_layers(&mut self, layers: &[LayerRows<'_>]) -> Result<()> {
+        layers
+            .iter()
+            .try_for_each(|l| self.write_slots(l.tensor, l.slots, &l.k, &l.v))
     }
     /// Sets K and V at paged `slots` (-1 skips) of cache tensor `t` to zero: positions a
     /// holder claims without writing them (reserved slots) then never show the K/V an

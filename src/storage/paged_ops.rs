@@ -15,6 +15,21 @@ pub struct PagedTensor {
     pub index: usize,
 }
 
+/// One layer of a multi-layer write ([`super::Storage::write_layers`]): the layer's
+/// cache tensor, its slots (`block * block_size + offset`; -1 skips) and its rows
+/// (`[n, H, D]`, `n` the number of slots).
+#[derive(Clone, Copy, Debug)]
+pub struct LayerRows<'a> {
+    /// The layer's cache tensor.
+    pub tensor: PagedTensor,
+    /// One slot per token.
+    pub slots: &'a [i64],
+    /// The layer's keys.
+    pub k: TensorRef<'a>,
+    /// The layer's values.
+    pub v: TensorRef<'a>,
+}
+
 /// Fails unless `k` and `v` are both `[n, H, D]` token rows for cache tensor `t`
 /// (`n`: `rows`, or `k`'s when `None`); returns `n`. Every write of token rows checks
 /// this before it copies: the copies and the device's scatter read `n` whole rows.

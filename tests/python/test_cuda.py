@@ -181,6 +181,31 @@ def test_paged_attention_kernel_matches_the_cpu_core(dtype, layout):
         assert torch.allclose(gpu_out, cpu_out, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("store", list(DTYPES))
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_write_layers_and_put_layers_equal_the_host(store, layout):
+    """write_layers / put_layers on a CUDA pool (one kvrs_scatter launch for every layer,
+    inputs sliced from a larger buffer: a layer stride) against the host pool's writes."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    kinds = ["full", "sliding", "full"]
+    kw = dict(block_size=4, num_blocks=64, dtype=store, layout=layout, layer_types=kinds, sliding_window=8)
+    pools = [kvrs.BlockPool(3, 2, 64, device="cuda", **kw), kvrs.BlockPool(3, 2, 64, **kw)]
+    buf = torch.randn(2, 3, 7, 2, 64, device="cuda", generator=g).to(torch.float16)
+    k, v = buf[0, :, :6], buf[1, :, :6]
+    for pool in pools:
+        conv = (lambda x: x.cpu()) if pool.device == "cpu" else (lambda x: x)
+        a, b = pool.new_sequence(), pool.new_sequence()
+        slots = pool.reserve([a, b], [2, 1])
+        pool.write_layers(conv(k[:, :3]), conv(v[:, :3]), slots)
+        a.advance(2)
+        b.advance(1)
+        with pool.start_forward([a, b, b]) as batch:
+            batch.put_layers(conv(k[:, 3:]), conv(v[:, 3:]))
+    for layer in range(3):
+        gpu, cpu = t(pools[0].kv_cache(layer)).cpu(), t(pools[1].kv_cache(layer))
+        assert torch.equal(gpu.view(torch.uint8), cpu.view(torch.uint8))
+
+
 def test_cupy_arrays_in_and_out_share_memory():
     cp = pytest.importorskip("cupy")
     c = kvrs.KVCache(1, 2, 8, 16, dtype="float32", device="cuda")

@@ -1,7 +1,9 @@
 //! The device operations on the CUDA driver (cudarc's raw API, libcuda loaded at run
 //! time): the device's primary context (PyTorch's, so addresses are valid in both), the
 //! kernels' module loaded from the embedded PTX (or compiled with NVRTC when the driver
-//! refuses that PTX), and kvrs's own stream.
+//! refuses that PTX), and kvrs's own stream. Launches find their function handle by
+//! binary search over the PTX's kernels (each looked up once), and make the context
+//! current only when it is not.
 
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
@@ -11,7 +13,7 @@ use cudarc::driver::result as cu;
 use cudarc::driver::sys;
 use parking_lot::Mutex;
 
-use super::gpu::{Args, DevicePtr, Gpu, StreamHandle};
+use super::gpu::{Args, DevicePtr, EventHandle, Gpu, StreamHandle, LARGE_WORDS, SMALL_WORDS};
 use crate::error::{KvError, Result};
 
 /// The kernels, compiled to PTX for compute_80 by `make ptx`.
@@ -25,9 +27,28 @@ pub struct DriverGpu {
     ordinal: usize,
     ctx: sys::CUcontext,
     module: sys::CUmodule,
-    functions: Mutex<HashMap<String, sys::CUfunction>>,
+    /// The handle of each kernel of [`entries`], looked up on its first launch.
+    functions: Box<[OnceLock<usize>]>,
     stream: sys::CUstream,
+    /// Streaming multiprocessors (the attention plan sizes its splits by them).
     sm_count: usize,
+    /// Launch words a kernel parameter may hold (see [`Gpu::param_words`]).
+    param_words: usize,
+}
+
+/// The kernels of the embedded PTX, sorted by name: a launch finds its function's slot
+/// by binary search (no lock, no allocation).
+fn entries() -> &'static [&'static str] {
+    static ENTRIES: OnceLock<Vec<&'static str>> = OnceLock::new();
+    ENTRIES.get_or_init(|| {
+        let mut names: Vec<&'static str> = PTX
+            .split(".visible .entry ")
+            .skip(1)
+            .filter_map(|rest| rest.split('(').next())
+            .collect();
+        names.sort_unstable();
+        names
+    })
 }
 
 // SAFETY: the context, module, functions and stream are driver handles, usable from any
@@ -68,32 +89,45 @@ impl DriverGpu {
             .map_err(|e| driver_error(&what("cannot read the SM count"), e))?;
         let stream = cu::stream::create(cu::stream::StreamKind::Default)
             .map_err(|e| driver_error(&what("cannot create a stream"), e))?;
+        // CUDA 12.1 raised the kernel parameter limit from 4 KB to 32 KB (Volta and
+        // later; kvrs needs sm_80).
+        let mut version = 0;
+        // SAFETY: writes one int.
+        let large = unsafe { sys::cuDriverGetVersion(&mut version) }
+            .result()
+            .is_ok()
+            && version >= 12010;
         Ok(DriverGpu {
             ordinal,
             ctx,
             module,
-            functions: Mutex::new(HashMap::new()),
+            functions: (0..entries().len()).map(|_| OnceLock::new()).collect(),
             stream,
             sm_count: sm_count.max(1) as usize,
+            param_words: if large { LARGE_WORDS } else { SMALL_WORDS },
         })
     }
 
+    /// Makes the device's primary context current on this thread, unless it is.
     fn current(&self) -> Result<()> {
+        if cu::ctx::get_current().ok().flatten() == Some(self.ctx) {
+            return Ok(());
+        }
         // SAFETY: the primary context is retained for the process's life.
         unsafe { cu::ctx::set_current(self.ctx) }.map_err(|e| driver_error("set_current", e))
     }
 
     fn function(&self, name: &str) -> Result<sys::CUfunction> {
-        let mut fns = self.functions.lock();
-        if let Some(&f) = fns.get(name) {
-            return Ok(f);
+        let missing = || KvError::Device(format!("no kernel named {name} in kvrs's PTX"));
+        let i = entries().binary_search(&name).map_err(|_| missing())?;
+        if let Some(&f) = self.functions[i].get() {
+            return Ok(f as sys::CUfunction);
         }
         let c = CString::new(name).expect("kernel names have no NUL");
         // SAFETY: the module stays loaded for the process's life.
         let f = unsafe { cu::module::get_function(self.module, c) }
             .map_err(|e| driver_error(&format!("kernel {name}"), e))?;
-        fns.insert(name.to_owned(), f);
-        Ok(f)
+        Ok(*self.functions[i].get_or_init(|| f as usize) as sys::CUfunction)
     }
 }
 
@@ -277,5 +311,33 @@ impl Gpu for DriverGpu {
         // SAFETY: a stream handle of this context (or 0, the legacy default stream).
         unsafe { cu::stream::synchronize(stream as sys::CUstream) }
             .map_err(|e| driver_error("stream synchronize", e))
+    }
+
+    fn param_words(&self) -> usize {
+        self.param_words
+    }
+
+    fn new_event(&self) -> Result<EventHandle> {
+        self.current()?;
+        cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map(|e| e as EventHandle)
+            .map_err(|e| driver_error("event create", e))
+    }
+
+    unsafe fn record_event(&self, event: EventHandle, stream: StreamHandle) -> Result<()> {
+        self.current()?;
+        cu::event::record(event as sys::CUevent, stream as sys::CUstream)
+            .map_err(|e| driver_error("event record", e))
+    }
+
+    unsafe fn wait_event(&self, event: EventHandle) -> Result<()> {
+        self.current()?;
+        cu::event::synchronize(event as sys::CUevent).map_err(|e| driver_error("event wait", e))
+    }
+
+    unsafe fn free_event(&self, event: EventHandle) {
+        if self.current().is_ok() {
+            let _ = cu::event::destroy(event as sys::CUevent);
+        }
     }
 }

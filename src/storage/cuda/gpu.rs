@@ -19,6 +19,17 @@ pub type StreamHandle = u64;
 /// Threads per block of the element-wise kernels.
 pub const THREADS: u32 = 256;
 
+/// Launch words the `_w480` kernel instances take in a parameter (3,840 bytes: within the
+/// 4 KB every driver takes).
+pub const SMALL_WORDS: usize = 480;
+
+/// Launch words the `_w4000` instances take in a parameter (32,000 bytes: CUDA 12.1's
+/// large kernel parameters, Volta and later).
+pub const LARGE_WORDS: usize = 4000;
+
+/// A CUDA event handle as an integer.
+pub type EventHandle = u64;
+
 /// Device memory, copies and kernel launches on one CUDA device.
 ///
 /// Every launch and copy is ordered on the stream it is given. Copies from the host
@@ -103,12 +114,34 @@ pub trait Gpu: Send + Sync + fmt::Debug {
     ) -> Result<()>;
     /// Waits for the work queued on `stream`.
     fn synchronize(&self, stream: StreamHandle) -> Result<()>;
+    /// The most launch words a kernel parameter may hold here: [`LARGE_WORDS`] where the
+    /// driver takes 32 KB of parameters (CUDA 12.1 and later), else [`SMALL_WORDS`].
+    fn param_words(&self) -> usize;
+    /// A new event (no timing), for [`Gpu::record_event`] and [`Gpu::wait_event`].
+    fn new_event(&self) -> Result<EventHandle>;
+    /// Marks the point `stream` has reached now with `event`.
+    ///
+    /// # Safety
+    /// `event` came from this device's `new_event` and was not freed.
+    unsafe fn record_event(&self, event: EventHandle, stream: StreamHandle) -> Result<()>;
+    /// Waits until the stream reached the point `event` last marked.
+    ///
+    /// # Safety
+    /// As for [`Gpu::record_event`].
+    unsafe fn wait_event(&self, event: EventHandle) -> Result<()>;
+    /// Frees an event (no wait).
+    ///
+    /// # Safety
+    /// `event` came from this device's `new_event` and is freed once.
+    unsafe fn free_event(&self, event: EventHandle);
 }
 
 /// Kernel arguments, each held in 8 bytes; the kernels read 4-byte ones from the low
-/// half (every supported platform is little-endian).
+/// half (every supported platform is little-endian). Launch words passed in a parameter
+/// ([`Args::words`]) come first.
 #[derive(Default, Debug)]
 pub struct Args {
+    words: Vec<u64>,
     values: SmallVec<[u64; 16]>,
 }
 
@@ -116,6 +149,21 @@ impl Args {
     /// No arguments yet.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// The launch words as the first parameter, a struct of `capacity` words (the
+    /// kernel instance's; the rest zero).
+    pub fn words(mut self, mut words: Vec<u64>, capacity: usize) -> Self {
+        debug_assert!(words.len() <= capacity);
+        words.resize(capacity, 0);
+        self.words = words;
+        self
+    }
+
+    /// `self`'s arguments after `other`'s.
+    pub fn after(self, mut other: Args) -> Self {
+        other.values.extend(self.values);
+        other
     }
 
     /// A pointer or 64-bit integer argument.
@@ -152,9 +200,10 @@ impl Args {
     /// The parameter array `cuLaunchKernel` takes: one pointer per argument, valid
     /// while `self` is.
     pub fn params(&self) -> SmallVec<[*mut c_void; 16]> {
-        self.values
-            .iter()
-            .map(|v| v as *const u64 as *mut c_void)
+        let words = (!self.words.is_empty()).then_some(self.words.as_ptr() as *mut c_void);
+        words
+            .into_iter()
+            .chain(self.values.iter().map(|v| v as *const u64 as *mut c_void))
             .collect()
     }
 }

@@ -74,30 +74,97 @@ fn defined(kernel: Kernel, a: DType, b: DType) -> Option<String> {
     }
 }
 
-/// The name of `kernel` for dtypes `(a, b)` (their order as [`Kernel`] says), or
-/// `NotSupported` when the backend has no such kernel.
-pub fn kernel(kernel: Kernel, a: DType, b: DType) -> Result<&'static str> {
-    type Table = Vec<Option<&'static str>>;
+/// The instances of a kernel that takes launch words: the words in a parameter of
+/// [`super::gpu::SMALL_WORDS`] or [`super::gpu::LARGE_WORDS`], or behind a pointer
+/// (`kernels/kvrs.cu`, "Copies at copy speed").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WordsKernel {
+    /// `NAME_w480`.
+    pub small: &'static str,
+    /// `NAME_w4000`.
+    pub large: &'static str,
+    /// `NAME_wp`.
+    pub pointer: &'static str,
+}
+
+impl WordsKernel {
+    /// The instances of kernel `base` (names made once per process).
+    fn leak(base: &str) -> Self {
+        let name = |suffix: &str| &*format!("{base}_{suffix}").leak();
+        WordsKernel {
+            small: name("w480"),
+            large: name("w4000"),
+            pointer: name("wp"),
+        }
+    }
+
+    /// The instances of a kernel named by literals.
+    const fn of(small: &'static str, large: &'static str, pointer: &'static str) -> Self {
+        WordsKernel {
+            small,
+            large,
+            pointer,
+        }
+    }
+}
+
+/// The names of every kernel of [`KERNELS`] for every pair of [`DTYPES`].
+struct Table {
+    names: Vec<Option<&'static str>>,
+    words: Vec<Option<WordsKernel>>,
+}
+
+fn table() -> &'static Table {
     static TABLE: OnceLock<Table> = OnceLock::new();
-    let index = |k: usize, a: usize, b: usize| (k * DTYPES.len() + a) * DTYPES.len() + b;
-    let table = TABLE.get_or_init(|| {
-        let mut t = vec![None; KERNELS.len() * DTYPES.len() * DTYPES.len()];
+    TABLE.get_or_init(|| {
+        let n = KERNELS.len() * DTYPES.len() * DTYPES.len();
+        let mut t = Table {
+            names: vec![None; n],
+            words: vec![None; n],
+        };
         for (k, &kern) in KERNELS.iter().enumerate() {
             for (i, &x) in DTYPES.iter().enumerate() {
                 for (j, &y) in DTYPES.iter().enumerate() {
                     // A fixed set of names, made once for the process.
-                    t[index(k, i, j)] = defined(kern, x, y).map(|n| &*n.leak());
+                    let name = defined(kern, x, y);
+                    t.words[index(k, i, j)] = name
+                        .as_deref()
+                        .filter(|_| kern == Kernel::Scatter)
+                        .map(WordsKernel::leak);
+                    t.names[index(k, i, j)] = name.map(|n| &*n.leak());
                 }
             }
         }
         t
-    });
+    })
+}
+
+fn index(k: usize, a: usize, b: usize) -> usize {
+    (k * DTYPES.len() + a) * DTYPES.len() + b
+}
+
+/// The table index of `kernel` for `(a, b)`.
+fn slot(kernel: Kernel, a: DType, b: DType) -> usize {
     let at = |d: DType| DTYPES.iter().position(|&x| x == d).expect("every dtype");
     let k = KERNELS
         .iter()
         .position(|&x| x == kernel)
         .expect("every kernel");
-    table[index(k, at(a), at(b))].ok_or_else(|| {
+    index(k, at(a), at(b))
+}
+
+/// The instances of the scatter from `input` into `storage` (int8 quantizes), or
+/// `NotSupported` when the backend has none.
+pub fn scatter_kernel(input: DType, storage: DType) -> Result<WordsKernel> {
+    kernel(Kernel::Scatter, input, storage)?;
+    Ok(table().words[slot(Kernel::Scatter, input, storage)].expect("scatters take words"))
+}
+
+/// The name of `kernel` for dtypes `(a, b)` (their order as [`Kernel`] says), or
+/// `NotSupported` when the backend has no such kernel. (The scatter's base name: see
+/// [`scatter_kernel`].)
+pub fn kernel(kernel: Kernel, a: DType, b: DType) -> Result<&'static str> {
+    table().names[slot(kernel, a, b)].ok_or_else(|| {
         KvError::NotSupported(format!(
             "{kernel:?} from {a} to {b} on a CUDA device (8-bit tensors are written and \
              read as float32, float16 or bfloat16)"
@@ -164,14 +231,51 @@ pub fn attention_merge_kernel(dtype: DType) -> &'static str {
 }
 
 /// The gather kernel (raw copies, no conversion) for storage of `dtype`.
-pub fn gather_kernel(dtype: DType) -> &'static str {
+pub fn gather_kernel(dtype: DType) -> WordsKernel {
     match dtype {
-        DType::F32 => "kvrs_gather_f32",
-        DType::F16 => "kvrs_gather_f16",
-        DType::BF16 => "kvrs_gather_bf16",
-        _ => "kvrs_gather_b8",
+        DType::F32 => WordsKernel::of(
+            "kvrs_gather_f32_w480",
+            "kvrs_gather_f32_w4000",
+            "kvrs_gather_f32_wp",
+        ),
+        DType::F16 => WordsKernel::of(
+            "kvrs_gather_f16_w480",
+            "kvrs_gather_f16_w4000",
+            "kvrs_gather_f16_wp",
+        ),
+        DType::BF16 => WordsKernel::of(
+            "kvrs_gather_bf16_w480",
+            "kvrs_gather_bf16_w4000",
+            "kvrs_gather_bf16_wp",
+        ),
+        _ => WordsKernel::of(
+            "kvrs_gather_b8_w480",
+            "kvrs_gather_b8_w4000",
+            "kvrs_gather_b8_wp",
+        ),
     }
 }
+
+/// Whole-block copies within the cache tensors (copy-on-write).
+pub const COPY_BLOCKS: WordsKernel = WordsKernel::of(
+    "kvrs_copy_blocks_w480",
+    "kvrs_copy_blocks_w4000",
+    "kvrs_copy_blocks_wp",
+);
+
+/// Whole blocks from a packed buffer into the cache tensors (swap-in).
+pub const LOAD_BLOCKS: WordsKernel = WordsKernel::of(
+    "kvrs_load_blocks_w480",
+    "kvrs_load_blocks_w4000",
+    "kvrs_load_blocks_wp",
+);
+
+/// Whole blocks from the cache tensors into a packed buffer (swap-out).
+pub const SAVE_BLOCKS: WordsKernel = WordsKernel::of(
+    "kvrs_save_blocks_w480",
+    "kvrs_save_blocks_w4000",
+    "kvrs_save_blocks_wp",
+);
 
 /// The zeroing kernel for elements of `dtype`.
 pub fn zero_kernel(dtype: DType) -> &'static str {
@@ -190,16 +294,31 @@ mod tests {
     fn every_named_kernel_is_in_the_ptx() {
         let ptx = include_str!("../../../kernels/kvrs.ptx");
         let mut named = 0;
+        let check = |name: &str| {
+            let entry = format!(".visible .entry {name}(");
+            assert!(ptx.contains(&entry), "{name} is not in kernels/kvrs.ptx");
+        };
+        let check_words = |w: WordsKernel| [w.small, w.large, w.pointer].map(check);
         for k in KERNELS {
             for a in DTYPES {
                 for b in DTYPES {
-                    if let Ok(name) = kernel(k, a, b) {
+                    if k == Kernel::Scatter {
+                        if let Ok(w) = scatter_kernel(a, b) {
+                            named += 1;
+                            check_words(w);
+                        }
+                    } else if let Ok(name) = kernel(k, a, b) {
                         named += 1;
-                        let entry = format!(".visible .entry {name}(");
-                        assert!(ptx.contains(&entry), "{name} is not in kernels/kvrs.ptx");
+                        check(name);
                     }
                 }
             }
+        }
+        for d in DTYPES {
+            check_words(gather_kernel(d));
+        }
+        for w in [COPY_BLOCKS, LOAD_BLOCKS, SAVE_BLOCKS] {
+            check_words(w);
         }
         for q in DTYPES {
             for c in DTYPES {
@@ -212,7 +331,7 @@ mod tests {
                 }
             }
         }
-        assert!(named > 100, "{named}");
+        assert!(named > 160, "{named}");
         assert!(kernel(Kernel::Copy3, DType::I8, DType::F32).is_err());
         assert!(attention_kernel(DType::I8, DType::F16, 128).is_err());
         assert!(attention_kernel(DType::F16, DType::F32, 128).is_err());

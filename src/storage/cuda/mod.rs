@@ -15,7 +15,9 @@
 //! - `driver`: those operations on the CUDA driver (cudarc, loaded at run time);
 //! - `sim`: the same on the host, running the kernels compiled for the CPU (feature
 //!   `cuda-sim`, for testing on machines without a GPU);
-//! - [`storage`]: [`CudaStorage`], the [`super::Storage`] on a device.
+//! - [`storage`]: [`CudaStorage`], the [`super::Storage`] on a device;
+//! - `upload`: the launch path: launch words as kernel parameters, or uploaded through
+//!   page-locked buffers.
 
 pub mod attention;
 pub mod attention_plan;
@@ -33,10 +35,13 @@ pub mod scaling;
 mod sim;
 pub mod storage;
 mod swap;
+mod upload;
 
 pub use detect::device_count;
 pub use pinned::SWAP_CHUNK;
 pub use scaling::DeviceScaler;
+#[cfg(feature = "cuda-sim")]
+pub use sim::launches as sim_launches;
 pub use storage::CudaStorage;
 
 use std::sync::Arc;

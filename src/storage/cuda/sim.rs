@@ -8,11 +8,12 @@
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::collections::{HashMap, HashSet};
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 
-use super::gpu::{Args, DevicePtr, Gpu, StreamHandle};
+use super::gpu::{Args, DevicePtr, EventHandle, Gpu, StreamHandle, LARGE_WORDS};
 use crate::error::{KvError, Result};
 
 extern "C" {
@@ -52,11 +53,19 @@ pub struct SimGpu {
     allocations: Mutex<HashMap<DevicePtr, Layout>>,
     /// The allocations that stand for page-locked host memory.
     pinned: Mutex<HashSet<DevicePtr>>,
+    /// Launches per kernel (base name).
+    launches: Mutex<HashMap<String, u64>>,
+    /// Events handed out.
+    events: AtomicU64,
 }
 
 impl SimGpu {
     /// The simulated device `ordinal`, one per process.
     pub fn shared(ordinal: usize) -> Arc<dyn Gpu> {
+        Self::get(ordinal)
+    }
+
+    fn get(ordinal: usize) -> Arc<SimGpu> {
         static DEVICES: OnceLock<Mutex<HashMap<usize, Arc<SimGpu>>>> = OnceLock::new();
         let mut devices = DEVICES.get_or_init(Default::default).lock();
         devices
@@ -66,6 +75,8 @@ impl SimGpu {
                     ordinal,
                     allocations: Mutex::new(HashMap::new()),
                     pinned: Mutex::new(HashSet::new()),
+                    launches: Mutex::new(HashMap::new()),
+                    events: AtomicU64::new(0),
                 })
             })
             .clone()
@@ -154,6 +165,11 @@ impl Gpu for SimGpu {
         args: &Args,
         _stream: StreamHandle,
     ) -> Result<()> {
+        let base = ["_w480", "_w4000", "_wp"]
+            .iter()
+            .find_map(|s| name.strip_suffix(s))
+            .unwrap_or(name);
+        *self.launches.lock().entry(base.to_owned()).or_default() += 1;
         let c = CString::new(name).expect("kernel names have no NUL");
         let mut params = args.params();
         let status = kvrs_sim_launch(
@@ -177,4 +193,32 @@ impl Gpu for SimGpu {
     fn synchronize(&self, _stream: StreamHandle) -> Result<()> {
         Ok(())
     }
+
+    fn param_words(&self) -> usize {
+        LARGE_WORDS
+    }
+
+    fn new_event(&self) -> Result<EventHandle> {
+        Ok(self.events.fetch_add(1, Ordering::Relaxed) + 1)
+    }
+
+    unsafe fn record_event(&self, _event: EventHandle, _stream: StreamHandle) -> Result<()> {
+        // Work runs when it is queued: every event is reached when recorded.
+        Ok(())
+    }
+
+    unsafe fn wait_event(&self, _event: EventHandle) -> Result<()> {
+        Ok(())
+    }
+
+    unsafe fn free_event(&self, _event: EventHandle) {}
+}
+
+/// Launches of kernel `name` on the simulated device `ordinal` so far (each instance of
+/// a kernel taking launch words counts under its base name, `kvrs_copy_blocks` for
+/// `kvrs_copy_blocks_w480`): what tests count to see that an operation is one launch.
+pub fn launches(ordinal: usize, name: &str) -> u64 {
+    let gpu = SimGpu::get(ordinal);
+    let counts = gpu.launches.lock();
+    counts.get(name).copied().unwrap_or(0)
 }

@@ -10,13 +10,15 @@ use parking_lot::Mutex;
 
 use super::gpu::{blocks_for, Args, DevicePtr, Gpu, StreamHandle, THREADS};
 use super::kernels::{kernel, zero_kernel, Kernel};
+use super::paged::ScatterLayer;
 use super::pinned::PinnedBuffer;
 use super::scaling::{DeviceScaler, Scratch};
+use super::upload::{Staging, MIN_STAGING};
 use crate::dtype::DType;
 use crate::error::{KvError, Result};
-use crate::layout::{BlockId, KvLayout, PagedShape};
+use crate::layout::{BlockId, PagedShape};
 use crate::storage::int8::{check_scales_len, scale_region};
-use crate::storage::{paged_ops, Device, PagedTensor, Region, RowScales, Storage};
+use crate::storage::{paged_ops, Device, LayerRows, PagedTensor, Region, RowScales, Storage};
 use crate::tensor::{copy_strided, TensorMut, TensorRef, MAX_RANK};
 
 /// Keys and values in the memory of one CUDA device.
@@ -44,22 +46,6 @@ pub struct CudaStorage {
     /// Page-locked host memory the block swaps pass through, made on first use.
     pub(super) pinned: Mutex<PinnedBuffer>,
 }
-
-/// Device memory for a launch's small arguments (pointer arrays, slots, block tables)
-/// and for host transfers, and the host buffer they are assembled in; both grow when a
-/// call needs more, never per call.
-#[derive(Debug)]
-pub(super) struct Staging {
-    pub(super) ptr: DevicePtr,
-    bytes: usize,
-    host: Vec<u64>,
-    /// The stream the last upload was queued on: before another stream may overwrite
-    /// the buffer, that one is waited for.
-    stream: StreamHandle,
-}
-
-/// Smallest staging buffer.
-const MIN_STAGING: usize = 64 << 10;
 
 impl CudaStorage {
     /// `numel` zeroed elements of `dtype` on CUDA device `ordinal`, in head vectors of
@@ -111,12 +97,7 @@ impl CudaStorage {
             dtype,
             numel,
             stream: AtomicU64::new(stream),
-            staging: Mutex::new(Staging {
-                ptr: staging,
-                bytes: MIN_STAGING,
-                host: Vec::new(),
-                stream,
-            }),
+            staging: Mutex::new(Staging::new(staging, stream)),
             counter: Mutex::new(None),
             scales,
             head_dim: if dtype == DType::I8 { head_dim } else { 1 },
@@ -264,96 +245,6 @@ impl CudaStorage {
         }
     }
 
-    /// Uploads the words `fill` writes (into the reused host buffer) to the staging
-    /// buffer and runs `f` with its address while the buffer is held, so `f` can queue
-    /// the kernels that read it.
-    pub(super) fn with_upload<R>(
-        &self,
-        fill: impl FnOnce(&mut Vec<u64>),
-        f: impl FnOnce(DevicePtr) -> Result<R>,
-    ) -> Result<R> {
-        self.with_upload_and_scratch(fill, 0, |base, _| f(base))
-    }
-
-    /// [`Self::with_upload`], with `scratch` more bytes of device memory for the
-    /// launches' own use, passed to `f` after the upload's address (256-byte aligned;
-    /// valid while `f` runs, and reused by later calls on the stream order).
-    pub(super) fn with_upload_and_scratch<R>(
-        &self,
-        fill: impl FnOnce(&mut Vec<u64>),
-        scratch: usize,
-        f: impl FnOnce(DevicePtr, DevicePtr) -> Result<R>,
-    ) -> Result<R> {
-        let stream = self.stream();
-        let mut st = self.staging.lock();
-        let mut host = std::mem::take(&mut st.host);
-        host.clear();
-        fill(&mut host);
-        let bytes = std::mem::size_of_val(host.as_slice());
-        let scratch_at = bytes.next_multiple_of(256);
-        let staged = self
-            .reserve_staging(&mut st, scratch_at + scratch, stream)
-            .and_then(|()| {
-                // SAFETY: the staging buffer holds at least `bytes`; `host` is host memory.
-                unsafe {
-                    self.gpu
-                        .htod(st.ptr, host.as_ptr() as *const u8, bytes, stream)
-                }
-            });
-        st.host = host;
-        staged?;
-        f(st.ptr, st.ptr + scratch_at as u64)
-    }
-
-    /// Launches a paged kernel over `n` rows whose arguments end with the pool's
-    /// `block_size, heads, head_dim, hnd` (`args` holds the ones before).
-    pub(super) fn launch_rows(
-        &self,
-        name: &str,
-        n: usize,
-        sh: &PagedShape,
-        args: Args,
-    ) -> Result<()> {
-        let args = args
-            .i32(sh.block_size as i32)
-            .i32(sh.num_kv_heads as i32)
-            .i32(sh.head_dim as i32)
-            .i32(i32::from(sh.layout == KvLayout::Hnd));
-        let threads = Self::row_threads(sh.num_kv_heads * sh.head_dim);
-        // SAFETY: the callers checked every address the arguments hold (see each).
-        unsafe {
-            self.gpu.launch(
-                name,
-                [n as u32, 1, 1],
-                [threads, 1, 1],
-                &args,
-                self.stream(),
-            )
-        }
-    }
-
-    /// Makes the staging buffer at least `bytes` long and safe to overwrite on `stream`.
-    pub(super) fn reserve_staging(
-        &self,
-        st: &mut Staging,
-        bytes: usize,
-        stream: StreamHandle,
-    ) -> Result<()> {
-        if st.stream != stream {
-            self.gpu.synchronize(st.stream)?;
-            st.stream = stream;
-        }
-        if bytes > st.bytes {
-            let size = bytes.max(2 * st.bytes);
-            let fresh = self.gpu.alloc_zeroed(size)?;
-            // SAFETY: the old buffer came from alloc_zeroed; free waits for queued work.
-            unsafe { self.gpu.free(st.ptr) };
-            st.ptr = fresh;
-            st.bytes = size;
-        }
-        Ok(())
-    }
-
     /// Launches the strided copy with conversion: `dst[i, j, k] = src[i, j, k]`.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn copy3(
@@ -416,6 +307,41 @@ impl CudaStorage {
         }
     }
 
+    /// Whether one scatter launch can write every layer of `layers` (all rows on this
+    /// device, of one dtype and strides, head_dim contiguous, each layer's K and V a fixed
+    /// stride after the previous one's, one pool shape): the per-layer element strides of
+    /// K and V when it can. Checks every layer's rows first.
+    fn one_scatter(&self, layers: &[LayerRows<'_>]) -> Result<Option<[isize; 2]>> {
+        for l in layers {
+            paged_ops::check_rows(&l.tensor, Some(l.slots.len()), &l.k, &l.v)?;
+        }
+        let Some(first) = layers.first() else {
+            return Ok(None);
+        };
+        if !self.scatters(&first.k, &first.v)? {
+            return Ok(None);
+        }
+        let size = first.k.dtype().size() as isize;
+        let step = |x: for<'r> fn(&'r LayerRows<'r>) -> &'r TensorRef<'r>| -> Option<isize> {
+            let base = x(first).as_ptr() as isize;
+            let delta = layers.get(1).map_or(0, |l| x(l).as_ptr() as isize - base);
+            let uniform = delta % size == 0
+                && layers.iter().enumerate().all(|(i, l)| {
+                    let t = x(l);
+                    t.as_ptr() as isize == base + i as isize * delta
+                        && t.dtype() == x(first).dtype()
+                        && t.strides3() == x(first).strides3()
+                        && t.device() == x(first).device()
+                });
+            uniform.then_some(delta / size)
+        };
+        let same_shape = layers.iter().all(|l| l.tensor.shape == first.tensor.shape);
+        Ok(match (step(|l| &l.k), step(|l| &l.v)) {
+            (Some(k), Some(v)) if same_shape => Some([k, v]),
+            _ => None,
+        })
+    }
+
     /// Threads per block for kernels striding over `heads * head_dim` elements.
     pub(super) fn row_threads(elems: usize) -> u32 {
         (elems.div_ceil(32) * 32).clamp(32, THREADS as usize) as u32
@@ -455,9 +381,9 @@ impl Drop for CudaStorage {
             if let Some((z, _)) = *self.zero_row.get_mut() {
                 self.gpu.free(z);
             }
-            self.gpu.free(self.staging.get_mut().ptr);
             self.gpu.free(self.ptr);
         }
+        self.staging.get_mut().release(self.gpu.as_ref());
         DeviceScaler::free(self.gpu.as_ref(), &self.scratch);
         self.pinned.get_mut().release(self.gpu.as_ref());
     }
@@ -639,9 +565,36 @@ impl Storage for CudaStorage {
             return paged_ops::write_slots(self, t, slots, k, v);
         }
         self.check_slots(&t, slots);
-        self.scatter(t, slots.len(), k, v, |w| {
-            w.extend(slots.iter().map(|&s| s as u64))
-        })
+        let layer = ScatterLayer {
+            tensor: t.index,
+            slots,
+        };
+        self.scatter(t.shape, &[layer], k, v, [0, 0])
+    }
+
+    fn write_layers(&mut self, layers: &[LayerRows<'_>]) -> Result<()> {
+        let Some(strides) = self.one_scatter(layers)? else {
+            return layers
+                .iter()
+                .try_for_each(|l| self.write_slots(l.tensor, l.slots, &l.k, &l.v));
+        };
+        for l in layers {
+            self.check_slots(&l.tensor, l.slots);
+        }
+        let each: Vec<ScatterLayer> = layers
+            .iter()
+            .map(|l| ScatterLayer {
+                tensor: l.tensor.index,
+                slots: l.slots,
+            })
+            .collect();
+        self.scatter(
+            layers[0].tensor.shape,
+            &each,
+            &layers[0].k,
+            &layers[0].v,
+            strides,
+        )
     }
 
     fn zero_slots(&mut self, t: PagedTensor, slots: &[i64]) -> Result<()> {
@@ -663,9 +616,11 @@ impl Storage for CudaStorage {
         }
         .on(self.device());
         // One launch for every slot (the scatter skips -1).
-        self.scatter(t, n, &zeros, &zeros, |w| {
-            w.extend(slots.iter().map(|&s| s as u64))
-        })
+        let layer = ScatterLayer {
+            tensor: t.index,
+            slots,
+        };
+        self.scatter(sh, &[layer], &zeros, &zeros, [0, 0])
     }
 
     fn write_positions(
@@ -682,9 +637,14 @@ impl Storage for CudaStorage {
         }
         self.check_positions(&t, blocks, start, n);
         let bs = t.shape.block_size;
-        self.scatter(t, n, k, v, |w| {
-            w.extend((start..start + n).map(|p| (blocks[p / bs] as usize * bs + p % bs) as u64))
-        })
+        let slots: Vec<i64> = (start..start + n)
+            .map(|p| (blocks[p / bs] as usize * bs + p % bs) as i64)
+            .collect();
+        let layer = ScatterLayer {
+            tensor: t.index,
+            slots: &slots,
+        };
+        self.scatter(t.shape, &[layer], k, v, [0, 0])
     }
 
     fn read_positions(
@@ -726,12 +686,16 @@ impl Storage for CudaStorage {
             tensors,
             pairs.iter().flat_map(|&(s, d)| [s as u64, d as u64]),
         );
-        let codes = (0..tensors).map(|t| self.device_addr(shape.block_offset(t, 0)));
-        self.launch_copy_blocks(codes, pairs, block_bytes / 4)?;
+        let codes: Vec<DevicePtr> = (0..tensors)
+            .map(|t| self.device_addr(shape.block_offset(t, 0)))
+            .collect();
+        self.launch_copy_blocks(&codes, pairs, block_bytes)?;
         if let Some(sc) = &self.scales {
             let d = self.head_dim;
-            let scales = (0..tensors).map(|t| sc.device_addr(shape.block_offset(t, 0) / d));
-            self.launch_copy_blocks(scales, pairs, shape.block_elems() / d)?;
+            let scales: Vec<DevicePtr> = (0..tensors)
+                .map(|t| sc.device_addr(shape.block_offset(t, 0) / d))
+                .collect();
+            self.launch_copy_blocks(&scales, pairs, 4 * shape.block_elems() / d)?;
         }
         Ok(())
     }

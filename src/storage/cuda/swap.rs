@@ -1,51 +1,59 @@
 //! The block swaps of the offload tiers on the device: whole blocks of every cache
-//! tensor packed into device scratch by one launch (`kvrs_save_blocks`) and moved by one
+//! tensor packed into device scratch by one launch (`kvrs_save_blocks`, 16-byte accesses
+//! where the block size allows) and moved by one
 //! transfer through the storage's page-locked buffer, or the reverse
 //! (`kvrs_load_blocks`). Long swaps go in chunks of [`SWAP_CHUNK`] bytes.
 
 use super::gpu::{Args, DevicePtr, THREADS};
+use super::kernels::{WordsKernel, LOAD_BLOCKS, SAVE_BLOCKS};
 use super::pinned::SWAP_CHUNK;
 use super::storage::CudaStorage;
 use crate::error::Result;
 use crate::layout::{BlockId, PagedShape};
 use crate::storage::Storage;
 
-impl CudaStorage {
-    /// The device addresses of cache tensors `0..tensors`' block 0, then `blocks`: the
-    /// words of a block-swap launch.
-    fn swap_words(&self, shape: PagedShape, tensors: usize, blocks: &[BlockId], w: &mut Vec<u64>) {
-        w.extend((0..tensors).map(|t| self.device_addr(shape.block_offset(t, 0))));
-        w.extend(blocks.iter().map(|&b| b as u64));
-    }
+/// Bytes of one block one thread block moves (256 threads x 16 bytes x 4 in flight).
+const SWAP_CHUNK_BYTES: usize = 16 << 10;
 
-    /// Launches `kvrs_load_blocks` or `kvrs_save_blocks` over `items` blocks of
-    /// `tensors` tensors, the pointer table at `table` and the packed words at `packed`.
+impl CudaStorage {
+    /// Launches `kernel` (`kvrs_load_blocks` or `kvrs_save_blocks`) over `blocks` of
+    /// `tensors` tensors of `shape`, the packed blocks at `packed`.
     fn launch_swap(
         &self,
-        name: &str,
-        table: DevicePtr,
+        kernel: WordsKernel,
+        shape: PagedShape,
         tensors: usize,
-        items: usize,
+        blocks: &[BlockId],
         packed: DevicePtr,
-        block_words: usize,
     ) -> Result<()> {
+        let block_bytes = shape.block_elems() * self.dtype().size();
+        let mut words: Vec<u64> = (0..tensors)
+            .map(|t| self.device_addr(shape.block_offset(t, 0)))
+            .collect();
+        let vec = [16usize, 8, 4]
+            .into_iter()
+            .find(|&b| {
+                block_bytes.is_multiple_of(b)
+                    && packed.is_multiple_of(b as u64)
+                    && words.iter().all(|&a| a.is_multiple_of(b as u64))
+            })
+            .expect("blocks of whole 32-bit words");
+        words.extend(blocks.iter().map(|&b| b as u64));
+        let chunk = SWAP_CHUNK_BYTES.min(block_bytes);
         let args = Args::new()
-            .u64(table)
-            .u64(table + 8 * tensors as u64)
             .u64(packed)
-            .i64(block_words as i64);
-        // SAFETY: the blocks lie inside every tensor (`check_blocks`) and the packed
-        // buffer holds items x tensors blocks (the caller's buffers were checked against
-        // the blocks: `check_packed`, `check_data`).
-        unsafe {
-            self.gpu.launch(
-                name,
-                [items as u32, tensors as u32, 1],
-                [THREADS, 1, 1],
-                &args,
-                self.stream(),
-            )
-        }
+            .i64(block_bytes as i64)
+            .i64(chunk as i64)
+            .i32(vec as i32);
+        let grid = [
+            blocks.len() as u32,
+            tensors as u32,
+            block_bytes.div_ceil(chunk) as u32,
+        ];
+        // The blocks lie inside every tensor (`check_blocks`) and the packed buffer
+        // holds blocks x tensors blocks (the caller's buffers were checked against the
+        // blocks: `check_packed`, `check_data`).
+        self.launch_words(kernel, words, args, grid, [THREADS, 1, 1])
     }
 
     /// Bytes of one block of every one of `tensors` cache tensors, and the blocks a
@@ -78,16 +86,15 @@ impl CudaStorage {
     ) -> Option<Result<()>> {
         let (per_block, chunk) = self.swap_sizes(&shape, tensors, blocks.len())?;
         self.check_blocks(&shape, tensors, blocks.iter().map(|&b| b as u64));
-        let words = per_block / tensors / 4;
         let mut pinned = self.pinned.lock();
         let mut swaps = blocks.chunks(chunk).zip(out.chunks_mut(chunk * per_block));
         Some(swaps.try_for_each(|(bs, dst)| {
             let bytes = dst.len();
             self.with_upload_and_scratch(
-                |w| self.swap_words(shape, tensors, bs, w),
+                |_| {},
                 bytes,
-                |table, packed| {
-                    self.launch_swap("kvrs_save_blocks", table, tensors, bs.len(), packed, words)?;
+                |_, packed| {
+                    self.launch_swap(SAVE_BLOCKS, shape, tensors, bs, packed)?;
                     let stream = self.stream();
                     match pinned.reserve(self.gpu.as_ref(), bytes) {
                         Ok(bounce) => {
@@ -116,15 +123,14 @@ impl CudaStorage {
     ) -> Option<Result<()>> {
         let (per_block, chunk) = self.swap_sizes(&shape, tensors, blocks.len())?;
         self.check_blocks(&shape, tensors, blocks.iter().map(|&b| b as u64));
-        let words = per_block / tensors / 4;
         let mut pinned = self.pinned.lock();
         let mut swaps = blocks.chunks(chunk).zip(data.chunks(chunk));
         Some(swaps.try_for_each(|(bs, ds)| {
             let bytes = ds.len() * per_block;
             self.with_upload_and_scratch(
-                |w| self.swap_words(shape, tensors, bs, w),
+                |_| {},
                 bytes,
-                |table, packed| {
+                |_, packed| {
                     let stream = self.stream();
                     match pinned.reserve(self.gpu.as_ref(), bytes) {
                         Ok(bounce) => {
@@ -143,7 +149,7 @@ impl CudaStorage {
                             }
                         }
                     }
-                    self.launch_swap("kvrs_load_blocks", table, tensors, bs.len(), packed, words)
+                    self.launch_swap(LOAD_BLOCKS, shape, tensors, bs, packed)
                 },
             )
         }))
