@@ -649,7 +649,7 @@ constexpr float KVRS_LOG2E = 1.4426950408889634f;
 // Bytes of K and V one pipeline stage holds (two stages).
 constexpr int KVRS_STAGE_BYTES = 16384;
 // Positions a lane scores before it rescales its accumulator.
-constexpr int KVRS_STEP = 4;
+constexpr int KVRS_STEP = 2;
 // Most splits of one row (kvrs_attention_merge keeps 4 per lane).
 constexpr int KVRS_MAX_SPLITS = 128;
 
@@ -1101,6 +1101,8 @@ __device__ void attention_merge(const float* part_o, const float* part_ml, const
 #pragma unroll
     for (int k = 0; k < KEEP; ++k) {
         const float f = exp2f(ms[k] - mref);
+        // Unrolled so that several splits' loads are in flight (the partial rows sit in L2).
+#pragma unroll 8
         for (int i = 0; i < 32 && 32 * k + i < count; ++i) {
             const float fs = __shfl_sync(0xffffffffu, f, i);
             const float* o = part_o + entry(32 * k + i) * head_dim;
@@ -1214,8 +1216,11 @@ extern "C" __global__ void kvrs_advance_counter(int64_t* position, int64_t n) {
     }
 // Attention for queries Q over storage C, one kernel per head size: d64, d128, d256 and
 // dn (any head_dim up to 256). At most 256 threads per block (the host launches 128-256).
-#define KVRS_ATTENTION_HD(NAME, Q, C, HD, SUFFIX)                                                             \
-    extern "C" __global__ void __launch_bounds__(256) kvrs_paged_attention_##NAME##_##SUFFIX(                 \
+// The fixed head sizes are held to 128 registers (two 256-thread or four 128-thread
+// blocks per SM: decode is bound by the K/V bytes in flight, so occupancy pays); the
+// generic one keeps more registers, which it needs to avoid a stack frame.
+#define KVRS_ATTENTION_HD(NAME, Q, C, HD, SUFFIX, MINB)                                                           \
+    extern "C" __global__ void __launch_bounds__(256, MINB) kvrs_paged_attention_##NAME##_##SUFFIX(           \
         const Q* q, int64_t q_tok, int64_t q_head, Q* out, const C* cache, const int32_t* tables,              \
         const int64_t* rows, const int64_t* items, int q_heads, int group, float scale, float softcap,         \
         const float* sinks, const float* alibi, float* part_o, float* part_ml, int bs, int heads, int head_dim, \
@@ -1225,10 +1230,10 @@ extern "C" __global__ void kvrs_advance_counter(int64_t* position, int64_t n) {
                                   v_scales, tile_rows, hsb, wpr);                                              \
     }
 #define KVRS_ATTENTION(NAME, Q, C)                \
-    KVRS_ATTENTION_HD(NAME, Q, C, 64, d64)        \
-    KVRS_ATTENTION_HD(NAME, Q, C, 128, d128)      \
-    KVRS_ATTENTION_HD(NAME, Q, C, 256, d256)      \
-    KVRS_ATTENTION_HD(NAME, Q, C, 0, dn)
+    KVRS_ATTENTION_HD(NAME, Q, C, 64, d64, 2)     \
+    KVRS_ATTENTION_HD(NAME, Q, C, 128, d128, 2)   \
+    KVRS_ATTENTION_HD(NAME, Q, C, 256, d256, 2)   \
+    KVRS_ATTENTION_HD(NAME, Q, C, 0, dn, 1)
 #define KVRS_FOR_INPUTS(MACRO, T, TN) \
     MACRO(f32_##TN, float, T)         \
     MACRO(f16_##TN, __half, T)        \

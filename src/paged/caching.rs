@@ -78,6 +78,9 @@ impl PoolCore {
             if self.num_free_blocks() > 0 {
                 let b = self.take_block();
                 self.copy_block(src, b);
+                // Past its first n rows the copy holds the cached prompt's continuation,
+                // K/V of another token prefix: zeroed before this sequence claims them.
+                self.blocks.mark_stale(b);
                 s.tables[0].blocks.push(b);
                 cached += n;
             }

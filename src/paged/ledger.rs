@@ -68,6 +68,13 @@ impl BlockLedger {
         self.stale[b as usize] = true;
     }
 
+    /// Gives `dst` the flag of `src`, whose whole contents were just copied onto it: a
+    /// clean block's copy is clean (zeros past the positions the copy's holder keeps,
+    /// which are at most those of `src`'s holders).
+    pub fn copy_stale(&mut self, src: BlockId, dst: BlockId) {
+        self.stale[dst as usize] = self.stale[src as usize];
+    }
+
     /// Clears `b`'s stale flag; returns whether it was set (the caller then zeroes the
     /// block past the positions its holder keeps).
     pub fn take_stale(&mut self, b: BlockId) -> bool {

@@ -339,6 +339,7 @@ impl PoolCore {
     /// Copies block `src` onto block `dst` in every storage tensor: at once, or with the
     /// other copies of the operation in progress ([`Self::batch_copies`]).
     pub(crate) fn copy_block(&mut self, src: BlockId, dst: BlockId) {
+        self.blocks.copy_stale(src, dst);
         match &mut self.pending_copies {
             Some(pending) => {
                 // Copies of one batch run together: a block copied onto earlier in the

@@ -387,6 +387,22 @@ def test_positions_cut_inside_a_block_read_zeros_when_reserved_again():
     pool.check_invariants()
 
 
+def test_a_partial_hit_reads_zeros_past_the_rows_it_matched():
+    # The partial hit copies a cached block whose rows past the match belong to another
+    # prompt's continuation: reserved there, they read as zeros.
+    pool = kvrs.BlockPool(1, 1, 4, block_size=4, num_blocks=8, dtype="float32", seed=1)
+    a = pool.new_sequence(list(range(9)))
+    a.append(0, *kv(5, 8))
+    a.advance(8)
+    a.free()
+    b = pool.new_sequence([0, 1, 2, 3, 4, 5, 77, 78, 79])
+    assert b.seq_len == 6
+    pool.reserve([b], [2])
+    k, v = b.get(0)
+    assert (k[:, :6] == 5).all() and not k[:, 6:].any() and not v[:, 6:].any()
+    pool.check_invariants()
+
+
 def test_copy_prefix_keeps_the_destinations_namespace_and_extra_key():
     pool = kvrs.BlockPool(1, 1, 4, block_size=4, num_blocks=16, dtype="float32", seed=1)
     src = pool.new_sequence([1, 2, 3, 4, 5], namespace="A")

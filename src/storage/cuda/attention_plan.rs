@@ -7,9 +7,10 @@
 use super::attention::DeviceRow;
 use super::kernels::ATTENTION_HEAD_DIMS;
 
-/// Blocks per SM the split aims at (a few, so that loads of one block overlap another's
-/// arithmetic and the last wave is short).
-const BLOCKS_PER_SM: usize = 3;
+/// Blocks per SM the split aims at: as many 128-thread blocks as fit at once (the
+/// fixed-head-size kernels are held to 128 registers), so that loads of one block overlap
+/// another's arithmetic in a single wave.
+const BLOCKS_PER_SM: usize = 4;
 
 /// Fewest positions of a split (shorter chunks cost more in partial results and merge
 /// than they gain in parallelism).
