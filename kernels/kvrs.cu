@@ -1101,20 +1101,37 @@ __device__ void attention_merge(const float* part_o, const float* part_ml, const
 #pragma unroll
     for (int k = 0; k < KEEP; ++k) {
         const float f = exp2f(ms[k] - mref);
-        // Unrolled so that several splits' loads are in flight (the partial rows sit in L2).
-#pragma unroll 8
-        for (int i = 0; i < 32 && 32 * k + i < count; ++i) {
-            const float fs = __shfl_sync(0xffffffffu, f, i);
-            const float* o = part_o + entry(32 * k + i) * head_dim;
-            if (vec) {
+        if (vec) {
+            // Eight splits at a time: their loads are issued together, then summed in
+            // split order (the partial rows sit in L2; one at a time is latency-bound).
+            for (int i0 = 0; i0 < 32 && 32 * k + i0 < count; i0 += 8) {
+                kvrs_u4 x[8][2];
+                float fs[8];
 #pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    if (4 * (lane + 32 * c) >= head_dim) continue;
-                    const kvrs_u4 x = *reinterpret_cast<const kvrs_u4*>(o + 4 * (lane + 32 * c));
-                    acc[4 * c] += fs * bits_f32(x.x), acc[4 * c + 1] += fs * bits_f32(x.y);
-                    acc[4 * c + 2] += fs * bits_f32(x.z), acc[4 * c + 3] += fs * bits_f32(x.w);
+                for (int u = 0; u < 8; ++u) {
+                    const int s = 32 * k + i0 + u;
+                    fs[u] = __shfl_sync(0xffffffffu, f, i0 + u);
+                    const float* o = part_o + entry(s < count ? s : 0) * head_dim;
+#pragma unroll
+                    for (int c = 0; c < 2; ++c)
+                        x[u][c] = s < count && 4 * (lane + 32 * c) < head_dim
+                                      ? *reinterpret_cast<const kvrs_u4*>(o + 4 * (lane + 32 * c))
+                                      : kvrs_u4{0, 0, 0, 0};
                 }
-            } else {
+#pragma unroll
+                for (int u = 0; u < 8; ++u) {
+                    if (32 * k + i0 + u >= count) break;
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        acc[4 * c] += fs[u] * bits_f32(x[u][c].x), acc[4 * c + 1] += fs[u] * bits_f32(x[u][c].y);
+                        acc[4 * c + 2] += fs[u] * bits_f32(x[u][c].z), acc[4 * c + 3] += fs[u] * bits_f32(x[u][c].w);
+                    }
+                }
+            }
+        } else {
+            for (int i = 0; i < 32 && 32 * k + i < count; ++i) {
+                const float fs = __shfl_sync(0xffffffffu, f, i);
+                const float* o = part_o + entry(32 * k + i) * head_dim;
 #pragma unroll
                 for (int c = 0; c < 8; ++c)
                     if (lane + 32 * c < head_dim) acc[c] += fs * o[lane + 32 * c];
