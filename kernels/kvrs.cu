@@ -625,7 +625,7 @@ __device__ void scale3(T* dst, int64_t d0, int64_t d1, int64_t d2, const S* src,
 // partial row or -1). Grid (items, kv_heads * head_chunks), blockDim 32 * warps.
 //
 // A block reads its item's K/V rows of one KV head once, through shared memory: 16-byte
-// cp.async copies in KVRS_STAGES stages (tiles t + 1, t + 2 in flight while tile t is computed), the
+// cp.async copies in two stages (tile t + 2 is in flight while tile t is computed), the
 // row offsets of each tile computed from the block table ahead of time into shared memory
 // (int8: the rows' scales too). Each warp serves one "row slot" (a query token and HPT of
 // the GQA group's query heads, q and the f32 accumulator in registers) and a share of the
@@ -646,10 +646,8 @@ __device__ void scale3(T* dst, int64_t d0, int64_t d1, int64_t d2, const S* src,
 
 // log2(e): scores are kept in base 2 (exp2 of log2(e)-scaled scores).
 constexpr float KVRS_LOG2E = 1.4426950408889634f;
-// Bytes of K and V one pipeline stage holds (KVRS_STAGES stages).
-constexpr int KVRS_STAGE_BYTES = 12288;
-// Stages in the ring: while one tile is computed, the next KVRS_STAGES - 1 are in flight.
-constexpr int KVRS_STAGES = 3;
+// Bytes of K and V one pipeline stage holds (two stages).
+constexpr int KVRS_STAGE_BYTES = 16384;
 // Positions a lane scores before it rescales its accumulator.
 constexpr int KVRS_STEP = 2;
 // Most splits of one row (kvrs_attention_merge keeps 4 per lane).
@@ -759,7 +757,7 @@ template <typename C, int HD> struct AttnShape {
     static constexpr int STEPS = TILE / (PPW * KVRS_STEP);           // a tile's steps (split over wpr warps)
     static_assert(STEPS >= 1 && TILE <= 128, "tile");
     // The end-of-item merge of up to 7 warps' states fits in the stage buffers.
-    static_assert(7 * HPT * (2 + MAXD) * 4 <= KVRS_STAGES * KVRS_STAGE_BYTES, "merge scratch");
+    static_assert(7 * HPT * (2 + MAXD) * 4 <= 2 * KVRS_STAGE_BYTES, "merge scratch");
 };
 
 // Merges another online-softmax state (mo, lo, its accumulator through `other`) into
@@ -800,10 +798,9 @@ __device__ void paged_attention(const Q* q, TokenStrides qs, Q* out, const C* ca
     constexpr float UNIT = S::GENERIC ? 1.0f : V::UNIT;
     const float neg_inf = -__builtin_huge_valf();
 
-    constexpr int NS = KVRS_STAGES, NR = KVRS_STAGES + 1;  // stages; rings of offsets and scales
-    __shared__ __align__(16) unsigned char stage[NS][KVRS_STAGE_BYTES];
-    __shared__ int64_t offs[NR][TILE];                 // K row offsets of a tile's positions (-1: none)
-    __shared__ float row_scales[NR][2][INT8 ? TILE : 1];  // int8: the rows' K and V scales
+    __shared__ __align__(16) unsigned char stage[2][KVRS_STAGE_BYTES];
+    __shared__ int64_t offs[3][TILE];                 // K row offsets of a tile's positions (-1: none)
+    __shared__ float row_scales[3][2][INT8 ? TILE : 1];  // int8: the rows' K and V scales
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nthreads = blockDim.x;
     const int64_t* item = items + 4 * (int64_t)blockIdx.x;
@@ -862,19 +859,19 @@ __device__ void paged_attention(const Q* q, TokenStrides qs, Q* out, const C* ca
     auto load_scales = [&](int64_t ti) {  // int8: tile ti's row scales, into registers
         float ks = 0.0f, vs = 0.0f;
         if (INT8 && tid < TILE) {
-            const int64_t o = offs[ti % NR][tid];
+            const int64_t o = offs[ti % 3][tid];
             if (o >= 0) ks = k_scales[o / head_dim], vs = v_scales[(o + v_off) / head_dim];
         }
         return kvrs_u4{f32_bits(ks), f32_bits(vs), 0, 0};
     };
     auto store_scales = [&](int64_t ti, const kvrs_u4& s) {
-        if (INT8 && tid < TILE) row_scales[ti % NR][0][tid] = bits_f32(s.x), row_scales[ti % NR][1][tid] = bits_f32(s.y);
+        if (INT8 && tid < TILE) row_scales[ti % 3][0][tid] = bits_f32(s.x), row_scales[ti % 3][1][tid] = bits_f32(s.y);
     };
     // Tile ti's K and V rows into stage ti % 2.
     auto issue = [&](int64_t ti) {
         if (ti < ntiles) {
-            unsigned char* dst = stage[ti % NS];
-            const int64_t* o = offs[ti % NR];
+            unsigned char* dst = stage[ti & 1];
+            const int64_t* o = offs[ti % 3];
             const int row_bytes = head_dim * (int)sizeof(C);
             if (!S::GENERIC || row_bytes % 16 == 0) {
                 const int cpr = S::GENERIC ? row_bytes / 16 : S::CPR;
@@ -908,23 +905,24 @@ __device__ void paged_attention(const Q* q, TokenStrides qs, Q* out, const C* ca
         }
     };
 
-    // Prologue: offsets of tiles 0..NS, scales of tiles 0..NS-1, tiles 0..NS-1 in flight.
-    for (int ti = 0; ti < NR; ++ti)
+    // Prologue: offsets of tiles 0..2, scales of tiles 0 and 1, tiles 0 and 1 in flight.
+    for (int ti = 0; ti < 3; ++ti)
         for (int i = tid; i < TILE; i += nthreads) offs[ti][i] = offset_of(ti, i, block_of(ti, i));
     __syncthreads();
-    for (int ti = 0; ti < NS; ++ti) store_scales(ti, load_scales(ti));
-    for (int ti = 0; ti < NS; ++ti) issue(ti);
+    for (int ti = 0; ti < 2; ++ti) store_scales(ti, load_scales(ti));
+    issue(0);
+    issue(1);
 
     for (int64_t ti = 0; ti < ntiles; ++ti) {
-        kvrs_cp_async_wait<NS - 1>();
+        kvrs_cp_async_wait<1>();
         __syncthreads();
-        // Ahead: the blocks of tile ti + NR and the scales of tile ti + NS, loads in flight
+        // Ahead: the blocks of tile ti + 3 and the scales of tile ti + 2, loads in flight
         // while this tile is computed (the host launches at least TILE threads).
-        const int64_t next_block = tid < TILE ? block_of(ti + NR, tid) : -1;
-        const kvrs_u4 next_scales = load_scales(ti + NS);
+        const int64_t next_block = tid < TILE ? block_of(ti + 3, tid) : -1;
+        const kvrs_u4 next_scales = load_scales(ti + 2);
         const int64_t p0 = kb + ti * TILE;
         if (active && p0 < whi && p0 + TILE > wlo) {
-            const unsigned char* ks = stage[ti % NS];
+            const unsigned char* ks = stage[ti & 1];
             const unsigned char* vs = ks + TILE * RB;
             for (int st = part; st < S::STEPS; st += wpr) {
                 float s[HPT][KVRS_STEP];
@@ -953,7 +951,7 @@ __device__ void paged_attention(const Q* q, TokenStrides qs, Q* out, const C* ca
                 }
 #pragma unroll
                 for (int u = 0; u < KVRS_STEP; ++u) {
-                    const float kf = INT8 ? row_scales[ti % NR][0][at[u]] : k_fold;
+                    const float kf = INT8 ? row_scales[ti % 3][0][at[u]] : k_fold;
                     const float rel = (float)(p0 + at[u] - pos);
 #pragma unroll
                     for (int j = 0; j < HPT; ++j) {
@@ -985,7 +983,7 @@ __device__ void paged_attention(const Q* q, TokenStrides qs, Q* out, const C* ca
                     if (!valid[u]) continue;  // an invisible row is never read (it may hold anything)
                     float vf[E];
                     load_row(vs + at[u] * RB, vf);
-                    const float vsc = INT8 ? row_scales[ti % NR][1][at[u]] : 1.0f;
+                    const float vsc = INT8 ? row_scales[ti % 3][1][at[u]] : 1.0f;
 #pragma unroll
                     for (int j = 0; j < HPT; ++j) {
                         const float w = s[j][u] * vsc;
@@ -995,10 +993,10 @@ __device__ void paged_attention(const Q* q, TokenStrides qs, Q* out, const C* ca
                 }
             }
         }
-        if (tid < TILE) offs[(ti + NR) % NR][tid] = offset_of(ti + NR, tid, next_block);
-        store_scales(ti + NS, next_scales);
+        if (tid < TILE) offs[(ti + 3) % 3][tid] = offset_of(ti + 3, tid, next_block);
+        store_scales(ti + 2, next_scales);
         __syncthreads();
-        issue(ti + NS);
+        issue(ti + 2);
     }
     kvrs_cp_async_wait<0>();
 
