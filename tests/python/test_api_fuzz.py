@@ -246,6 +246,19 @@ A = mostly(
     )
 )
 
+# Stacked per-layer inputs ([layers, n_tokens, heads, head_dim]) and every awkward 3-D one.
+A4 = mostly(
+    st.one_of(
+        A,
+        st.builds(
+            lambda nl, n, dt: np.ones((nl, n, 2, 4), dt),
+            st.integers(0, 3),
+            st.integers(0, 5),
+            st.sampled_from([np.float32, np.float16]),
+        ),
+    )
+)
+
 
 def _outputs() -> list:
     """Destinations: right and wrong shapes, dtypes, byte orders, read-only memory."""
@@ -420,6 +433,7 @@ ENTRIES: dict[str, dict[str, tuple]] = {
         "store_to_tiers": entry(SEQS_ARG),
         "unpin": entry(L, KEY, KEY),
         "write": entry(I, A, A, L),
+        "write_layers": entry(A4, A4, L),
     },
     "Sequence": {
         "advance": entry(I, OPT_L),
@@ -451,6 +465,7 @@ ENTRIES: dict[str, dict[str, tuple]] = {
         "get": entry(I),
         "history_len": entry(I),
         "put": entry(I, A, A),
+        "put_layers": entry(A4, A4),
     },
     "EncoderCache": {
         "attention": entry(I, A, **ATTN),
