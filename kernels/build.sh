@@ -9,7 +9,15 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 "$PY" -m pip install --quiet -r kernels/requirements.txt
 CUDA=$("$PY" -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13"))')
-nvcc() { "$CUDA/bin/nvcc" -ptx -arch=compute_80 -O3 -std=c++17 kernels/kvrs.cu -o "$1"; }
+# Compiled from a copy in a fresh temporary directory, so that a PTX which depended on the
+# source's path (as anonymous namespaces make it) would fail `check` here and not only in CI.
+nvcc() {
+  local dir
+  dir=$(mktemp -d)
+  cp kernels/kvrs.cu "$dir/kvrs.cu"
+  "$CUDA/bin/nvcc" -ptx -arch=compute_80 -O3 -std=c++17 "$dir/kvrs.cu" -o "$1"
+  rm -rf "$dir"
+}
 case "${1:-}" in
   ptx)
     nvcc kernels/kvrs.ptx

@@ -49,7 +49,9 @@ template <int N> __device__ __forceinline__ void kvrs_cp_async_wait() {
 #define KVRS_DYNAMIC_SHARED(T, name) extern __shared__ __align__(16) T name[]
 #endif
 
-namespace {
+// A named namespace, not an anonymous one: nvcc names the shared arrays of anonymous-namespace
+// templates after a hash of the source's path, and the committed PTX must not depend on it.
+namespace kvrs_device {
 
 template <typename T> __device__ __forceinline__ float to_f32(T x);
 template <> __device__ __forceinline__ float to_f32<float>(float x) { return x; }
@@ -1147,7 +1149,9 @@ __device__ void attention_merge(const float* part_o, const float* part_ml, const
     }
 }
 
-}  // namespace
+}  // namespace kvrs_device
+
+using namespace kvrs_device;
 
 // Kernels taking launch words (see "Copies at copy speed"): NAME_w480 and NAME_w4000
 // hold them in a parameter of 480 or 4000 words (the latter needs CUDA 12.1's large
