@@ -253,8 +253,8 @@ class HostTier:
         """The size bound in bytes."""
     def used_bytes(self) -> int:
         """Bytes of blocks held now."""
-    def get(self, keys: list[str]) -> list[bytes | None]:
-        """The raw payloads stored under `keys` (None where absent)."""
+    def get(self, keys: list[str], max_bytes: int = 1 << 30) -> list[bytes | None]:
+        """The raw payloads stored under `keys` (None where absent or larger than `max_bytes`)."""
     def stats(self) -> dict[str, Any]:
         """What the tier did, as a dict of counters."""
 
@@ -271,8 +271,8 @@ class DiskTier:
         """The size bound in bytes."""
     def used_bytes(self) -> int:
         """Bytes of blocks in the directory now (every process's)."""
-    def get(self, keys: list[str]) -> list[bytes | None]:
-        """The raw payloads stored under `keys` (None where absent), in one batched request."""
+    def get(self, keys: list[str], max_bytes: int = 1 << 30) -> list[bytes | None]:
+        """The raw payloads stored under `keys` (None where absent or larger than `max_bytes`), in one batched request."""
     def stats(self) -> dict[str, Any]:
         """What the tier did, as a dict of counters."""
 
@@ -292,8 +292,8 @@ class RedisTier:
     @property
     def url(self) -> str:
         """The server's URL."""
-    def get(self, keys: list[str]) -> list[bytes | None]:
-        """The raw payloads stored under `keys` (None where absent), in one batched request."""
+    def get(self, keys: list[str], max_bytes: int = 1 << 30) -> list[bytes | None]:
+        """The raw payloads stored under `keys` (None where absent or larger than `max_bytes`), in one batched request."""
     def stats(self) -> dict[str, Any]:
         """What the tier did, as a dict of counters."""
 

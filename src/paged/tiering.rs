@@ -110,10 +110,11 @@ impl PoolCore {
         };
         let writer =
             Writer::start(tiers.clone(), queue, policy).map_err(|e| thread_error("writer", e))?;
-        // A prefetch is useful up to the pool's size; host memory bounds it too.
+        // A prefetch is useful up to the pool's size; host memory bounds it too (every
+        // buffered payload has exactly the shape's length).
         let buffered = sh.num_blocks.min(PREFETCH_BYTES / shape.len()).max(1);
-        let fetcher =
-            Fetcher::start(tiers.clone(), buffered).map_err(|e| thread_error("fetcher", e))?;
+        let fetcher = Fetcher::start(tiers.clone(), shape.len(), buffered)
+            .map_err(|e| thread_error("fetcher", e))?;
         self.tiers = Some(TierSet {
             tiers,
             fingerprint,
@@ -307,7 +308,11 @@ impl PoolCore {
             if ask.is_empty() {
                 break;
             }
-            let got = tier.get_many(&ask.iter().map(|&i| keys[i].clone()).collect::<Vec<_>>());
+            let len = ts.shape.len();
+            let got = tier.get_many(
+                &ask.iter().map(|&i| keys[i].clone()).collect::<Vec<_>>(),
+                len..=len,
+            );
             check(
                 &mut found,
                 ask.iter()

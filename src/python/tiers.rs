@@ -69,8 +69,14 @@ impl PyHostTier {
 
     /// The raw payloads stored under `keys` (bytes, or None where absent): for
     /// inspection and tools (the pool checks payloads; this does not).
-    fn get<'py>(&self, py: Python<'py>, keys: Vec<String>) -> PyResult<Bound<'py, PyList>> {
-        raw_get(py, self.tier.as_ref(), keys)
+    #[pyo3(signature = (keys, max_bytes=RAW_MAX_BYTES))]
+    fn get<'py>(
+        &self,
+        py: Python<'py>,
+        keys: Vec<String>,
+        max_bytes: usize,
+    ) -> PyResult<Bound<'py, PyList>> {
+        raw_get(py, self.tier.as_ref(), keys, max_bytes)
     }
 
     /// What the tier did, as a dict of counters.
@@ -121,8 +127,14 @@ impl PyDiskTier {
     /// The raw payloads stored under `keys` (bytes, or None where absent), in one
     /// batched request: for inspection and tools (the pool checks payloads; this does
     /// not).
-    fn get<'py>(&self, py: Python<'py>, keys: Vec<String>) -> PyResult<Bound<'py, PyList>> {
-        raw_get(py, self.tier.as_ref(), keys)
+    #[pyo3(signature = (keys, max_bytes=RAW_MAX_BYTES))]
+    fn get<'py>(
+        &self,
+        py: Python<'py>,
+        keys: Vec<String>,
+        max_bytes: usize,
+    ) -> PyResult<Bound<'py, PyList>> {
+        raw_get(py, self.tier.as_ref(), keys, max_bytes)
     }
 
     /// What the tier did, as a dict of counters.
@@ -207,8 +219,14 @@ impl PyRedisTier {
     /// The raw payloads stored under `keys` (bytes, or None where absent), in one
     /// batched request: for inspection and tools (the pool checks payloads; this does
     /// not).
-    fn get<'py>(&self, py: Python<'py>, keys: Vec<String>) -> PyResult<Bound<'py, PyList>> {
-        raw_get(py, self.tier.as_ref(), keys)
+    #[pyo3(signature = (keys, max_bytes=RAW_MAX_BYTES))]
+    fn get<'py>(
+        &self,
+        py: Python<'py>,
+        keys: Vec<String>,
+        max_bytes: usize,
+    ) -> PyResult<Bound<'py, PyList>> {
+        raw_get(py, self.tier.as_ref(), keys, max_bytes)
     }
 
     /// What the tier did, as a dict of counters.
@@ -221,13 +239,18 @@ impl PyRedisTier {
     }
 }
 
-/// The raw payloads of `keys` from `tier` (one batched request, without the GIL).
+/// The default bound of a raw `get`'s payloads (larger ones are `None`).
+const RAW_MAX_BYTES: usize = 1 << 30;
+
+/// The raw payloads of `keys` from `tier`, each at most `max_bytes` (one batched
+/// request, without the GIL).
 fn raw_get<'py>(
     py: Python<'py>,
     tier: &dyn Tier,
     keys: Vec<String>,
+    max_bytes: usize,
 ) -> PyResult<Bound<'py, PyList>> {
-    let got = py.detach(|| tier.get_many(&keys));
+    let got = py.detach(|| tier.get_many(&keys, 0..=max_bytes));
     let out = PyList::empty(py);
     for g in got {
         match g {

@@ -13,6 +13,7 @@
 
 use std::fs;
 use std::io::{ErrorKind, Write};
+use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -199,11 +200,17 @@ impl Tier for DiskTier {
         &self.name
     }
 
-    fn get_many(&self, keys: &[String]) -> Vec<Option<Vec<u8>>> {
+    fn get_many(&self, keys: &[String], sizes: RangeInclusive<usize>) -> Vec<Option<Vec<u8>>> {
         TierCounters::add(&self.counters.lookups, keys.len() as u64);
         keys.iter()
             .map(|k| {
                 let path = self.path_of(k, true)?;
+                if let Ok(meta) = fs::metadata(&path) {
+                    if !sizes.contains(&(meta.len() as usize)) {
+                        TierCounters::add(&self.counters.rejected, 1);
+                        return None;
+                    }
+                }
                 match fs::read(&path) {
                     Ok(bytes) => {
                         touch(&path);
@@ -275,26 +282,29 @@ mod tests {
             [true, true, false],
             "a payload past the bound is not taken"
         );
-        let got = t.get_many(&[
-            "kvrs:aa:01:10".into(),
-            "kvrs:aa:01:99".into(),
-            "../x".into(),
-        ]);
+        let got = t.get_many(
+            &[
+                "kvrs:aa:01:10".into(),
+                "kvrs:aa:01:99".into(),
+                "../x".into(),
+            ],
+            0..=usize::MAX,
+        );
         assert_eq!(got[0].as_deref(), Some(&[44u8; 300][..]));
         assert!(got[1].is_none() && got[2].is_none());
         // 10 was just read: the LRU victim of the next overflow is 11.
         std::thread::sleep(std::time::Duration::from_millis(20));
-        t.get_many(&["kvrs:aa:01:10".into()]);
+        t.get_many(&["kvrs:aa:01:10".into()], 0..=usize::MAX);
         t.put_many(&[item("kvrs:aa:01:13", 300), item("kvrs:aa:01:14", 300)]);
         assert!(t.used_bytes() <= 1000);
-        assert!(t.get_many(&["kvrs:aa:02:11".into()])[0].is_none());
-        assert!(t.get_many(&["kvrs:aa:01:14".into()])[0].is_some());
+        assert!(t.get_many(&["kvrs:aa:02:11".into()], 0..=usize::MAX)[0].is_none());
+        assert!(t.get_many(&["kvrs:aa:01:14".into()], 0..=usize::MAX)[0].is_some());
         assert!(t.counters().evictions.load(Ordering::Relaxed) >= 1);
         // A restart finds what is there.
         let again = DiskTier::open(&dir, 1000).unwrap();
-        assert!(again.get_many(&["kvrs:aa:01:14".into()])[0].is_some());
+        assert!(again.get_many(&["kvrs:aa:01:14".into()], 0..=usize::MAX)[0].is_some());
         assert!(again.drop_prefix("kvrs:aa:01:") >= 1);
-        assert!(again.get_many(&["kvrs:aa:01:14".into()])[0].is_none());
+        assert!(again.get_many(&["kvrs:aa:01:14".into()], 0..=usize::MAX)[0].is_none());
         let _ = fs::remove_dir_all(&dir);
     }
 }

@@ -48,6 +48,8 @@ struct Shared {
     /// Signalled when pending keys are done.
     done: Condvar,
     max_payloads: usize,
+    /// The exact length of a payload: a tier's other values are refused unbuffered.
+    payload_len: usize,
     counters: FetchCounters,
 }
 
@@ -60,13 +62,19 @@ pub struct Fetcher {
 }
 
 impl Fetcher {
-    /// Starts the thread asking `tiers`, with a buffer of at most `max_payloads`.
-    pub fn start(tiers: Vec<Arc<dyn Tier>>, max_payloads: usize) -> std::io::Result<Self> {
+    /// Starts the thread asking `tiers` for payloads of `payload_len` bytes, with a
+    /// buffer of at most `max_payloads`.
+    pub fn start(
+        tiers: Vec<Arc<dyn Tier>>,
+        payload_len: usize,
+        max_payloads: usize,
+    ) -> std::io::Result<Self> {
         let (tx, rx) = mpsc::channel();
         let shared = Arc::new(Shared {
             buffer: Mutex::new(Buffer::default()),
             done: Condvar::new(),
             max_payloads: max_payloads.max(1),
+            payload_len,
             counters: FetchCounters::default(),
         });
         let s = shared.clone();
@@ -211,7 +219,7 @@ fn fetch_loop(rx: &Receiver<Vec<String>>, tiers: &[Arc<dyn Tier>], shared: &Shar
                 break;
             }
             let ask: Vec<String> = left.iter().map(|&i| keys[i].clone()).collect();
-            let got = tier.get_many(&ask);
+            let got = tier.get_many(&ask, shared.payload_len..=shared.payload_len);
             let mut b = shared.buffer.lock();
             let mut still = Vec::new();
             for (&i, payload) in left.iter().zip(got) {
@@ -251,7 +259,8 @@ mod tests {
         let item = |k: &str, n: u8| (k.to_string(), Arc::new(vec![n; 8]));
         a.put_many(&[item("x", 1)]);
         b.put_many(&[item("x", 2), item("y", 3), item("z", 4)]);
-        let f = Fetcher::start(vec![a, b], 2).unwrap();
+        b.put_many(&[("w".to_string(), Arc::new(vec![5; 9]))]);
+        let f = Fetcher::start(vec![a, b], 8, 2).unwrap();
         let keys: Vec<String> = ["x", "y", "z", "w"].map(String::from).to_vec();
         assert_eq!(f.request(keys.clone()), 4);
         f.wait();
@@ -266,7 +275,10 @@ mod tests {
         assert_eq!(got[0], None);
         assert_eq!(got[1], Some((1, vec![3; 8])));
         assert_eq!(got[2], Some((1, vec![4; 8])));
-        assert_eq!(got[3], None);
+        assert_eq!(
+            got[3], None,
+            "a payload of another length is never buffered"
+        );
         assert_eq!(f.take(&keys[1..2]), vec![None], "taken once");
         let c = f.counters();
         assert_eq!(c.requested.load(Ordering::Relaxed), 5);

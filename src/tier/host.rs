@@ -4,6 +4,7 @@
 //! process can share it.
 
 use std::collections::BTreeMap;
+use std::ops::RangeInclusive;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -79,12 +80,16 @@ impl Tier for HostTier {
         "host"
     }
 
-    fn get_many(&self, keys: &[String]) -> Vec<Option<Vec<u8>>> {
+    fn get_many(&self, keys: &[String], sizes: RangeInclusive<usize>) -> Vec<Option<Vec<u8>>> {
         TierCounters::add(&self.counters.lookups, keys.len() as u64);
         let mut inner = self.inner.lock();
         keys.iter()
             .map(|k| {
                 let p = inner.by_key.get(k).map(|(p, _)| p.clone())?;
+                if !sizes.contains(&p.len()) {
+                    TierCounters::add(&self.counters.rejected, 1);
+                    return None;
+                }
                 inner.touch(k);
                 Some(p.as_ref().clone())
             })
@@ -146,14 +151,16 @@ impl Tier for HostTier {
 mod tests {
     use super::*;
 
+    const ANY: RangeInclusive<usize> = 0..=usize::MAX;
+
     #[test]
     fn holds_its_bound_least_recently_used_out_first() {
         let t = HostTier::new(250);
         let item = |k: &str| (k.to_string(), Arc::new(vec![1u8; 100]));
         assert_eq!(t.put_many(&[item("a"), item("b")]), [true, true]);
-        assert!(t.get_many(&["a".into()])[0].is_some()); // b is now the oldest
+        assert!(t.get_many(&["a".into()], ANY)[0].is_some()); // b is now the oldest
         assert_eq!(t.put_many(&[item("c")]), [true]);
-        let got = t.get_many(&["a".into(), "b".into(), "c".into()]);
+        let got = t.get_many(&["a".into(), "b".into(), "c".into()], ANY);
         assert_eq!(
             got.iter().map(Option::is_some).collect::<Vec<_>>(),
             [true, false, true]

@@ -25,6 +25,7 @@ pub use payload::Fingerprint;
 pub use redis::RedisTier;
 
 use std::fmt;
+use std::ops::RangeInclusive;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -33,8 +34,10 @@ pub trait Tier: Send + Sync + fmt::Debug {
     /// A short name for stats: `host`, `disk:{path}` or `redis://{host}:{port}/{db}`.
     fn name(&self) -> &str;
     /// The payloads of `keys`, in order (`None`: absent, or the tier failed; the tier
-    /// counts which). One batched request.
-    fn get_many(&self, keys: &[String]) -> Vec<Option<Vec<u8>>>;
+    /// counts which). One batched request. A payload whose length is outside `sizes` is
+    /// `None` and counted as rejected, and is never buffered whole: a pool asks for its
+    /// configuration's exact payload size.
+    fn get_many(&self, keys: &[String], sizes: RangeInclusive<usize>) -> Vec<Option<Vec<u8>>>;
     /// Stores `items`; returns, per item, whether the tier took it (a refusal or a
     /// failure leaves it for the next tier). One batched request.
     fn put_many(&self, items: &[(String, Arc<Vec<u8>>)]) -> Vec<bool>;

@@ -13,6 +13,7 @@
 //! and no persistence unless warm restarts of the server matter (`save ""`,
 //! `appendonly no`).
 
+use std::ops::RangeInclusive;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -139,7 +140,7 @@ impl Tier for RedisTier {
         &self.name
     }
 
-    fn get_many(&self, keys: &[String]) -> Vec<Option<Vec<u8>>> {
+    fn get_many(&self, keys: &[String], sizes: RangeInclusive<usize>) -> Vec<Option<Vec<u8>>> {
         TierCounters::add(&self.counters.lookups, keys.len() as u64);
         if keys.is_empty() {
             return Vec::new();
@@ -152,7 +153,19 @@ impl Tier for RedisTier {
             p.query::<Vec<Vec<Option<Vec<u8>>>>>(c)
         });
         match got {
-            Some(parts) => parts.into_iter().flatten().collect(),
+            Some(parts) => parts
+                .into_iter()
+                .flatten()
+                .map(|p| {
+                    let p = p?;
+                    if sizes.contains(&p.len()) {
+                        Some(p)
+                    } else {
+                        TierCounters::add(&self.counters.rejected, 1);
+                        None
+                    }
+                })
+                .collect(),
             None => vec![None; keys.len()],
         }
     }
