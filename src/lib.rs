@@ -38,6 +38,8 @@ pub mod error;
 pub mod kv_cache;
 pub mod layout;
 pub mod paged;
+pub mod parallel;
+pub mod per_process;
 pub mod prefix;
 pub mod quant;
 pub mod rope;

@@ -656,9 +656,9 @@ fn contiguous_fp8_cache_with_scales_equals_the_host() {
 /// pool (and a host pool) with the same codes, scales and values, for every storage dtype.
 #[test]
 fn cuda_pools_swap_blocks_through_a_host_tier() {
+    use kvrs::paged::tiering::TierOptions;
     use kvrs::paged::PrefixConfig;
     use kvrs::prefix::HashKind;
-    use kvrs::tier::writer::WritePolicy;
     use kvrs::tier::{HostTier, Tier};
     use std::sync::Arc;
 
@@ -686,8 +686,10 @@ fn cuda_pools_swap_blocks_through_a_host_tier() {
                 .with_tiers(
                     vec![host.clone() as Arc<dyn Tier>],
                     "m",
-                    64,
-                    WritePolicy::First,
+                    &TierOptions {
+                        queue: 64,
+                        ..TierOptions::default()
+                    },
                 )
                 .unwrap()
         };

@@ -438,7 +438,7 @@ fn huge_sizes_are_errors_not_aborts_or_panics() {
         let mut config = PoolConfig::new(1, 1, 4, 4, 4)
             .prefix_caching(1)
             .tiers(vec![tier.clone()], "");
-        config.tiers.as_mut().unwrap().queue = queue;
+        config.tiers.as_mut().unwrap().options.queue = queue;
         invalid(BlockPool::<f32>::new(config).map(drop), "tier_queue");
     }
 }

@@ -333,6 +333,8 @@ class BlockPool(Generic[_View_co]):
         model_id: str = "",
         tier_queue: int = 1024,
         tier_write: str = "first",
+        tier_key: bytes | str | None = None,
+        tier_queue_bytes: int | str | None = None,
     ) -> BlockPool[npt.NDArray[Any]]: ...
     @overload
     def __new__(
@@ -363,6 +365,8 @@ class BlockPool(Generic[_View_co]):
         model_id: str = "",
         tier_queue: int = 1024,
         tier_write: str = "first",
+        tier_key: bytes | str | None = None,
+        tier_queue_bytes: int | str | None = None,
     ) -> BlockPool[DeviceTensor]: ...
     @overload
     def __new__(
@@ -393,6 +397,8 @@ class BlockPool(Generic[_View_co]):
         model_id: str = "",
         tier_queue: int = 1024,
         tier_write: str = "first",
+        tier_key: bytes | str | None = None,
+        tier_queue_bytes: int | str | None = None,
     ) -> BlockPool[_Either]: ...
     @property
     def num_layers(self) -> int:

@@ -85,7 +85,7 @@ struct Split {
     partial: usize,
 }
 
-/// Runs every item of `p` on rayon's threads.
+/// Runs every item of `p` on this process's threads ([`crate::parallel`]).
 pub(super) fn run(p: &mut Problem<'_>) {
     let g = p.num_q_heads / p.heads.num_kv_heads;
     let d = p.heads.head_dim;
@@ -107,7 +107,7 @@ pub(super) fn run(p: &mut Problem<'_>) {
             t = rows.end;
         }
     }
-    let target = ITEMS_PER_THREAD * rayon::current_num_threads();
+    let target = ITEMS_PER_THREAD * crate::parallel::threads();
     let want = if tiles.len() >= target {
         1
     } else {
@@ -154,10 +154,12 @@ pub(super) fn run(p: &mut Problem<'_>) {
         .map(|it| (it, Dest::Out))
         .chain(pieces)
         .collect();
-    work.par_iter()
-        .with_max_len(1)
-        .for_each(|(it, dest)| run_item(p, it, *dest));
-    split.par_iter().for_each(|sp| merge(p, sp, d, g));
+    crate::parallel::install(|| {
+        work.par_iter()
+            .with_max_len(1)
+            .for_each(|(it, dest)| run_item(p, it, *dest));
+        split.par_iter().for_each(|sp| merge(p, sp, d, g));
+    });
     drop(partial);
 }
 

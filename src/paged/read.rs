@@ -52,22 +52,23 @@ impl PoolCore {
         let blocks = &self.seq(id)?.tables[self.groups.group_of[layer]].blocks;
         let bytes = 2 * len * sh.num_kv_heads * sh.head_dim * self.storage.dtype().size();
         let on_host = self.device() == Device::Cpu;
-        let parallel =
-            on_host && bytes >= PARALLEL_GATHER_BYTES && rayon::current_num_threads() >= 2;
+        let parallel = on_host && bytes >= PARALLEL_GATHER_BYTES && crate::parallel::threads() >= 2;
         match (k_out.share(), v_out.share()) {
             (Some(k_shared), Some(v_shared)) if parallel => {
                 // Whole blocks per task, a few tasks per thread; each writes its own
                 // positions.
-                let per_task = len.div_ceil(4 * rayon::current_num_threads());
+                let per_task = len.div_ceil(4 * crate::parallel::threads());
                 let chunk = per_task.div_ceil(sh.block_size) * sh.block_size;
-                (0..len).into_par_iter().step_by(chunk).try_for_each(|t| {
-                    let n = chunk.min(len - t);
-                    // SAFETY: each task takes positions t..t + n of dimension 1, a range no
-                    // other task takes; neither output addresses an element twice
-                    // (`share`) and they do not overlap each other (`check_disjoint`).
-                    let (mut k, mut v) =
-                        unsafe { (k_shared.slice(1, t, n), v_shared.slice(1, t, n)) };
-                    self.read_positions(blocks, layer, first + t, n, &mut k, &mut v)
+                crate::parallel::install(|| {
+                    (0..len).into_par_iter().step_by(chunk).try_for_each(|t| {
+                        let n = chunk.min(len - t);
+                        // SAFETY: each task takes positions t..t + n of dimension 1, a range
+                        // no other task takes; neither output addresses an element twice
+                        // (`share`) and they do not overlap each other (`check_disjoint`).
+                        let (mut k, mut v) =
+                            unsafe { (k_shared.slice(1, t, n), v_shared.slice(1, t, n)) };
+                        self.read_positions(blocks, layer, first + t, n, &mut k, &mut v)
+                    })
                 })?;
             }
             _ => self.read_positions(blocks, layer, first, len, k_out, v_out)?,

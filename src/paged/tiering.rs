@@ -5,7 +5,8 @@
 //! attaches them.
 //!
 //! Invariants: a block is loaded only after its payload passed every check (format,
-//! configuration fingerprint, key, checksum) and its parent key, chain root and token
+//! configuration fingerprint, key, the MAC under its namespace's key) and its parent
+//! key, chain root and token
 //! ids equal the prompt's, so a tier can never make a sequence see K/V of another token
 //! prefix. Loads stop at the first block some tier lacks (a chain must be whole). The
 //! blocks of the chain already in the pool are held while loading, so the room the
@@ -25,7 +26,9 @@ use crate::layout::BlockId;
 use crate::prefix::persist::expected_metadata;
 use crate::prefix::{BlockHash, CachedBlock};
 use crate::tier::fetcher::Fetcher;
-use crate::tier::payload::{self, BlockMeta, Checked, Fingerprint, PayloadShape, Refusal};
+use crate::tier::payload::{
+    self, BlockMeta, Checked, ConfigKey, Fingerprint, PayloadShape, Refusal, TierKey,
+};
 use crate::tier::writer::{WritePolicy, Writer};
 use crate::tier::{Tier, TierCounters};
 
@@ -40,12 +43,55 @@ pub struct TierSet {
     pub tiers: Vec<Arc<dyn Tier>>,
     /// The pool-configuration fingerprint, prefixed to every key.
     pub fingerprint: Fingerprint,
+    /// The root of this configuration's payload MAC keys (one key per namespace).
+    pub config_key: ConfigKey,
+    /// Whether the MAC keys derive from a secret (false: whoever can write to a tier is
+    /// trusted).
+    pub keyed: bool,
     /// The shape of this pool's payloads.
     pub shape: PayloadShape,
     /// The write-back queue and thread.
     pub writer: Writer,
     /// The prefetch buffer and thread ([`PoolCore::prefetch_async`]).
     pub fetcher: Fetcher,
+}
+
+/// How a pool uses its tiers ([`PoolCore::with_tiers`]).
+#[derive(Clone, PartialEq, Eq)]
+pub struct TierOptions {
+    /// The secret shared by the processes whose pools share the tiers (at least
+    /// [`payload::MIN_SECRET`] bytes): payloads are MACed under keys derived from it.
+    /// `None`: the keys are public, and whoever can write to a tier is trusted.
+    pub secret: Option<Vec<u8>>,
+    /// Most payloads in the write-back queue.
+    pub queue: usize,
+    /// Most bytes in the write-back queue.
+    pub queue_bytes: usize,
+    /// Which tiers an evicted block is written to.
+    pub policy: WritePolicy,
+}
+
+impl std::fmt::Debug for TierOptions {
+    /// Shows whether a secret is set, never the secret.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TierOptions")
+            .field("secret", &self.secret.as_ref().map(|_| "***"))
+            .field("queue", &self.queue)
+            .field("queue_bytes", &self.queue_bytes)
+            .field("policy", &self.policy)
+            .finish()
+    }
+}
+
+impl Default for TierOptions {
+    fn default() -> Self {
+        TierOptions {
+            secret: None,
+            queue: 1024,
+            queue_bytes: crate::tier::writer::DEFAULT_QUEUE_BYTES,
+            policy: WritePolicy::First,
+        }
+    }
 }
 
 /// Most bytes of payloads the prefetch buffer holds (besides at most the pool's number
@@ -64,14 +110,14 @@ impl PoolCore {
     /// Attaches offload `tiers` (fastest first) to this pool, which must cache prefixes.
     /// `model_id` joins the configuration fingerprint, so pools of different models
     /// sharing a store never read each other's blocks, and becomes the pool's model id
-    /// ([`PoolCore::with_model_id`]); `queue` bounds the write-back
-    /// queue (payloads); `policy` says which tiers an evicted block is written to.
+    /// ([`PoolCore::with_model_id`]). `options` holds the secret that authenticates
+    /// payloads, the write-back queue's bounds and which tiers an evicted block is
+    /// written to.
     pub fn with_tiers(
         mut self,
         tiers: Vec<Arc<dyn Tier>>,
         model_id: &str,
-        queue: usize,
-        policy: WritePolicy,
+        options: &TierOptions,
     ) -> Result<Self> {
         if self.prefix().is_none() {
             return Err(KvError::InvalidArgument {
@@ -84,13 +130,26 @@ impl PoolCore {
         if tiers.is_empty() {
             return Ok(self);
         }
-        crate::tier::writer::check_queue(queue)?;
+        let key = match options.secret.as_deref() {
+            Some(s) if s.len() < payload::MIN_SECRET => {
+                return Err(KvError::InvalidArgument {
+                    name: "tier_key",
+                    value: format!("{} bytes", s.len()),
+                    reason: format!(
+                        "must be at least {} bytes (e.g. secrets.token_bytes(32))",
+                        payload::MIN_SECRET
+                    ),
+                })
+            }
+            secret => TierKey::new(secret),
+        };
         let meta = expected_metadata(&self);
-        let fingerprint = payload::fingerprint(
-            meta.iter()
-                .map(|(k, v)| (*k, v.as_str()))
-                .chain([("model_id", model_id), ("payload", "1")]),
-        );
+        let tag = key.tag();
+        let fingerprint = payload::fingerprint(meta.iter().map(|(k, v)| (*k, v.as_str())).chain([
+            ("model_id", model_id),
+            ("payload", "2"),
+            ("tier_key", tag.as_str()),
+        ]));
         let sh = self.shape;
         let tensor_bytes = sh.block_elems() * self.dtype().size();
         let scale_bytes = if self.storage.row_scales().is_some() {
@@ -104,12 +163,18 @@ impl PoolCore {
             tensor_bytes,
             scale_bytes,
         };
+        crate::tier::writer::check_queue(options.queue, options.queue_bytes, shape.len())?;
         let thread_error = |what: &str, e: std::io::Error| KvError::Io {
             path: format!("(tier {what} thread)"),
             reason: e.to_string(),
         };
-        let writer =
-            Writer::start(tiers.clone(), queue, policy).map_err(|e| thread_error("writer", e))?;
+        let writer = Writer::start(
+            tiers.clone(),
+            options.queue,
+            options.queue_bytes,
+            options.policy,
+        )
+        .map_err(|e| thread_error("writer", e))?;
         // A prefetch is useful up to the pool's size; host memory bounds it too (every
         // buffered payload has exactly the shape's length).
         let buffered = sh.num_blocks.min(PREFETCH_BYTES / shape.len()).max(1);
@@ -118,6 +183,8 @@ impl PoolCore {
         self.tiers = Some(TierSet {
             tiers,
             fingerprint,
+            config_key: key.config(&fingerprint),
+            keyed: key.is_secret(),
             shape,
             writer,
             fetcher,
@@ -173,7 +240,7 @@ impl PoolCore {
         match self.payload_of(ts, b, meta, tokens) {
             Ok(p) => {
                 let key = payload::block_key(&ts.fingerprint, meta.root, meta.hash);
-                ts.writer.submit(key, p);
+                ts.writer.submit(key, p, ts.config_key.namespace(meta.root));
             }
             Err(_) => {
                 let c = &ts.writer.counters().unstored;
@@ -263,25 +330,28 @@ impl PoolCore {
                 && c.tokens == tokens[j * bs..(j + 1) * bs]
         };
         let mut found: Vec<Option<Served>> = (0..wanted.len()).map(|_| None).collect();
+        let mac = ts.config_key.namespace(root);
         // Checks (a BLAKE3 pass over each payload) run in parallel; a refused payload is
         // counted and forgotten by the tier that served it.
         let check = |found: &mut Vec<Option<Served>>, served: Vec<(usize, usize, Vec<u8>)>| {
-            let checked: Vec<_> = served
-                .into_par_iter()
-                .map(|(i, t, bytes)| {
-                    let (j, g) = wanted[i];
-                    let key = group_key(hashes[j], g);
-                    let c =
-                        payload::decode(&bytes, &ts.fingerprint, &ts.shape, key).and_then(|c| {
-                            if chain(j, g, &c) {
-                                Ok(c)
-                            } else {
-                                Err(Refusal::Key)
-                            }
-                        });
-                    (i, t, bytes, c)
-                })
-                .collect();
+            let checked: Vec<_> = crate::parallel::install(|| {
+                served
+                    .into_par_iter()
+                    .map(|(i, t, bytes)| {
+                        let (j, g) = wanted[i];
+                        let key = group_key(hashes[j], g);
+                        let c = payload::decode(&bytes, &ts.fingerprint, &ts.shape, key, &mac)
+                            .and_then(|c| {
+                                if chain(j, g, &c) {
+                                    Ok(c)
+                                } else {
+                                    Err(Refusal::Key)
+                                }
+                            });
+                        (i, t, bytes, c)
+                    })
+                    .collect()
+            });
             for (i, t, bytes, c) in checked {
                 match c {
                     Ok(c) => found[i] = Some((t, bytes, c)),

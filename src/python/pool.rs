@@ -126,9 +126,9 @@ impl PyBlockPool {
     }
 
     #[new]
-    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, *, block_size = 16, num_blocks = None, memory_bytes = None, dtype = None, device = None, layout = "NHD", prefix_caching = true, hash = "blake3", seed = None, partial_hits = true, events = false, rope = None, layer_types = None, sliding_window = None, chunk_size = None, swa_memory = 0, k_scale = None, v_scale = None, tiers = None, model_id = "", tier_queue = 1024, tier_write = "first"))]
+    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, *, block_size = 16, num_blocks = None, memory_bytes = None, dtype = None, device = None, layout = "NHD", prefix_caching = true, hash = "blake3", seed = None, partial_hits = true, events = false, rope = None, layer_types = None, sliding_window = None, chunk_size = None, swa_memory = 0, k_scale = None, v_scale = None, tiers = None, model_id = "", tier_queue = 1024, tier_write = "first", tier_key = None, tier_queue_bytes = None))]
     #[pyo3(
-        text_signature = "(num_layers, num_kv_heads, head_dim, *, block_size=16, num_blocks=None, memory_bytes=None, dtype='float16', device='cpu', layout='NHD', prefix_caching=True, hash='blake3', seed=None, partial_hits=True, events=False, rope=None, layer_types=None, sliding_window=None, chunk_size=None, swa_memory=0, k_scale=None, v_scale=None, tiers=None, model_id='', tier_queue=1024, tier_write='first')"
+        text_signature = "(num_layers, num_kv_heads, head_dim, *, block_size=16, num_blocks=None, memory_bytes=None, dtype='float16', device='cpu', layout='NHD', prefix_caching=True, hash='blake3', seed=None, partial_hits=True, events=False, rope=None, layer_types=None, sliding_window=None, chunk_size=None, swa_memory=0, k_scale=None, v_scale=None, tiers=None, model_id='', tier_queue=1024, tier_write='first', tier_key=None, tier_queue_bytes='256MiB')"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -157,8 +157,18 @@ impl PyBlockPool {
         model_id: &str,
         tier_queue: usize,
         tier_write: &str,
+        tier_key: Option<&Bound<'_, PyAny>>,
+        tier_queue_bytes: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let tier_write: crate::tier::writer::WritePolicy = tier_write.parse()?;
+        let tier_options = crate::paged::tiering::TierOptions {
+            secret: tier_key.map(super::tiers::secret).transpose()?,
+            queue: tier_queue,
+            queue_bytes: match tier_queue_bytes {
+                Some(b) => super::tiers::size_arg("tier_queue_bytes", b)? as usize,
+                None => crate::tier::writer::DEFAULT_QUEUE_BYTES,
+            },
+            policy: tier_write.parse()?,
+        };
         let tiers = super::tiers::parse_tiers(tiers)?;
         if !tiers.is_empty() && seed.is_none() {
             return Err(KvError::InvalidArgument {
@@ -204,7 +214,7 @@ impl PyBlockPool {
             shape.num_kv_heads,
         )?)?;
         if !tiers.is_empty() {
-            pool = pool.with_tiers(tiers, model_id, tier_queue, tier_write)?;
+            pool = pool.with_tiers(tiers, model_id, &tier_options)?;
         }
         Ok(PyBlockPool {
             core: Arc::new(SharedPool::new(pool)),

@@ -15,27 +15,46 @@ use crate::tier::{DiskTier, HostTier, RedisTier, Tier};
 
 /// `max_bytes` (an int or a size such as "8GiB") as a positive byte count.
 fn byte_bound(max_bytes: &Bound<'_, PyAny>) -> PyResult<u64> {
-    let bytes = match max_bytes.extract::<i64>() {
+    size_arg("max_bytes", max_bytes)
+}
+
+/// Argument `name` (an int or a size such as "8GiB") as a positive byte count.
+pub fn size_arg(name: &'static str, value: &Bound<'_, PyAny>) -> PyResult<u64> {
+    let bytes = match value.extract::<i64>() {
         Ok(b) if b > 0 => b as usize,
         Ok(b) => {
             return Err(KvError::InvalidArgument {
-                name: "max_bytes",
+                name,
                 value: b.to_string(),
                 reason: "must be > 0".into(),
             }
             .into())
         }
-        Err(_) => parse_size(&max_bytes.str()?.to_string())?,
+        Err(_) => parse_size(&value.str()?.to_string())?,
     };
     if bytes == 0 {
         return Err(KvError::InvalidArgument {
-            name: "max_bytes",
+            name,
             value: "0".into(),
             reason: "must be > 0".into(),
         }
         .into());
     }
     Ok(bytes as u64)
+}
+
+/// `tier_key` (bytes, or a str taken as UTF-8) as the secret's bytes.
+pub fn secret(key: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
+    if let Ok(b) = key.cast::<pyo3::types::PyBytes>() {
+        return Ok(b.as_bytes().to_vec());
+    }
+    if let Ok(s) = key.extract::<String>() {
+        return Ok(s.into_bytes());
+    }
+    Err(pyo3::exceptions::PyTypeError::new_err(format!(
+        "tier_key must be bytes or str, not {}",
+        key.get_type().name()?
+    )))
 }
 
 /// Cached blocks in this process's memory, at most `max_bytes`, least recently used out
@@ -301,7 +320,7 @@ pub struct TierSnapshot {
     /// Each tier's name and counters.
     tiers: Vec<(String, [(&'static str, u64); 8])>,
     /// The write-back queue's counters.
-    queue: [(&'static str, u64); 3],
+    queue: [(&'static str, u64); 4],
     /// The prefetch buffer's counters and contents.
     prefetch: [(&'static str, u64); 6],
 }
@@ -323,6 +342,7 @@ pub fn tier_snapshot(pool: &PoolCore) -> Option<TierSnapshot> {
             ("queued", get(&w.queued)),
             ("dropped", get(&w.dropped)),
             ("unstored", get(&w.unstored)),
+            ("queued_bytes", ts.writer.queued_bytes() as u64),
         ],
         prefetch: [
             ("requested", get(&f.requested)),

@@ -6,7 +6,10 @@
 //!
 //! Invariants: a key is `pending` from its request until the thread has asked every
 //! tier for it (even if the thread dies); the buffer holds at most `max_payloads`
-//! payloads, oldest out first (counted in `discarded`).
+//! payloads, each of exactly `payload_len` bytes, oldest out first (counted in
+//! `discarded`). The thread and the buffer belong to the process that started them
+//! ([`PerProcess`]): a forked child starts its own on first use, and never waits for
+//! the parent's fetches.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,6 +21,7 @@ use parking_lot::{Condvar, Mutex};
 use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::Tier;
+use crate::per_process::PerProcess;
 
 /// Counters of the prefetch buffer.
 #[derive(Debug, Default)]
@@ -50,14 +54,24 @@ struct Shared {
     max_payloads: usize,
     /// The exact length of a payload: a tier's other values are refused unbuffered.
     payload_len: usize,
-    counters: FetchCounters,
+    counters: Arc<FetchCounters>,
 }
 
 /// The prefetch buffer and its thread.
 #[derive(Debug)]
 pub struct Fetcher {
-    tx: Option<Sender<Vec<String>>>,
-    thread: Option<JoinHandle<()>>,
+    tiers: Vec<Arc<dyn Tier>>,
+    payload_len: usize,
+    max_payloads: usize,
+    running: PerProcess<Running>,
+    counters: Arc<FetchCounters>,
+}
+
+/// The buffer and thread of one process.
+#[derive(Debug)]
+struct Running {
+    tx: Sender<Vec<String>>,
+    thread: JoinHandle<()>,
     shared: Arc<Shared>,
 }
 
@@ -69,30 +83,50 @@ impl Fetcher {
         payload_len: usize,
         max_payloads: usize,
     ) -> std::io::Result<Self> {
+        let f = Fetcher {
+            tiers,
+            payload_len,
+            max_payloads: max_payloads.max(1),
+            running: PerProcess::new(),
+            counters: Arc::new(FetchCounters::default()),
+        };
+        f.running.with(|| f.spawn(), |_| ())?;
+        Ok(f)
+    }
+
+    /// A buffer and thread for the current process.
+    fn spawn(&self) -> std::io::Result<Running> {
         let (tx, rx) = mpsc::channel();
         let shared = Arc::new(Shared {
             buffer: Mutex::new(Buffer::default()),
             done: Condvar::new(),
-            max_payloads: max_payloads.max(1),
-            payload_len,
-            counters: FetchCounters::default(),
+            max_payloads: self.max_payloads,
+            payload_len: self.payload_len,
+            counters: self.counters.clone(),
         });
-        let s = shared.clone();
+        let (s, tiers) = (shared.clone(), self.tiers.clone());
         let thread = std::thread::Builder::new()
             .name("kvrs-tier-fetcher".into())
             .spawn(move || fetch_loop(&rx, &tiers, &s))?;
-        Ok(Fetcher {
-            tx: Some(tx),
-            thread: Some(thread),
-            shared,
-        })
+        Ok(Running { tx, thread, shared })
+    }
+
+    /// This process's buffer, if it started one.
+    fn shared(&self) -> Option<Arc<Shared>> {
+        self.running.with_existing(|r| r.shared.clone())
     }
 
     /// Queues a fetch of `keys` (those neither buffered nor pending); returns how many
     /// were queued.
     pub fn request(&self, keys: Vec<String>) -> usize {
+        let Ok((tx, shared)) = self
+            .running
+            .with(|| self.spawn(), |r| (r.tx.clone(), r.shared.clone()))
+        else {
+            return 0;
+        };
         let keys: Vec<String> = {
-            let mut b = self.shared.buffer.lock();
+            let mut b = shared.buffer.lock();
             let keys: Vec<String> = keys
                 .into_iter()
                 .filter(|k| !b.by_key.contains_key(k) && !b.pending.contains(k))
@@ -104,17 +138,15 @@ impl Fetcher {
         if n == 0 {
             return 0;
         }
-        let tx = self.tx.as_ref().expect("the sender lives until drop");
         if let Err(mpsc::SendError(keys)) = tx.send(keys) {
             // The thread is gone: nothing will fetch them.
-            let mut b = self.shared.buffer.lock();
+            let mut b = shared.buffer.lock();
             for k in &keys {
                 b.pending.remove(k);
             }
             return 0;
         }
-        self.shared
-            .counters
+        self.counters
             .requested
             .fetch_add(n as u64, Ordering::Relaxed);
         n
@@ -123,9 +155,12 @@ impl Fetcher {
     /// Takes the buffered payloads of `keys` (tier index and bytes; `None` for a key the
     /// buffer lacks), after waiting for the fetches of those keys still under way.
     pub fn take(&self, keys: &[String]) -> Vec<Option<(usize, Vec<u8>)>> {
-        let mut b = self.shared.buffer.lock();
+        let Some(shared) = self.shared() else {
+            return keys.iter().map(|_| None).collect();
+        };
+        let mut b = shared.buffer.lock();
         while keys.iter().any(|k| b.pending.contains(k)) {
-            self.shared.done.wait(&mut b);
+            shared.done.wait(&mut b);
         }
         if b.by_key.is_empty() {
             return keys.iter().map(|_| None).collect();
@@ -135,8 +170,7 @@ impl Fetcher {
         if taken > 0 {
             let gone: FxHashSet<&String> = keys.iter().collect();
             b.order.retain(|k| !gone.contains(k));
-            self.shared
-                .counters
+            self.counters
                 .used
                 .fetch_add(taken as u64, Ordering::Relaxed);
         }
@@ -146,9 +180,12 @@ impl Fetcher {
     /// Forgets buffered payloads whose key starts with `prefix` (after the fetches under
     /// way); returns how many.
     pub fn drop_prefix(&self, prefix: &str) -> usize {
-        let mut b = self.shared.buffer.lock();
+        let Some(shared) = self.shared() else {
+            return 0;
+        };
+        let mut b = shared.buffer.lock();
         while !b.pending.is_empty() {
-            self.shared.done.wait(&mut b);
+            shared.done.wait(&mut b);
         }
         let before = b.by_key.len();
         b.by_key.retain(|k, _| !k.starts_with(prefix));
@@ -158,15 +195,21 @@ impl Fetcher {
 
     /// Waits until every fetch requested so far has finished.
     pub fn wait(&self) {
-        let mut b = self.shared.buffer.lock();
+        let Some(shared) = self.shared() else {
+            return;
+        };
+        let mut b = shared.buffer.lock();
         while !b.pending.is_empty() {
-            self.shared.done.wait(&mut b);
+            shared.done.wait(&mut b);
         }
     }
 
     /// Payloads buffered now, and their bytes.
     pub fn buffered(&self) -> (usize, usize) {
-        let b = self.shared.buffer.lock();
+        let Some(shared) = self.shared() else {
+            return (0, 0);
+        };
+        let b = shared.buffer.lock();
         (
             b.by_key.len(),
             b.by_key.values().map(|(_, p)| p.len()).sum(),
@@ -175,15 +218,17 @@ impl Fetcher {
 
     /// The buffer's counters.
     pub fn counters(&self) -> &FetchCounters {
-        &self.shared.counters
+        &self.counters
     }
 }
 
 impl Drop for Fetcher {
     fn drop(&mut self) {
-        drop(self.tx.take());
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+        // Only the process that started the thread joins it; a forked child forgets
+        // the parent's.
+        if let Some(Running { tx, thread, .. }) = self.running.take() {
+            drop(tx);
+            let _ = thread.join();
         }
     }
 }

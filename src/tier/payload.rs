@@ -1,11 +1,11 @@
 //! The binary payload of one cached block in an offload tier, and the keys tiers file
 //! it under.
 //!
-//! Layout (little-endian), then a BLAKE3 checksum of everything before it:
+//! Layout (little-endian), then a keyed BLAKE3 MAC of everything before it:
 //!
 //! | bytes | field |
 //! |---|---|
-//! | 8 | magic `KVRSBLK` and format version 1 |
+//! | 8 | magic `KVRSBLK` and format version 2 |
 //! | 16 | the pool-configuration fingerprint ([`fingerprint`]) |
 //! | 16, 16, 16 | the block's key in the prefix index, its parent's, its chain root |
 //! | 1 + 3 | 1 when it is its chain's first block; 3 zero bytes |
@@ -15,21 +15,98 @@
 //! | 4 x block_size | the block's token ids |
 //! | T x K/V bytes | each cache tensor's block (K then V, the pool's layout and dtype) |
 //! | T x scale bytes | each cache tensor's per-vector scales (int8) |
-//! | 32 | BLAKE3 of all the above |
+//! | 32 | keyed BLAKE3 of all the above, under the namespace's [`MacKey`] |
 //!
 //! A payload is only ever loaded after [`decode`] has checked every field against what
-//! the pool expects and the checksum against the bytes: anything else is a miss.
+//! the pool expects and the MAC against the bytes: anything else is a miss.
+//!
+//! **Trust.** The MAC key of a namespace is derived from the pools' shared secret
+//! ([`TierKey`]), then from the configuration fingerprint, then from the namespace's
+//! root: a writer without the secret cannot produce a payload any pool loads, and a
+//! payload of one model or namespace fails the MAC of every other, whatever its key
+//! name and header say. Without a secret the key is public (derived from nothing) and
+//! the MAC is a checksum: whoever can write to the store is trusted.
 
 use crate::prefix::BlockHash;
 
 /// The payload's magic bytes and version.
-const MAGIC: &[u8; 8] = b"KVRSBLK\x01";
+const MAGIC: &[u8; 8] = b"KVRSBLK\x02";
 
 /// Bytes before the token ids.
 const HEADER: usize = 8 + 16 + 3 * 16 + 4 + 4 + 4 + 8 + 8 + 12;
 
-/// Bytes of the trailing checksum.
+/// Bytes of the trailing MAC.
 const CHECKSUM: usize = 32;
+
+/// The shortest secret [`TierKey::new`] accepts, in bytes.
+pub const MIN_SECRET: usize = 16;
+
+/// The root of the MAC keys of pools that share a secret (or of none: a public key).
+#[derive(Clone)]
+pub struct TierKey {
+    key: [u8; 32],
+    keyed: bool,
+}
+
+impl std::fmt::Debug for TierKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "TierKey({})",
+            if self.keyed { "secret" } else { "public" }
+        )
+    }
+}
+
+impl TierKey {
+    /// The key of `secret` (at least [`MIN_SECRET`] bytes), or the public key for `None`.
+    pub fn new(secret: Option<&[u8]>) -> Self {
+        const CONTEXT: &str = "kvrs 2026-11 tier payload MAC root key";
+        TierKey {
+            key: blake3::derive_key(CONTEXT, secret.unwrap_or_default()),
+            keyed: secret.is_some(),
+        }
+    }
+
+    /// Whether a secret was given (false: anyone who can write to a store is trusted).
+    pub fn is_secret(&self) -> bool {
+        self.keyed
+    }
+
+    /// A public tag of the key, for the configuration fingerprint: pools with different
+    /// secrets file their blocks under different names instead of refusing each other's.
+    pub fn tag(&self) -> String {
+        hex(&blake3::keyed_hash(&self.key, b"tag").as_bytes()[..8])
+    }
+
+    /// The key of the configuration `fp`: the root of its namespaces' keys.
+    pub fn config(&self, fp: &Fingerprint) -> ConfigKey {
+        let mut h = blake3::Hasher::new_keyed(&self.key);
+        h.update(b"config");
+        h.update(fp);
+        ConfigKey(*h.finalize().as_bytes())
+    }
+}
+
+/// The MAC key root of one configuration ([`TierKey::config`]).
+#[derive(Clone)]
+pub struct ConfigKey([u8; 32]);
+
+impl std::fmt::Debug for ConfigKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ConfigKey(..)")
+    }
+}
+
+impl ConfigKey {
+    /// The MAC key of the payloads of namespace `root`.
+    pub fn namespace(&self, root: BlockHash) -> MacKey {
+        *blake3::keyed_hash(&self.0, &root.to_le_bytes()).as_bytes()
+    }
+}
+
+/// The key of a namespace's payload MACs.
+pub type MacKey = [u8; 32];
 
 /// What identifies a pool's blocks: two pools share payloads only when they have the
 /// same fingerprint (model, layers, heads, head_dim, dtype, scales, block size, layout,
@@ -143,10 +220,11 @@ pub fn begin(fp: &Fingerprint, shape: &PayloadShape, meta: &BlockMeta, tokens: &
     out
 }
 
-/// Writes the checksum of a payload [`begin`] started and the caller filled.
-pub fn seal(payload: &mut [u8]) {
+/// Writes the MAC (under `mac`, the key of the payload's namespace) of a payload
+/// [`begin`] started and the caller filled.
+pub fn seal(payload: &mut [u8], mac: &MacKey) {
     let n = payload.len() - CHECKSUM;
-    let sum = *blake3::hash(&payload[..n]).as_bytes();
+    let sum = *blake3::keyed_hash(mac, &payload[..n]).as_bytes();
     payload[n..].copy_from_slice(&sum);
 }
 
@@ -159,7 +237,8 @@ pub enum Refusal {
     Config,
     /// Filed under another key than the one asked for.
     Key,
-    /// Its bytes do not match its checksum (truncated or corrupted).
+    /// Its bytes do not match its MAC (truncated, corrupted, forged, or of another
+    /// namespace or secret).
     Checksum,
 }
 
@@ -186,12 +265,14 @@ fn u128_at(b: &[u8], at: usize) -> u128 {
 }
 
 /// Checks `payload` as the block `key` of a pool with fingerprint `fp` and payloads of
-/// `shape`: format, configuration, key, then checksum.
+/// `shape`, in the namespace whose MAC key is `mac`: format, configuration, key, then
+/// MAC (compared in constant time).
 pub fn decode(
     payload: &[u8],
     fp: &Fingerprint,
     shape: &PayloadShape,
     key: BlockHash,
+    mac: &MacKey,
 ) -> Result<Checked, Refusal> {
     if payload.len() < HEADER || &payload[..8] != MAGIC {
         return Err(Refusal::Format);
@@ -228,7 +309,8 @@ pub fn decode(
         return Err(Refusal::Key);
     }
     let n = payload.len() - CHECKSUM;
-    if blake3::hash(&payload[..n]).as_bytes() != &payload[n..] {
+    let trailer: [u8; 32] = payload[n..].try_into().expect("32 bytes");
+    if blake3::keyed_hash(mac, &payload[..n]) != blake3::Hash::from(trailer) {
         return Err(Refusal::Checksum);
     }
     let tokens = payload[HEADER..HEADER + 4 * shape.block_size]
@@ -241,6 +323,12 @@ pub fn decode(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn mac(secret: &[u8], fp: &Fingerprint, root: BlockHash) -> MacKey {
+        TierKey::new(Some(secret)).config(fp).namespace(root)
+    }
+
+    const SECRET: &[u8] = b"sixteen-byte-key-of-the-pools";
 
     fn sample() -> (Fingerprint, PayloadShape, BlockMeta, Vec<u8>) {
         let fp = fingerprint([("model", "m"), ("dtype", "float16")]);
@@ -263,40 +351,74 @@ mod tests {
                 .enumerate()
                 .for_each(|(i, b)| *b = (i + 16 * t) as u8);
         }
-        seal(&mut p);
+        seal(&mut p, &mac(SECRET, &fp, 1));
         (fp, shape, meta, p)
     }
 
     #[test]
     fn a_payload_round_trips_and_every_fault_is_refused() {
         let (fp, shape, meta, p) = sample();
-        let ok = decode(&p, &fp, &shape, 7).unwrap();
+        let m = mac(SECRET, &fp, 1);
+        let ok = decode(&p, &fp, &shape, 7, &m).unwrap();
         assert_eq!(
             (ok.meta, ok.tokens.as_slice()),
             (meta, &[10, 11, 12, 13][..])
         );
         assert_eq!(p[shape.kv_range(1)][3], 19);
-        assert_eq!(decode(&p, &fp, &shape, 8).unwrap_err(), Refusal::Key);
+        assert_eq!(decode(&p, &fp, &shape, 8, &m).unwrap_err(), Refusal::Key);
         let other = fingerprint([("model", "other"), ("dtype", "float16")]);
-        assert_eq!(decode(&p, &other, &shape, 7).unwrap_err(), Refusal::Config);
+        assert_eq!(
+            decode(&p, &other, &shape, 7, &m).unwrap_err(),
+            Refusal::Config
+        );
         let wider = PayloadShape {
             tensor_bytes: 32,
             ..shape
         };
-        assert_eq!(decode(&p, &fp, &wider, 7).unwrap_err(), Refusal::Config);
+        assert_eq!(decode(&p, &fp, &wider, 7, &m).unwrap_err(), Refusal::Config);
         assert_eq!(
-            decode(&p[..p.len() - 1], &fp, &shape, 7).unwrap_err(),
+            decode(&p[..p.len() - 1], &fp, &shape, 7, &m).unwrap_err(),
             Refusal::Checksum
         );
         assert_eq!(
-            decode(&p[..20], &fp, &shape, 7).unwrap_err(),
+            decode(&p[..20], &fp, &shape, 7, &m).unwrap_err(),
             Refusal::Format
         );
         for bit in [0, 100, 8 * 120, 8 * (p.len() - 1)] {
             let mut q = p.clone();
             q[bit / 8] ^= 1 << (bit % 8);
-            assert!(decode(&q, &fp, &shape, 7).is_err(), "bit {bit}");
+            assert!(decode(&q, &fp, &shape, 7, &m).is_err(), "bit {bit}");
         }
+    }
+
+    #[test]
+    fn only_the_secret_of_the_namespace_and_configuration_verifies_a_payload() {
+        let (fp, shape, _, p) = sample();
+        assert!(decode(&p, &fp, &shape, 7, &mac(SECRET, &fp, 1)).is_ok());
+        // Another secret, no secret, another namespace, another configuration's key.
+        let other_fp = fingerprint([("model", "other")]);
+        for wrong in [
+            mac(b"another-sixteen-byte-secret", &fp, 1),
+            TierKey::new(None).config(&fp).namespace(1),
+            mac(SECRET, &fp, 2),
+            mac(SECRET, &other_fp, 1),
+        ] {
+            assert_eq!(
+                decode(&p, &fp, &shape, 7, &wrong).unwrap_err(),
+                Refusal::Checksum
+            );
+        }
+        // A writer without the secret re-signs forged K/V: refused.
+        let mut forged = p.clone();
+        forged[shape.kv_range(0)].fill(0xAB);
+        seal(&mut forged, &TierKey::new(None).config(&fp).namespace(1));
+        assert_eq!(
+            decode(&forged, &fp, &shape, 7, &mac(SECRET, &fp, 1)).unwrap_err(),
+            Refusal::Checksum
+        );
+        assert!(TierKey::new(Some(SECRET)).is_secret() && !TierKey::new(None).is_secret());
+        assert_ne!(TierKey::new(Some(SECRET)).tag(), TierKey::new(None).tag());
+        assert!(!format!("{:?}", TierKey::new(Some(SECRET))).contains("sixteen"));
     }
 
     #[test]

@@ -1,21 +1,27 @@
-//! The write-back thread: evicted blocks' payloads go into a bounded queue that a
-//! thread owned by the pool seals (checksums) and drains in batches into the first tier
-//! that takes each one
-//! ([`WritePolicy::First`]) or into every tier ([`WritePolicy::All`]), so the caller
-//! that evicted a block never waits for a disk or a server.
+//! The write-back thread: evicted blocks' payloads go into a queue bounded in payloads
+//! and in bytes, which a thread owned by the pool seals (MACs) and drains in batches
+//! into the first tier that takes each one ([`WritePolicy::First`]) or into every tier
+//! ([`WritePolicy::All`]), so the caller that evicted a block never waits for a disk or
+//! a server.
 //!
-//! When the queue is full a payload is dropped (counted in `dropped`): a tier is a
-//! cache, and generation never waits for one. [`Writer::flush`] waits until everything
-//! queued before it has been written or refused; dropping the writer does the same, then
-//! stops the thread.
+//! When the queue is full (in payloads or in bytes) a payload is dropped (counted in
+//! `dropped`): a tier is a cache, and generation never waits for one.
+//! [`Writer::flush`] waits until everything queued before it has been written or
+//! refused; dropping the writer does the same, then stops the thread.
+//!
+//! The thread and its queue belong to the process that started them
+//! ([`PerProcess`]): a child forked from it starts its own on first use, and neither
+//! waits for nor writes the parent's queued payloads.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use super::{payload, Tier};
+use super::payload::{self, MacKey};
+use super::Tier;
 use crate::error::{KvError, Result};
+use crate::per_process::PerProcess;
 
 /// Most payloads written in one batch.
 const BATCH: usize = 64;
@@ -23,8 +29,12 @@ const BATCH: usize = 64;
 /// The largest write-back queue (payloads): the queue is allocated up front.
 pub const MAX_QUEUE: usize = 1 << 20;
 
-/// Checks the write-back queue's capacity (`tier_queue`) is in `1..=MAX_QUEUE`.
-pub fn check_queue(queue: usize) -> Result<()> {
+/// The default bound of the write-back queue in bytes.
+pub const DEFAULT_QUEUE_BYTES: usize = 256 << 20;
+
+/// Checks the write-back queue's capacity (`tier_queue`) is in `1..=MAX_QUEUE`, and its
+/// byte bound (`tier_queue_bytes`) is at least one payload of `payload_len` bytes.
+pub fn check_queue(queue: usize, max_bytes: usize, payload_len: usize) -> Result<()> {
     if !(1..=MAX_QUEUE).contains(&queue) {
         return Err(KvError::InvalidArgument {
             name: "tier_queue",
@@ -32,13 +42,20 @@ pub fn check_queue(queue: usize) -> Result<()> {
             reason: format!("must be in [1, {MAX_QUEUE}] (payloads)"),
         });
     }
+    if max_bytes < payload_len {
+        return Err(KvError::InvalidArgument {
+            name: "tier_queue_bytes",
+            value: max_bytes.to_string(),
+            reason: format!("must hold at least one block's payload ({payload_len} bytes)"),
+        });
+    }
     Ok(())
 }
 
 /// What the thread is asked to do.
 enum Job {
-    /// Store a payload (not yet sealed) under a key.
-    Store(String, Vec<u8>),
+    /// Store a payload (not yet sealed) under a key, sealed with the MAC key.
+    Store(String, Vec<u8>, MacKey),
     /// Acknowledge once every earlier job is done.
     Flush(mpsc::Sender<()>),
 }
@@ -73,7 +90,7 @@ impl std::str::FromStr for WritePolicy {
 pub struct WriterCounters {
     /// Payloads queued.
     pub queued: AtomicU64,
-    /// Payloads dropped because the queue was full.
+    /// Payloads dropped because the queue was full (in payloads or in bytes).
     pub dropped: AtomicU64,
     /// Payloads no tier took (every tier refused or failed).
     pub unstored: AtomicU64,
@@ -82,56 +99,115 @@ pub struct WriterCounters {
 /// The write-back queue and its thread.
 #[derive(Debug)]
 pub struct Writer {
-    tx: Option<SyncSender<Job>>,
-    thread: Option<JoinHandle<()>>,
+    tiers: Vec<Arc<dyn Tier>>,
+    capacity: usize,
+    max_bytes: usize,
+    policy: WritePolicy,
+    running: PerProcess<Running>,
     counters: Arc<WriterCounters>,
 }
 
+/// The queue and thread of one process.
+#[derive(Debug)]
+struct Running {
+    tx: SyncSender<Job>,
+    thread: JoinHandle<()>,
+    /// Bytes of payloads queued and not yet written.
+    bytes: Arc<AtomicUsize>,
+}
+
 impl Writer {
-    /// Starts the thread writing into `tiers` as `policy` says, with a queue of
-    /// `capacity` payloads.
+    /// Starts the thread writing into `tiers` as `policy` says, with a queue of at most
+    /// `capacity` payloads and `max_bytes` bytes.
     pub fn start(
         tiers: Vec<Arc<dyn Tier>>,
         capacity: usize,
+        max_bytes: usize,
         policy: WritePolicy,
     ) -> std::io::Result<Self> {
-        let (tx, rx) = mpsc::sync_channel(capacity.max(1));
-        let counters = Arc::new(WriterCounters::default());
-        let c = counters.clone();
+        let w = Writer {
+            tiers,
+            capacity: capacity.max(1),
+            max_bytes,
+            policy,
+            running: PerProcess::new(),
+            counters: Arc::new(WriterCounters::default()),
+        };
+        w.running.with(|| w.spawn(), |_| ())?;
+        Ok(w)
+    }
+
+    /// A queue and thread for the current process.
+    fn spawn(&self) -> std::io::Result<Running> {
+        let (tx, rx) = mpsc::sync_channel(self.capacity);
+        let bytes = Arc::new(AtomicUsize::new(0));
+        let (tiers, c, b, policy) = (
+            self.tiers.clone(),
+            self.counters.clone(),
+            bytes.clone(),
+            self.policy,
+        );
         let thread = std::thread::Builder::new()
             .name("kvrs-tier-writer".into())
-            .spawn(move || drain(&rx, &tiers, &c, policy))?;
-        Ok(Writer {
-            tx: Some(tx),
-            thread: Some(thread),
-            counters,
-        })
+            .spawn(move || drain(&rx, &tiers, &c, &b, policy))?;
+        Ok(Running { tx, thread, bytes })
     }
 
-    /// Queues `payload` under `key`; false (and counted) when the queue is full. The
-    /// payload comes unsealed: the thread computes its checksum
-    /// ([`payload::seal`]), off the caller's path.
-    pub fn submit(&self, key: String, payload: Vec<u8>) -> bool {
-        let tx = self.tx.as_ref().expect("the sender lives until drop");
-        match tx.try_send(Job::Store(key, payload)) {
-            Ok(()) => {
-                self.counters.queued.fetch_add(1, Ordering::Relaxed);
-                true
-            }
-            Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
-                self.counters.dropped.fetch_add(1, Ordering::Relaxed);
-                false
-            }
-        }
+    /// Queues `payload` under `key`, to be sealed with `mac` (the key of its namespace);
+    /// false (and counted) when the queue is full in payloads or in bytes. The MAC is
+    /// computed by the thread ([`payload::seal`]), off the caller's path.
+    pub fn submit(&self, key: String, payload: Vec<u8>, mac: MacKey) -> bool {
+        let len = payload.len();
+        let queued = self
+            .running
+            .with(
+                || self.spawn(),
+                |r| {
+                    let room = r
+                        .bytes
+                        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |b| {
+                            (b + len <= self.max_bytes).then_some(b + len)
+                        })
+                        .is_ok();
+                    if !room {
+                        return false;
+                    }
+                    match r.tx.try_send(Job::Store(key, payload, mac)) {
+                        Ok(()) => true,
+                        Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
+                            r.bytes.fetch_sub(len, Ordering::AcqRel);
+                            false
+                        }
+                    }
+                },
+            )
+            .unwrap_or(false);
+        let counter = if queued {
+            &self.counters.queued
+        } else {
+            &self.counters.dropped
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        queued
     }
 
-    /// Waits until every payload queued so far has been written or refused.
+    /// Waits until every payload this process queued so far has been written or
+    /// refused.
     pub fn flush(&self) {
+        let Some(tx) = self.running.with_existing(|r| r.tx.clone()) else {
+            return;
+        };
         let (ack, done) = mpsc::channel();
-        let tx = self.tx.as_ref().expect("the sender lives until drop");
         if tx.send(Job::Flush(ack)).is_ok() {
             let _ = done.recv();
         }
+    }
+
+    /// Bytes of payloads queued now (this process's).
+    pub fn queued_bytes(&self) -> usize {
+        self.running
+            .with_existing(|r| r.bytes.load(Ordering::Acquire))
+            .unwrap_or(0)
     }
 
     /// The queue's counters.
@@ -142,9 +218,11 @@ impl Writer {
 
 impl Drop for Writer {
     fn drop(&mut self) {
-        drop(self.tx.take());
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+        // Only the process that started the thread joins it (after it wrote what was
+        // queued); a forked child forgets the parent's.
+        if let Some(Running { tx, thread, .. }) = self.running.take() {
+            drop(tx);
+            let _ = thread.join();
         }
     }
 }
@@ -156,6 +234,7 @@ fn drain(
     rx: &Receiver<Job>,
     tiers: &[Arc<dyn Tier>],
     counters: &WriterCounters,
+    queued_bytes: &AtomicUsize,
     policy: WritePolicy,
 ) {
     while let Ok(job) = rx.recv() {
@@ -164,8 +243,8 @@ fn drain(
         let mut next = Some(job);
         while let Some(job) = next.take() {
             match job {
-                Job::Store(k, mut p) => {
-                    payload::seal(&mut p);
+                Job::Store(k, mut p, mac) => {
+                    payload::seal(&mut p, &mac);
                     batch.push((k, Arc::new(p)));
                 }
                 Job::Flush(ack) => flushes.push(ack),
@@ -192,6 +271,9 @@ fn drain(
         counters
             .unstored
             .fetch_add(unstored as u64, Ordering::Relaxed);
+        let written: usize = batch.iter().map(|(_, p)| p.len()).sum();
+        drop(batch);
+        queued_bytes.fetch_sub(written, Ordering::AcqRel);
         for ack in flushes {
             let _ = ack.send(());
         }

@@ -9,10 +9,10 @@ use crate::attention::AttnOptions;
 use crate::dtype::DType;
 use crate::error::{check_index, Result};
 use crate::layout::{Device, KvLayout, PagedShape};
+pub use crate::paged::tiering::TierOptions;
 use crate::paged::{Attention, PoolCore, PoolStats, PrefixConfig, SeqId};
 use crate::prefix::HashKind;
 use crate::scales::KvScales;
-use crate::tier::writer::WritePolicy;
 use crate::tier::Tier;
 
 /// The shape and options of a [`BlockPool`]: sizes by [`PoolConfig::new`], the rest by
@@ -42,10 +42,8 @@ pub struct TierConfig {
     pub tiers: Vec<Arc<dyn Tier>>,
     /// Joins the configuration fingerprint: pools of other models never read the blocks.
     pub model_id: String,
-    /// Payloads the write-back queue holds before it drops.
-    pub queue: usize,
-    /// Which tiers an evicted block is written to.
-    pub policy: WritePolicy,
+    /// The shared secret, the write-back queue's bounds and the write policy.
+    pub options: TierOptions,
 }
 
 impl PartialEq for TierConfig {
@@ -57,8 +55,7 @@ impl PartialEq for TierConfig {
                 .iter()
                 .zip(&other.tiers)
                 .all(|(a, b)| Arc::ptr_eq(a, b))
-            && (&self.model_id, self.queue, self.policy)
-                == (&other.model_id, other.queue, other.policy)
+            && (&self.model_id, &self.options) == (&other.model_id, &other.options)
     }
 }
 
@@ -119,15 +116,25 @@ impl PoolConfig {
     }
 
     /// Puts offload `tiers` (fastest first) below the prefix cache, which must be on:
-    /// evicted blocks go to the first tier that takes them, through a queue of 1024.
+    /// evicted blocks go to the first tier that takes them, through a queue of 1024
+    /// payloads and 256 MiB, MACed under a public key (see [`PoolConfig::tier_options`]).
     /// `model_id` keeps other models' blocks apart.
     pub fn tiers(mut self, tiers: Vec<Arc<dyn Tier>>, model_id: &str) -> Self {
         self.tiers = Some(TierConfig {
             tiers,
             model_id: model_id.to_string(),
-            queue: 1024,
-            policy: WritePolicy::First,
+            options: TierOptions::default(),
         });
+        self
+    }
+
+    /// Sets how the pool uses the tiers [`PoolConfig::tiers`] gave: the secret its
+    /// payloads are MACed with (shared by every process that shares the tiers), the
+    /// write-back queue's bounds and the write policy.
+    pub fn tier_options(mut self, options: TierOptions) -> Self {
+        if let Some(t) = self.tiers.as_mut() {
+            t.options = options;
+        }
         self
     }
 
@@ -198,7 +205,7 @@ impl<T: Element> BlockPool<T> {
             None => core,
         };
         if let Some(t) = config.tiers {
-            core = core.with_tiers(t.tiers, &t.model_id, t.queue, t.policy)?;
+            core = core.with_tiers(t.tiers, &t.model_id, &t.options)?;
         }
         Ok(BlockPool {
             core,

@@ -364,7 +364,16 @@ def test_bad_payloads_are_refused_counted_and_discarded(redis_server, redis_url,
     assert s.cached_tokens_by_tier[tier.stats()["name"]] == s.num_cached_tokens
     assert s.num_cached_tokens < 16
     check_contents(s, PROMPT)
-    assert client.exists(keys[2]) == 0  # discarded, not read again
+    if fault == "truncated":
+        # A value of the wrong length is refused before it is buffered, and left alone
+        # (deleting by what a reply seemed to hold could delete valid blocks): the pool
+        # that computed the block writes the genuine payload over it.
+        assert len(client.get(keys[2])) == len(raw)
+        s.free()
+        evict_everything(q)
+        assert len(client.get(keys[2])) == len(client.get(keys[1]))
+    else:
+        assert client.exists(keys[2]) == 0  # discarded, not read again
 
 
 def test_a_corrupted_disk_file_is_refused_and_removed(tmp_path):
