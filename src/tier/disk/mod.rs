@@ -173,8 +173,14 @@ impl DiskTier {
         match create_sized(tmp, len) {
             Ok(f) => Ok(Some((f, usage.generation))),
             Err(e) => {
-                usage.total -= len;
-                let _ = usage.write(&self.dir);
+                // Put back what was there: no accounting file if there was none (the
+                // next store rescans), so a store that cannot write leaves nothing.
+                if old.is_none() {
+                    let _ = fs::remove_file(self.dir.join(usage::USAGE_FILE));
+                } else {
+                    usage.total -= len;
+                    let _ = usage.write(&self.dir);
+                }
                 Err(e)
             }
         }
