@@ -270,7 +270,7 @@ class DiskTier:
     def max_bytes(self) -> int:
         """The size bound in bytes."""
     def used_bytes(self) -> int:
-        """Bytes of blocks in the directory now (every process's)."""
+        """Bytes of block and temporary files in the directory now (every process's), counted afresh."""
     def get(self, keys: list[str], max_bytes: int = 1 << 30) -> list[bytes | None]:
         """The raw payloads stored under `keys` (None where absent or larger than `max_bytes`), in one batched request."""
     def stats(self) -> dict[str, Any]:

@@ -138,7 +138,8 @@ impl PyDiskTier {
         self.tier.max_bytes()
     }
 
-    /// Bytes of blocks in the directory now (every process's).
+    /// Bytes of block and temporary files in the directory now (every process's),
+    /// counted afresh.
     fn used_bytes(&self, py: Python<'_>) -> u64 {
         py.detach(|| self.tier.used_bytes())
     }

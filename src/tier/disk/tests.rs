@@ -1,0 +1,279 @@
+use super::usage::Usage;
+use super::*;
+
+fn tmpdir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("kvrs-disk-{name}-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&d);
+    d
+}
+
+#[test]
+fn stores_reads_bounds_and_drops_namespaces() {
+    let dir = tmpdir("basic");
+    let t = DiskTier::open(&dir, 1000).unwrap();
+    let item = |k: &str, n: usize| (k.to_string(), Arc::new(vec![n as u8; n]));
+    let taken = t.put_many(&[
+        item("kvrs:aa:01:10", 300),
+        item("kvrs:aa:02:11", 300),
+        item("kvrs:aa:01:12", 2000),
+    ]);
+    assert_eq!(
+        taken,
+        [true, true, false],
+        "a payload past the bound is not taken"
+    );
+    let got = t.get_many(
+        &[
+            "kvrs:aa:01:10".into(),
+            "kvrs:aa:01:99".into(),
+            "../x".into(),
+        ],
+        0..=usize::MAX,
+    );
+    assert_eq!(got[0].as_deref(), Some(&[44u8; 300][..]));
+    assert!(got[1].is_none() && got[2].is_none());
+    // 10 was just read: the LRU victim of the next overflow is 11.
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    t.get_many(&["kvrs:aa:01:10".into()], 0..=usize::MAX);
+    t.put_many(&[item("kvrs:aa:01:13", 300), item("kvrs:aa:01:14", 300)]);
+    assert!(t.used_bytes() <= 1000);
+    assert!(t.get_many(&["kvrs:aa:02:11".into()], 0..=usize::MAX)[0].is_none());
+    assert!(t.get_many(&["kvrs:aa:01:14".into()], 0..=usize::MAX)[0].is_some());
+    assert!(t.counters().evictions.load(Ordering::Relaxed) >= 1);
+    // A restart finds what is there.
+    let again = DiskTier::open(&dir, 1000).unwrap();
+    assert!(again.get_many(&["kvrs:aa:01:14".into()], 0..=usize::MAX)[0].is_some());
+    assert!(again.drop_prefix("kvrs:aa:01:") >= 1);
+    assert!(again.get_many(&["kvrs:aa:01:14".into()], 0..=usize::MAX)[0].is_none());
+    let _ = fs::remove_dir_all(&dir);
+}
+
+fn key_path(dir: &Path, block: &str) -> PathBuf {
+    dir.join("aa").join("01").join(format!("{block}.kvb"))
+}
+
+fn put(t: &DiskTier, key: &str, payload: Vec<u8>) -> bool {
+    t.put_many(&[(key.to_string(), Arc::new(payload))])[0]
+}
+
+fn get(t: &DiskTier, key: &str, sizes: RangeInclusive<usize>) -> Option<Vec<u8>> {
+    t.get_many(&[key.to_string()], sizes).pop().unwrap()
+}
+
+fn rejected(t: &DiskTier) -> u64 {
+    t.counters().rejected.load(Ordering::Relaxed)
+}
+
+/// The lookup, on another thread: panics if it has not returned within 5 s (the old
+/// code blocked forever opening or reading a FIFO).
+fn get_within_5s(t: &Arc<DiskTier>, key: &str, fifo: &Path) -> Option<Vec<u8>> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (t2, key) = (Arc::clone(t), key.to_string());
+    std::thread::spawn(move || tx.send(get(&t2, &key, 0..=usize::MAX)));
+    match rx.recv_timeout(std::time::Duration::from_secs(5)) {
+        Ok(got) => got,
+        Err(_) => {
+            // Unblock the stuck reader before failing.
+            let _ = fs::OpenOptions::new()
+                .write(true)
+                .custom_flags(libc::O_NONBLOCK)
+                .open(fifo);
+            panic!("a lookup of a FIFO blocked");
+        }
+    }
+}
+
+use std::os::unix::fs::OpenOptionsExt;
+
+fn mkfifo(path: &Path) {
+    fs::create_dir_all(path.parent().unwrap()).unwrap();
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: a valid C string.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0);
+}
+
+#[test]
+fn a_fifo_at_a_block_path_is_refused_at_once_and_replaced_by_a_store() {
+    let dir = tmpdir("fifo");
+    let t = Arc::new(DiskTier::open(&dir, 10_000).unwrap());
+    let fifo = key_path(&dir, "10");
+    mkfifo(&fifo);
+    assert_eq!(get_within_5s(&t, "kvrs:aa:01:10", &fifo), None);
+    assert_eq!(rejected(&t), 1);
+    assert!(
+        put(&t, "kvrs:aa:01:10", vec![7; 100]),
+        "a store replaces the FIFO"
+    );
+    assert_eq!(get(&t, "kvrs:aa:01:10", 100..=100), Some(vec![7; 100]));
+    let _ = fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_symlink_at_a_block_path_is_refused() {
+    let dir = tmpdir("symlink");
+    let t = DiskTier::open(&dir, 10_000).unwrap();
+    let target = dir.join("outside");
+    fs::write(&target, [1u8; 100]).unwrap();
+    fs::create_dir_all(key_path(&dir, "10").parent().unwrap()).unwrap();
+    std::os::unix::fs::symlink(&target, key_path(&dir, "10")).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", key_path(&dir, "11")).unwrap();
+    assert_eq!(get(&t, "kvrs:aa:01:10", 100..=100), None);
+    assert_eq!(get(&t, "kvrs:aa:01:11", 0..=usize::MAX), None);
+    assert_eq!(rejected(&t), 2);
+    // A store replaces the link, not what it points to.
+    assert!(put(&t, "kvrs:aa:01:10", vec![2; 100]));
+    assert_eq!(fs::read(&target).unwrap(), [1u8; 100]);
+    assert_eq!(get(&t, "kvrs:aa:01:10", 100..=100), Some(vec![2; 100]));
+    let _ = fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_file_of_another_length_is_refused_unread_and_one_that_changes_is_a_miss() {
+    let dir = tmpdir("length");
+    let t = DiskTier::open(&dir, 10_000).unwrap();
+    let path = key_path(&dir, "10");
+    fs::create_dir_all(path.parent().unwrap()).unwrap();
+    // 64 GiB, sparse: read whole it would exhaust the memory.
+    fs::File::create(&path).unwrap().set_len(64 << 30).unwrap();
+    let start = std::time::Instant::now();
+    assert_eq!(get(&t, "kvrs:aa:01:10", 416..=416), None);
+    assert!(start.elapsed().as_millis() < 1000);
+    assert_eq!(rejected(&t), 1);
+    // A file that shrinks or grows after its fstat is a miss.
+    for new_len in [50, 150] {
+        fs::write(&path, [3u8; 100]).unwrap();
+        let Opened::File(mut f, len) = open_regular(&path).unwrap() else {
+            panic!("a regular file")
+        };
+        fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(new_len)
+            .unwrap();
+        assert_eq!(read_exact_len(&mut f, len).unwrap(), None);
+    }
+    let _ = fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_read_marks_the_file_used_without_opening_it_for_writing() {
+    let dir = tmpdir("touch");
+    let t = DiskTier::open(&dir, 10_000).unwrap();
+    assert!(put(&t, "kvrs:aa:01:10", vec![5; 100]));
+    let path = key_path(&dir, "10");
+    let old = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+    fs::File::options()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_modified(old)
+        .unwrap();
+    assert!(get(&t, "kvrs:aa:01:10", 100..=100).is_some());
+    assert!(fs::metadata(&path).unwrap().modified().unwrap() > old);
+    let _ = fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_planted_file_is_replaced_by_the_genuine_block() {
+    let dir = tmpdir("planted");
+    let t = DiskTier::open(&dir, 10_000).unwrap();
+    let path = key_path(&dir, "10");
+    fs::create_dir_all(path.parent().unwrap()).unwrap();
+    for planted in [vec![6u8; 100], vec![6u8; 40], vec![6u8; 300]] {
+        fs::write(&path, &planted).unwrap();
+        assert!(put(&t, "kvrs:aa:01:10", vec![1; 100]));
+        assert_eq!(fs::read(&path).unwrap(), vec![1; 100]);
+    }
+    assert_eq!(t.counters().stores.load(Ordering::Relaxed), 3);
+    // The same payload is only marked used.
+    assert!(put(&t, "kvrs:aa:01:10", vec![1; 100]));
+    assert_eq!(t.counters().stores.load(Ordering::Relaxed), 3);
+    let _ = fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn two_tiers_on_one_directory_keep_its_bound_together() {
+    let dir = tmpdir("shared");
+    let a = DiskTier::open(&dir, 10_000).unwrap();
+    let b = DiskTier::open(&dir, 10_000).unwrap();
+    for i in 0..40 {
+        let t = if i % 2 == 0 { &a } else { &b };
+        assert!(put(t, &format!("kvrs:aa:01:{i:x}"), vec![i as u8; 1000]));
+        assert!(a.used_bytes() <= 10_000, "{} after {i}", a.used_bytes());
+    }
+    // At once, from two threads, each with its own tier.
+    let dir2 = dir.clone();
+    std::thread::scope(|s| {
+        for n in 0..2u32 {
+            let dir = &dir2;
+            s.spawn(move || {
+                let t = DiskTier::open(dir, 10_000).unwrap();
+                for i in 0..60 {
+                    assert!(put(&t, &format!("kvrs:bb:{n}:{i:x}"), vec![1; 700]));
+                }
+            });
+        }
+    });
+    assert!(a.used_bytes() <= 10_000);
+    assert_eq!(Usage::read(&dir).unwrap().total, a.used_bytes(), "no drift");
+    let _ = fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn discard_and_drop_prefix_keep_the_shared_total() {
+    let dir = tmpdir("removals");
+    let t = DiskTier::open(&dir, 100_000).unwrap();
+    for i in 0..10 {
+        assert!(put(&t, &format!("kvrs:aa:0{}:{i:x}", i % 2), vec![1; 500]));
+    }
+    let total = || Usage::read(&dir).unwrap().total;
+    assert_eq!(total(), 5000);
+    t.discard("kvrs:aa:00:0");
+    assert_eq!((total(), t.used_bytes()), (4500, 4500));
+    assert_eq!(t.drop_prefix("kvrs:aa:01:"), 5);
+    assert_eq!((total(), t.used_bytes()), (2000, 2000));
+    let _ = fs::remove_dir_all(&dir);
+}
+
+/// A temporary file, `age` old.
+fn temp_file(dir: &Path, name: &str, len: usize, age: u64) -> PathBuf {
+    let path = dir.join("aa").join("01").join(name);
+    fs::create_dir_all(path.parent().unwrap()).unwrap();
+    fs::write(&path, vec![0u8; len]).unwrap();
+    let when = std::time::SystemTime::now() - std::time::Duration::from_secs(age);
+    fs::File::options()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_modified(when)
+        .unwrap();
+    path
+}
+
+#[test]
+fn dead_writers_temporary_files_are_swept_and_live_ones_counted() {
+    let dir = tmpdir("temps");
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let dead = child.id();
+    child.wait().unwrap();
+    let me = std::process::id();
+    let killed = temp_file(&dir, &format!(".tmp-{dead}-3"), 500, 60);
+    let ancient = temp_file(&dir, &format!(".tmp-{me}-99998"), 500, 3600);
+    let live = temp_file(&dir, &format!(".tmp-{me}-99999"), 600, 0);
+    let young = temp_file(&dir, &format!(".tmp-{dead}-4"), 100, 0);
+    let t = DiskTier::open(&dir, 1000).unwrap();
+    assert!(!killed.exists() && !ancient.exists(), "swept when opened");
+    assert!(
+        live.exists() && young.exists(),
+        "a writer may still be at work"
+    );
+    assert_eq!(t.used_bytes(), 700, "temporary files count");
+    fs::remove_file(&young).unwrap();
+    for i in 0..4 {
+        assert!(put(&t, &format!("kvrs:aa:01:{i:x}"), vec![1; 150]));
+        assert!(t.used_bytes() <= 1000, "{}", t.used_bytes());
+    }
+    assert!(t.counters().evictions.load(Ordering::Relaxed) >= 1);
+    let _ = fs::remove_dir_all(&dir);
+}
