@@ -8,6 +8,8 @@ use std::sync::Arc;
 use super::groups::LayerKind;
 use super::pool::{PoolCore, SeqId};
 use super::seq::{Table, NO_BLOCK};
+use super::tier_lookup::{TierFetched, TierLookup};
+use super::tiering::TierTokens;
 use crate::error::{KvError, Result};
 use crate::layout::BlockId;
 use crate::prefix::{BlockHash, CachedBlock, PrefixEvent, PrefixIndex};
@@ -40,6 +42,12 @@ impl Hit {
     }
 }
 
+/// The most prompt tokens a sequence's prefix match covers: all but the last, which
+/// is always left to compute.
+pub(crate) fn prompt_limit(tokens: &[u32]) -> usize {
+    tokens.len().saturating_sub(1)
+}
+
 impl PoolCore {
     /// Starts a sequence whose token ids begin with `tokens` (the prompt). With prefix
     /// caching on, the longest cached prefix is attached (no copy for whole blocks; a
@@ -57,13 +65,27 @@ impl PoolCore {
         namespace: &[u8],
         extra: &[u8],
     ) -> SeqId {
+        let lookup = self.plan_tier_lookup(&tokens, namespace, extra, prompt_limit(&tokens));
+        self.new_sequence_fetched(tokens, namespace, extra, lookup.map(TierLookup::fetch))
+    }
+
+    /// [`Self::new_sequence_owning`] whose tier lookup ([`PoolCore::plan_tier_lookup`]
+    /// with the limit [`prompt_limit`]) was fetched without the pool's lock: `fetched`
+    /// is committed first ([`PoolCore::commit_tier_lookup`]). No tier I/O.
+    pub(crate) fn new_sequence_fetched(
+        &mut self,
+        tokens: Vec<u32>,
+        namespace: &[u8],
+        extra: &[u8],
+        fetched: Option<TierFetched>,
+    ) -> SeqId {
         let root = self.prefix().map_or(0, |p| p.root(namespace));
         let mut s = self.empty_state(root, Arc::from(extra));
         s.tokens = tokens;
         let tokens = &s.tokens;
-        let limit = tokens.len().saturating_sub(1);
-        // What the pool lacks of the prompt's prefix, the tiers may hold.
-        let tier_tokens = self.promote(root, tokens, extra, limit);
+        let limit = prompt_limit(tokens);
+        // What the pool lacked of the prompt's prefix, the tiers may have held.
+        let tier_tokens = fetched.map_or_else(TierTokens::new, |f| self.commit_tier_lookup(f));
         let hit = self.match_blocks(root, tokens, extra, limit);
         for b in hit.blocks().collect::<Vec<_>>() {
             self.hold_block(b);

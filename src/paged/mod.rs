@@ -18,6 +18,7 @@ pub mod seq;
 pub mod shift;
 pub mod slots;
 pub mod stats;
+pub mod tier_lookup;
 pub mod tiering;
 
 pub use crate::layout::{BlockId, KvLayout, PagedShape};

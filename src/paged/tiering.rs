@@ -16,27 +16,25 @@
 
 use std::sync::Arc;
 
-use rayon::prelude::*;
 use smallvec::SmallVec;
 
-use super::caching::group_key;
 use super::pool::{PoolCore, SeqId};
 use crate::error::{KvError, Result};
 use crate::layout::BlockId;
 use crate::prefix::persist::expected_metadata;
-use crate::prefix::{BlockHash, CachedBlock};
+use crate::prefix::CachedBlock;
 use crate::tier::fetcher::Fetcher;
-use crate::tier::payload::{
-    self, BlockMeta, Checked, ConfigKey, Fingerprint, PayloadShape, Refusal, TierKey,
-};
+use crate::tier::payload::{self, BlockMeta, ConfigKey, Fingerprint, PayloadShape, TierKey};
 use crate::tier::writer::{WritePolicy, Writer};
-use crate::tier::{Tier, TierCounters};
+use crate::tier::Tier;
 
 /// Tokens of a prompt that each tier served (by the tier's index).
 pub type TierTokens = SmallVec<[usize; 2]>;
 
-/// A pool's tiers, the fingerprint its payloads carry and the write-back thread.
-#[derive(Debug)]
+/// A pool's tiers, the fingerprint its payloads carry and the write-back thread. Cheap
+/// to clone (its threads and tiers are shared): tier I/O runs on a clone, without the
+/// pool's lock.
+#[derive(Clone, Debug)]
 pub struct TierSet {
     /// The tiers, fastest first: write-back goes to the first that takes a block, and
     /// lookups ask them in order.
@@ -51,9 +49,9 @@ pub struct TierSet {
     /// The shape of this pool's payloads.
     pub shape: PayloadShape,
     /// The write-back queue and thread.
-    pub writer: Writer,
+    pub writer: Arc<Writer>,
     /// The prefetch buffer and thread ([`PoolCore::prefetch_async`]).
-    pub fetcher: Fetcher,
+    pub fetcher: Arc<Fetcher>,
 }
 
 /// How a pool uses its tiers ([`PoolCore::with_tiers`]).
@@ -97,9 +95,6 @@ impl Default for TierOptions {
 /// Most bytes of payloads the prefetch buffer holds (besides at most the pool's number
 /// of blocks).
 pub const PREFETCH_BYTES: usize = 1 << 30;
-
-/// A payload a tier served (the tier's index, the bytes) and what its checks read.
-type Served = (usize, Vec<u8>, Checked);
 
 /// The bytes of a payload that hold the K/V of every cache tensor (contiguous).
 fn kv_span(shape: &PayloadShape) -> std::ops::Range<usize> {
@@ -186,8 +181,8 @@ impl PoolCore {
             config_key: key.config(&fingerprint),
             keyed: key.is_secret(),
             shape,
-            writer,
-            fetcher,
+            writer: Arc::new(writer),
+            fetcher: Arc::new(fetcher),
         });
         Ok(self)
     }
@@ -252,7 +247,7 @@ impl PoolCore {
     /// Writes checked payloads' K/V into `blocks` straight from the payloads (on a
     /// device in one swap: one transfer and one launch per chunk), then their int8
     /// scales.
-    fn load_payloads(
+    pub(crate) fn load_payloads(
         &mut self,
         shape: &PayloadShape,
         blocks: &[BlockId],
@@ -278,176 +273,6 @@ impl PoolCore {
         Ok(())
     }
 
-    /// Asks the tiers for the whole blocks of `tokens` (from `root`, with `extra`, up to
-    /// `limit` tokens) that follow what the pool caches, and caches the consecutive ones
-    /// found; returns the tokens each tier served.
-    pub(crate) fn promote(
-        &mut self,
-        root: BlockHash,
-        tokens: &[u32],
-        extra: &[u8],
-        limit: usize,
-    ) -> TierTokens {
-        let (Some(ts), Some(p)) = (self.tiers.as_ref(), self.prefix()) else {
-            return TierTokens::new();
-        };
-        let mut served: TierTokens = smallvec::smallvec![0; ts.tiers.len()];
-        let (bs, ng) = (self.shape.block_size, self.groups.groups.len());
-        let hashes = self.chain_hashes(root, tokens, extra, limit);
-        let misses = self.misses_from_first_gap(&hashes);
-        if misses.is_empty() {
-            return served;
-        }
-        let held: Vec<BlockId> = (0..hashes.len())
-            .flat_map(|j| (0..ng).map(move |g| (j, g)))
-            .filter_map(|(j, g)| p.lookup(group_key(hashes[j], g)))
-            .collect();
-        let mut wanted: Vec<(usize, usize)> = Vec::new();
-        // Room: free and evictable blocks, less the chain's own (held while loading).
-        let evictable_held = held
-            .iter()
-            .filter(|&&b| self.blocks.refcount(b) == 0)
-            .count();
-        let room = self.num_free_blocks().saturating_sub(evictable_held);
-        for miss in misses {
-            if wanted.len() + miss.len() > room {
-                break;
-            }
-            wanted.extend(miss);
-        }
-        if wanted.is_empty() {
-            return served;
-        }
-        let keys: Vec<String> = wanted
-            .iter()
-            .map(|&(j, g)| payload::block_key(&ts.fingerprint, root, group_key(hashes[j], g)))
-            .collect();
-        let chain = |j: usize, g: usize, c: &Checked| -> bool {
-            let parent = if j == 0 { root } else { hashes[j - 1] };
-            c.meta.parent == group_key(parent, g)
-                && c.meta.root == root
-                && c.meta.first == (j == 0)
-                && c.tokens == tokens[j * bs..(j + 1) * bs]
-        };
-        let mut found: Vec<Option<Served>> = (0..wanted.len()).map(|_| None).collect();
-        let mac = ts.config_key.namespace(root);
-        // Checks (a BLAKE3 pass over each payload) run in parallel; a refused payload is
-        // counted and forgotten by the tier that served it.
-        let check = |found: &mut Vec<Option<Served>>, served: Vec<(usize, usize, Vec<u8>)>| {
-            let checked: Vec<_> = crate::parallel::install(|| {
-                served
-                    .into_par_iter()
-                    .map(|(i, t, bytes)| {
-                        let (j, g) = wanted[i];
-                        let key = group_key(hashes[j], g);
-                        let c = payload::decode(&bytes, &ts.fingerprint, &ts.shape, key, &mac)
-                            .and_then(|c| {
-                                if chain(j, g, &c) {
-                                    Ok(c)
-                                } else {
-                                    Err(Refusal::Key)
-                                }
-                            });
-                        (i, t, bytes, c)
-                    })
-                    .collect()
-            });
-            for (i, t, bytes, c) in checked {
-                match c {
-                    Ok(c) => found[i] = Some((t, bytes, c)),
-                    Err(_) => {
-                        TierCounters::add(&ts.tiers[t].counters().rejected, 1);
-                        ts.tiers[t].discard(&keys[i]);
-                    }
-                }
-            }
-        };
-        // What a prefetch brought first (waiting for its fetches under way), then the
-        // tiers in order for the rest.
-        let prefetched = ts.fetcher.take(&keys);
-        check(
-            &mut found,
-            prefetched
-                .into_iter()
-                .enumerate()
-                .filter_map(|(i, got)| got.map(|(t, b)| (i, t, b)))
-                .collect(),
-        );
-        for (t, tier) in ts.tiers.iter().enumerate() {
-            let ask: Vec<usize> = (0..wanted.len()).filter(|&i| found[i].is_none()).collect();
-            if ask.is_empty() {
-                break;
-            }
-            let len = ts.shape.len();
-            let got = tier.get_many(
-                &ask.iter().map(|&i| keys[i].clone()).collect::<Vec<_>>(),
-                len..=len,
-            );
-            check(
-                &mut found,
-                ask.iter()
-                    .zip(got)
-                    .filter_map(|(&i, bytes)| bytes.map(|b| (i, t, b)))
-                    .collect(),
-            );
-        }
-        let shape = ts.shape;
-        for &b in &held {
-            self.hold_block(b);
-        }
-        // The consecutive blocks every tier lookup found, up to the first gap: their
-        // entries are wanted[..end].
-        let mut end = 0;
-        let mut blocks_found = 0;
-        while end < wanted.len() {
-            let j = wanted[end].0;
-            let stop = wanted[end..]
-                .iter()
-                .position(|w| w.0 != j)
-                .map_or(wanted.len(), |n| end + n);
-            if found[end..stop].iter().any(Option::is_none) {
-                break;
-            }
-            end = stop;
-            blocks_found += 1;
-        }
-        let entries: Vec<Served> = found[..end]
-            .iter_mut()
-            .map(|e| e.take().expect("checked found"))
-            .collect();
-        let mut loaded: Vec<BlockId> = (0..entries.len()).map(|_| self.take_block()).collect();
-        let payloads: Vec<&[u8]> = entries.iter().map(|e| e.1.as_slice()).collect();
-        if self.load_payloads(&shape, &loaded, &payloads).is_err() {
-            // Unregistered: the blocks go back to the free list; nothing was cached.
-            self.release_all(loaded.drain(..));
-        } else {
-            for (&b, (t, bytes, c)) in loaded.iter().zip(&entries) {
-                let meta = CachedBlock {
-                    hash: c.meta.key,
-                    parent: c.meta.parent,
-                    first: c.meta.first,
-                    root,
-                };
-                let registered = self.blocks.register(b, meta, &c.tokens, extra);
-                debug_assert!(registered, "only blocks the index lacks are loaded");
-                let tier = &self.tiers.as_ref().expect("tiers on").tiers[*t];
-                TierCounters::add(&tier.counters().hits, 1);
-                TierCounters::add(&tier.counters().hit_bytes, bytes.len() as u64);
-            }
-            // A block's tokens count once, for the tier that served its first entry.
-            let mut last = usize::MAX;
-            for (i, &(j, _)) in wanted[..end].iter().enumerate() {
-                if j != last {
-                    served[entries[i].0] += bs;
-                    last = j;
-                }
-            }
-            debug_assert_eq!(served.iter().sum::<usize>(), blocks_found * bs);
-        }
-        self.release_all(held.into_iter().chain(loaded));
-        served
-    }
-
     /// Queues every cached block sequence `id` holds for the tiers now (write-back
     /// without eviction); returns how many were queued.
     pub fn store_to_tiers(&self, id: SeqId) -> Result<usize> {
@@ -467,103 +292,54 @@ impl PoolCore {
         Ok(n)
     }
 
-    /// Loads what the tiers hold of `tokens`' prefix (in `namespace`, with `extra`) into
-    /// the pool's cache without starting a sequence; returns the tokens a sequence
-    /// starting with `tokens` would now find cached.
-    pub fn prefetch(&mut self, tokens: &[u32], namespace: &[u8], extra: &[u8]) -> Result<usize> {
-        let root = self.prefix().ok_or_else(no_tiers)?.root(namespace);
-        if self.tiers.is_none() {
-            return Err(no_tiers());
+    /// Waits until every block queued for the tiers has been written or refused. (A
+    /// caller that shares the pool behind a lock runs [`TierSet::flush`] on a clone of
+    /// [`PoolCore::tiers`] instead, without the lock.)
+    pub fn flush_tiers(&self) {
+        if let Some(ts) = &self.tiers {
+            ts.flush();
         }
-        self.promote(root, tokens, extra, tokens.len());
-        Ok(self.match_prefix(tokens, namespace, extra))
     }
 
-    /// Starts fetching what the tiers hold of `tokens`' prefix (in `namespace`, with
-    /// `extra`) into the prefetch buffer, and returns at once; the lookup of a sequence
-    /// starting with `tokens` then loads from the buffer (waiting for the fetch if it is
-    /// still under way). Returns the tokens of the prefix's whole blocks the pool lacks
-    /// (0: nothing to fetch).
-    pub fn prefetch_async(&self, tokens: &[u32], namespace: &[u8], extra: &[u8]) -> Result<usize> {
+    /// The key prefix of `namespace`'s blocks in the tiers ([`TierSet::drop_namespace`]).
+    pub fn tier_namespace_prefix(&self, namespace: &[u8]) -> Result<String> {
         let (Some(ts), Some(p)) = (self.tiers.as_ref(), self.prefix()) else {
             return Err(no_tiers());
         };
-        let root = p.root(namespace);
-        let hashes = self.chain_hashes(root, tokens, extra, tokens.len());
-        let misses = self.misses_from_first_gap(&hashes);
-        let lacking = misses.len() * self.shape.block_size;
-        let keys: Vec<String> = misses
-            .into_iter()
-            .flatten()
-            .map(|(j, g)| payload::block_key(&ts.fingerprint, root, group_key(hashes[j], g)))
-            .collect();
-        ts.fetcher.request(keys);
-        Ok(lacking)
-    }
-
-    /// For each block of the chain `hashes` from the first one some layer group lacks
-    /// in the pool: its `(block, group)` pairs the pool lacks. Empty when the pool holds
-    /// the whole chain.
-    fn misses_from_first_gap(&self, hashes: &[BlockHash]) -> Vec<Vec<(usize, usize)>> {
-        let p = self.prefix().expect("prefix caching on");
-        let ng = self.groups.groups.len();
-        let miss = |j: usize| -> Vec<(usize, usize)> {
-            (0..ng)
-                .filter(|&g| p.lookup(group_key(hashes[j], g)).is_none())
-                .map(|g| (j, g))
-                .collect()
-        };
-        let Some(start) = (0..hashes.len()).find(|&j| !miss(j).is_empty()) else {
-            return Vec::new();
-        };
-        (start..hashes.len()).map(miss).collect()
-    }
-
-    /// The chained hashes of `tokens`' whole blocks (from `root`, with `extra`), up to
-    /// `limit` tokens.
-    fn chain_hashes(
-        &self,
-        root: BlockHash,
-        tokens: &[u32],
-        extra: &[u8],
-        limit: usize,
-    ) -> Vec<BlockHash> {
-        let p = self.prefix().expect("prefix caching on");
-        let bs = self.shape.block_size;
-        let mut hashes = Vec::new();
-        let mut parent = root;
-        let mut buf = Vec::new();
-        while (hashes.len() + 1) * bs <= limit.min(tokens.len()) {
-            let at = hashes.len() * bs;
-            let h = p
-                .kind
-                .block_with(&mut buf, parent, &tokens[at..at + bs], extra);
-            hashes.push(h);
-            parent = h;
-        }
-        hashes
-    }
-
-    /// Waits until every block queued for the tiers has been written or refused.
-    pub fn flush_tiers(&self) {
-        if let Some(ts) = &self.tiers {
-            ts.writer.flush();
-        }
+        Ok(payload::namespace_prefix(
+            &ts.fingerprint,
+            p.root(namespace),
+        ))
     }
 
     /// Removes every block of `namespace` from every tier (after writing what is
     /// queued); returns how many were removed.
     pub fn drop_tier_namespace(&self, namespace: &[u8]) -> Result<usize> {
-        let (Some(ts), Some(p)) = (self.tiers.as_ref(), self.prefix()) else {
-            return Err(no_tiers());
-        };
-        ts.writer.flush();
-        let prefix = payload::namespace_prefix(&ts.fingerprint, p.root(namespace));
-        ts.fetcher.drop_prefix(&prefix);
-        Ok(ts.tiers.iter().map(|t| t.drop_prefix(&prefix)).sum())
+        let prefix = self.tier_namespace_prefix(namespace)?;
+        Ok(self
+            .tiers
+            .as_ref()
+            .map_or(0, |ts| ts.drop_namespace(&prefix)))
     }
 }
 
-fn no_tiers() -> KvError {
+impl TierSet {
+    /// Waits until every block queued for the tiers has been written or refused.
+    pub fn flush(&self) {
+        self.writer.flush();
+    }
+
+    /// Removes every block under key `prefix` ([`PoolCore::tier_namespace_prefix`]) from
+    /// the prefetch buffer and every tier, after writing what is queued; returns how
+    /// many the tiers removed.
+    pub fn drop_namespace(&self, prefix: &str) -> usize {
+        self.writer.flush();
+        self.fetcher.drop_prefix(prefix);
+        self.tiers.iter().map(|t| t.drop_prefix(prefix)).sum()
+    }
+}
+
+/// The error of a tier call on a pool without tiers.
+pub(crate) fn no_tiers() -> KvError {
     KvError::NotSupported("this pool has no offload tiers (BlockPool(..., tiers=[...]))".into())
 }

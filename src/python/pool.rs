@@ -449,9 +449,15 @@ impl PyBlockPool {
         let id = match tokens {
             Some(t) => {
                 let t = read_token_ids(t, "tokens")?;
-                // Tier lookups may wait on a disk or a server, and long prompts take a
-                // while to hash: without the GIL.
-                pool.write_detached(py, |c| c.new_sequence_owning(t, &ns, &extra))
+                // A tier lookup in three steps: planned under the pool's lock, fetched
+                // without it and without the GIL, committed under the lock; long prompts
+                // take a while to hash: without the GIL too.
+                let limit = crate::paged::caching::prompt_limit(&t);
+                let lookup = pool.read_moving(py, 4 * t.len(), |c| {
+                    c.plan_tier_lookup(&t, &ns, &extra, limit)
+                });
+                let fetched = lookup.map(|l| py.detach(|| l.fetch()));
+                pool.write_detached(py, |c| c.new_sequence_fetched(t, &ns, &extra, fetched))
             }
             None if ns.is_empty() && extra.is_empty() => pool.write(py, |c| c.new_sequence()),
             None => pool.write(py, |c| c.new_sequence_with(&[], &ns, &extra)),
@@ -491,9 +497,15 @@ impl PyBlockPool {
     ) -> PyResult<usize> {
         let (t, ns, extra) = prefix_args(tokens, namespace, extra_key)?;
         if wait {
+            // Planned under the pool's lock, fetched without it (and the GIL), committed.
+            let lookup = self.core.read_moving(py, 4 * t.len(), |c| {
+                c.tiers()
+                    .map(|_| c.plan_tier_lookup(&t, &ns, &extra, t.len()))
+            });
+            let fetched = lookup.flatten().map(|l| py.detach(|| l.fetch()));
             Ok(self
                 .core
-                .write_detached(py, |c| c.prefetch(&t, &ns, &extra))?)
+                .write_detached(py, |c| c.prefetch_fetched(fetched, &t, &ns, &extra))?)
         } else {
             Ok(self
                 .core
@@ -514,7 +526,10 @@ impl PyBlockPool {
 
     /// Waits until every block queued for the offload tiers is written (or refused).
     fn flush_tiers(&self, py: Python<'_>) {
-        self.core.write_detached(py, |c| c.flush_tiers());
+        // The tiers' threads are shared: waited for without the pool's lock.
+        if let Some(ts) = self.core.read(py, |c| c.tiers().cloned()) {
+            py.detach(|| ts.flush());
+        }
     }
 
     /// Removes every block of `namespace` from the offload tiers; returns how many.
@@ -525,9 +540,12 @@ impl PyBlockPool {
         namespace: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
         let ns = key_bytes(namespace, "namespace")?;
-        Ok(self
-            .core
-            .write_detached(py, |c| c.drop_tier_namespace(&ns))?)
+        let (ts, prefix) = self.core.read(py, |c| {
+            let prefix = c.tier_namespace_prefix(&ns)?;
+            Ok::<_, KvError>((c.tiers().cloned(), prefix))
+        })?;
+        // Tier I/O without the pool's lock and without the GIL.
+        Ok(ts.map_or(0, |ts| py.detach(|| ts.drop_namespace(&prefix))))
     }
 
     /// Keeps the cached whole blocks of `tokens` from eviction until unpin(); returns the

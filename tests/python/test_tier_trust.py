@@ -246,3 +246,38 @@ def test_attention_runs_in_a_forked_child_after_the_parent_ran_it():
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert r.stdout.strip() == "0", (r.stdout, r.stderr)
 
+
+
+def test_a_slow_tier_lookup_holds_neither_the_pool_nor_the_gil():
+    srv, conns = stalled_server()
+    try:
+        url = f"redis://127.0.0.1:{srv.getsockname()[1]}/0"
+        p = pool([kvrs.RedisTier(url, timeout=1.0)], num_blocks=32)
+        done = threading.Event()
+        waited = []
+
+        def lookup():
+            t0 = time.monotonic()
+            s = p.new_sequence(tokens=PROMPT)  # misses in the pool: asks the stalled server
+            waited.append(time.monotonic() - t0)
+            assert s.seq_len == 0
+            done.set()
+
+        t = threading.Thread(target=lookup)
+        t.start()
+        time.sleep(0.1)
+        worst, calls = 0.0, 0
+        while not done.is_set():
+            t0 = time.monotonic()
+            s = p.new_sequence()  # the pool's lock, with the GIL
+            s.free()
+            p.stats()
+            worst = max(worst, time.monotonic() - t0)
+            calls += 1
+        t.join()
+        assert waited[0] >= 0.8  # the lookup did wait for the server
+        assert calls > 100 and worst < 0.2, (calls, worst)
+    finally:
+        srv.close()
+        for c in conns:
+            c.close()

@@ -1,0 +1,390 @@
+//! Tier lookups in three steps, so that no tier I/O runs under the pool's lock:
+//!
+//! 1. [`PoolCore::plan_tier_lookup`], under the lock: the prompt's chain hashes, the
+//!    `(block, layer group)` entries the pool lacks from the chain's first gap, as many
+//!    whole blocks as the pool has room for;
+//! 2. [`TierLookup::fetch`], without the lock (and, from Python, without the GIL): the
+//!    payloads a prefetch brought, then each tier in order for the rest, one batched
+//!    request per tier; every payload is checked as it arrives;
+//! 3. [`PoolCore::commit_tier_lookup`], under the lock again: what the pool lacks is
+//!    planned afresh (other calls ran meanwhile), and the fetched payloads that fill it,
+//!    consecutive from its first gap, are loaded into fresh blocks and cached, so the
+//!    ordinary prefix match then attaches them.
+//!
+//! Invariants: a block is loaded only after its payload passed every check (format,
+//! configuration fingerprint, key, the MAC under its namespace's key) and its parent
+//! key, chain root and token ids equal the prompt's, so a tier can never make a sequence
+//! see K/V of another token prefix. Loads stop at the first block some tier lacks (a
+//! chain must be whole). The chain's blocks already in the pool are held while loading,
+//! so the room the loads take never evicts them. A refused payload is counted and
+//! forgotten by the tier that served it.
+
+use rayon::prelude::*;
+use rustc_hash::FxHashMap;
+
+use super::caching::group_key;
+use super::pool::PoolCore;
+use super::tiering::{no_tiers, TierSet, TierTokens};
+use crate::error::Result;
+use crate::layout::BlockId;
+use crate::prefix::{BlockHash, CachedBlock};
+use crate::tier::payload::{self, Checked, Refusal};
+use crate::tier::TierCounters;
+
+/// A `(block index in the chain, layer group)` entry of a lookup.
+type Entry = (usize, usize);
+
+/// A payload a tier served (the tier's index, the bytes) and what its checks read.
+type Served = (usize, Vec<u8>, Checked);
+
+/// A tier lookup planned under the pool's lock, to be fetched without it.
+#[derive(Debug)]
+pub struct TierLookup {
+    tiers: TierSet,
+    root: BlockHash,
+    hashes: Vec<BlockHash>,
+    /// The blocks' extra keys (e.g. multimodal inputs), recorded with them.
+    extra: Vec<u8>,
+    /// The prompt's tokens of the hashed blocks.
+    tokens: Vec<u32>,
+    block_size: usize,
+    /// The entries to fetch, in chain order.
+    wanted: Vec<Entry>,
+}
+
+/// What [`TierLookup::fetch`] found: the checked payloads by entry.
+#[derive(Debug)]
+pub struct TierFetched {
+    root: BlockHash,
+    hashes: Vec<BlockHash>,
+    extra: Vec<u8>,
+    found: FxHashMap<Entry, Served>,
+}
+
+impl PoolCore {
+    /// Plans the tier lookup of the whole blocks of `tokens` (in `namespace`, with
+    /// `extra`, up to `limit` tokens) that the pool lacks; `None` when there is nothing
+    /// to ask (no tiers, or the pool holds the prefix, or has no room).
+    pub fn plan_tier_lookup(
+        &self,
+        tokens: &[u32],
+        namespace: &[u8],
+        extra: &[u8],
+        limit: usize,
+    ) -> Option<TierLookup> {
+        let (Some(ts), Some(p)) = (self.tiers(), self.prefix()) else {
+            return None;
+        };
+        let root = p.root(namespace);
+        let hashes = self.chain_hashes(root, tokens, extra, limit);
+        let wanted = self.wanted_from_tiers(&hashes);
+        if wanted.is_empty() {
+            return None;
+        }
+        let block_size = self.shape.block_size;
+        Some(TierLookup {
+            tiers: ts.clone(),
+            root,
+            extra: extra.to_vec(),
+            tokens: tokens[..hashes.len() * block_size].to_vec(),
+            hashes,
+            block_size,
+            wanted,
+        })
+    }
+
+    /// The blocks of chain `hashes` the pool holds (for any layer group).
+    fn held_of_chain(&self, hashes: &[BlockHash]) -> Vec<BlockId> {
+        let p = self.prefix().expect("prefix caching on");
+        let ng = self.groups.groups.len();
+        (0..hashes.len())
+            .flat_map(|j| (0..ng).map(move |g| (j, g)))
+            .filter_map(|(j, g)| p.lookup(group_key(hashes[j], g)))
+            .collect()
+    }
+
+    /// The entries of chain `hashes` the pool lacks from its first gap: as many whole
+    /// blocks as fit in the free and evictable blocks, less the chain's own evictable
+    /// ones (they are held while loading).
+    fn wanted_from_tiers(&self, hashes: &[BlockHash]) -> Vec<Entry> {
+        let misses = self.misses_from_first_gap(hashes);
+        if misses.is_empty() {
+            return Vec::new();
+        }
+        let evictable_held = self
+            .held_of_chain(hashes)
+            .into_iter()
+            .filter(|&b| self.blocks.refcount(b) == 0)
+            .count();
+        let room = self.num_free_blocks().saturating_sub(evictable_held);
+        let mut wanted = Vec::new();
+        for miss in misses {
+            if wanted.len() + miss.len() > room {
+                break;
+            }
+            wanted.extend(miss);
+        }
+        wanted
+    }
+
+    /// Loads and caches what `fetched` holds of what the pool still lacks of its chain,
+    /// consecutive from the chain's first gap; returns the tokens each tier served.
+    pub fn commit_tier_lookup(&mut self, fetched: TierFetched) -> TierTokens {
+        let Some(ts) = self.tiers().cloned() else {
+            return TierTokens::new();
+        };
+        let mut served: TierTokens = smallvec::smallvec![0; ts.tiers.len()];
+        let TierFetched {
+            root,
+            hashes,
+            extra,
+            mut found,
+        } = fetched;
+        let wanted = self.wanted_from_tiers(&hashes);
+        // The consecutive blocks whose every entry was fetched, up to the first gap.
+        let mut end = 0;
+        while end < wanted.len() {
+            let j = wanted[end].0;
+            let stop = wanted[end..]
+                .iter()
+                .position(|w| w.0 != j)
+                .map_or(wanted.len(), |n| end + n);
+            if wanted[end..stop].iter().any(|w| !found.contains_key(w)) {
+                break;
+            }
+            end = stop;
+        }
+        if end == 0 {
+            return served;
+        }
+        let held = self.held_of_chain(&hashes);
+        for &b in &held {
+            self.hold_block(b);
+        }
+        let entries: Vec<Served> = wanted[..end]
+            .iter()
+            .map(|w| found.remove(w).expect("checked above"))
+            .collect();
+        let mut loaded: Vec<BlockId> = (0..entries.len()).map(|_| self.take_block()).collect();
+        let payloads: Vec<&[u8]> = entries.iter().map(|e| e.1.as_slice()).collect();
+        if self.load_payloads(&ts.shape, &loaded, &payloads).is_err() {
+            // Unregistered: the blocks go back to the free list; nothing was cached.
+            self.release_all(loaded.drain(..));
+        } else {
+            for (&b, (t, bytes, c)) in loaded.iter().zip(&entries) {
+                let meta = CachedBlock {
+                    hash: c.meta.key,
+                    parent: c.meta.parent,
+                    first: c.meta.first,
+                    root,
+                };
+                let registered = self.blocks.register(b, meta, &c.tokens, &extra);
+                debug_assert!(registered, "only blocks the index lacks are loaded");
+                TierCounters::add(&ts.tiers[*t].counters().hits, 1);
+                TierCounters::add(&ts.tiers[*t].counters().hit_bytes, bytes.len() as u64);
+            }
+            // A block's tokens count once, for the tier that served its first entry.
+            let mut last = usize::MAX;
+            for (i, &(j, _)) in wanted[..end].iter().enumerate() {
+                if j != last {
+                    served[entries[i].0] += self.shape.block_size;
+                    last = j;
+                }
+            }
+        }
+        self.release_all(held.into_iter().chain(loaded));
+        served
+    }
+
+    /// Loads what the tiers hold of `tokens`' prefix (in `namespace`, with `extra`) into
+    /// the pool's cache without starting a sequence; returns the tokens a sequence
+    /// starting with `tokens` would now find cached.
+    pub fn prefetch(&mut self, tokens: &[u32], namespace: &[u8], extra: &[u8]) -> Result<usize> {
+        if self.tiers().is_none() || self.prefix().is_none() {
+            return Err(no_tiers());
+        }
+        let lookup = self.plan_tier_lookup(tokens, namespace, extra, tokens.len());
+        self.prefetch_fetched(lookup.map(TierLookup::fetch), tokens, namespace, extra)
+    }
+
+    /// The commit of [`PoolCore::prefetch`] whose lookup was fetched without the lock.
+    pub fn prefetch_fetched(
+        &mut self,
+        fetched: Option<TierFetched>,
+        tokens: &[u32],
+        namespace: &[u8],
+        extra: &[u8],
+    ) -> Result<usize> {
+        if self.tiers().is_none() || self.prefix().is_none() {
+            return Err(no_tiers());
+        }
+        if let Some(f) = fetched {
+            self.commit_tier_lookup(f);
+        }
+        Ok(self.match_prefix(tokens, namespace, extra))
+    }
+
+    /// Starts fetching what the tiers hold of `tokens`' prefix (in `namespace`, with
+    /// `extra`) into the prefetch buffer, and returns at once; the lookup of a sequence
+    /// starting with `tokens` then loads from the buffer (waiting for the fetch if it is
+    /// still under way). Returns the tokens of the prefix's whole blocks the pool lacks
+    /// (0: nothing to fetch).
+    pub fn prefetch_async(&self, tokens: &[u32], namespace: &[u8], extra: &[u8]) -> Result<usize> {
+        let (Some(ts), Some(p)) = (self.tiers(), self.prefix()) else {
+            return Err(no_tiers());
+        };
+        let root = p.root(namespace);
+        let hashes = self.chain_hashes(root, tokens, extra, tokens.len());
+        let misses = self.misses_from_first_gap(&hashes);
+        let lacking = misses.len() * self.shape.block_size;
+        let keys: Vec<String> = misses
+            .into_iter()
+            .flatten()
+            .map(|(j, g)| payload::block_key(&ts.fingerprint, root, group_key(hashes[j], g)))
+            .collect();
+        ts.fetcher.request(keys);
+        Ok(lacking)
+    }
+
+    /// For each block of the chain `hashes` from the first one some layer group lacks
+    /// in the pool: its entries the pool lacks. Empty when the pool holds the whole
+    /// chain.
+    fn misses_from_first_gap(&self, hashes: &[BlockHash]) -> Vec<Vec<Entry>> {
+        let p = self.prefix().expect("prefix caching on");
+        let ng = self.groups.groups.len();
+        let miss = |j: usize| -> Vec<Entry> {
+            (0..ng)
+                .filter(|&g| p.lookup(group_key(hashes[j], g)).is_none())
+                .map(|g| (j, g))
+                .collect()
+        };
+        let Some(start) = (0..hashes.len()).find(|&j| !miss(j).is_empty()) else {
+            return Vec::new();
+        };
+        (start..hashes.len()).map(miss).collect()
+    }
+
+    /// The chained hashes of `tokens`' whole blocks (from `root`, with `extra`), up to
+    /// `limit` tokens.
+    fn chain_hashes(
+        &self,
+        root: BlockHash,
+        tokens: &[u32],
+        extra: &[u8],
+        limit: usize,
+    ) -> Vec<BlockHash> {
+        let p = self.prefix().expect("prefix caching on");
+        let bs = self.shape.block_size;
+        let mut hashes = Vec::new();
+        let mut parent = root;
+        let mut buf = Vec::new();
+        while (hashes.len() + 1) * bs <= limit.min(tokens.len()) {
+            let at = hashes.len() * bs;
+            let h = p
+                .kind
+                .block_with(&mut buf, parent, &tokens[at..at + bs], extra);
+            hashes.push(h);
+            parent = h;
+        }
+        hashes
+    }
+}
+
+impl TierLookup {
+    /// Fetches the planned entries without the pool's lock: first what a prefetch
+    /// brought (waiting for its fetches under way), then each tier in order for the
+    /// rest, one batched request per tier. Each payload is checked (in parallel: a MAC
+    /// pass over its bytes) as it arrives; a refused one is counted and forgotten by the
+    /// tier that served it.
+    pub fn fetch(self) -> TierFetched {
+        let ts = &self.tiers;
+        let mac = ts.config_key.namespace(self.root);
+        let keys: Vec<String> = self
+            .wanted
+            .iter()
+            .map(|&(j, g)| {
+                payload::block_key(&ts.fingerprint, self.root, group_key(self.hashes[j], g))
+            })
+            .collect();
+        let mut found: FxHashMap<Entry, Served> = FxHashMap::default();
+        let check = |found: &mut FxHashMap<Entry, Served>, served: Vec<(usize, usize, Vec<u8>)>| {
+            let checked: Vec<_> = crate::parallel::install(|| {
+                served
+                    .into_par_iter()
+                    .map(|(i, t, bytes)| {
+                        let c = self.check(i, &bytes, &mac);
+                        (i, t, bytes, c)
+                    })
+                    .collect()
+            });
+            for (i, t, bytes, c) in checked {
+                match c {
+                    Ok(c) => {
+                        found.insert(self.wanted[i], (t, bytes, c));
+                    }
+                    Err(_) => {
+                        TierCounters::add(&ts.tiers[t].counters().rejected, 1);
+                        ts.tiers[t].discard(&keys[i]);
+                    }
+                }
+            }
+        };
+        let prefetched = ts.fetcher.take(&keys);
+        check(
+            &mut found,
+            prefetched
+                .into_iter()
+                .enumerate()
+                .filter_map(|(i, got)| got.map(|(t, b)| (i, t, b)))
+                .collect(),
+        );
+        let len = ts.shape.len();
+        for (t, tier) in ts.tiers.iter().enumerate() {
+            let ask: Vec<usize> = (0..self.wanted.len())
+                .filter(|i| !found.contains_key(&self.wanted[*i]))
+                .collect();
+            if ask.is_empty() {
+                break;
+            }
+            let ask_keys: Vec<String> = ask.iter().map(|&i| keys[i].clone()).collect();
+            let got = tier.get_many(&ask_keys, len..=len);
+            check(
+                &mut found,
+                ask.iter()
+                    .zip(got)
+                    .filter_map(|(&i, bytes)| bytes.map(|b| (i, t, b)))
+                    .collect(),
+            );
+        }
+        TierFetched {
+            root: self.root,
+            hashes: self.hashes,
+            extra: self.extra,
+            found,
+        }
+    }
+
+    /// Checks the payload of entry `i`: every field, the MAC, and its chain (parent,
+    /// root, first, token ids) against the prompt's.
+    fn check(&self, i: usize, bytes: &[u8], mac: &payload::MacKey) -> Result<Checked, Refusal> {
+        let (j, g) = self.wanted[i];
+        let ts = &self.tiers;
+        let key = group_key(self.hashes[j], g);
+        let c = payload::decode(bytes, &ts.fingerprint, &ts.shape, key, mac)?;
+        let parent = if j == 0 {
+            self.root
+        } else {
+            self.hashes[j - 1]
+        };
+        let bs = self.block_size;
+        let chained = c.meta.parent == group_key(parent, g)
+            && c.meta.root == self.root
+            && c.meta.first == (j == 0)
+            && c.tokens == self.tokens[j * bs..(j + 1) * bs];
+        if chained {
+            Ok(c)
+        } else {
+            Err(Refusal::Key)
+        }
+    }
+}
