@@ -11,9 +11,9 @@ import time
 import warnings
 
 import pytest
+from test_tiers import PROMPT, check_contents, evict_everything, pool, serve
 
 import kvrs
-from test_tiers import PROMPT, check_contents, evict_everything, pool, serve
 
 
 class StandIn:

@@ -108,7 +108,7 @@ impl RedisTier {
             reason: reason.replace(url, &redact_text(url)),
         };
         let client = Client::open(url).map_err(|e| bad_url(format!("not a Redis URL: {e}")))?;
-        let target = Target::new(&client.get_connection_info()).map_err(bad_url)?;
+        let target = Target::new(client.get_connection_info()).map_err(bad_url)?;
         if timeout.is_zero() {
             return Err(KvError::InvalidArgument {
                 name: "timeout",
