@@ -291,7 +291,7 @@ class RedisTier:
     ) -> RedisTier: ...
     @property
     def url(self) -> str:
-        """The server's URL."""
+        """The server's URL, with the password (if any) replaced by ``***``."""
     def get(self, keys: list[str], max_bytes: int = 1 << 30) -> list[bytes | None]:
         """The raw payloads stored under `keys` (None where absent or larger than `max_bytes`), in one batched request."""
     def stats(self) -> dict[str, Any]:

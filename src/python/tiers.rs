@@ -172,14 +172,13 @@ impl PyDiskTier {
 }
 
 /// A Redis (or Valkey) server holding cached blocks for every process that uses it.
-/// `timeout` (seconds) bounds each connect, read and write; `ttl` (seconds) expires
-/// stored blocks; `max_idle` connections are kept for reuse; after a failure the server
-/// is skipped for `retry_after` seconds. A server that is down or slow makes lookups
+/// `timeout` (seconds) bounds each request whole: connect, login, send and the full
+/// reply; `ttl` (seconds) expires stored blocks; `max_idle` connections are kept for
+/// reuse; after a failure the server is skipped for `retry_after` seconds. A server that is down or slow makes lookups
 /// miss and stores drop (counted), never an error.
 #[pyclass(name = "RedisTier", module = "kvrs", frozen)]
 pub struct PyRedisTier {
     pub(crate) tier: Arc<RedisTier>,
-    url: String,
 }
 
 /// A positive, finite number of seconds that a `Duration` holds.
@@ -226,14 +225,13 @@ impl PyRedisTier {
         )?;
         Ok(PyRedisTier {
             tier: Arc::new(tier),
-            url: url.to_string(),
         })
     }
 
-    /// The server's URL.
+    /// The server's URL, with the password (if any) replaced by `***`.
     #[getter]
     fn url(&self) -> &str {
-        &self.url
+        self.tier.url()
     }
 
     /// The raw payloads stored under `keys` (bytes, or None where absent), in one
@@ -255,7 +253,7 @@ impl PyRedisTier {
     }
 
     fn __repr__(&self) -> String {
-        format!("RedisTier('{}')", self.url)
+        format!("RedisTier('{}')", self.tier.url())
     }
 }
 

@@ -1,0 +1,338 @@
+//! One connection to a Redis server, owned here rather than by the `redis` crate, so that
+//! a request's deadline bounds all of it: the connect, the login (`AUTH`, `SELECT`), the
+//! write and every byte of every reply. The `redis` crate encodes the commands and parses
+//! the replies; this module moves the bytes.
+//!
+//! A reply is read through [`Bounded`], which before each read sets the socket's read
+//! timeout to the time left until the deadline, fails once the deadline has passed, and
+//! fails once the request has read more bytes than its cap, so a server trickling a reply
+//! or announcing a huge value can neither hold a caller past the deadline nor make it
+//! buffer more than the cap.
+
+use std::io::{self, BufReader, Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpStream, ToSocketAddrs};
+#[cfg(unix)]
+use std::os::unix::net::UnixStream;
+#[cfg(unix)]
+use std::path::PathBuf;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use redis::{ConnectionAddr, ConnectionInfo, Value};
+
+/// Where a server is and how to log in to it.
+pub(super) struct Target {
+    addr: Addr,
+    username: Option<String>,
+    password: Option<String>,
+    db: i64,
+}
+
+/// A server's address.
+enum Addr {
+    Tcp(String, u16),
+    #[cfg(unix)]
+    Unix(PathBuf),
+}
+
+impl Target {
+    /// The target of a URL the `redis` crate parsed; an error names what is unsupported.
+    pub(super) fn new(info: &ConnectionInfo) -> Result<Self, String> {
+        let addr = match info.addr() {
+            ConnectionAddr::Tcp(host, port) => Addr::Tcp(host.clone(), *port),
+            #[cfg(unix)]
+            ConnectionAddr::Unix(path) => Addr::Unix(path.clone()),
+            _ => return Err("TLS (rediss://) is not supported".into()),
+        };
+        let r = info.redis_settings();
+        Ok(Target {
+            addr,
+            username: r.username().map(str::to_string),
+            password: r.password().map(str::to_string),
+            db: r.db(),
+        })
+    }
+
+    /// `redis://{host}:{port}/{db}` (or the socket's path): no credentials.
+    pub(super) fn name(&self) -> String {
+        match &self.addr {
+            Addr::Tcp(host, port) => format!("redis://{host}:{port}/{}", self.db),
+            #[cfg(unix)]
+            Addr::Unix(path) => format!("redis+unix://{}?db={}", path.display(), self.db),
+        }
+    }
+
+    /// The URL with the password replaced by `***`: `redis://user:***@host:port/db`.
+    pub(super) fn redacted_url(&self) -> String {
+        let user = self.username.as_deref().unwrap_or("");
+        let auth = match (&self.username, &self.password) {
+            (_, Some(_)) => format!("{user}:***@"),
+            (Some(u), None) => format!("{u}@"),
+            (None, None) => String::new(),
+        };
+        match &self.addr {
+            Addr::Tcp(host, port) => format!("redis://{auth}{host}:{port}/{}", self.db),
+            #[cfg(unix)]
+            Addr::Unix(path) => {
+                let mut s = format!("redis+unix://{}?db={}", path.display(), self.db);
+                if let Some(u) = &self.username {
+                    s += &format!("&user={u}");
+                }
+                if self.password.is_some() {
+                    s += "&pass=***";
+                }
+                s
+            }
+        }
+    }
+
+    /// What a new connection sends first (`AUTH`, `SELECT`) and how many replies it gets.
+    fn login(&self) -> (Vec<u8>, usize) {
+        let mut p = redis::pipe();
+        let mut n = 0;
+        if let Some(pw) = &self.password {
+            let c = p.cmd("AUTH");
+            if let Some(u) = &self.username {
+                c.arg(u);
+            }
+            c.arg(pw);
+            n += 1;
+        }
+        if self.db != 0 {
+            p.cmd("SELECT").arg(self.db);
+            n += 1;
+        }
+        (p.get_packed_pipeline(), n)
+    }
+}
+
+/// `url` with whatever may be a password replaced by `***`: for messages about a URL that
+/// did not parse.
+pub(super) fn redact_text(url: &str) -> String {
+    let (scheme, rest) = match url.find("://") {
+        Some(i) => url.split_at(i + 3),
+        None => ("", url),
+    };
+    let mut out = match rest.rfind('@') {
+        Some(at) => {
+            let user = match rest[..at].find(':') {
+                Some(colon) => format!("{}:***", &rest[..colon]),
+                None => "***".to_string(),
+            };
+            format!("{scheme}{user}{}", &rest[at..])
+        }
+        None => url.to_string(),
+    };
+    // redis+unix://path?pass=...
+    if let Some(i) = out.find("pass=") {
+        let end = out[i..].find('&').map_or(out.len(), |e| i + e);
+        out.replace_range(i + 5..end, "***");
+    }
+    out
+}
+
+/// The time left until `deadline`; a `TimedOut` error once it has passed.
+fn left(deadline: Instant) -> io::Result<Duration> {
+    match deadline.checked_duration_since(Instant::now()) {
+        Some(d) if !d.is_zero() => Ok(d),
+        _ => Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            "request deadline passed",
+        )),
+    }
+}
+
+/// A TCP or Unix socket.
+enum Stream {
+    Tcp(TcpStream),
+    #[cfg(unix)]
+    Unix(UnixStream),
+}
+
+impl Stream {
+    fn set_read_timeout(&self, t: Duration) -> io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.set_read_timeout(Some(t)),
+            #[cfg(unix)]
+            Stream::Unix(s) => s.set_read_timeout(Some(t)),
+        }
+    }
+
+    fn set_write_timeout(&self, t: Duration) -> io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.set_write_timeout(Some(t)),
+            #[cfg(unix)]
+            Stream::Unix(s) => s.set_write_timeout(Some(t)),
+        }
+    }
+
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.read(buf),
+            #[cfg(unix)]
+            Stream::Unix(s) => s.read(buf),
+        }
+    }
+
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.write(buf),
+            #[cfg(unix)]
+            Stream::Unix(s) => s.write(buf),
+        }
+    }
+}
+
+/// A socket's reads for one request: each bounded by the time left until the deadline,
+/// all together by `left` bytes.
+struct Bounded<'a> {
+    stream: &'a mut Stream,
+    deadline: Instant,
+    left: usize,
+}
+
+impl Read for Bounded<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let rest = left(self.deadline)?;
+        if self.left == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "reply larger than the request can take",
+            ));
+        }
+        self.stream.set_read_timeout(rest)?;
+        let n = buf.len().min(self.left);
+        match self.stream.read(&mut buf[..n]) {
+            Ok(got) => {
+                self.left -= got;
+                Ok(got)
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "request deadline passed",
+            )),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// How much of a reply is read from the socket at once.
+const READ_CHUNK: usize = 64 << 10;
+
+/// An open connection, and the process that opened it.
+pub(super) struct Conn {
+    stream: Stream,
+    pid: u32,
+    /// The login a new connection sends before its first request (and its reply count).
+    login: Option<(Vec<u8>, usize)>,
+}
+
+impl Conn {
+    /// Connects to `target` before `deadline` (the login goes with the first request).
+    pub(super) fn open(target: &Target, deadline: Instant) -> io::Result<Conn> {
+        let stream = match &target.addr {
+            Addr::Tcp(host, port) => {
+                let mut last = None;
+                let mut found = None;
+                for addr in resolve(host, *port, deadline)? {
+                    match TcpStream::connect_timeout(&addr, left(deadline)?) {
+                        Ok(s) => {
+                            found = Some(s);
+                            break;
+                        }
+                        Err(e) => last = Some(e),
+                    }
+                }
+                let s = match found {
+                    Some(s) => s,
+                    None => return Err(last.unwrap_or_else(|| io::Error::other("no address"))),
+                };
+                s.set_nodelay(true)?;
+                Stream::Tcp(s)
+            }
+            #[cfg(unix)]
+            Addr::Unix(path) => Stream::Unix(UnixStream::connect(path)?),
+        };
+        let (packed, n) = target.login();
+        Ok(Conn {
+            stream,
+            pid: std::process::id(),
+            login: (n > 0).then_some((packed, n)),
+        })
+    }
+
+    /// The process that opened the connection: another process (a parent before `fork`)
+    /// shares the socket, and only the opener may use it.
+    pub(super) fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// Sends `packed` (one or more commands, in one write) and reads `replies` replies,
+    /// all before `deadline` and reading at most `cap` bytes. A new connection logs in
+    /// first, in the same write; a refused login is an error.
+    pub(super) fn exchange(
+        &mut self,
+        packed: &[u8],
+        replies: usize,
+        cap: usize,
+        deadline: Instant,
+    ) -> io::Result<Vec<Value>> {
+        let login = self.login.take();
+        match &login {
+            Some((l, _)) => self.write_all(&[l.as_slice(), packed].concat(), deadline)?,
+            None => self.write_all(packed, deadline)?,
+        }
+        let bounded = Bounded {
+            stream: &mut self.stream,
+            deadline,
+            left: cap,
+        };
+        let mut reader = BufReader::with_capacity(READ_CHUNK.min(cap.max(1)), bounded);
+        let mut parser = redis::Parser::new();
+        let mut parse = || parser.parse_value(&mut reader).map_err(io::Error::other);
+        if let Some((_, n)) = login {
+            for _ in 0..n {
+                match parse()? {
+                    Value::Okay => {}
+                    Value::ServerError(e) => {
+                        return Err(io::Error::other(format!("login refused: {e}")))
+                    }
+                    _ => return Err(io::Error::other("login: unexpected reply")),
+                }
+            }
+        }
+        (0..replies).map(|_| parse()).collect()
+    }
+
+    /// Writes all of `buf` before `deadline`.
+    fn write_all(&mut self, mut buf: &[u8], deadline: Instant) -> io::Result<()> {
+        while !buf.is_empty() {
+            self.stream.set_write_timeout(left(deadline)?)?;
+            match self.stream.write(buf) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => buf = &buf[n..],
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The addresses of `host`: at once for an IP address; otherwise the system's resolver,
+/// asked on a helper thread so that a slow resolver costs no more than the deadline.
+fn resolve(host: &str, port: u16, deadline: Instant) -> io::Result<Vec<SocketAddr>> {
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    if let Ok(ip) = bare.parse::<IpAddr>() {
+        return Ok(vec![SocketAddr::new(ip, port)]);
+    }
+    let (tx, rx) = mpsc::channel();
+    let host = host.to_string();
+    std::thread::Builder::new()
+        .name("kvrs-resolve".into())
+        .spawn(move || {
+            let _ = tx.send((host.as_str(), port).to_socket_addrs().map(Vec::from_iter));
+        })?;
+    rx.recv_timeout(left(deadline)?)
+        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "name lookup timed out"))?
+}

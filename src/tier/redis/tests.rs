@@ -1,0 +1,206 @@
+//! [`RedisTier`] against stand-in servers (a thread on a loopback listener) that
+//! misbehave: a reply trickled byte by byte, a short `MGET` reply, a huge bulk length.
+
+use std::io::{BufReader, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use redis::Value;
+
+use super::RedisTier;
+use crate::tier::Tier;
+
+/// A stand-in server: accepts one connection and hands it to `serve` with a reader of
+/// the client's commands; the commands' names come back on the channel.
+fn stand_in(
+    serve: impl FnOnce(&mut TcpStream, &mut dyn FnMut() -> Option<Vec<Vec<u8>>>) + Send + 'static,
+) -> (String, mpsc::Receiver<String>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("redis://{}/0", listener.local_addr().unwrap());
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut reader = BufReader::new(s.try_clone().unwrap());
+        let mut parser = redis::Parser::new();
+        let mut next = move || {
+            let Ok(Value::Array(args)) = parser.parse_value(&mut reader) else {
+                return None;
+            };
+            let args: Vec<Vec<u8>> = args
+                .into_iter()
+                .filter_map(|a| match a {
+                    Value::BulkString(b) => Some(b),
+                    _ => None,
+                })
+                .collect();
+            tx.send(String::from_utf8_lossy(&args[0]).to_uppercase())
+                .ok();
+            Some(args)
+        };
+        serve(&mut s, &mut next);
+    });
+    (url, rx)
+}
+
+fn tier(url: &str, timeout_ms: u64) -> RedisTier {
+    RedisTier::new(
+        url,
+        Duration::from_millis(timeout_ms),
+        None,
+        4,
+        Duration::from_secs(5),
+    )
+    .unwrap()
+}
+
+fn keys(n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("k{i}")).collect()
+}
+
+fn errors(t: &RedisTier) -> u64 {
+    t.counters().snapshot()[6].1
+}
+
+#[test]
+fn a_trickled_reply_is_bounded_by_the_timeout_not_by_each_read() {
+    let (url, _) = stand_in(|s, next| {
+        next().unwrap();
+        for b in b"*2\r\n$3\r\nabc\r\n$3\r\nabc\r\n" {
+            if s.write_all(&[*b]).is_err() {
+                return;
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+    });
+    let t = tier(&url, 200);
+    let t0 = Instant::now();
+    let got = t.get_many(&keys(2), 0..=100);
+    let took = t0.elapsed();
+    assert_eq!(got, vec![None, None]);
+    assert!(took < Duration::from_millis(350), "{took:?}");
+    assert_eq!(errors(&t), 1);
+    // Marked down: the next request is skipped at once, and counted.
+    let t0 = Instant::now();
+    assert_eq!(t.get_many(&keys(2), 0..=100), vec![None, None]);
+    assert!(t0.elapsed() < Duration::from_millis(20));
+    assert_eq!(errors(&t), 2);
+}
+
+#[test]
+fn a_short_mget_reply_is_an_error_and_every_key_misses() {
+    let (url, commands) = stand_in(|s, next| {
+        let args = next().unwrap();
+        assert_eq!(args.len(), 4); // MGET k0 k1 k2
+        s.write_all(b"*2\r\n$3\r\nabc\r\n$3\r\nabc\r\n").unwrap();
+        while next().is_some() {
+            s.write_all(b":1\r\n").unwrap();
+        }
+    });
+    let t = tier(&url, 2000);
+    assert_eq!(t.get_many(&keys(3), 0..=100), vec![None, None, None]);
+    assert_eq!(errors(&t), 1);
+    assert_eq!(t.counters().snapshot()[3], ("rejected", 0));
+    drop(t);
+    let seen: Vec<String> = commands.iter().collect();
+    assert_eq!(seen, ["MGET"]);
+}
+
+#[test]
+fn values_of_other_sizes_are_rejected_and_a_full_reply_is_served() {
+    let (url, _) = stand_in(|s, next| {
+        next().unwrap();
+        s.write_all(b"*3\r\n$3\r\nabc\r\n$-1\r\n$5\r\nabcde\r\n")
+            .unwrap();
+        next();
+    });
+    let t = tier(&url, 2000);
+    let got = t.get_many(&keys(3), 3..=3);
+    assert_eq!(got, vec![Some(b"abc".to_vec()), None, None]);
+    assert_eq!(errors(&t), 0);
+    assert_eq!(t.counters().snapshot()[3], ("rejected", 1));
+}
+
+#[test]
+fn a_huge_bulk_length_is_refused_without_reading_it() {
+    let (url, _) = stand_in(|s, next| {
+        next().unwrap();
+        s.write_all(b"*1\r\n$1000000000\r\n").unwrap();
+        let zeros = vec![0u8; 1 << 20];
+        for _ in 0..4 {
+            if s.write_all(&zeros).is_err() {
+                return;
+            }
+        }
+        thread::sleep(Duration::from_secs(3));
+    });
+    let t = tier(&url, 2000);
+    let t0 = Instant::now();
+    assert_eq!(t.get_many(&keys(1), 0..=1000), vec![None]);
+    assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+    assert_eq!(errors(&t), 1);
+}
+
+#[test]
+fn a_new_connection_logs_in_within_the_request() {
+    let (url, commands) = stand_in(|s, next| {
+        assert_eq!(
+            next().unwrap(),
+            [b"AUTH".to_vec(), b"u".to_vec(), b"pw".to_vec()]
+        );
+        assert_eq!(next().unwrap(), [b"SELECT".to_vec(), b"3".to_vec()]);
+        next().unwrap();
+        s.write_all(b"+OK\r\n+OK\r\n*1\r\n$-1\r\n").unwrap();
+        next();
+    });
+    let url = url.replace("redis://", "redis://u:pw@").replace("/0", "/3");
+    let t = tier(&url, 2000);
+    assert_eq!(t.get_many(&keys(1), 0..=10), vec![None]);
+    assert_eq!(errors(&t), 0);
+    assert!(!format!("{t:?}").contains("pw@"));
+    assert!(t.url().starts_with("redis://u:***@127.0.0.1:") && t.url().ends_with("/3"));
+    drop(t);
+    let seen: Vec<String> = commands.iter().collect();
+    assert_eq!(seen, ["AUTH", "SELECT", "MGET"]);
+}
+
+#[test]
+fn passwords_stay_out_of_names_urls_and_errors() {
+    let t = tier("redis://user:s3cret@127.0.0.1:1/2", 100);
+    assert_eq!(t.url(), "redis://user:***@127.0.0.1:1/2");
+    assert_eq!(t.name(), "redis://127.0.0.1:1/2");
+    assert!(!format!("{t:?}").contains("s3cret"));
+    let t = tier("redis://:s3cret@127.0.0.1:1/0", 100);
+    assert_eq!(t.url(), "redis://:***@127.0.0.1:1/0");
+    for bad in [
+        "redis://user:s3cret@127.0.0.1:notaport/0",
+        "redis://user:s3cret@127.0.0.1:1/notadb",
+        "http://user:s3cret@example.com",
+    ] {
+        let e = RedisTier::new(bad, Duration::from_secs(1), None, 1, Duration::from_secs(1))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("url") && !e.contains("s3cret"), "{e}");
+    }
+}
+
+#[test]
+fn a_server_that_is_down_is_probed_by_one_caller_at_a_time() {
+    // Nothing listens on port 1: each probe fails at once; while marked down, skipped.
+    let t = RedisTier::new(
+        "redis://127.0.0.1:1/0",
+        Duration::from_millis(100),
+        None,
+        1,
+        Duration::from_millis(50),
+    )
+    .unwrap();
+    assert_eq!(t.put_many(&[("k".into(), vec![1u8].into())]), vec![false]);
+    assert_eq!(t.get_many(&keys(1), 0..=1), vec![None]);
+    assert_eq!(errors(&t), 2);
+    thread::sleep(Duration::from_millis(60));
+    assert_eq!(t.drop_prefix("k"), 0);
+    assert_eq!(errors(&t), 3);
+}
