@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from redis_server import RedisServer, server_binary  # noqa: E402
 
 PREFIX = 4096
 SEED = 2026
+SECRET = b"bench-tiers-secret-shared-by-the-pools"
 
 
 def median_time(fn, reps: int = 5) -> float:
@@ -44,7 +46,7 @@ def median_time(fn, reps: int = 5) -> float:
 
 
 def new_pool(model, tiers=None, blocks: int = PREFIX // 16 + 16):
-    kw = dict(seed=SEED, model_id="kvrs-demo", tiers=tiers) if tiers else {}
+    kw = dict(seed=SEED, model_id="kvrs-demo", tiers=tiers, tier_key=SECRET) if tiers else {}
     return block_pool_from_config(model.config, num_blocks=blocks, block_size=16, **kw)
 
 
@@ -121,6 +123,54 @@ def load_benchmark(model, server: RedisServer, disk_dir: str) -> list[tuple[str,
 
             t_pre = statistics.median(after_prefetch() for _ in range(9))
             rows.append(("  lookup after prefetch(wait=False), 50 ms earlier", f"{t_pre * 1e3:.1f} ms"))
+            rows.extend(stall_rows(model, tier, prompt))
+    return rows
+
+
+def longest_gap(stop: threading.Event, pool=None) -> float:
+    """The longest time between two iterations of a loop in another Python thread (a
+    call on `pool` each time, or pure Python), until `stop` is set."""
+    worst, last = 0.0, time.perf_counter()
+    while not stop.is_set():
+        if pool is not None:
+            pool.stats()
+        now = time.perf_counter()
+        worst, last = max(worst, now - last), now
+    return worst
+
+
+def stall_rows(model, tier, prompt) -> list[tuple[str, str]]:
+    """How long other Python threads stop while a Redis lookup of the prefix runs: one
+    that runs pure Python, one that calls the same pool; against the same loops while
+    the main thread only sleeps (scheduling noise)."""
+    rows = []
+    for who in ("pure-Python thread", "thread calling the same pool"):
+        gaps = {}
+        for case in ("idle", "lookup"):
+            p = new_pool(model, [tier])
+            stop, out = threading.Event(), []
+            watched = p if "pool" in who else None
+            t = threading.Thread(
+                target=lambda stop=stop, out=out, w=watched: out.append(longest_gap(stop, w))
+            )
+            t.start()
+            time.sleep(0.02)
+            t0 = time.perf_counter()
+            if case == "lookup":
+                assert p.new_sequence(tokens=prompt).num_cached_tokens == PREFIX
+            else:
+                time.sleep(0.02)
+            took = time.perf_counter() - t0
+            stop.set()
+            t.join()
+            gaps[case] = (out[0], took)
+        (idle, _), (busy, took) = gaps["idle"], gaps["lookup"]
+        rows.append(
+            (
+                f"  longest stall of a {who}",
+                f"{busy * 1e3:.1f} ms during a {took * 1e3:.0f} ms lookup (idle: {idle * 1e3:.1f} ms)",
+            )
+        )
     return rows
 
 

@@ -116,5 +116,41 @@ fn partial_matching(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, eviction, matching, partial_matching);
+/// The MAC of one tier payload (sealing on write-back, checking on load), for the block
+/// of `benches/bench_tiers.py`'s model: 16 tokens x 8 layers x 2 KV heads x 32, float32
+/// K and V (64 KiB), and for a 1 MiB block.
+fn payload_mac(c: &mut Criterion) {
+    use kvrs::tier::payload::{self, BlockMeta, PayloadShape, TierKey};
+    let mut group = c.benchmark_group("tier_payload_mac");
+    for (name, tensor_bytes) in [("64KiB", 16 * 2 * 2 * 32 * 4), ("1MiB", 1 << 17)] {
+        let shape = PayloadShape {
+            block_size: 16,
+            tensors: 8,
+            tensor_bytes,
+            scale_bytes: 0,
+        };
+        let fp = payload::fingerprint([("bench", "1")]);
+        let mac = TierKey::new(Some(b"bench-secret-of-the-pools"))
+            .config(&fp)
+            .namespace(7);
+        let meta = BlockMeta {
+            key: 9,
+            parent: 7,
+            root: 7,
+            first: true,
+        };
+        let tokens: Vec<u32> = (0..16).collect();
+        let mut p = payload::begin(&fp, &shape, &meta, &tokens);
+        group.throughput(Throughput::Bytes(p.len() as u64));
+        group.bench_function(format!("seal/{name}"), |b| {
+            b.iter(|| payload::seal(&mut p, &mac))
+        });
+        group.bench_function(format!("check/{name}"), |b| {
+            b.iter(|| payload::decode(&p, &fp, &shape, 9, &mac).expect("sealed"))
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, eviction, matching, partial_matching, payload_mac);
 criterion_main!(benches);

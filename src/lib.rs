@@ -64,4 +64,4 @@ pub use error::{KvError, Result};
 pub use kv_cache::Kv;
 pub use layout::{Device, KvLayout, PagedShape};
 pub use paged::{Attention, LayerKind, PoolStats, SeqId};
-pub use typed::{BlockPool, Element, KvCache, PoolConfig, TierConfig};
+pub use typed::{BlockPool, Element, KvCache, PoolConfig, TierConfig, TierOptions};

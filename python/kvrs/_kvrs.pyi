@@ -272,7 +272,8 @@ class DiskTier:
     def used_bytes(self) -> int:
         """Bytes of block and temporary files in the directory now (every process's), counted afresh."""
     def get(self, keys: list[str], max_bytes: int = 1 << 30) -> list[bytes | None]:
-        """The raw payloads stored under `keys` (None where absent or larger than `max_bytes`), in one batched request."""
+        """The raw payloads stored under `keys` (None where absent or larger than `max_bytes`), in one
+        batched request."""
     def stats(self) -> dict[str, Any]:
         """What the tier did, as a dict of counters."""
 
@@ -293,7 +294,8 @@ class RedisTier:
     def url(self) -> str:
         """The server's URL, with the password (if any) replaced by ``***``."""
     def get(self, keys: list[str], max_bytes: int = 1 << 30) -> list[bytes | None]:
-        """The raw payloads stored under `keys` (None where absent or larger than `max_bytes`), in one batched request."""
+        """The raw payloads stored under `keys` (None where absent or larger than `max_bytes`), in one
+        batched request."""
     def stats(self) -> dict[str, Any]:
         """What the tier did, as a dict of counters."""
 

@@ -14,4 +14,4 @@ mod pool;
 
 pub use element::Element;
 pub use kv_cache::KvCache;
-pub use pool::{BlockPool, PoolConfig, TierConfig};
+pub use pool::{BlockPool, PoolConfig, TierConfig, TierOptions};

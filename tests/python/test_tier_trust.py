@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
-
-import kvrs
 from blake3_ref import blake3, derive_key
 from test_tiers import BS, PROMPT, check_contents, evict_everything, pool, serve, tier_stats
+
+import kvrs
 
 HERE = Path(__file__).resolve().parent
 SECRET = b"a-secret-the-pools-share-0123456789"
@@ -91,7 +91,9 @@ def test_a_payload_of_another_namespace_never_passes(tmp_path):
     for ns in ("alice", "bob"):
         serve(p, PROMPT, namespace=ns).free()
         evict_everything(p)
-        new = [f for f in payload_files(tmp_path / "tier") if all(f not in v.values() for v in files.values())]
+        new = [
+            f for f in payload_files(tmp_path / "tier") if all(f not in v.values() for v in files.values())
+        ]
         # Each block by its token ids (header, then 4 * BS bytes of tokens).
         files[ns] = {f.read_bytes()[112 : 112 + 4 * BS]: f for f in new}
     assert files["alice"].keys() == files["bob"].keys() and len(files["bob"]) == 4
@@ -111,35 +113,51 @@ def test_a_payload_of_another_namespace_never_passes(tmp_path):
 
 def test_tier_key_and_queue_bytes_are_checked(tmp_path):
     disk = kvrs.DiskTier(tmp_path / "tier", "1MiB")
-    with pytest.raises(ValueError, match="tier_key.*at least 16 bytes"):
+    with pytest.raises(ValueError, match=r"tier_key.*at least 16 bytes"):
         pool([disk], tier_key=b"short")
     with pytest.raises(TypeError, match="tier_key"):
         pool([disk], tier_key=1234)
-    with pytest.raises(ValueError, match="tier_queue_bytes.*at least one block"):
+    with pytest.raises(ValueError, match=r"tier_queue_bytes.*at least one block"):
         pool([disk], tier_queue_bytes=16)
     assert "a-secret" not in repr(pool([disk], tier_key=SECRET))
 
 
-def stalled_server():
-    """A loopback server that accepts connections and never answers."""
+def stalled_server(answer_lookups=False):
+    """A loopback server that accepts connections and never answers, except (with
+    `answer_lookups`) an `MGET` request alone on its connection, which it answers with
+    misses: lookups go on while stores wait forever."""
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(16)
     conns = []
 
+    def answer(c):
+        while True:
+            try:
+                data = c.recv(1 << 16)
+            except OSError:
+                return
+            if not data:
+                return
+            if answer_lookups and b"MGET" in data and b"SET" not in data.replace(b"MGET", b""):
+                keys = int(data.split(b"\r\n", 1)[0][1:]) - 1
+                c.sendall(b"*%d\r\n" % keys + b"$-1\r\n" * keys)
+
     def accept():
         while True:
             try:
-                conns.append(srv.accept()[0])
+                c = srv.accept()[0]
             except OSError:
                 return
+            conns.append(c)
+            threading.Thread(target=answer, args=(c,), daemon=True).start()
 
     threading.Thread(target=accept, daemon=True).start()
     return srv, conns
 
 
 def test_the_write_back_queue_is_bounded_in_bytes():
-    srv, conns = stalled_server()
+    srv, conns = stalled_server(answer_lookups=True)
     try:
         url = f"redis://127.0.0.1:{srv.getsockname()[1]}/0"
         tier = kvrs.RedisTier(url, timeout=3.0)
@@ -245,7 +263,6 @@ def test_attention_runs_in_a_forked_child_after_the_parent_ran_it():
     )
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert r.stdout.strip() == "0", (r.stdout, r.stderr)
-
 
 
 def test_a_slow_tier_lookup_holds_neither_the_pool_nor_the_gil():
