@@ -193,7 +193,7 @@ impl PoolCore {
     }
 
     /// The payload of cached block `b` (its index entry `meta`, token ids `tokens`),
-    /// not yet sealed: the write-back thread computes its checksum.
+    /// not yet sealed: the write-back thread computes its MAC.
     fn payload_of(
         &self,
         ts: &TierSet,

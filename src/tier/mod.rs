@@ -1,7 +1,7 @@
 //! Offload tiers below a pool's prefix cache: where cached blocks go when the pool
 //! evicts them, and where a prefix lookup that misses in the pool looks next.
 //!
-//! - [`payload`]: the block's checksummed binary payload and its key;
+//! - [`payload`]: the block's binary payload (MACed under keys derived from the pools' shared secret) and its key;
 //! - [`host`]: [`HostTier`], this process's memory (LRU), the tier below a CUDA pool;
 //! - [`disk`]: [`DiskTier`], a size-bounded directory (LRU by last use);
 //! - [`redis`]: [`RedisTier`], a Redis (or Valkey) server shared by many processes;
@@ -58,7 +58,7 @@ pub struct TierCounters {
     pub hits: AtomicU64,
     /// Bytes of those payloads.
     pub hit_bytes: AtomicU64,
-    /// Payloads refused: checksum, configuration, key or chain mismatch.
+    /// Payloads refused: wrong length, MAC, configuration, key or chain mismatch.
     pub rejected: AtomicU64,
     /// Payloads stored.
     pub stores: AtomicU64,

@@ -36,7 +36,7 @@ const MAGIC: &[u8; 8] = b"KVRSBLK\x02";
 const HEADER: usize = 8 + 16 + 3 * 16 + 4 + 4 + 4 + 8 + 8 + 12;
 
 /// Bytes of the trailing MAC.
-const CHECKSUM: usize = 32;
+const MAC: usize = 32;
 
 /// The shortest secret [`TierKey::new`] accepts, in bytes.
 pub const MIN_SECRET: usize = 16;
@@ -174,7 +174,7 @@ impl PayloadShape {
         HEADER
             + 4 * self.block_size
             + self.tensors * (self.tensor_bytes + self.scale_bytes)
-            + CHECKSUM
+            + MAC
     }
 
     /// Whether payloads hold no K/V (never, for a real pool).
@@ -223,7 +223,7 @@ pub fn begin(fp: &Fingerprint, shape: &PayloadShape, meta: &BlockMeta, tokens: &
 /// Writes the MAC (under `mac`, the key of the payload's namespace) of a payload
 /// [`begin`] started and the caller filled.
 pub fn seal(payload: &mut [u8], mac: &MacKey) {
-    let n = payload.len() - CHECKSUM;
+    let n = payload.len() - MAC;
     let sum = *blake3::keyed_hash(mac, &payload[..n]).as_bytes();
     payload[n..].copy_from_slice(&sum);
 }
@@ -308,7 +308,7 @@ pub fn decode(
     if meta.key != key {
         return Err(Refusal::Key);
     }
-    let n = payload.len() - CHECKSUM;
+    let n = payload.len() - MAC;
     let trailer: [u8; 32] = payload[n..].try_into().expect("32 bytes");
     if blake3::keyed_hash(mac, &payload[..n]) != blake3::Hash::from(trailer) {
         return Err(Refusal::Checksum);

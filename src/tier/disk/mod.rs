@@ -37,7 +37,7 @@
 //! `ESRCH`; a writer in another PID namespace looks dead, hence the grace). Until then
 //! they count against the bound.
 //!
-//! Files are not fsynced: after a crash a file may be cut short, and its checksum then
+//! Files are not fsynced: after a crash a file may be cut short, and its MAC then
 //! fails and it is discarded.
 
 mod file;
