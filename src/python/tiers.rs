@@ -209,7 +209,10 @@ enum Urls {
 #[pymethods]
 impl PyRedisTier {
     #[new]
-    #[pyo3(signature = (url = Urls::One("redis://127.0.0.1:6379/0".into()), *, timeout = 0.1, ttl = None, max_idle = 8, retry_after = 1.0, cluster = None))]
+    #[pyo3(
+        signature = (url = Urls::One("redis://127.0.0.1:6379/0".into()), *, timeout = 0.1, ttl = None, max_idle = 8, retry_after = 1.0, cluster = None),
+        text_signature = "(url='redis://127.0.0.1:6379/0', *, timeout=0.1, ttl=None, max_idle=8, retry_after=1.0, cluster=None)"
+    )]
     fn new(
         url: Urls,
         timeout: f64,

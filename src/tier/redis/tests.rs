@@ -204,3 +204,55 @@ fn a_server_that_is_down_is_probed_by_one_caller_at_a_time() {
     assert_eq!(t.drop_prefix("k"), 0);
     assert_eq!(errors(&t), 3);
 }
+
+#[test]
+fn cluster_seeds_are_checked_and_their_passwords_never_shown() {
+    let t = RedisTier::cluster(
+        &[
+            "redis://u:s3cret@127.0.0.1:7000",
+            "redis://u:s3cret@127.0.0.1:7001/0",
+        ],
+        Duration::from_secs(1),
+        None,
+        1,
+        Duration::from_secs(1),
+    )
+    .unwrap();
+    assert!(t.is_cluster());
+    assert_eq!(t.name(), "redis-cluster://127.0.0.1:7000,127.0.0.1:7001");
+    assert_eq!(
+        t.url(),
+        "redis://u:***@127.0.0.1:7000/0,redis://u:***@127.0.0.1:7001/0"
+    );
+    assert!(!format!("{t:?}").contains("s3cret"));
+    for bad in [
+        &[][..],
+        &["redis://u:s3cret@127.0.0.1:7000/2"],
+        &["redis+unix:///tmp/r.sock?pass=s3cret"],
+        &["redis://127.0.0.1:7000", "http://u:s3cret@x"],
+    ] {
+        let e = RedisTier::cluster(bad, Duration::from_secs(1), None, 1, Duration::from_secs(1))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("url") && !e.contains("s3cret"), "{e}");
+    }
+}
+
+#[test]
+fn a_cluster_nobody_answers_for_misses_within_the_timeout() {
+    // Nothing listens on port 1: no slot map, every key misses, counted; at once.
+    let t = RedisTier::cluster(
+        &["redis://127.0.0.1:1"],
+        Duration::from_millis(200),
+        None,
+        1,
+        Duration::from_millis(50),
+    )
+    .unwrap();
+    let t0 = Instant::now();
+    assert_eq!(t.get_many(&keys(3), 0..=10), vec![None, None, None]);
+    assert_eq!(t.put_many(&[("k".into(), vec![1u8].into())]), vec![false]);
+    assert_eq!(t.drop_prefix("k"), 0);
+    assert!(t0.elapsed() < Duration::from_millis(300));
+    assert!(errors(&t) >= 3);
+}
