@@ -29,7 +29,7 @@ from kvrs.integrations.transformers import block_pool_from_config, forward_batch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests" / "python"))
-from redis_server import RedisServer, server_binary  # noqa: E402
+from redis_server import RedisCluster, RedisServer, cli_binary, server_binary  # noqa: E402
 
 PREFIX = 4096
 SEED = 2026
@@ -174,6 +174,47 @@ def stall_rows(model, tier, prompt) -> list[tuple[str, str]]:
     return rows
 
 
+def cluster_benchmark(binary: str, cli: str) -> list[tuple[str, str]]:
+    """A lookup of 256 keys of 64 KiB on a 3-master cluster: RedisTier (one pipeline per
+    master, all at once) against raw per-master pipelines of GETs from redis-py, in turn."""
+    cluster = RedisCluster(binary, cli)
+    cluster.start()
+    try:
+        keys = [f"kvrs-bench:{i}" for i in range(256)]
+        value = np.random.default_rng(0).bytes(64 << 10)
+        by_master: dict[int, list[str]] = {}
+        for k in keys:
+            m = cluster.master_of(k)
+            m.client().set(k, value)
+            by_master.setdefault(m.port, []).append(k)
+        tier = kvrs.RedisTier(cluster.urls[0], timeout=5.0, cluster=True)
+        assert all(v == value for v in tier.get(keys))
+        clients = {m.port: m.client() for m in cluster.live_masters()}
+
+        def raw():
+            for port, ks in by_master.items():
+                pipe = clients[port].pipeline(transaction=False)
+                for k in ks:
+                    pipe.get(k)
+                pipe.execute()
+
+        t_tier = median_time(lambda: tier.get(keys), reps=9)
+        t_raw = median_time(raw, reps=9)
+        mb = len(keys) * len(value) / 1e6
+        return [
+            (
+                "cluster lookup, 256 x 64 KiB over 3 masters",
+                f"{t_tier * 1e3:.1f} ms ({mb / t_tier / 1e3:.2f} GB/s)",
+            ),
+            (
+                "  raw per-master GET pipelines, redis-py",
+                f"{t_raw * 1e3:.1f} ms ({t_raw / t_tier:.1f}x the tier's time)",
+            ),
+        ]
+    finally:
+        cluster.stop()
+
+
 def workload(url: str | None, seed: int, out: Path) -> dict:
     subprocess.run(
         [sys.executable, str(HERE / "tier_serve.py"), url or "none", str(seed), str(out)], check=True
@@ -196,6 +237,11 @@ def main() -> int:
         print(f"\n4k-token prefix ({PREFIX} tokens, 8 layers x 2 KV heads x 32, float32 K/V):")
         for name, value in rows:
             print(f"  {name:50s} {value}")
+        cli = cli_binary(binary)
+        if cli is not None:
+            print("\nRedis Cluster (3 masters, 3 replicas, loopback):")
+            for name, value in cluster_benchmark(binary, cli):
+                print(f"  {name:50s} {value}")
         server.client().flushall()
         print("\nshared-prefix workload over two processes (16 requests each, one 1024-token system prompt):")
         print(f"  {'':28s} {'process':>8} {'prompt tokens computed':>23} {'wall':>8}")

@@ -279,20 +279,24 @@ class DiskTier:
 
 @final
 class RedisTier:
-    """A Redis (or Valkey) server holding cached blocks for every process that uses it."""
+    """A Redis (or Valkey) server holding cached blocks for every process that uses it, or a Redis Cluster (``cluster=True``, or a list of seed URLs)."""
 
     def __new__(
         cls,
-        url: str = "redis://127.0.0.1:6379/0",
+        url: str | list[str] = "redis://127.0.0.1:6379/0",
         *,
         timeout: float = 0.1,
         ttl: int | None = None,
         max_idle: int = 8,
         retry_after: float = 1.0,
+        cluster: bool | None = None,
     ) -> RedisTier: ...
     @property
     def url(self) -> str:
-        """The server's URL, with the password (if any) replaced by ``***``."""
+        """The server's URL, with the password (if any) replaced by ``***`` (a cluster's seeds, joined by commas)."""
+    @property
+    def cluster(self) -> bool:
+        """Whether the tier is on a Redis Cluster."""
     def get(self, keys: list[str], max_bytes: int = 1 << 30) -> list[bytes | None]:
         """The raw payloads stored under `keys` (None where absent or larger than `max_bytes`), in one
         batched request."""

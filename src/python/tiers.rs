@@ -171,11 +171,13 @@ impl PyDiskTier {
     }
 }
 
-/// A Redis (or Valkey) server holding cached blocks for every process that uses it.
-/// `timeout` (seconds) bounds each request whole: connect, login, send and the full
-/// reply; `ttl` (seconds) expires stored blocks; `max_idle` connections are kept for
-/// reuse; after a failure the server is skipped for `retry_after` seconds. A server that is down or slow makes lookups
-/// miss and stores drop (counted), never an error.
+/// A Redis (or Valkey) server holding cached blocks for every process that uses it, or a
+/// Redis Cluster (`cluster=True`, or a list of seed URLs). `timeout` (seconds) bounds
+/// each request whole: connect, login, send and the full reply (on a cluster: every
+/// node's request, sent at once, and a redirected key's second request); `ttl` (seconds)
+/// expires stored blocks; `max_idle` connections are kept for reuse (per node); after a
+/// failure the server (the node) is skipped for `retry_after` seconds. A server that is
+/// down or slow makes lookups miss and stores drop (counted), never an error.
 #[pyclass(name = "RedisTier", module = "kvrs", frozen)]
 pub struct PyRedisTier {
     pub(crate) tier: Arc<RedisTier>,
@@ -197,16 +199,27 @@ fn seconds(name: &'static str, s: f64) -> PyResult<Duration> {
     }
 }
 
+/// `url=`: one URL, or a cluster's seed URLs.
+#[derive(FromPyObject)]
+enum Urls {
+    One(String),
+    Many(Vec<String>),
+}
+
 #[pymethods]
 impl PyRedisTier {
     #[new]
-    #[pyo3(signature = (url = "redis://127.0.0.1:6379/0", *, timeout = 0.1, ttl = None, max_idle = 8, retry_after = 1.0))]
+    #[pyo3(
+        signature = (url = Urls::One("redis://127.0.0.1:6379/0".into()), *, timeout = 0.1, ttl = None, max_idle = 8, retry_after = 1.0, cluster = None),
+        text_signature = "(url='redis://127.0.0.1:6379/0', *, timeout=0.1, ttl=None, max_idle=8, retry_after=1.0, cluster=None)"
+    )]
     fn new(
-        url: &str,
+        url: Urls,
         timeout: f64,
         ttl: Option<u64>,
         max_idle: usize,
         retry_after: f64,
+        cluster: Option<bool>,
     ) -> PyResult<Self> {
         if ttl == Some(0) {
             return Err(KvError::InvalidArgument {
@@ -216,19 +229,44 @@ impl PyRedisTier {
             }
             .into());
         }
-        let tier = RedisTier::new(
-            url,
+        let (timeout, retry_after) = (
             seconds("timeout", timeout)?,
-            ttl,
-            max_idle,
             seconds("retry_after", retry_after)?,
-        )?;
+        );
+        let (urls, listed) = match url {
+            Urls::One(u) => (vec![u], false),
+            Urls::Many(us) => (us, true),
+        };
+        let tier = match cluster.unwrap_or(listed) {
+            true => {
+                let seeds: Vec<&str> = urls.iter().map(String::as_str).collect();
+                RedisTier::cluster(&seeds, timeout, ttl, max_idle, retry_after)?
+            }
+            false if urls.len() == 1 => {
+                RedisTier::new(&urls[0], timeout, ttl, max_idle, retry_after)?
+            }
+            false => {
+                return Err(KvError::InvalidArgument {
+                    name: "url",
+                    value: format!("a list of {} URLs", urls.len()),
+                    reason: "several URLs are a cluster's seeds: cluster=False takes one".into(),
+                }
+                .into())
+            }
+        };
         Ok(PyRedisTier {
             tier: Arc::new(tier),
         })
     }
 
-    /// The server's URL, with the password (if any) replaced by `***`.
+    /// Whether the tier is on a Redis Cluster.
+    #[getter]
+    fn cluster(&self) -> bool {
+        self.tier.is_cluster()
+    }
+
+    /// The server's URL, with the password (if any) replaced by `***` (a cluster's seeds,
+    /// joined by commas).
     #[getter]
     fn url(&self) -> &str {
         self.tier.url()
@@ -253,7 +291,10 @@ impl PyRedisTier {
     }
 
     fn __repr__(&self) -> String {
-        format!("RedisTier('{}')", self.tier.url())
+        match self.tier.is_cluster() {
+            true => format!("RedisTier('{}', cluster=True)", self.tier.url()),
+            false => format!("RedisTier('{}')", self.tier.url()),
+        }
     }
 }
 

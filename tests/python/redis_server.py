@@ -40,6 +40,7 @@ class RedisServer:
         self.port = port or free_port()
         self.dir = tempfile.mkdtemp(prefix="kvrs-redis-")
         self.proc: subprocess.Popen | None = None
+        self.extra: list[str] = []
 
     @property
     def url(self) -> str:
@@ -51,7 +52,8 @@ class RedisServer:
     def start(self) -> None:
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                 "--appendonly", "no", "--dir", self.dir, "--maxmemory", "512mb",
-                "--maxmemory-policy", "allkeys-lru", "--enable-debug-command", "yes"]  # fmt: skip
+                "--maxmemory-policy", "allkeys-lru", "--enable-debug-command", "yes",
+                *self.extra]  # fmt: skip
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 10
         while True:
@@ -84,3 +86,100 @@ class RedisServer:
                 self.proc.wait(10)
             self.proc = None
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def cli_binary(server: str) -> str | None:
+    """The redis-cli next to `server` (as `make redis` installs both), or one on PATH."""
+    candidate = Path(server).with_name("redis-cli")
+    if os.access(candidate, os.X_OK):
+        return str(candidate)
+    return shutil.which("redis-cli")
+
+
+class RedisCluster:
+    """A real Redis Cluster on loopback ports: `masters` masters with one replica each
+    (redis-server processes with `--cluster-enabled yes`, a 1 s node timeout, no
+    persistence), created by `redis-cli --cluster create`. `nodes[i]` is a RedisServer;
+    masters first. A master can be killed (SIGKILL) to test a failover."""
+
+    def __init__(self, binary: str, cli: str, masters: int = 3):
+        self.cli = cli
+        self.nodes = [ClusterNode(binary) for _ in range(2 * masters)]
+        self.masters = masters
+
+    @property
+    def urls(self) -> list[str]:
+        return [n.url for n in self.nodes]
+
+    def start(self) -> None:
+        for n in self.nodes:
+            n.start()
+        addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
+        subprocess.run(
+            [self.cli, "--cluster", "create", *addrs, "--cluster-replicas", "1", "--cluster-yes"],
+            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=60,
+        )  # fmt: skip
+        self.wait_ok(self.nodes)
+        # Every replica synced, so that a killed master's replica can take over.
+        deadline = time.monotonic() + 20
+        while not all(self.synced(n) for n in self.nodes):
+            if time.monotonic() > deadline:
+                raise RuntimeError("cluster replicas did not sync")
+            time.sleep(0.05)
+
+    @staticmethod
+    def synced(node: RedisServer) -> bool:
+        info = node.client().info("replication")
+        return info["role"] == "master" or info.get("master_link_status") == "up"
+
+    def wait_ok(self, nodes: list[RedisServer], timeout: float = 20) -> None:
+        """Waits until each of `nodes` says `cluster_state:ok` and sees every slot served by
+        a live master."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if all(self.ok(n) for n in nodes):
+                    return
+            except redis.exceptions.RedisError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the cluster did not reach cluster_state:ok")
+            time.sleep(0.05)
+
+    def ok(self, node: RedisServer) -> bool:
+        c = node.client()
+        if b"cluster_state:ok" not in c.execute_command("CLUSTER", "INFO"):
+            return False
+        live = {n.port for n in self.nodes if n.running()}
+        served = 0
+        for start, end, master, *_ in c.execute_command("CLUSTER", "SLOTS"):
+            if int(master[1]) not in live:
+                return False
+            served += end - start + 1
+        return served == 16384
+
+    def master_of(self, key: str) -> RedisServer:
+        """The node serving `key`'s slot now."""
+        c = next(n for n in self.nodes if n.running()).client()
+        slot = c.execute_command("CLUSTER", "KEYSLOT", key)
+        for start, end, master, *_ in c.execute_command("CLUSTER", "SLOTS"):
+            if start <= slot <= end:
+                return next(n for n in self.nodes if n.port == int(master[1]))
+        raise KeyError(key)
+
+    def live_masters(self) -> list[RedisServer]:
+        return [n for n in self.nodes if n.running() and n.client().info("replication")["role"] == "master"]
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()
+
+
+class ClusterNode(RedisServer):
+    """A redis-server started as a cluster node."""
+
+    def start(self) -> None:
+        # The bus port on its own free port (by default it is port + 10000).
+        self.extra = ["--cluster-enabled", "yes", "--cluster-config-file", f"{self.dir}/nodes.conf",
+                      "--cluster-node-timeout", "1000", "--cluster-port", str(free_port())]  # fmt: skip
+        super().start()

@@ -2,11 +2,12 @@
 separate process with its own pool): the demo's model serves one prompt through a
 BlockPool whose prefix cache sits on a Redis tier, then greedy-decodes a few tokens.
 
-    python tier_worker.py REDIS_URL OUT.npz [--store]
+    python tier_worker.py REDIS_URL OUT.npz [--store] [--cluster]
 
 Writes the prompt's K/V, the generated tokens, how many prompt tokens came from where,
 and the same prompt run without any cache (full forward passes) into OUT.npz. With
---store, the sequence's cached blocks go to Redis before the process exits.
+--store, the sequence's cached blocks go to Redis before the process exits; with
+--cluster, REDIS_URL is a seed of a Redis Cluster.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from kvrs.integrations.transformers import block_pool_from_config, forward_batch
 PROMPT, STEPS, BLOCK = 100, 6, 16
 
 
-def main(url: str, out: str, store: bool) -> None:
+def main(url: str, out: str, store: bool, cluster: bool = False) -> None:
     model = make_model(0, layers=2)
-    tier = kvrs.RedisTier(url, timeout=2.0)
+    tier = kvrs.RedisTier(url, timeout=2.0, cluster=cluster)
     pool = block_pool_from_config(
         model.config, num_blocks=64, block_size=BLOCK, seed=2026, model_id="kvrs-demo", tiers=[tier]
     )
@@ -63,4 +64,4 @@ def main(url: str, out: str, store: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], "--store" in sys.argv[3:])
+    main(sys.argv[1], sys.argv[2], "--store" in sys.argv[3:], "--cluster" in sys.argv[3:])

@@ -53,6 +53,30 @@ impl Target {
         })
     }
 
+    /// The same login on another server (a cluster node), over TCP.
+    pub(super) fn at(&self, host: &str, port: u16) -> Target {
+        Target {
+            addr: Addr::Tcp(host.to_string(), port),
+            username: self.username.clone(),
+            password: self.password.clone(),
+            db: self.db,
+        }
+    }
+
+    /// The host and port of a TCP target (`None`: a Unix socket).
+    pub(super) fn tcp(&self) -> Option<(&str, u16)> {
+        match &self.addr {
+            Addr::Tcp(host, port) => Some((host, *port)),
+            #[cfg(unix)]
+            Addr::Unix(_) => None,
+        }
+    }
+
+    /// The database number the login selects.
+    pub(super) fn db(&self) -> i64 {
+        self.db
+    }
+
     /// `redis://{host}:{port}/{db}` (or the socket's path): no credentials.
     pub(super) fn name(&self) -> String {
         match &self.addr {

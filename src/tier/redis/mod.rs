@@ -19,55 +19,57 @@
 //! Connections are pooled and reused by the process that opened them only: after
 //! `fork`, a child never touches its parent's sockets and opens its own.
 //!
+//! On a Redis Cluster ([`RedisTier::cluster`], [`cluster`]) the same holds per node: keys
+//! are grouped by the master of their slot, each master gets one pipeline of `GET`s (or
+//! `SET`s) per call, all masters at once under one deadline, `MOVED` and `ASK`
+//! redirections are followed once, and a node that fails is skipped on its own.
+//!
 //! Server settings a shared prefix cache wants: `maxmemory <bytes>` and
 //! `maxmemory-policy allkeys-lru` (the server then evicts least recently used blocks),
 //! and no persistence unless warm restarts of the server matter (`save ""`,
 //! `appendonly no`).
 
+mod cluster;
 mod conn;
+mod node;
+mod slots;
 #[cfg(test)]
 mod tests;
 
 use std::ops::RangeInclusive;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use parking_lot::Mutex;
 use redis::{Client, Value};
 
-use self::conn::{redact_text, Conn, Target};
+use self::cluster::Cluster;
+use self::conn::{redact_text, Target};
+use self::node::{deadline_in, Node};
 use super::{Tier, TierCounters};
 use crate::error::{KvError, Result};
 
-/// Block payloads in a Redis server.
+/// Block payloads in a Redis server, or in a Redis Cluster.
 pub struct RedisTier {
     name: String,
     url: String,
-    target: Target,
     timeout: Duration,
     ttl: Option<u64>,
     retry_after: Duration,
-    max_idle: usize,
-    idle: Mutex<Vec<Conn>>,
-    health: Mutex<Health>,
+    servers: Servers,
     counters: TierCounters,
 }
 
-/// Whether the server is usable.
-#[derive(Default)]
-struct Health {
-    /// When the last failure happened: requests before `retry_after` has passed are
-    /// skipped.
-    down_since: Option<Instant>,
-    /// The process whose caller is probing a server marked down (others skip until it is
-    /// done); a parent's probe, seen in a child after `fork`, is not the child's.
-    probe: Option<u32>,
+/// One server, or a cluster's nodes.
+enum Servers {
+    Single(Node),
+    Cluster(Cluster),
 }
 
 impl std::fmt::Debug for RedisTier {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisTier")
             .field("url", &self.url)
+            .field("cluster", &matches!(self.servers, Servers::Cluster(_)))
             .field("timeout", &self.timeout)
             .field("ttl", &self.ttl)
             .field("retry_after", &self.retry_after)
@@ -86,8 +88,31 @@ const PER_VALUE: usize = 32;
 
 /// Keys asked per `SCAN`.
 const SCAN_COUNT: usize = 1000;
-/// Bytes a `SCAN` reply may take.
+/// Bytes a `SCAN` reply may take (a `CLUSTER SLOTS` reply too).
 const SCAN_CAP: usize = 16 << 20;
+
+/// The target of `url`, or an error that names what is wrong without the password.
+fn target_of(url: &str) -> Result<Target> {
+    let bad_url = |reason: String| KvError::InvalidArgument {
+        name: "url",
+        value: redact_text(url),
+        reason: reason.replace(url, &redact_text(url)),
+    };
+    let client = Client::open(url).map_err(|e| bad_url(format!("not a Redis URL: {e}")))?;
+    Target::new(client.get_connection_info()).map_err(bad_url)
+}
+
+/// `Ok` for a timeout > 0.
+fn check_timeout(timeout: Duration) -> Result<()> {
+    if timeout.is_zero() {
+        return Err(KvError::InvalidArgument {
+            name: "timeout",
+            value: "0".into(),
+            reason: "must be > 0: a request must never wait unboundedly".into(),
+        });
+    }
+    Ok(())
+}
 
 impl RedisTier {
     /// A tier on the server at `url` (`redis://[user:password@]host[:port][/db]`); no
@@ -102,117 +127,121 @@ impl RedisTier {
         max_idle: usize,
         retry_after: Duration,
     ) -> Result<Self> {
-        let bad_url = |reason: String| KvError::InvalidArgument {
-            name: "url",
-            value: redact_text(url),
-            reason: reason.replace(url, &redact_text(url)),
-        };
-        let client = Client::open(url).map_err(|e| bad_url(format!("not a Redis URL: {e}")))?;
-        let target = Target::new(client.get_connection_info()).map_err(bad_url)?;
-        if timeout.is_zero() {
-            return Err(KvError::InvalidArgument {
-                name: "timeout",
-                value: "0".into(),
-                reason: "must be > 0: a request must never wait unboundedly".into(),
-            });
-        }
+        let target = target_of(url)?;
+        check_timeout(timeout)?;
         Ok(RedisTier {
             name: target.name(),
             url: target.redacted_url(),
-            target,
             timeout,
             ttl,
             retry_after,
-            max_idle,
-            idle: Mutex::new(Vec::new()),
-            health: Mutex::new(Health::default()),
+            servers: Servers::Single(Node::new(target, max_idle, retry_after)),
             counters: TierCounters::default(),
         })
     }
 
-    /// The server's URL with the password replaced by `***`.
+    /// A tier on the Redis Cluster that the nodes at `seeds` belong to (each
+    /// `redis://[user:password@]host:port[/0]`, one login for all; any live one is enough
+    /// to find the others); no connection is made yet. `timeout` bounds each call whole:
+    /// every node's request (all sent at once) and a redirected key's second request end
+    /// by then. `max_idle` connections are kept per node, and a node that fails is
+    /// skipped for `retry_after` (the others are still used).
+    pub fn cluster(
+        seeds: &[&str],
+        timeout: Duration,
+        ttl: Option<u64>,
+        max_idle: usize,
+        retry_after: Duration,
+    ) -> Result<Self> {
+        if seeds.is_empty() {
+            return Err(KvError::InvalidArgument {
+                name: "url",
+                value: "[]".into(),
+                reason: "a cluster needs at least one seed URL".into(),
+            });
+        }
+        let targets = seeds
+            .iter()
+            .map(|u| target_of(u))
+            .collect::<Result<Vec<_>>>()?;
+        for (t, u) in targets.iter().zip(seeds) {
+            let reason = if t.tcp().is_none() {
+                "a cluster node is reached over TCP (redis://host:port)"
+            } else if t.db() != 0 {
+                "a cluster has database 0 only"
+            } else {
+                continue;
+            };
+            return Err(KvError::InvalidArgument {
+                name: "url",
+                value: redact_text(u),
+                reason: reason.into(),
+            });
+        }
+        check_timeout(timeout)?;
+        let addrs: Vec<String> = targets
+            .iter()
+            .filter_map(|t| t.tcp().map(|(h, p)| slots::join(h, p)))
+            .collect();
+        let urls: Vec<String> = targets.iter().map(Target::redacted_url).collect();
+        Ok(RedisTier {
+            name: format!("redis-cluster://{}", addrs.join(",")),
+            url: urls.join(","),
+            timeout,
+            ttl,
+            retry_after,
+            servers: Servers::Cluster(Cluster::new(&targets, max_idle, retry_after)),
+            counters: TierCounters::default(),
+        })
+    }
+
+    /// The server's URL with the password replaced by `***` (a cluster's seeds, joined by
+    /// commas).
     pub fn url(&self) -> &str {
         &self.url
     }
 
-    /// Whether a request may go to the server now: `Some(probing)`, or `None` while the
-    /// server is marked down (or another caller of this process is probing it).
-    fn admit(&self) -> Option<bool> {
-        let mut h = self.health.lock();
-        let Some(down_since) = h.down_since else {
-            return Some(false);
-        };
-        let pid = std::process::id();
-        if down_since.elapsed() < self.retry_after || h.probe == Some(pid) {
-            return None;
-        }
-        h.probe = Some(pid);
-        Some(true)
+    /// Whether the tier is on a Redis Cluster.
+    pub fn is_cluster(&self) -> bool {
+        matches!(self.servers, Servers::Cluster(_))
     }
 
-    /// Ends a request: marks the server up or down and ends this caller's probe.
-    fn finish(&self, probing: bool, ok: bool) {
-        let mut h = self.health.lock();
-        if probing && h.probe == Some(std::process::id()) {
-            h.probe = None;
-        }
-        h.down_since = if ok { None } else { Some(Instant::now()) };
-    }
-
-    /// A pooled connection of this process, if any (connections another process opened,
-    /// a parent's seen after `fork`, are closed in this process unused).
-    fn pooled(&self) -> Option<Conn> {
-        let pid = std::process::id();
-        let mut idle = self.idle.lock();
-        idle.retain(|c| c.pid() == pid);
-        idle.pop()
-    }
-
-    /// One request: `packed` (commands, encoded) sent on a pooled or new connection and
-    /// its `replies` replies read, all within `timeout` and `cap` bytes; `check` turns
-    /// the replies into the result, or `None` for a reply that makes no sense. On any
-    /// failure the connection is dropped, an error counted, the server marked down, and
-    /// the result is `None`; while it is down, `None` at once (counted too).
+    /// One request to the single server, bounded by `timeout` from now.
     fn request<R>(
         &self,
+        node: &Node,
         packed: &[u8],
         replies: usize,
         cap: usize,
         check: impl FnOnce(Vec<Value>) -> Option<R>,
     ) -> Option<R> {
-        let Some(probing) = self.admit() else {
-            TierCounters::add(&self.counters.errors, 1);
-            return None;
-        };
-        let now = Instant::now();
-        // A timeout past the clock's range waits "forever" (a century).
-        let deadline = now
-            .checked_add(self.timeout)
-            .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 86_400));
-        let conn = match self.pooled() {
-            Some(c) => Ok(c),
-            None => Conn::open(&self.target, deadline),
-        };
-        let got = conn.ok().and_then(|mut c| {
-            let values = c.exchange(packed, replies, cap, deadline).ok()?;
-            check(values).map(|r| (r, c))
-        });
-        self.finish(probing, got.is_some());
-        match got {
-            Some((r, c)) => {
-                let mut idle = self.idle.lock();
-                if idle.len() < self.max_idle {
-                    idle.push(c);
-                }
-                Some(r)
-            }
-            None => {
-                TierCounters::add(&self.counters.errors, 1);
-                // Connections made before the failure may be dead too.
-                self.idle.lock().clear();
-                None
-            }
+        let deadline = deadline_in(self.timeout);
+        node.request(packed, replies, cap, deadline, &self.counters, check)
+            .ok()
+    }
+
+    /// A payload found, kept when its length is in `sizes` (else counted as rejected).
+    fn sized(&self, p: Option<Vec<u8>>, sizes: &RangeInclusive<usize>) -> Option<Vec<u8>> {
+        let p = p?;
+        if sizes.contains(&p.len()) {
+            Some(p)
+        } else {
+            TierCounters::add(&self.counters.rejected, 1);
+            None
         }
+    }
+
+    /// Counts `items` as stored where `ok`.
+    fn count_stores(&self, items: &[(String, Arc<Vec<u8>>)], ok: &[bool]) {
+        let (n, bytes) = items
+            .iter()
+            .zip(ok)
+            .filter(|(_, &ok)| ok)
+            .fold((0u64, 0u64), |(n, b), ((_, v), _)| {
+                (n + 1, b + v.len() as u64)
+            });
+        TierCounters::add(&self.counters.stores, n);
+        TierCounters::add(&self.counters.store_bytes, bytes);
     }
 }
 
@@ -248,6 +277,34 @@ impl Tier for RedisTier {
         if keys.is_empty() {
             return Vec::new();
         }
+        let node = match &self.servers {
+            Servers::Single(node) => node,
+            Servers::Cluster(c) => {
+                let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+                let build = |i: usize, p: &mut redis::Pipeline| {
+                    p.cmd("GET").arg(&keys[i]);
+                };
+                let got = c.run(
+                    &refs,
+                    &build,
+                    *sizes.end(),
+                    deadline_in(self.timeout),
+                    &self.counters,
+                );
+                return got
+                    .into_iter()
+                    .map(|v| match v {
+                        None | Some(Value::Nil) => None,
+                        Some(Value::BulkString(b)) => self.sized(Some(b), &sizes),
+                        Some(_) => {
+                            // An error reply (CLUSTERDOWN, TRYAGAIN, ...): a miss.
+                            TierCounters::add(&self.counters.errors, 1);
+                            None
+                        }
+                    })
+                    .collect();
+            }
+        };
         let mut p = redis::pipe();
         for chunk in keys.chunks(MGET_BATCH) {
             p.cmd("MGET").arg(chunk);
@@ -257,55 +314,61 @@ impl Tier for RedisTier {
             .len()
             .saturating_mul(sizes.end().saturating_add(PER_VALUE))
             .saturating_add(SLACK);
-        let got = self.request(&p.get_packed_pipeline(), replies, cap, |r| {
+        let got = self.request(node, &p.get_packed_pipeline(), replies, cap, |r| {
             mget_values(keys, r)
         });
         let Some(values) = got else {
             return vec![None; keys.len()];
         };
-        values
-            .into_iter()
-            .map(|p| {
-                let p = p?;
-                if sizes.contains(&p.len()) {
-                    Some(p)
-                } else {
-                    TierCounters::add(&self.counters.rejected, 1);
-                    None
-                }
-            })
-            .collect()
+        values.into_iter().map(|p| self.sized(p, &sizes)).collect()
     }
 
     fn put_many(&self, items: &[(String, Arc<Vec<u8>>)]) -> Vec<bool> {
         if items.is_empty() {
             return Vec::new();
         }
-        let mut p = redis::pipe();
-        for (k, v) in items {
+        let set = |i: usize, p: &mut redis::Pipeline| {
+            let (k, v) = &items[i];
             let cmd = p.cmd("SET").arg(k).arg(v.as_slice());
             if let Some(ttl) = self.ttl {
                 cmd.arg("EX").arg(ttl);
             }
-        }
-        let cap = items.len().saturating_mul(PER_VALUE).saturating_add(SLACK);
-        let ok = self
-            .request(&p.get_packed_pipeline(), items.len(), cap, |r| {
-                r.iter().all(|v| matches!(v, Value::Okay)).then_some(())
-            })
-            .is_some();
-        if ok {
-            TierCounters::add(&self.counters.stores, items.len() as u64);
-            let bytes: usize = items.iter().map(|(_, v)| v.len()).sum();
-            TierCounters::add(&self.counters.store_bytes, bytes as u64);
-        }
-        vec![ok; items.len()]
+        };
+        let ok = match &self.servers {
+            Servers::Single(node) => {
+                let mut p = redis::pipe();
+                for i in 0..items.len() {
+                    set(i, &mut p);
+                }
+                let cap = items.len().saturating_mul(PER_VALUE).saturating_add(SLACK);
+                let ok = self
+                    .request(node, &p.get_packed_pipeline(), items.len(), cap, |r| {
+                        r.iter().all(|v| matches!(v, Value::Okay)).then_some(())
+                    })
+                    .is_some();
+                vec![ok; items.len()]
+            }
+            Servers::Cluster(c) => {
+                let keys: Vec<&str> = items.iter().map(|(k, _)| k.as_str()).collect();
+                let got = c.run(&keys, &set, 0, deadline_in(self.timeout), &self.counters);
+                got.into_iter()
+                    .map(|v| matches!(v, Some(Value::Okay)))
+                    .collect()
+            }
+        };
+        self.count_stores(items, &ok);
+        ok
     }
 
     /// One request (each bounded by `timeout`) per `SCAN` page and one per `UNLINK` of
-    /// the keys found; stops at the first failure.
+    /// the keys found; stops at the first failure (on a cluster: every master in turn,
+    /// each stopping at its own first failure).
     fn drop_prefix(&self, prefix: &str) -> usize {
         let pattern = format!("{prefix}*");
+        let node = match &self.servers {
+            Servers::Single(node) => node,
+            Servers::Cluster(c) => return c.drop_matching(&pattern, self.timeout, &self.counters),
+        };
         let mut cursor = b"0".to_vec();
         let mut removed = 0;
         loop {
@@ -316,30 +379,12 @@ impl Tier for RedisTier {
                 .arg("COUNT")
                 .arg(SCAN_COUNT)
                 .get_packed_command();
-            let page = self.request(&scan, 1, SCAN_CAP, |r| {
-                let Some(Value::Array(mut parts)) = r.into_iter().next() else {
-                    return None;
-                };
-                let (Some(Value::Array(keys)), Some(Value::BulkString(next))) =
-                    (parts.pop(), parts.pop())
-                else {
-                    return None;
-                };
-                let keys: Option<Vec<Vec<u8>>> = keys
-                    .into_iter()
-                    .map(|k| match k {
-                        Value::BulkString(k) => Some(k),
-                        _ => None,
-                    })
-                    .collect();
-                Some((next, keys?))
-            });
-            let Some((next, keys)) = page else {
+            let Some((next, keys)) = self.request(node, &scan, 1, SCAN_CAP, scan_page) else {
                 return removed;
             };
             if !keys.is_empty() {
                 let unlink = redis::cmd("UNLINK").arg(&keys).get_packed_command();
-                match self.request(&unlink, 1, SLACK, int_reply) {
+                match self.request(node, &unlink, 1, SLACK, int_reply) {
                     Some(n) => removed += n,
                     None => return removed,
                 }
@@ -352,13 +397,48 @@ impl Tier for RedisTier {
     }
 
     fn discard(&self, key: &str) {
-        let unlink = redis::cmd("UNLINK").arg(key).get_packed_command();
-        self.request(&unlink, 1, SLACK, int_reply);
+        match &self.servers {
+            Servers::Single(node) => {
+                let unlink = redis::cmd("UNLINK").arg(key).get_packed_command();
+                self.request(node, &unlink, 1, SLACK, int_reply);
+            }
+            Servers::Cluster(c) => {
+                let unlink = |_: usize, p: &mut redis::Pipeline| {
+                    p.cmd("UNLINK").arg(key);
+                };
+                c.run(
+                    &[key],
+                    &unlink,
+                    0,
+                    deadline_in(self.timeout),
+                    &self.counters,
+                );
+            }
+        }
     }
 
     fn counters(&self) -> &TierCounters {
         &self.counters
     }
+}
+
+/// A `SCAN` reply's next cursor and keys; `None` for a reply of another shape.
+fn scan_page(r: Vec<Value>) -> Option<(Vec<u8>, Vec<Vec<u8>>)> {
+    let Some(Value::Array(mut parts)) = r.into_iter().next() else {
+        return None;
+    };
+    let (Some(Value::Array(keys)), Some(Value::BulkString(next))) = (parts.pop(), parts.pop())
+    else {
+        return None;
+    };
+    let keys: Option<Vec<Vec<u8>>> = keys
+        .into_iter()
+        .map(|k| match k {
+            Value::BulkString(k) => Some(k),
+            _ => None,
+        })
+        .collect();
+    Some((next, keys?))
 }
 
 /// The count an integer reply (`UNLINK`'s) holds.

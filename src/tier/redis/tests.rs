@@ -1,5 +1,6 @@
 //! [`RedisTier`] against stand-in servers (a thread on a loopback listener) that
-//! misbehave: a reply trickled byte by byte, a short `MGET` reply, a huge bulk length.
+//! misbehave: a reply trickled byte by byte, a short `MGET` reply, a huge bulk length;
+//! and cluster stand-ins (a redirection loop, a slow node).
 
 use std::io::{BufReader, Write};
 use std::net::{TcpListener, TcpStream};
@@ -203,4 +204,140 @@ fn a_server_that_is_down_is_probed_by_one_caller_at_a_time() {
     thread::sleep(Duration::from_millis(60));
     assert_eq!(t.drop_prefix("k"), 0);
     assert_eq!(errors(&t), 3);
+}
+
+#[test]
+fn cluster_seeds_are_checked_and_their_passwords_never_shown() {
+    let t = RedisTier::cluster(
+        &[
+            "redis://u:s3cret@127.0.0.1:7000",
+            "redis://u:s3cret@127.0.0.1:7001/0",
+        ],
+        Duration::from_secs(1),
+        None,
+        1,
+        Duration::from_secs(1),
+    )
+    .unwrap();
+    assert!(t.is_cluster());
+    assert_eq!(t.name(), "redis-cluster://127.0.0.1:7000,127.0.0.1:7001");
+    assert_eq!(
+        t.url(),
+        "redis://u:***@127.0.0.1:7000/0,redis://u:***@127.0.0.1:7001/0"
+    );
+    assert!(!format!("{t:?}").contains("s3cret"));
+    for bad in [
+        &[][..],
+        &["redis://u:s3cret@127.0.0.1:7000/2"],
+        &["redis+unix:///tmp/r.sock?pass=s3cret"],
+        &["redis://127.0.0.1:7000", "http://u:s3cret@x"],
+    ] {
+        let e = RedisTier::cluster(bad, Duration::from_secs(1), None, 1, Duration::from_secs(1))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("url") && !e.contains("s3cret"), "{e}");
+    }
+}
+
+#[test]
+fn a_cluster_nobody_answers_for_misses_within_the_timeout() {
+    // Nothing listens on port 1: no slot map, every key misses, counted; at once.
+    let t = RedisTier::cluster(
+        &["redis://127.0.0.1:1"],
+        Duration::from_millis(200),
+        None,
+        1,
+        Duration::from_millis(50),
+    )
+    .unwrap();
+    let t0 = Instant::now();
+    assert_eq!(t.get_many(&keys(3), 0..=10), vec![None, None, None]);
+    assert_eq!(t.put_many(&[("k".into(), vec![1u8].into())]), vec![false]);
+    assert_eq!(t.drop_prefix("k"), 0);
+    assert!(t0.elapsed() < Duration::from_millis(300));
+    assert!(errors(&t) >= 3);
+}
+
+/// A stand-in cluster of one node: it answers `CLUSTER SLOTS` with every slot its own,
+/// then hands each later command to `answer` (with its own port); the commands' names
+/// come back on the channel.
+fn cluster_stand_in(
+    answer: impl Fn(&[Vec<u8>], u16) -> Vec<u8> + Send + 'static,
+) -> (String, mpsc::Receiver<String>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        for s in listener.incoming() {
+            let Ok(mut s) = s else { return };
+            let tx = tx.clone();
+            let mut reader = BufReader::new(s.try_clone().unwrap());
+            let mut parser = redis::Parser::new();
+            while let Ok(Value::Array(args)) = parser.parse_value(&mut reader) {
+                let args: Vec<Vec<u8>> = args
+                    .into_iter()
+                    .filter_map(|a| match a {
+                        Value::BulkString(b) => Some(b),
+                        _ => None,
+                    })
+                    .collect();
+                tx.send(String::from_utf8_lossy(&args[0]).to_uppercase())
+                    .ok();
+                let out = if args[0].eq_ignore_ascii_case(b"CLUSTER") {
+                    format!("*1\r\n*3\r\n:0\r\n:16383\r\n*2\r\n$9\r\n127.0.0.1\r\n:{port}\r\n")
+                        .into_bytes()
+                } else {
+                    answer(&args, port)
+                };
+                if s.write_all(&out).is_err() {
+                    break;
+                }
+            }
+        }
+    });
+    (format!("redis://127.0.0.1:{port}"), rx)
+}
+
+fn cluster_tier(url: &str, timeout_ms: u64) -> RedisTier {
+    RedisTier::cluster(
+        &[url],
+        Duration::from_millis(timeout_ms),
+        None,
+        4,
+        Duration::from_secs(5),
+    )
+    .unwrap()
+}
+
+#[test]
+fn a_cluster_key_redirected_twice_misses_without_looping() {
+    let (url, commands) = cluster_stand_in(|args, port| {
+        let slot = super::slots::key_slot(&args[1]);
+        format!("-MOVED {slot} 127.0.0.1:{port}\r\n").into_bytes()
+    });
+    let t = cluster_tier(&url, 2000);
+    let t0 = Instant::now();
+    assert_eq!(t.get_many(&keys(3), 0..=10), vec![None, None, None]);
+    assert!(t0.elapsed() < Duration::from_millis(500));
+    drop(t);
+    thread::sleep(Duration::from_millis(50));
+    let seen: Vec<String> = commands.try_iter().collect();
+    // The map, the keys, the keys once more after MOVED: then misses.
+    assert_eq!(seen, ["CLUSTER", "GET", "GET", "GET", "GET", "GET", "GET"]);
+}
+
+#[test]
+fn a_slow_cluster_node_is_bounded_by_the_timeout() {
+    let (url, _) = cluster_stand_in(|args, _| {
+        if args[1] == b"k0" {
+            thread::sleep(Duration::from_millis(400));
+        }
+        b"$3\r\nabc\r\n".to_vec()
+    });
+    let t = cluster_tier(&url, 200);
+    let t0 = Instant::now();
+    assert_eq!(t.get_many(&keys(2), 0..=10), vec![None, None]);
+    let took = t0.elapsed();
+    assert!(took < Duration::from_millis(350), "{took:?}");
+    assert!(errors(&t) >= 1);
 }
