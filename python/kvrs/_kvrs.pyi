@@ -279,7 +279,8 @@ class DiskTier:
 
 @final
 class RedisTier:
-    """A Redis (or Valkey) server holding cached blocks for every process that uses it, or a Redis Cluster (``cluster=True``, or a list of seed URLs)."""
+    """A Redis (or Valkey) server holding cached blocks for every process that uses it, or a
+    Redis Cluster (``cluster=True``, or a list of seed URLs)."""
 
     def __new__(
         cls,
@@ -293,7 +294,8 @@ class RedisTier:
     ) -> RedisTier: ...
     @property
     def url(self) -> str:
-        """The server's URL, with the password (if any) replaced by ``***`` (a cluster's seeds, joined by commas)."""
+        """The server's URL, with the password (if any) replaced by ``***`` (a cluster's seeds,
+        joined by commas)."""
     @property
     def cluster(self) -> bool:
         """Whether the tier is on a Redis Cluster."""

@@ -171,10 +171,7 @@ pub struct PayloadShape {
 impl PayloadShape {
     /// Bytes of a whole payload.
     pub fn len(&self) -> usize {
-        HEADER
-            + 4 * self.block_size
-            + self.tensors * (self.tensor_bytes + self.scale_bytes)
-            + MAC
+        HEADER + 4 * self.block_size + self.tensors * (self.tensor_bytes + self.scale_bytes) + MAC
     }
 
     /// Whether payloads hold no K/V (never, for a real pool).
