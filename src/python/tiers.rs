@@ -11,6 +11,7 @@ use pyo3::types::{PyDict, PyList};
 use crate::bytes::parse_size;
 use crate::error::KvError;
 use crate::paged::PoolCore;
+use crate::tier::redis::TlsOptions;
 use crate::tier::{DiskTier, HostTier, RedisTier, Tier};
 
 /// `max_bytes` (an int or a size such as "8GiB") as a positive byte count.
@@ -175,7 +176,9 @@ impl PyDiskTier {
 /// `timeout` (seconds) bounds each request whole: connect, login, send and the full
 /// reply; `ttl` (seconds) expires stored blocks; `max_idle` connections are kept for
 /// reuse; after a failure the server is skipped for `retry_after` seconds. A server that is down or slow makes lookups
-/// miss and stores drop (counted), never an error.
+/// miss and stores drop (counted), never an error. A `rediss://` URL is TLS, the server
+/// verified against the system's trust roots and `tls_ca` (a PEM file of CAs), with a
+/// client certificate (`tls_cert`, `tls_key`: PEM files) for `tls-auth-clients yes`.
 #[pyclass(name = "RedisTier", module = "kvrs", frozen)]
 pub struct PyRedisTier {
     pub(crate) tier: Arc<RedisTier>,
@@ -200,13 +203,18 @@ fn seconds(name: &'static str, s: f64) -> PyResult<Duration> {
 #[pymethods]
 impl PyRedisTier {
     #[new]
-    #[pyo3(signature = (url = "redis://127.0.0.1:6379/0", *, timeout = 0.1, ttl = None, max_idle = 8, retry_after = 1.0))]
+    #[pyo3(signature = (url = "redis://127.0.0.1:6379/0", *, timeout = 0.1, ttl = None, max_idle = 8, retry_after = 1.0, tls_ca = None, tls_cert = None, tls_key = None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
+        py: Python<'_>,
         url: &str,
         timeout: f64,
         ttl: Option<u64>,
         max_idle: usize,
         retry_after: f64,
+        tls_ca: Option<PathBuf>,
+        tls_cert: Option<PathBuf>,
+        tls_key: Option<PathBuf>,
     ) -> PyResult<Self> {
         if ttl == Some(0) {
             return Err(KvError::InvalidArgument {
@@ -216,13 +224,18 @@ impl PyRedisTier {
             }
             .into());
         }
-        let tier = RedisTier::new(
-            url,
+        let tls = TlsOptions {
+            ca: tls_ca,
+            cert: tls_cert,
+            key: tls_key,
+        };
+        let (timeout, retry_after) = (
             seconds("timeout", timeout)?,
-            ttl,
-            max_idle,
             seconds("retry_after", retry_after)?,
-        )?;
+        );
+        // Reads the trust roots and the files: without the GIL.
+        let tier =
+            py.detach(|| RedisTier::with_tls(url, timeout, ttl, max_idle, retry_after, &tls))?;
         Ok(PyRedisTier {
             tier: Arc::new(tier),
         })

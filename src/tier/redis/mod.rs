@@ -27,6 +27,7 @@
 mod conn;
 #[cfg(test)]
 mod tests;
+mod tls;
 
 use std::ops::RangeInclusive;
 use std::sync::Arc;
@@ -36,6 +37,7 @@ use parking_lot::Mutex;
 use redis::{Client, Value};
 
 use self::conn::{redact_text, Conn, Target};
+pub use self::tls::TlsOptions;
 use super::{Tier, TierCounters};
 use crate::error::{KvError, Result};
 
@@ -90,11 +92,11 @@ const SCAN_COUNT: usize = 1000;
 const SCAN_CAP: usize = 16 << 20;
 
 impl RedisTier {
-    /// A tier on the server at `url` (`redis://[user:password@]host[:port][/db]`); no
-    /// connection is made yet. `timeout` bounds each request whole (connect, login,
-    /// send, the full reply); `ttl` (seconds) expires stored blocks; `max_idle`
-    /// connections are kept for reuse; after a failure the tier is skipped for
-    /// `retry_after`.
+    /// A tier on the server at `url` (`redis://[user:password@]host[:port][/db]`, or
+    /// `rediss://` for TLS with the system's trust roots); no connection is made yet.
+    /// `timeout` bounds each request whole (connect, TLS handshake, login, send, the full
+    /// reply); `ttl` (seconds) expires stored blocks; `max_idle` connections are kept for
+    /// reuse; after a failure the tier is skipped for `retry_after`.
     pub fn new(
         url: &str,
         timeout: Duration,
@@ -102,13 +104,31 @@ impl RedisTier {
         max_idle: usize,
         retry_after: Duration,
     ) -> Result<Self> {
+        let tls = TlsOptions::default();
+        Self::with_tls(url, timeout, ttl, max_idle, retry_after, &tls)
+    }
+
+    /// [`RedisTier::new`] with TLS files (a CA, a client certificate) for a `rediss://`
+    /// URL, read and checked now.
+    pub fn with_tls(
+        url: &str,
+        timeout: Duration,
+        ttl: Option<u64>,
+        max_idle: usize,
+        retry_after: Duration,
+        tls: &TlsOptions,
+    ) -> Result<Self> {
         let bad_url = |reason: String| KvError::InvalidArgument {
             name: "url",
             value: redact_text(url),
             reason: reason.replace(url, &redact_text(url)),
         };
-        let client = Client::open(url).map_err(|e| bad_url(format!("not a Redis URL: {e}")))?;
-        let target = Target::new(client.get_connection_info()).map_err(bad_url)?;
+        let (plain, on) = tls::plain_url(url).map_err(bad_url)?;
+        let client =
+            Client::open(plain.as_ref()).map_err(|e| bad_url(format!("not a Redis URL: {e}")))?;
+        let target = Target::new(client.get_connection_info())
+            .map_err(bad_url)?
+            .with_tls(on, tls)?;
         if timeout.is_zero() {
             return Err(KvError::InvalidArgument {
                 name: "timeout",
