@@ -279,7 +279,9 @@ class DiskTier:
 
 @final
 class RedisTier:
-    """A Redis (or Valkey) server holding cached blocks for every process that uses it."""
+    """A Redis (or Valkey) server holding cached blocks for every process that uses it; a
+    `rediss://` URL is TLS, the server verified against the system's trust roots and
+    `tls_ca`, with an optional client certificate (`tls_cert`, `tls_key`); PEM files."""
 
     def __new__(
         cls,
@@ -289,6 +291,9 @@ class RedisTier:
         ttl: int | None = None,
         max_idle: int = 8,
         retry_after: float = 1.0,
+        tls_ca: str | os.PathLike[str] | None = None,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
     ) -> RedisTier: ...
     @property
     def url(self) -> str:
