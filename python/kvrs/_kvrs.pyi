@@ -280,7 +280,9 @@ class DiskTier:
 @final
 class RedisTier:
     """A Redis (or Valkey) server holding cached blocks for every process that uses it, or a
-    Redis Cluster (``cluster=True``, or a list of seed URLs)."""
+    Redis Cluster (``cluster=True``, or a list of seed URLs). A `rediss://` URL is TLS (one
+    server), verified against the system's trust roots and `tls_ca`, with an optional
+    client certificate (`tls_cert`, `tls_key`); PEM files."""
 
     def __new__(
         cls,
@@ -291,6 +293,9 @@ class RedisTier:
         max_idle: int = 8,
         retry_after: float = 1.0,
         cluster: bool | None = None,
+        tls_ca: str | os.PathLike[str] | None = None,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
     ) -> RedisTier: ...
     @property
     def url(self) -> str:

@@ -11,6 +11,7 @@ use pyo3::types::{PyDict, PyList};
 use crate::bytes::parse_size;
 use crate::error::KvError;
 use crate::paged::PoolCore;
+use crate::tier::redis::TlsOptions;
 use crate::tier::{DiskTier, HostTier, RedisTier, Tier};
 
 /// `max_bytes` (an int or a size such as "8GiB") as a positive byte count.
@@ -177,7 +178,10 @@ impl PyDiskTier {
 /// node's request, sent at once, and a redirected key's second request); `ttl` (seconds)
 /// expires stored blocks; `max_idle` connections are kept for reuse (per node); after a
 /// failure the server (the node) is skipped for `retry_after` seconds. A server that is
-/// down or slow makes lookups miss and stores drop (counted), never an error.
+/// down or slow makes lookups miss and stores drop (counted), never an error. A
+/// `rediss://` URL (one server) is TLS, the server verified against the system's trust
+/// roots and `tls_ca` (a PEM file of CAs), with a client certificate (`tls_cert`,
+/// `tls_key`: PEM files) for `tls-auth-clients yes`.
 #[pyclass(name = "RedisTier", module = "kvrs", frozen)]
 pub struct PyRedisTier {
     pub(crate) tier: Arc<RedisTier>,
@@ -210,16 +214,21 @@ enum Urls {
 impl PyRedisTier {
     #[new]
     #[pyo3(
-        signature = (url = Urls::One("redis://127.0.0.1:6379/0".into()), *, timeout = 0.1, ttl = None, max_idle = 8, retry_after = 1.0, cluster = None),
-        text_signature = "(url='redis://127.0.0.1:6379/0', *, timeout=0.1, ttl=None, max_idle=8, retry_after=1.0, cluster=None)"
+        signature = (url = Urls::One("redis://127.0.0.1:6379/0".into()), *, timeout = 0.1, ttl = None, max_idle = 8, retry_after = 1.0, cluster = None, tls_ca = None, tls_cert = None, tls_key = None),
+        text_signature = "(url='redis://127.0.0.1:6379/0', *, timeout=0.1, ttl=None, max_idle=8, retry_after=1.0, cluster=None, tls_ca=None, tls_cert=None, tls_key=None)"
     )]
+    #[allow(clippy::too_many_arguments)]
     fn new(
+        py: Python<'_>,
         url: Urls,
         timeout: f64,
         ttl: Option<u64>,
         max_idle: usize,
         retry_after: f64,
         cluster: Option<bool>,
+        tls_ca: Option<PathBuf>,
+        tls_cert: Option<PathBuf>,
+        tls_key: Option<PathBuf>,
     ) -> PyResult<Self> {
         if ttl == Some(0) {
             return Err(KvError::InvalidArgument {
@@ -229,6 +238,11 @@ impl PyRedisTier {
             }
             .into());
         }
+        let tls = TlsOptions {
+            ca: tls_ca,
+            cert: tls_cert,
+            key: tls_key,
+        };
         let (timeout, retry_after) = (
             seconds("timeout", timeout)?,
             seconds("retry_after", retry_after)?,
@@ -238,12 +252,23 @@ impl PyRedisTier {
             Urls::Many(us) => (us, true),
         };
         let tier = match cluster.unwrap_or(listed) {
+            true if tls.ca.is_some() || tls.cert.is_some() || tls.key.is_some() => {
+                return Err(KvError::InvalidArgument {
+                    name: "tls_ca",
+                    value: "a cluster".into(),
+                    reason: "TLS is supported on one server (rediss://), not on a cluster yet"
+                        .into(),
+                }
+                .into())
+            }
             true => {
                 let seeds: Vec<&str> = urls.iter().map(String::as_str).collect();
                 RedisTier::cluster(&seeds, timeout, ttl, max_idle, retry_after)?
             }
             false if urls.len() == 1 => {
-                RedisTier::new(&urls[0], timeout, ttl, max_idle, retry_after)?
+                // Reads the trust roots and the files: without the GIL.
+                let url = &urls[0];
+                py.detach(|| RedisTier::with_tls(url, timeout, ttl, max_idle, retry_after, &tls))?
             }
             false => {
                 return Err(KvError::InvalidArgument {

@@ -49,12 +49,15 @@ class RedisServer:
     def client(self) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
 
-    def start(self) -> None:
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+    def args(self) -> list[str]:
+        """The server's command line."""
+        return [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                 "--appendonly", "no", "--dir", self.dir, "--maxmemory", "512mb",
                 "--maxmemory-policy", "allkeys-lru", "--enable-debug-command", "yes",
                 *self.extra]  # fmt: skip
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.args(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 10
         while True:
             try:
@@ -183,3 +186,35 @@ class ClusterNode(RedisServer):
         self.extra = ["--cluster-enabled", "yes", "--cluster-config-file", f"{self.dir}/nodes.conf",
                       "--cluster-node-timeout", "1000", "--cluster-port", str(free_port())]  # fmt: skip
         super().start()
+
+
+TLS = ROOT / "tests/redis/tls"
+
+
+class TlsRedisServer(RedisServer):
+    """A server on a TLS port only (`rediss://`), with one of the certificates of
+    tests/redis/tls (`cert`: "server" for 127.0.0.1 and localhost, "wrong-name" for
+    another name); `auth_clients`: clients must show a certificate the test CA signed."""
+
+    def __init__(self, binary: str, cert: str = "server", auth_clients: bool = False):
+        super().__init__(binary)
+        self.cert, self.auth_clients = cert, auth_clients
+
+    @property
+    def url(self) -> str:
+        return f"rediss://127.0.0.1:{self.port}/0"
+
+    def args(self) -> list[str]:
+        args = super().args()
+        args[args.index("--port") + 1] = "0"
+        return args + ["--tls-port", str(self.port), "--tls-ca-cert-file", str(TLS / "ca.pem"),
+                       "--tls-cert-file", str(TLS / f"{self.cert}.pem"),
+                       "--tls-key-file", str(TLS / f"{self.cert}.key"),
+                       "--tls-auth-clients", "yes" if self.auth_clients else "no"]  # fmt: skip
+
+    def client(self) -> redis.Redis:
+        """redis-py over TLS, with the client certificate (the name is not checked: the
+        wrong-name server is the test's)."""
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, ssl=True,
+                           ssl_ca_certs=str(TLS / "ca.pem"), ssl_certfile=str(TLS / "client.pem"),
+                           ssl_keyfile=str(TLS / "client.key"), ssl_check_hostname=False)  # fmt: skip

@@ -20,12 +20,16 @@ use std::time::{Duration, Instant};
 
 use redis::{ConnectionAddr, ConnectionInfo, Value};
 
+use super::tls::{self, TlsOptions, TlsStream};
+
 /// Where a server is and how to log in to it.
 pub(super) struct Target {
     addr: Addr,
     username: Option<String>,
     password: Option<String>,
     db: i64,
+    /// TLS (`rediss://`), set up by [`Target::with_tls`].
+    tls: Option<tls::Client>,
 }
 
 /// A server's address.
@@ -42,7 +46,7 @@ impl Target {
             ConnectionAddr::Tcp(host, port) => Addr::Tcp(host.clone(), *port),
             #[cfg(unix)]
             ConnectionAddr::Unix(path) => Addr::Unix(path.clone()),
-            _ => return Err("TLS (rediss://) is not supported".into()),
+            _ => return Err("this kind of address is not supported".into()),
         };
         let r = info.redis_settings();
         Ok(Target {
@@ -50,16 +54,19 @@ impl Target {
             username: r.username().map(str::to_string),
             password: r.password().map(str::to_string),
             db: r.db(),
+            tls: None,
         })
     }
 
-    /// The same login on another server (a cluster node), over TCP.
+    /// The same login on another server (a cluster node), over TCP (cluster seeds are
+    /// plain TCP: no TLS).
     pub(super) fn at(&self, host: &str, port: u16) -> Target {
         Target {
             addr: Addr::Tcp(host.to_string(), port),
             username: self.username.clone(),
             password: self.password.clone(),
             db: self.db,
+            tls: None,
         }
     }
 
@@ -77,10 +84,31 @@ impl Target {
         self.db
     }
 
+    /// The target over TLS when `on` (the URL was `rediss://`), with `opts`' files read
+    /// now; an error names the argument at fault.
+    pub(super) fn with_tls(mut self, on: bool, opts: &TlsOptions) -> crate::error::Result<Self> {
+        let host = match &self.addr {
+            Addr::Tcp(host, _) => Some(host.as_str()),
+            #[cfg(unix)]
+            Addr::Unix(_) => None,
+        };
+        self.tls = tls::Client::new(on, host, opts)?;
+        Ok(self)
+    }
+
+    /// `rediss` over TLS, else `redis`.
+    fn scheme(&self) -> &'static str {
+        if self.tls.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        }
+    }
+
     /// `redis://{host}:{port}/{db}` (or the socket's path): no credentials.
     pub(super) fn name(&self) -> String {
         match &self.addr {
-            Addr::Tcp(host, port) => format!("redis://{host}:{port}/{}", self.db),
+            Addr::Tcp(host, port) => format!("{}://{host}:{port}/{}", self.scheme(), self.db),
             #[cfg(unix)]
             Addr::Unix(path) => format!("redis+unix://{}?db={}", path.display(), self.db),
         }
@@ -95,7 +123,9 @@ impl Target {
             (None, None) => String::new(),
         };
         match &self.addr {
-            Addr::Tcp(host, port) => format!("redis://{auth}{host}:{port}/{}", self.db),
+            Addr::Tcp(host, port) => {
+                format!("{}://{auth}{host}:{port}/{}", self.scheme(), self.db)
+            }
             #[cfg(unix)]
             Addr::Unix(path) => {
                 let mut s = format!("redis+unix://{}?db={}", path.display(), self.db);
@@ -156,7 +186,7 @@ pub(super) fn redact_text(url: &str) -> String {
 }
 
 /// The time left until `deadline`; a `TimedOut` error once it has passed.
-fn left(deadline: Instant) -> io::Result<Duration> {
+pub(super) fn left(deadline: Instant) -> io::Result<Duration> {
     match deadline.checked_duration_since(Instant::now()) {
         Some(d) if !d.is_zero() => Ok(d),
         _ => Err(io::Error::new(
@@ -166,9 +196,10 @@ fn left(deadline: Instant) -> io::Result<Duration> {
     }
 }
 
-/// A TCP or Unix socket.
+/// A TCP or Unix socket, or TLS over TCP.
 enum Stream {
     Tcp(TcpStream),
+    Tls(Box<TlsStream>),
     #[cfg(unix)]
     Unix(UnixStream),
 }
@@ -177,6 +208,10 @@ impl Stream {
     fn set_read_timeout(&self, t: Duration) -> io::Result<()> {
         match self {
             Stream::Tcp(s) => s.set_read_timeout(Some(t)),
+            Stream::Tls(s) => {
+                s.set_deadline(t);
+                Ok(())
+            }
             #[cfg(unix)]
             Stream::Unix(s) => s.set_read_timeout(Some(t)),
         }
@@ -185,6 +220,10 @@ impl Stream {
     fn set_write_timeout(&self, t: Duration) -> io::Result<()> {
         match self {
             Stream::Tcp(s) => s.set_write_timeout(Some(t)),
+            Stream::Tls(s) => {
+                s.set_deadline(t);
+                Ok(())
+            }
             #[cfg(unix)]
             Stream::Unix(s) => s.set_write_timeout(Some(t)),
         }
@@ -193,6 +232,7 @@ impl Stream {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         match self {
             Stream::Tcp(s) => s.read(buf),
+            Stream::Tls(s) => s.read(buf),
             #[cfg(unix)]
             Stream::Unix(s) => s.read(buf),
         }
@@ -201,6 +241,7 @@ impl Stream {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         match self {
             Stream::Tcp(s) => s.write(buf),
+            Stream::Tls(s) => s.write(buf),
             #[cfg(unix)]
             Stream::Unix(s) => s.write(buf),
         }
@@ -272,7 +313,10 @@ impl Conn {
                     None => return Err(last.unwrap_or_else(|| io::Error::other("no address"))),
                 };
                 s.set_nodelay(true)?;
-                Stream::Tcp(s)
+                match &target.tls {
+                    Some(tls) => Stream::Tls(Box::new(tls.connect(s, deadline)?)),
+                    None => Stream::Tcp(s),
+                }
             }
             #[cfg(unix)]
             Addr::Unix(path) => Stream::Unix(UnixStream::connect(path)?),

@@ -35,6 +35,7 @@ mod node;
 mod slots;
 #[cfg(test)]
 mod tests;
+mod tls;
 
 use std::ops::RangeInclusive;
 use std::sync::Arc;
@@ -45,6 +46,7 @@ use redis::{Client, Value};
 use self::cluster::Cluster;
 use self::conn::{redact_text, Target};
 use self::node::{deadline_in, Node};
+pub use self::tls::TlsOptions;
 use super::{Tier, TierCounters};
 use crate::error::{KvError, Result};
 
@@ -115,11 +117,11 @@ fn check_timeout(timeout: Duration) -> Result<()> {
 }
 
 impl RedisTier {
-    /// A tier on the server at `url` (`redis://[user:password@]host[:port][/db]`); no
-    /// connection is made yet. `timeout` bounds each request whole (connect, login,
-    /// send, the full reply); `ttl` (seconds) expires stored blocks; `max_idle`
-    /// connections are kept for reuse; after a failure the tier is skipped for
-    /// `retry_after`.
+    /// A tier on the server at `url` (`redis://[user:password@]host[:port][/db]`, or
+    /// `rediss://` for TLS with the system's trust roots); no connection is made yet.
+    /// `timeout` bounds each request whole (connect, TLS handshake, login, send, the full
+    /// reply); `ttl` (seconds) expires stored blocks; `max_idle` connections are kept for
+    /// reuse; after a failure the tier is skipped for `retry_after`.
     pub fn new(
         url: &str,
         timeout: Duration,
@@ -127,7 +129,33 @@ impl RedisTier {
         max_idle: usize,
         retry_after: Duration,
     ) -> Result<Self> {
-        let target = target_of(url)?;
+        Self::with_tls(
+            url,
+            timeout,
+            ttl,
+            max_idle,
+            retry_after,
+            &TlsOptions::default(),
+        )
+    }
+
+    /// [`RedisTier::new`] with TLS files (a CA, a client certificate) for a `rediss://`
+    /// URL, read and checked now.
+    pub fn with_tls(
+        url: &str,
+        timeout: Duration,
+        ttl: Option<u64>,
+        max_idle: usize,
+        retry_after: Duration,
+        tls: &TlsOptions,
+    ) -> Result<Self> {
+        let bad_url = |reason: String| KvError::InvalidArgument {
+            name: "url",
+            value: redact_text(url),
+            reason: reason.replace(url, &redact_text(url)),
+        };
+        let (plain, on) = tls::plain_url(url).map_err(bad_url)?;
+        let target = target_of(plain.as_ref())?.with_tls(on, tls)?;
         check_timeout(timeout)?;
         Ok(RedisTier {
             name: target.name(),
