@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 use rustc_hash::{FxHashMap, FxHashSet};
@@ -43,7 +44,15 @@ struct Buffer {
     by_key: FxHashMap<String, (usize, Vec<u8>)>,
     order: VecDeque<String>,
     pending: FxHashSet<String>,
+    /// Key prefixes dropped while fetches were pending: what those fetches bring back
+    /// under them is not buffered (cleared when nothing is pending).
+    dropped: Vec<String>,
 }
+
+/// The longest a lookup, a namespace drop or [`Fetcher::wait`] waits for fetches under
+/// way; after it, the keys still pending count as absent from the buffer (a lookup then
+/// asks the tiers itself, under its own deadline).
+pub const PENDING_WAIT: Duration = Duration::from_secs(2);
 
 /// State shared with the thread.
 #[derive(Debug)]
@@ -127,9 +136,13 @@ impl Fetcher {
         };
         let keys: Vec<String> = {
             let mut b = shared.buffer.lock();
+            // At most the buffer's size in flight: payloads wait whole in a reply before
+            // the buffer is trimmed, so what is pending is bounded like the buffer.
+            let room = self.max_payloads.saturating_sub(b.pending.len());
             let keys: Vec<String> = keys
                 .into_iter()
                 .filter(|k| !b.by_key.contains_key(k) && !b.pending.contains(k))
+                .take(room)
                 .collect();
             b.pending.extend(keys.iter().cloned());
             keys
@@ -159,8 +172,11 @@ impl Fetcher {
             return keys.iter().map(|_| None).collect();
         };
         let mut b = shared.buffer.lock();
+        let until = Instant::now() + PENDING_WAIT;
         while keys.iter().any(|k| b.pending.contains(k)) {
-            shared.done.wait(&mut b);
+            if shared.done.wait_until(&mut b, until).timed_out() {
+                break;
+            }
         }
         if b.by_key.is_empty() {
             return keys.iter().map(|_| None).collect();
@@ -184,8 +200,13 @@ impl Fetcher {
             return 0;
         };
         let mut b = shared.buffer.lock();
+        let until = Instant::now() + PENDING_WAIT;
         while !b.pending.is_empty() {
-            shared.done.wait(&mut b);
+            if shared.done.wait_until(&mut b, until).timed_out() {
+                // Fetches still under way must not bring this prefix back.
+                b.dropped.push(prefix.to_string());
+                break;
+            }
         }
         let before = b.by_key.len();
         b.by_key.retain(|k, _| !k.starts_with(prefix));
@@ -199,8 +220,11 @@ impl Fetcher {
             return;
         };
         let mut b = shared.buffer.lock();
+        let until = Instant::now() + PENDING_WAIT;
         while !b.pending.is_empty() {
-            shared.done.wait(&mut b);
+            if shared.done.wait_until(&mut b, until).timed_out() {
+                return;
+            }
         }
     }
 
@@ -245,6 +269,9 @@ impl Drop for Settle<'_> {
         for k in self.keys {
             b.pending.remove(k);
         }
+        if b.pending.is_empty() {
+            b.dropped.clear();
+        }
         drop(b);
         self.shared.done.notify_all();
     }
@@ -269,6 +296,7 @@ fn fetch_loop(rx: &Receiver<Vec<String>>, tiers: &[Arc<dyn Tier>], shared: &Shar
             let mut still = Vec::new();
             for (&i, payload) in left.iter().zip(got) {
                 match payload {
+                    Some(_) if b.dropped.iter().any(|d| keys[i].starts_with(d.as_str())) => {}
                     Some(p) => {
                         while b.by_key.len() >= shared.max_payloads {
                             let Some(old) = b.order.pop_front() else {
@@ -307,11 +335,15 @@ mod tests {
         b.put_many(&[("w".to_string(), Arc::new(vec![5; 9]))]);
         let f = Fetcher::start(vec![a, b], 8, 2).unwrap();
         let keys: Vec<String> = ["x", "y", "z", "w"].map(String::from).to_vec();
-        assert_eq!(f.request(keys.clone()), 4);
+        assert_eq!(
+            f.request(keys.clone()),
+            2,
+            "at most the buffer's size in flight"
+        );
         f.wait();
         assert_eq!(
             f.request(keys[1..].to_vec()),
-            1,
+            2,
             "buffered keys are not asked again"
         );
         f.wait();
@@ -326,10 +358,75 @@ mod tests {
         );
         assert_eq!(f.take(&keys[1..2]), vec![None], "taken once");
         let c = f.counters();
-        assert_eq!(c.requested.load(Ordering::Relaxed), 5);
+        assert_eq!(c.requested.load(Ordering::Relaxed), 4);
         assert_eq!(c.fetched.load(Ordering::Relaxed), 3);
         assert_eq!(c.used.load(Ordering::Relaxed), 2);
         assert_eq!(c.discarded.load(Ordering::Relaxed), 1);
         assert_eq!(f.buffered(), (0, 0));
+    }
+
+    /// A tier that answers after `delay`.
+    #[derive(Debug, Default)]
+    struct Slow {
+        delay: Duration,
+        counters: crate::tier::TierCounters,
+    }
+
+    impl Tier for Slow {
+        fn name(&self) -> &str {
+            "slow"
+        }
+        fn get_many(
+            &self,
+            keys: &[String],
+            _: std::ops::RangeInclusive<usize>,
+        ) -> Vec<Option<Vec<u8>>> {
+            std::thread::sleep(self.delay);
+            keys.iter().map(|_| Some(vec![1; 8])).collect()
+        }
+        fn put_many(&self, items: &[(String, Arc<Vec<u8>>)]) -> Vec<bool> {
+            vec![false; items.len()]
+        }
+        fn drop_prefix(&self, _: &str) -> usize {
+            0
+        }
+        fn discard(&self, _: &str) {}
+        fn counters(&self) -> &crate::tier::TierCounters {
+            &self.counters
+        }
+    }
+
+    #[test]
+    fn fetches_in_flight_are_bounded_like_the_buffer_and_waited_for_a_bounded_time() {
+        let slow = Arc::new(Slow {
+            delay: PENDING_WAIT + Duration::from_secs(1),
+            ..Slow::default()
+        });
+        let f = Fetcher::start(vec![slow], 8, 2).unwrap();
+        let keys: Vec<String> = ["a:1", "a:2", "a:3", "b:1"].map(String::from).to_vec();
+        assert_eq!(
+            f.request(keys.clone()),
+            2,
+            "at most the buffer's size in flight"
+        );
+        assert_eq!(
+            f.request(keys[3..].to_vec()),
+            0,
+            "the buffer's size is in flight"
+        );
+        // A namespace dropped while its fetch is under way: a bounded wait, and the
+        // fetch's payloads do not come back.
+        let t0 = Instant::now();
+        assert_eq!(f.drop_prefix("a:"), 0);
+        let waited = t0.elapsed();
+        assert!(waited >= PENDING_WAIT && waited < PENDING_WAIT + Duration::from_millis(500));
+        std::thread::sleep(Duration::from_millis(1500));
+        assert_eq!(f.buffered(), (0, 0));
+        // A lookup waits a bounded time for a fetch under way, then finds it absent.
+        assert_eq!(f.request(keys[3..].to_vec()), 1);
+        let t1 = Instant::now();
+        assert_eq!(f.take(&keys[3..]), vec![None], "still pending: absent");
+        let waited = t1.elapsed();
+        assert!(waited >= PENDING_WAIT && waited < PENDING_WAIT + Duration::from_millis(500));
     }
 }

@@ -63,8 +63,15 @@ pub struct DiskTier {
     max_bytes: u64,
     /// Makes temporary file names unique within the process.
     serial: AtomicU64,
+    /// When taking the directory's lock last timed out: for [`STUCK_FOR`] after, each
+    /// operation tries it once instead of waiting (a held lock costs one wait, not one
+    /// per payload).
+    stuck_since: parking_lot::Mutex<Option<std::time::Instant>>,
     counters: TierCounters,
 }
+
+/// How long after a lock timeout operations only try the lock once.
+const STUCK_FOR: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl DiskTier {
     /// A tier in `dir` (created if missing) holding at most `max_bytes` of block and
@@ -92,6 +99,7 @@ impl DiskTier {
             dir,
             max_bytes,
             serial: AtomicU64::new(0),
+            stuck_since: parking_lot::Mutex::new(None),
             counters: TierCounters::default(),
         })
     }
@@ -140,12 +148,35 @@ impl DiskTier {
         Some(path)
     }
 
+    /// Takes the directory's lock: waiting at most [`usage::LOCK_WAIT`], or trying once
+    /// within [`STUCK_FOR`] of the last timeout.
+    fn lock(&self) -> io::Result<DirLock> {
+        let stuck = self
+            .stuck_since
+            .lock()
+            .is_some_and(|t| t.elapsed() < STUCK_FOR);
+        let wait = if stuck {
+            std::time::Duration::ZERO
+        } else {
+            usage::LOCK_WAIT
+        };
+        let got = DirLock::acquire_within(&self.dir, wait);
+        match &got {
+            Ok(_) => *self.stuck_since.lock() = None,
+            Err(e) if e.kind() == io::ErrorKind::TimedOut && !stuck => {
+                *self.stuck_since.lock() = Some(std::time::Instant::now());
+            }
+            Err(_) => {}
+        }
+        got
+    }
+
     /// Under the lock: reserves `len` bytes in the shared total (rescanning and evicting
     /// when it would pass the bound) and creates the temporary file `tmp` at that length.
     /// Returns the file and the generation of the reservation, or `None` when the writes
     /// in flight leave no room.
     fn reserve(&self, tmp: &Path, len: u64) -> io::Result<Option<(fs::File, u64)>> {
-        let _lock = DirLock::acquire(&self.dir)?;
+        let _lock = self.lock()?;
         let old = Usage::read(&self.dir);
         let mut usage = old.unwrap_or(Usage {
             total: 0,
@@ -194,7 +225,7 @@ impl DiskTier {
         if bytes == 0 {
             return;
         }
-        let Ok(_lock) = DirLock::acquire(&self.dir) else {
+        let Ok(_lock) = self.lock() else {
             return;
         };
         if let Some(mut u) = Usage::read(&self.dir) {
@@ -216,7 +247,7 @@ impl DiskTier {
         let written = f.write_all(payload).and_then(|()| {
             drop(f);
             // Under the lock, so a rescan never sees the file under both names or none.
-            let _lock = DirLock::acquire(&self.dir)?;
+            let _lock = self.lock()?;
             fs::rename(tmp, path)
         });
         if let Err(e) = written {
@@ -312,7 +343,8 @@ impl Tier for DiskTier {
         let Some(ns) = self.path_of(prefix, false) else {
             return 0;
         };
-        let generation = DirLock::acquire(&self.dir)
+        let generation = self
+            .lock()
             .ok()
             .and_then(|_lock| Usage::read(&self.dir))
             .map(|u| u.generation);
@@ -335,7 +367,9 @@ impl Tier for DiskTier {
         let Some(path) = self.path_of(key, true) else {
             return;
         };
-        let Ok(_lock) = DirLock::acquire(&self.dir) else {
+        // On a lookup's path: never waits for the lock. Without it the file is removed
+        // and the total overcounts until the next rescan (never under).
+        let Ok(_lock) = DirLock::acquire_within(&self.dir, std::time::Duration::ZERO) else {
             let _ = fs::remove_file(&path);
             return;
         };

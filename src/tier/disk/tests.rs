@@ -277,3 +277,41 @@ fn dead_writers_temporary_files_are_swept_and_live_ones_counted() {
     assert!(t.counters().evictions.load(Ordering::Relaxed) >= 1);
     let _ = fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_lock_held_by_another_process_costs_one_bounded_wait_and_never_blocks_a_lookup() {
+    use std::os::fd::AsRawFd;
+    use std::time::{Duration, Instant};
+    let dir = tmpdir("held-lock");
+    let t = DiskTier::open(&dir, 1 << 20).unwrap();
+    assert!(put(&t, "kvrs:aa:01:10", vec![1; 100]));
+    // Anyone who can open the directory can hold its flock.
+    let holder = fs::File::open(&dir).unwrap();
+    // SAFETY: the descriptor is open for the call.
+    assert_eq!(unsafe { libc::flock(holder.as_raw_fd(), libc::LOCK_EX) }, 0);
+    let t0 = Instant::now();
+    assert!(
+        !put(&t, "kvrs:aa:01:11", vec![2; 100]),
+        "no store without the lock"
+    );
+    let first = t0.elapsed();
+    assert!(first >= usage::LOCK_WAIT && first < usage::LOCK_WAIT + Duration::from_secs(1));
+    let t1 = Instant::now();
+    assert!(!put(&t, "kvrs:aa:01:12", vec![3; 100]));
+    assert!(
+        t1.elapsed() < Duration::from_millis(200),
+        "one wait, not one per store"
+    );
+    // Lookups and discards never wait for it.
+    let t2 = Instant::now();
+    assert_eq!(get(&t, "kvrs:aa:01:10", 100..=100), Some(vec![1; 100]));
+    t.discard("kvrs:aa:01:10");
+    assert!(t2.elapsed() < Duration::from_millis(200));
+    assert_eq!(get(&t, "kvrs:aa:01:10", 100..=100), None);
+    drop(holder);
+    assert!(
+        put(&t, "kvrs:aa:01:13", vec![4; 100]),
+        "back once the lock is free"
+    );
+    let _ = fs::remove_dir_all(&dir);
+}

@@ -33,22 +33,45 @@ pub(super) struct DirLock {
     _dir: File,
 }
 
+/// The longest wait for the directory's lock: every cooperating holder keeps it for a
+/// few system calls or a rescan, so a lock held longer is a stopped process or another
+/// user of the directory holding it on purpose, and the operation gives up (a miss or a
+/// dropped write, counted as an error) instead of hanging its caller.
+pub(super) const LOCK_WAIT: Duration = Duration::from_secs(2);
+
 impl DirLock {
-    /// Waits for the lock on `dir` (every holder keeps it for a few system calls or a
-    /// rescan, never across a payload write).
+    /// Takes the lock on `dir`, waiting at most [`LOCK_WAIT`] (`TimedOut` after).
     pub(super) fn acquire(dir: &Path) -> io::Result<DirLock> {
+        Self::acquire_within(dir, LOCK_WAIT)
+    }
+
+    /// Takes the lock on `dir`, waiting at most `wait` (`TimedOut` after; zero: one try).
+    pub(super) fn acquire_within(dir: &Path, wait: Duration) -> io::Result<DirLock> {
         let f = OpenOptions::new()
             .read(true)
             .custom_flags(libc::O_DIRECTORY | libc::O_NONBLOCK)
             .open(dir)?;
+        let deadline = std::time::Instant::now() + wait;
+        let mut pause = Duration::from_micros(50);
         loop {
             // SAFETY: the descriptor is open for the call.
-            if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } == 0 {
+            if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
                 return Ok(DirLock { _dir: f });
             }
             let e = io::Error::last_os_error();
-            if e.kind() != ErrorKind::Interrupted {
-                return Err(e);
+            match e.kind() {
+                ErrorKind::Interrupted => continue,
+                ErrorKind::WouldBlock if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(Duration::from_millis(5));
+                }
+                ErrorKind::WouldBlock => {
+                    return Err(io::Error::new(
+                        ErrorKind::TimedOut,
+                        "the directory's lock was held too long",
+                    ))
+                }
+                _ => return Err(e),
             }
         }
     }

@@ -361,7 +361,8 @@ impl Cluster {
 fn drop_on(node: &Node, pattern: &str, timeout: Duration, counters: &TierCounters) -> usize {
     let mut cursor = b"0".to_vec();
     let mut removed = 0;
-    loop {
+    let give_up = std::time::Instant::now() + super::DROP_DEADLINE;
+    while std::time::Instant::now() < give_up {
         let scan = redis::cmd("SCAN")
             .arg(&cursor)
             .arg("MATCH")
@@ -411,4 +412,5 @@ fn drop_on(node: &Node, pattern: &str, timeout: Duration, counters: &TierCounter
         }
         cursor = next;
     }
+    removed
 }

@@ -93,6 +93,11 @@ const SCAN_COUNT: usize = 1000;
 /// Bytes a `SCAN` reply may take (a `CLUSTER SLOTS` reply too).
 const SCAN_CAP: usize = 16 << 20;
 
+/// The longest a namespace drop runs (its `SCAN` pages and `UNLINK`s together): a server
+/// that never ends its cursor cannot hold the caller; what is left stays until the next
+/// drop, an expiry or the server's eviction.
+const DROP_DEADLINE: Duration = Duration::from_secs(60);
+
 /// The target of `url`, or an error that names what is wrong without the password.
 fn target_of(url: &str) -> Result<Target> {
     let bad_url = |reason: String| KvError::InvalidArgument {
@@ -399,7 +404,8 @@ impl Tier for RedisTier {
         };
         let mut cursor = b"0".to_vec();
         let mut removed = 0;
-        loop {
+        let give_up = std::time::Instant::now() + DROP_DEADLINE;
+        while std::time::Instant::now() < give_up {
             let scan = redis::cmd("SCAN")
                 .arg(&cursor)
                 .arg("MATCH")
@@ -422,6 +428,7 @@ impl Tier for RedisTier {
             }
             cursor = next;
         }
+        removed
     }
 
     fn discard(&self, key: &str) {
