@@ -130,9 +130,10 @@ impl PoolCore {
     /// Loads and caches what `fetched` holds of what the pool still lacks of its chain,
     /// consecutive from the chain's first gap; returns the tokens each tier served.
     pub fn commit_tier_lookup(&mut self, fetched: TierFetched) -> TierTokens {
-        let Some(ts) = self.tiers().cloned() else {
+        let Some(ts) = self.tiers() else {
             return TierTokens::new();
         };
+        let shape = ts.shape;
         let mut served: TierTokens = smallvec::smallvec![0; ts.tiers.len()];
         let TierFetched {
             root,
@@ -167,7 +168,7 @@ impl PoolCore {
             .collect();
         let mut loaded: Vec<BlockId> = (0..entries.len()).map(|_| self.take_block()).collect();
         let payloads: Vec<&[u8]> = entries.iter().map(|e| e.1.as_slice()).collect();
-        if self.load_payloads(&ts.shape, &loaded, &payloads).is_err() {
+        if self.load_payloads(&shape, &loaded, &payloads).is_err() {
             // Unregistered: the blocks go back to the free list; nothing was cached.
             self.release_all(loaded.drain(..));
         } else {
@@ -180,8 +181,9 @@ impl PoolCore {
                 };
                 let registered = self.blocks.register(b, meta, &c.tokens, &extra);
                 debug_assert!(registered, "only blocks the index lacks are loaded");
-                TierCounters::add(&ts.tiers[*t].counters().hits, 1);
-                TierCounters::add(&ts.tiers[*t].counters().hit_bytes, bytes.len() as u64);
+                let tier = &self.tiers().expect("tiers on").tiers[*t];
+                TierCounters::add(&tier.counters().hits, 1);
+                TierCounters::add(&tier.counters().hit_bytes, bytes.len() as u64);
             }
             // A block's tokens count once, for the tier that served its first entry.
             let mut last = usize::MAX;

@@ -453,9 +453,13 @@ impl PyBlockPool {
                 // without it and without the GIL, committed under the lock; long prompts
                 // take a while to hash: without the GIL too.
                 let limit = crate::paged::caching::prompt_limit(&t);
-                let lookup = pool.read_moving(py, 4 * t.len(), |c| {
-                    c.plan_tier_lookup(&t, &ns, &extra, limit)
-                });
+                let lookup = if pool.read(py, |c| c.tiers().is_some()) {
+                    pool.read_moving(py, 4 * t.len(), |c| {
+                        c.plan_tier_lookup(&t, &ns, &extra, limit)
+                    })
+                } else {
+                    None
+                };
                 let fetched = lookup.map(|l| py.detach(|| l.fetch()));
                 pool.write_detached(py, |c| c.new_sequence_fetched(t, &ns, &extra, fetched))
             }
@@ -499,10 +503,9 @@ impl PyBlockPool {
         if wait {
             // Planned under the pool's lock, fetched without it (and the GIL), committed.
             let lookup = self.core.read_moving(py, 4 * t.len(), |c| {
-                c.tiers()
-                    .map(|_| c.plan_tier_lookup(&t, &ns, &extra, t.len()))
+                c.plan_tier_lookup(&t, &ns, &extra, t.len())
             });
-            let fetched = lookup.flatten().map(|l| py.detach(|| l.fetch()));
+            let fetched = lookup.map(|l| py.detach(|| l.fetch()));
             Ok(self
                 .core
                 .write_detached(py, |c| c.prefetch_fetched(fetched, &t, &ns, &extra))?)

@@ -12,51 +12,16 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
+from test_tiers import PROMPT, check_contents, evict_everything, pool, serve
 
 import kvrs
-
-L, H, D, BS = 2, 2, 8, 4
-PROMPT = list(range(1, 18))  # 4 whole blocks and one token
-
-
-def kv_of(tokens, start, n):
-    out = np.empty((n, H, D), np.float32)
-    for i, p in enumerate(range(start, start + n)):
-        out[i] = np.random.default_rng(hash(tuple(tokens[: p + 1])) % 2**32).standard_normal((H, D))
-    return out
-
-
-def pool(tiers, num_blocks=8):
-    return kvrs.BlockPool(
-        L, H, D, block_size=BS, num_blocks=num_blocks, tiers=tiers, seed=11, dtype="float32"
-    )
-
-
-def serve(p, tokens):
-    s = p.new_sequence(tokens=tokens)
-    n = len(tokens) - s.seq_len
-    k = kv_of(tokens, s.seq_len, n)
-    for layer in range(L):
-        s.append(layer, k, -k * (layer + 1))
-    s.advance(n, tokens=tokens[s.seq_len :])
-    return s
-
-
-def check_contents(s, tokens):
-    want = kv_of(tokens, 0, s.seq_len).transpose(1, 0, 2)
-    for layer in range(L):
-        k, v = s.get(layer)
-        np.testing.assert_array_equal(k, want)
-        np.testing.assert_array_equal(v, -want * (layer + 1))
 
 
 def store(p, tokens):
     """Serves `tokens` and pushes its blocks to the tiers."""
     serve(p, tokens).free()
-    p.evict_all()
-    p.flush_tiers()
+    evict_everything(p)
 
 
 def key_of(root: Path, f: Path) -> str:

@@ -243,6 +243,24 @@ def test_prefetched_payloads_are_checked_bounded_and_dropped_with_their_namespac
     assert r.stats()["prefetch"]["buffered"] == 0
 
 
+def check_shared_runs(first, second):
+    """Two `tier_worker.py` runs, the second after the first stored its prompt: the second
+    found the 6 whole blocks of the 100-token prompt in the tier with the first one's K/V,
+    and generated what both runs and a run without any cache generate. Returns the
+    second run's tier stats."""
+    assert int(first["cached"]) == 0
+    assert int(second["cached"]) == 96
+    assert list(json.loads(str(second["by_tier"])).values()) == [0, 96]
+    for layer in range(2):
+        for kv in "kv":
+            np.testing.assert_array_equal(second[f"{kv}{layer}"][:, :96], first[f"{kv}{layer}"][:, :96])
+    np.testing.assert_array_equal(second["generated"], first["generated"])
+    np.testing.assert_array_equal(second["generated"], second["plain"])
+    stats = json.loads(str(second["stats"]))[0]
+    assert stats["hits"] == 6
+    return stats
+
+
 def test_two_processes_share_a_prompt_through_redis(redis_url, tmp_path):
     """Two separate Python processes with separate pools and one Redis: the second serves
     the first one's prompt from Redis, with the first one's K/V, and its model output
@@ -257,16 +275,7 @@ def test_two_processes_share_a_prompt_through_redis(redis_url, tmp_path):
             timeout=300,
         )
         outs.append(np.load(out))
-    first, second = outs
-    assert int(first["cached"]) == 0
-    assert int(second["cached"]) == 96  # the 6 whole blocks of the 100-token prompt
-    assert list(json.loads(str(second["by_tier"])).values()) == [0, 96]
-    for layer in range(2):
-        for kv in "kv":
-            np.testing.assert_array_equal(second[f"{kv}{layer}"][:, :96], first[f"{kv}{layer}"][:, :96])
-    np.testing.assert_array_equal(second["generated"], first["generated"])
-    np.testing.assert_array_equal(second["generated"], second["plain"])
-    assert json.loads(str(second["stats"]))[0]["hits"] == 6
+    check_shared_runs(*outs)
 
 
 def test_a_killed_server_makes_misses_and_dropped_writes_then_recovers(redis_server, redis_url):
