@@ -40,6 +40,16 @@ pub fn install<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     }
 }
 
+/// Runs `f` on the calling thread with a scope whose spawned work runs on this process's
+/// pool (on rayon's global pool when this process could start none); returns when `f`
+/// and all that work are done.
+pub fn in_place_scope<'s, R>(f: impl FnOnce(&rayon::Scope<'s>) -> R) -> R {
+    match pool() {
+        Some(p) => p.in_place_scope(f),
+        None => rayon::in_place_scope(f),
+    }
+}
+
 /// The threads of this process's pool (1 when it has none).
 pub fn threads() -> usize {
     pool().map_or(1, |p| p.current_num_threads())

@@ -19,6 +19,7 @@
 //! so the room the loads take never evicts them. A refused payload is counted and
 //! forgotten by the tier that served it.
 
+use parking_lot::Mutex;
 use rayon::prelude::*;
 use rustc_hash::FxHashMap;
 
@@ -36,6 +37,12 @@ type Entry = (usize, usize);
 
 /// A payload a tier served (the tier's index, the bytes) and what its checks read.
 type Served = (usize, Vec<u8>, Checked);
+
+/// A payload fetched for entry `.0` of a lookup from tier `.1`.
+type Fetched = (usize, usize, Vec<u8>);
+
+/// A fetched payload and the outcome of its checks.
+type CheckedFetch = (usize, usize, Vec<u8>, Result<Checked, Refusal>);
 
 /// A tier lookup planned under the pool's lock, to be fetched without it.
 #[derive(Debug)]
@@ -295,9 +302,10 @@ impl PoolCore {
 impl TierLookup {
     /// Fetches the planned entries without the pool's lock: first what a prefetch
     /// brought (waiting for its fetches under way), then each tier in order for the
-    /// rest, one batched request per tier. Each payload is checked (in parallel: a MAC
-    /// pass over its bytes) as it arrives; a refused one is counted and forgotten by the
-    /// tier that served it.
+    /// rest, one batched request per tier. Payloads are checked (a MAC pass over their
+    /// bytes) on the pool's threads batch by batch as they arrive, while this thread
+    /// receives the next ones; a refused one is counted and forgotten by the tier that
+    /// served it.
     pub fn fetch(self) -> TierFetched {
         let ts = &self.tiers;
         let mac = ts.config_key.namespace(self.root);
@@ -309,37 +317,15 @@ impl TierLookup {
             })
             .collect();
         let mut found: FxHashMap<Entry, Served> = FxHashMap::default();
-        let check = |found: &mut FxHashMap<Entry, Served>, served: Vec<(usize, usize, Vec<u8>)>| {
-            let checked: Vec<_> = crate::parallel::install(|| {
-                served
-                    .into_par_iter()
-                    .map(|(i, t, bytes)| {
-                        let c = self.check(i, &bytes, &mac);
-                        (i, t, bytes, c)
-                    })
-                    .collect()
-            });
-            for (i, t, bytes, c) in checked {
-                match c {
-                    Ok(c) => {
-                        found.insert(self.wanted[i], (t, bytes, c));
-                    }
-                    Err(_) => {
-                        TierCounters::add(&ts.tiers[t].counters().rejected, 1);
-                        ts.tiers[t].discard(&keys[i]);
-                    }
-                }
-            }
-        };
-        let prefetched = ts.fetcher.take(&keys);
-        check(
-            &mut found,
-            prefetched
-                .into_iter()
-                .enumerate()
-                .filter_map(|(i, got)| got.map(|(t, b)| (i, t, b)))
-                .collect(),
-        );
+        let prefetched: Vec<Fetched> = ts
+            .fetcher
+            .take(&keys)
+            .into_iter()
+            .enumerate()
+            .filter_map(|(i, got)| got.map(|(t, b)| (i, t, b)))
+            .collect();
+        let checked = crate::parallel::install(|| self.check_all(prefetched, &mac));
+        self.keep(&mut found, &keys, checked);
         let len = ts.shape.len();
         for (t, tier) in ts.tiers.iter().enumerate() {
             let ask: Vec<usize> = (0..self.wanted.len())
@@ -349,20 +335,57 @@ impl TierLookup {
                 break;
             }
             let ask_keys: Vec<String> = ask.iter().map(|&i| keys[i].clone()).collect();
-            let got = tier.get_many(&ask_keys, len..=len);
-            check(
-                &mut found,
-                ask.iter()
-                    .zip(got)
-                    .filter_map(|(&i, bytes)| bytes.map(|b| (i, t, b)))
-                    .collect(),
-            );
+            let checked = Mutex::new(Vec::new());
+            crate::parallel::in_place_scope(|s| {
+                tier.get_each(&ask_keys, len..=len, &mut |batch| {
+                    let (this, ask, mac, checked) = (&self, &ask, &mac, &checked);
+                    s.spawn(move |_| {
+                        let served = batch.into_iter().map(|(k, b)| (ask[k], t, b)).collect();
+                        let done = this.check_all(served, mac);
+                        checked.lock().extend(done);
+                    });
+                });
+            });
+            self.keep(&mut found, &keys, checked.into_inner());
         }
         TierFetched {
             root: self.root,
             hashes: self.hashes,
             extra: self.extra,
             found,
+        }
+    }
+
+    /// Checks `served` payloads in parallel (on the current rayon pool).
+    fn check_all(&self, served: Vec<Fetched>, mac: &payload::MacKey) -> Vec<CheckedFetch> {
+        served
+            .into_par_iter()
+            .map(|(i, t, bytes)| {
+                let c = self.check(i, &bytes, mac);
+                (i, t, bytes, c)
+            })
+            .collect()
+    }
+
+    /// Keeps the payloads that passed their checks in `found`; the others are counted
+    /// and forgotten by the tier that served them.
+    fn keep(
+        &self,
+        found: &mut FxHashMap<Entry, Served>,
+        keys: &[String],
+        checked: Vec<CheckedFetch>,
+    ) {
+        let ts = &self.tiers;
+        for (i, t, bytes, c) in checked {
+            match c {
+                Ok(c) => {
+                    found.insert(self.wanted[i], (t, bytes, c));
+                }
+                Err(_) => {
+                    TierCounters::add(&ts.tiers[t].counters().rejected, 1);
+                    ts.tiers[t].discard(&keys[i]);
+                }
+            }
         }
     }
 

@@ -3,9 +3,12 @@
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::ptr::NonNull;
 
-use super::{Device, Region, Storage};
+use rayon::prelude::*;
+
+use super::{paged_ops, Device, Region, Storage};
 use crate::dtype::DType;
 use crate::error::{KvError, Result};
+use crate::layout::{BlockId, PagedShape};
 use crate::tensor::{copy_strided, TensorMut, TensorRef};
 
 /// Alignment of host allocations (a cache line, and enough for any SIMD load).
@@ -118,6 +121,52 @@ impl Storage for HostStorage {
         self.ptr.as_ptr()
     }
 
+    /// Whole blocks from packed bytes (a tier's payloads), copied in parallel when the
+    /// blocks are distinct (the copies then never overlap).
+    fn write_blocks(
+        &mut self,
+        shape: PagedShape,
+        tensors: usize,
+        blocks: &[BlockId],
+        data: &[&[u8]],
+    ) -> Result<()> {
+        let mut sorted = blocks.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        if sorted.len() != blocks.len() {
+            return paged_ops::write_blocks(self, shape, tensors, blocks, data);
+        }
+        paged_ops::check_data(self, &shape, tensors, blocks, data)?;
+        let bb = shape.block_elems() * self.dtype.size();
+        let copies: Vec<(usize, &[u8])> = blocks
+            .iter()
+            .zip(data)
+            .flat_map(|(&b, one)| {
+                (0..tensors).map(move |t| (shape.whole_block(t, b), &one[t * bb..(t + 1) * bb]))
+            })
+            .map(|(r, src)| {
+                self.check_region(&r);
+                (r.offset * self.dtype.size(), src)
+            })
+            .collect();
+        let base = self.ptr.as_ptr() as usize;
+        crate::parallel::install(|| {
+            copies.par_iter().with_min_len(16).for_each(|&(at, src)| {
+                // SAFETY: each region was checked to lie in the allocation, the blocks
+                // are distinct so no two copies overlap, `&mut self` excludes every
+                // other access, and `src` is a separate buffer of the region's length.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        src.as_ptr(),
+                        (base as *mut u8).add(at),
+                        src.len(),
+                    )
+                }
+            })
+        });
+        Ok(())
+    }
+
     fn write(&mut self, dst: Region, src: &TensorRef) -> Result<()> {
         self.check_region(&dst);
         on_host("the source", src.device())?;
@@ -228,6 +277,51 @@ impl Storage for HostStorage {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::layout::KvLayout;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// Whole-block writes (the parallel copy of distinct blocks, the sequential one
+        /// of repeated blocks) leave the storage as one copy after another would.
+        #[test]
+        fn write_blocks_matches_copies_one_after_another(
+            layers in 1usize..4,
+            num_blocks in 1usize..12,
+            picks in proptest::collection::vec(0usize..12, 1..12),
+            seed in any::<u8>(),
+        ) {
+            let shape = PagedShape {
+                num_layers: layers,
+                num_kv_heads: 2,
+                head_dim: 4,
+                block_size: 3,
+                num_blocks,
+                layout: KvLayout::Nhd,
+            };
+            let tensors = layers;
+            let blocks: Vec<BlockId> = picks.iter().map(|&p| (p % num_blocks) as BlockId).collect();
+            let bb = shape.block_elems() * 4;
+            let data: Vec<Vec<u8>> = (0..blocks.len())
+                .map(|i| (0..tensors * bb).map(|j| (i * 31 + j * 7) as u8 ^ seed).collect())
+                .collect();
+            let refs: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
+            let numel = tensors * shape.layer_elems();
+            let mut fast = HostStorage::zeroed(DType::F32, numel).unwrap();
+            fast.write_blocks(shape, tensors, &blocks, &refs).unwrap();
+            let mut expected = vec![0u8; numel * 4];
+            for (&b, one) in blocks.iter().zip(&data) {
+                for t in 0..tensors {
+                    let at = shape.block_offset(t, b) * 4;
+                    expected[at..at + bb].copy_from_slice(&one[t * bb..(t + 1) * bb]);
+                }
+            }
+            // SAFETY: the storage holds `numel` f32 elements, nothing else uses it here.
+            let got = unsafe { std::slice::from_raw_parts(fast.data_ptr(), numel * 4) };
+            prop_assert_eq!(got, &expected[..]);
+        }
+    }
 
     #[test]
     fn write_read_round_trip_and_zero_fill() {

@@ -38,6 +38,23 @@ pub trait Tier: Send + Sync + fmt::Debug {
     /// `None` and counted as rejected, and is never buffered whole: a pool asks for its
     /// configuration's exact payload size.
     fn get_many(&self, keys: &[String], sizes: RangeInclusive<usize>) -> Vec<Option<Vec<u8>>>;
+    /// The payloads of `keys` as [`Tier::get_many`] finds them, handed to `found` in
+    /// batches of `(index in keys, payload)` as they arrive, so that a caller checks one
+    /// batch while the next is on its way (by default: one batch at the end).
+    fn get_each(
+        &self,
+        keys: &[String],
+        sizes: RangeInclusive<usize>,
+        found: &mut dyn FnMut(Vec<(usize, Vec<u8>)>),
+    ) {
+        let got = self.get_many(keys, sizes);
+        found(
+            got.into_iter()
+                .enumerate()
+                .filter_map(|(i, p)| p.map(|p| (i, p)))
+                .collect(),
+        );
+    }
     /// Stores `items`; returns, per item, whether the tier took it (a refusal or a
     /// failure leaves it for the next tier). One batched request.
     fn put_many(&self, items: &[(String, Arc<Vec<u8>>)]) -> Vec<bool>;

@@ -335,21 +335,31 @@ impl Conn {
         self.pid
     }
 
-    /// Sends `packed` (one or more commands, in one write) and reads `replies` replies,
-    /// all before `deadline` and reading at most `cap` bytes. A new connection logs in
-    /// first, in the same write; a refused login is an error.
+    /// Sends `commands` (encoded; each one write, or a pipeline of several commands) and
+    /// reads `replies` replies, handing each to `each` as soon as it is parsed, all before
+    /// `deadline` and reading at most `cap` bytes; `each` returning `false` ends the
+    /// exchange with an error. The first `window` commands go in one write, then one
+    /// more as each reply arrives, before that reply is handed to `each`: the server
+    /// builds the next replies while the caller works on the last one (a server builds
+    /// the replies of all the commands it has read before it sends any). A new
+    /// connection logs in first, in the same write; a refused login is an error.
     pub(super) fn exchange(
         &mut self,
-        packed: &[u8],
+        commands: &[&[u8]],
+        window: usize,
         replies: usize,
         cap: usize,
         deadline: Instant,
-    ) -> io::Result<Vec<Value>> {
+        mut each: impl FnMut(Value) -> bool,
+    ) -> io::Result<()> {
         let login = self.login.take();
-        match &login {
-            Some((l, _)) => self.write_all(&[l.as_slice(), packed].concat(), deadline)?,
-            None => self.write_all(packed, deadline)?,
+        let first = window.clamp(1, commands.len());
+        let mut out: Vec<u8> = login.as_ref().map_or_else(Vec::new, |(l, _)| l.clone());
+        for c in &commands[..first] {
+            out.extend_from_slice(c);
         }
+        write_all(&mut self.stream, &out, deadline)?;
+        let mut next = first;
         let bounded = Bounded {
             stream: &mut self.stream,
             deadline,
@@ -357,10 +367,9 @@ impl Conn {
         };
         let mut reader = BufReader::with_capacity(READ_CHUNK.min(cap.max(1)), bounded);
         let mut parser = redis::Parser::new();
-        let mut parse = || parser.parse_value(&mut reader).map_err(io::Error::other);
         if let Some((_, n)) = login {
             for _ in 0..n {
-                match parse()? {
+                match parser.parse_value(&mut reader).map_err(io::Error::other)? {
                     Value::Okay => {}
                     Value::ServerError(e) => {
                         return Err(io::Error::other(format!("login refused: {e}")))
@@ -369,22 +378,35 @@ impl Conn {
                 }
             }
         }
-        (0..replies).map(|_| parse()).collect()
-    }
-
-    /// Writes all of `buf` before `deadline`.
-    fn write_all(&mut self, mut buf: &[u8], deadline: Instant) -> io::Result<()> {
-        while !buf.is_empty() {
-            self.stream.set_write_timeout(left(deadline)?)?;
-            match self.stream.write(buf) {
-                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(n) => buf = &buf[n..],
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
+        for _ in 0..replies {
+            let value = parser.parse_value(&mut reader).map_err(io::Error::other)?;
+            if let Some(c) = commands.get(next) {
+                write_all(reader.get_mut().stream, c, deadline)?;
+                next += 1;
+            }
+            if !each(value) {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "reply of an unexpected shape",
+                ));
             }
         }
         Ok(())
     }
+}
+
+/// Writes all of `buf` to `stream` before `deadline`.
+fn write_all(stream: &mut Stream, mut buf: &[u8], deadline: Instant) -> io::Result<()> {
+    while !buf.is_empty() {
+        stream.set_write_timeout(left(deadline)?)?;
+        match stream.write(buf) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => buf = &buf[n..],
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// The addresses of `host`: at once for an IP address; otherwise the system's resolver,

@@ -1,9 +1,10 @@
 //! [`RedisTier`]: block payloads in a Redis (or Valkey) server, shared by every process
 //! that points at it.
 //!
-//! Each lookup is one `MGET` of all the keys it needs (a pipeline of several past
-//! [`MGET_BATCH`] keys) and each store one pipeline of `SET key payload [EX ttl]`: one
-//! write and one read of all the replies per batch. The `redis` crate parses the URL,
+//! Each lookup is one pipeline of `MGET`s of about [`MGET_BYTES`] of payloads each, whose
+//! replies are handed on one by one as they arrive (a pool checks the first payloads
+//! while the later ones are on their way), and each store one pipeline of
+//! `SET key payload [EX ttl]`: one write and one read of all the replies per batch. The `redis` crate parses the URL,
 //! encodes the commands and parses the replies; the sockets are this crate's own
 //! ([`conn`]), so that `timeout` bounds a whole request: connecting, logging in
 //! (`AUTH`, `SELECT`), sending and receiving every byte of the reply. A reply is also
@@ -79,8 +80,17 @@ impl std::fmt::Debug for RedisTier {
     }
 }
 
-/// Most keys in one `MGET` (a lookup sends several in one pipeline beyond that).
+/// Most keys in one `MGET` (a lookup sends a pipeline of several).
 const MGET_BATCH: usize = 256;
+
+/// About how many bytes of payloads one `MGET` of a lookup asks for: small enough that
+/// the first replies are checked while the later ones are on their way.
+const MGET_BYTES: usize = 1 << 20;
+
+/// How many `MGET`s of a lookup the server holds at once: it builds the replies of all
+/// the commands it has read before it sends any, so a lookup sends two, then one more as
+/// each reply arrives.
+const MGET_WINDOW: usize = 2;
 
 /// Bytes a reply may take beyond what its values account for (headers, login replies).
 const SLACK: usize = 64 << 10;
@@ -278,26 +288,29 @@ impl RedisTier {
     }
 }
 
-/// The values of a pipeline of `MGET`s, one per key of `keys` in order: `None` unless
-/// every reply is an array of exactly its keys' count of values, each nil or a string.
-fn mget_values(keys: &[String], replies: Vec<Value>) -> Option<Vec<Option<Vec<u8>>>> {
-    let mut out = Vec::with_capacity(keys.len());
-    for (reply, chunk) in replies.into_iter().zip(keys.chunks(MGET_BATCH)) {
-        let Value::Array(values) = reply else {
-            return None;
-        };
-        if values.len() != chunk.len() {
-            return None;
-        }
-        for v in values {
-            match v {
-                Value::Nil => out.push(None),
-                Value::BulkString(b) => out.push(Some(b)),
-                _ => return None,
-            }
-        }
+/// The values of one `MGET` reply for `n` keys: `None` unless it is an array of exactly
+/// `n` values, each nil or a string.
+fn mget_values(n: usize, reply: Value) -> Option<Vec<Option<Vec<u8>>>> {
+    let Value::Array(values) = reply else {
+        return None;
+    };
+    if values.len() != n {
+        return None;
     }
-    (out.len() == keys.len()).then_some(out)
+    values
+        .into_iter()
+        .map(|v| match v {
+            Value::Nil => Some(None),
+            Value::BulkString(b) => Some(Some(b)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Keys per `MGET` of a lookup whose payloads take at most `size` bytes: about
+/// [`MGET_BYTES`] of reply each, at most [`MGET_BATCH`] keys.
+fn mget_batch(size: usize) -> usize {
+    (MGET_BYTES / size.max(1)).clamp(1, MGET_BATCH)
 }
 
 impl Tier for RedisTier {
@@ -306,13 +319,13 @@ impl Tier for RedisTier {
     }
 
     fn get_many(&self, keys: &[String], sizes: RangeInclusive<usize>) -> Vec<Option<Vec<u8>>> {
-        TierCounters::add(&self.counters.lookups, keys.len() as u64);
-        if keys.is_empty() {
-            return Vec::new();
-        }
-        let node = match &self.servers {
-            Servers::Single(node) => node,
+        match &self.servers {
+            Servers::Single(_) => {}
             Servers::Cluster(c) => {
+                TierCounters::add(&self.counters.lookups, keys.len() as u64);
+                if keys.is_empty() {
+                    return Vec::new();
+                }
                 let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
                 let build = |i: usize, p: &mut redis::Pipeline| {
                     p.cmd("GET").arg(&keys[i]);
@@ -337,23 +350,73 @@ impl Tier for RedisTier {
                     })
                     .collect();
             }
-        };
-        let mut p = redis::pipe();
-        for chunk in keys.chunks(MGET_BATCH) {
-            p.cmd("MGET").arg(chunk);
         }
-        let replies = keys.len().div_ceil(MGET_BATCH);
+        let mut out = vec![None; keys.len()];
+        self.get_each(keys, sizes, &mut |batch| {
+            for (i, p) in batch {
+                out[i] = Some(p);
+            }
+        });
+        out
+    }
+
+    /// On one server: `MGET`s of about [`MGET_BYTES`] of reply each, [`MGET_WINDOW`] at a
+    /// time, whose replies are checked (exactly one value per key, each nil or a string) and handed
+    /// on one by one as they arrive. A failure midway keeps what was handed on (each
+    /// payload is checked by its reader anyway) and makes the rest misses.
+    fn get_each(
+        &self,
+        keys: &[String],
+        sizes: RangeInclusive<usize>,
+        found: &mut dyn FnMut(Vec<(usize, Vec<u8>)>),
+    ) {
+        let node = match &self.servers {
+            Servers::Single(node) => node,
+            Servers::Cluster(_) => {
+                let got = self.get_many(keys, sizes);
+                let batch = got.into_iter().enumerate();
+                return found(batch.filter_map(|(i, p)| p.map(|p| (i, p))).collect());
+            }
+        };
+        TierCounters::add(&self.counters.lookups, keys.len() as u64);
+        if keys.is_empty() {
+            return;
+        }
+        let per = mget_batch(*sizes.end());
+        let commands: Vec<Vec<u8>> = keys
+            .chunks(per)
+            .map(|chunk| redis::cmd("MGET").arg(chunk).get_packed_command())
+            .collect();
+        let commands: Vec<&[u8]> = commands.iter().map(Vec::as_slice).collect();
         let cap = keys
             .len()
             .saturating_mul(sizes.end().saturating_add(PER_VALUE))
             .saturating_add(SLACK);
-        let got = self.request(node, &p.get_packed_pipeline(), replies, cap, |r| {
-            mget_values(keys, r)
-        });
-        let Some(values) = got else {
-            return vec![None; keys.len()];
+        let mut next = 0;
+        let each = |reply: Value| {
+            let n = per.min(keys.len() - next);
+            let Some(values) = mget_values(n, reply) else {
+                return false;
+            };
+            let batch = values
+                .into_iter()
+                .enumerate()
+                .filter_map(|(k, p)| self.sized(p, &sizes).map(|p| (next + k, p)))
+                .collect();
+            next += n;
+            found(batch);
+            true
         };
-        values.into_iter().map(|p| self.sized(p, &sizes)).collect()
+        let deadline = deadline_in(self.timeout);
+        let _ = node.request_each(
+            &commands,
+            MGET_WINDOW,
+            commands.len(),
+            cap,
+            deadline,
+            &self.counters,
+            each,
+        );
     }
 
     fn put_many(&self, items: &[(String, Arc<Vec<u8>>)]) -> Vec<bool> {

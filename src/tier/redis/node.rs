@@ -105,8 +105,8 @@ impl Node {
     }
 
     /// One request: `packed` (commands, encoded) sent on a pooled or new connection and
-    /// its `replies` replies read, all before `deadline` and within `cap` bytes; `check`
-    /// turns the replies into the result, or `None` for a reply that makes no sense. On
+    /// its `replies` (at least one) replies read, all before `deadline` and within `cap`
+    /// bytes; `check` turns the replies into the result, or `None` for a reply that makes no sense. On
     /// any failure the connection is dropped, an error counted in `counters`, the node
     /// marked down, and the result is `Failed`; while it is down, `Down` at once (counted
     /// too).
@@ -119,6 +119,34 @@ impl Node {
         counters: &TierCounters,
         check: impl FnOnce(Vec<Value>) -> Option<R>,
     ) -> Result<R, Failure> {
+        let mut values = Vec::with_capacity(replies);
+        let mut check = Some(check);
+        let mut result = None;
+        self.request_each(&[packed], 1, replies, cap, deadline, counters, |v| {
+            values.push(v);
+            if values.len() == replies {
+                result = check.take().and_then(|c| c(std::mem::take(&mut values)));
+                return result.is_some();
+            }
+            true
+        })?;
+        result.ok_or(Failure::Failed)
+    }
+
+    /// One request as [`Node::request`] of `commands` sent `window` at a time
+    /// ([`Conn::exchange`]), handing each reply to `each` as it arrives (a reply `each`
+    /// refuses, returning `false`, fails the request).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn request_each(
+        &self,
+        commands: &[&[u8]],
+        window: usize,
+        replies: usize,
+        cap: usize,
+        deadline: Instant,
+        counters: &TierCounters,
+        each: impl FnMut(Value) -> bool,
+    ) -> Result<(), Failure> {
         let Some(probing) = self.admit() else {
             TierCounters::add(&counters.errors, 1);
             return Err(Failure::Down);
@@ -128,17 +156,18 @@ impl Node {
             None => Conn::open(&self.target, deadline),
         };
         let got = conn.ok().and_then(|mut c| {
-            let values = c.exchange(packed, replies, cap, deadline).ok()?;
-            check(values).map(|r| (r, c))
+            c.exchange(commands, window, replies, cap, deadline, each)
+                .ok()
+                .map(|()| c)
         });
         self.finish(probing, got.is_some());
         match got {
-            Some((r, c)) => {
+            Some(c) => {
                 let mut idle = self.idle.lock();
                 if idle.len() < self.max_idle {
                     idle.push(c);
                 }
-                Ok(r)
+                Ok(())
             }
             None => {
                 TierCounters::add(&counters.errors, 1);

@@ -341,3 +341,82 @@ fn a_slow_cluster_node_is_bounded_by_the_timeout() {
     assert!(took < Duration::from_millis(350), "{took:?}");
     assert!(errors(&t) >= 1);
 }
+
+/// The bytes that reach a stand-in's socket within `quiet` of silence.
+fn read_quiet(s: &mut TcpStream, quiet: Duration) -> Vec<u8> {
+    use std::io::Read;
+    s.set_read_timeout(Some(quiet)).unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while let Ok(n) = s.read(&mut buf) {
+        if n == 0 {
+            break;
+        }
+        got.extend_from_slice(&buf[..n]);
+    }
+    got
+}
+
+/// How many `MGET` commands `bytes` hold.
+fn mgets(bytes: &[u8]) -> usize {
+    bytes.windows(4).filter(|w| w == b"MGET").count()
+}
+
+/// A lookup sends its `MGET`s two at a time (then one more per reply), and hands each
+/// reply's payloads on before the last reply arrives.
+#[test]
+fn a_lookup_streams_its_mgets_two_at_a_time() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("redis://{}/0", listener.local_addr().unwrap());
+    let (tx, rx) = mpsc::channel();
+    let server = thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let quiet = Duration::from_millis(150);
+        let mut seen = vec![mgets(&read_quiet(&mut s, quiet))];
+        s.write_all(b"*2\r\n$3\r\nab0\r\n$3\r\nab1\r\n").unwrap();
+        seen.push(mgets(&read_quiet(&mut s, quiet)));
+        // The first reply was handed on while this one was still due.
+        let handed: Vec<usize> = rx.recv_timeout(Duration::from_secs(5)).unwrap();
+        s.write_all(b"*2\r\n$3\r\nab2\r\n$-1\r\n").unwrap();
+        s.write_all(b"*2\r\n$3\r\nab4\r\n$3\r\nab5\r\n").unwrap();
+        (seen, handed)
+    });
+    let t = tier(&url, 5000);
+    let mut batches = Vec::new();
+    // Payloads of up to 512 KiB: two keys per MGET.
+    t.get_each(&keys(6), 3..=(512 << 10), &mut |batch| {
+        let idx: Vec<usize> = batch.iter().map(|(i, _)| *i).collect();
+        if batches.is_empty() {
+            tx.send(idx.clone()).unwrap();
+        }
+        for (i, p) in &batch {
+            assert_eq!(p, format!("ab{i}").as_bytes());
+        }
+        batches.push(idx);
+    });
+    let (seen, handed) = server.join().unwrap();
+    assert_eq!(seen, [2, 1]);
+    assert_eq!(handed, [0, 1]);
+    assert_eq!(batches, [vec![0, 1], vec![2], vec![4, 5]]);
+    assert_eq!(errors(&t), 0);
+}
+
+/// A short reply midway keeps what earlier replies brought; the rest misses, one error
+/// is counted and nothing is rejected (deleted).
+#[test]
+fn a_short_reply_midway_keeps_the_earlier_replies() {
+    let (url, _) = stand_in(|s, next| {
+        next().unwrap();
+        next().unwrap();
+        s.write_all(b"*2\r\n$3\r\nab0\r\n$3\r\nab1\r\n").unwrap();
+        next().unwrap();
+        s.write_all(b"*1\r\n$3\r\nab2\r\n").unwrap();
+        while next().is_some() {}
+    });
+    let t = tier(&url, 2000);
+    let got = t.get_many(&keys(6), 3..=(512 << 10));
+    let ab = |i: usize| Some(format!("ab{i}").into_bytes());
+    assert_eq!(got, vec![ab(0), ab(1), None, None, None, None]);
+    assert_eq!(errors(&t), 1);
+    assert_eq!(t.counters().snapshot()[3], ("rejected", 0));
+}
