@@ -41,13 +41,10 @@ pub fn install<R: Send>(f: impl FnOnce() -> R + Send) -> R {
 }
 
 /// Runs `f` on the calling thread with a scope whose spawned work runs on this process's
-/// pool (on rayon's global pool when this process could start none); returns when `f`
-/// and all that work are done.
-pub fn in_place_scope<'s, R>(f: impl FnOnce(&rayon::Scope<'s>) -> R) -> R {
-    match pool() {
-        Some(p) => p.in_place_scope(f),
-        None => rayon::in_place_scope(f),
-    }
+/// pool, and returns when `f` and that work are done; `None` (without running `f`) when
+/// this process could start no pool: the caller then does the work inline.
+pub fn in_place_scope<'s, R>(f: impl FnOnce(&rayon::Scope<'s>) -> R) -> Option<R> {
+    pool().map(|p| p.in_place_scope(f))
 }
 
 /// The threads of this process's pool (1 when it has none).

@@ -670,6 +670,15 @@ class ForwardBatch(Generic[_View_co]):
     def sequences(self) -> tuple[Sequence[_View_co], ...]:
         """The batch's sequences, each once, in order of first appearance."""
     @property
+    def qo_indptr(self) -> npt.NDArray[np.int32]:
+        """Where each sequence's tokens start in the batch, then the number of tokens
+        (FlashInfer's and vLLM's qo_indptr); ValueError unless each sequence's tokens are
+        one contiguous run."""
+    @property
+    def last_token_indices(self) -> npt.NDArray[np.int64]:
+        """The batch index of each sequence's last token, in `sequences` order: the rows
+        a sampler reads."""
+    @property
     def token_ids(self) -> npt.NDArray[np.int64]:
         """Each token's id as the pool records it (given to start_forward, else known from the
         sequence's prompt); -1 where none is known. Compute the batch's K/V from these ids."""

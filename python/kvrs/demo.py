@@ -134,81 +134,51 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
-def growth(running: list[tuple[Request, kvrs.Sequence]], block_size: int) -> int:
-    """Blocks the running requests still take before they finish."""
-    return sum(blocks_for(len(r.prompt) + r.max_new, block_size) - seq.num_blocks for r, seq in running)
-
-
 def serve(model: Any, pool: kvrs.BlockPool, requests: list[Request], progress: Any) -> Trace:
-    """Runs every request to completion through `pool` with continuous batching."""
-    import torch
-
-    from kvrs.integrations.transformers import forward_batch
+    """Runs every request to completion through `pool` with continuous batching
+    (:func:`kvrs.integrations.transformers.generate_batch`, greedy, each request arriving
+    at its step), and traces the pool after every step."""
+    from kvrs.integrations.transformers import generate_batch
 
     trace = Trace()
     # A DynamicCache holds K/V in the model's dtype, whatever the pool stores.
     model_dtype = next(model.parameters()).dtype
     bytes_per_token = 2 * pool.num_layers * pool.num_kv_heads * pool.head_dim * model_dtype.itemsize
-    waiting = sorted(requests, key=lambda r: r.arrival)
-    running: list[tuple[Request, kvrs.Sequence]] = []
-    step = 0
-    t0 = time.perf_counter()
-    while waiting or running:
-        # Admit arrived requests while the pool can still grow every admitted request to
-        # its end (no preemption needed), one per uncached shared prefix per step.
-        # Attaching the cached prefix may take evictable blocks, so the check comes after
-        # new_sequence; a request that does not fit frees its sequence (the blocks stay
-        # cached) and waits for others to finish.
-        computing: set[tuple[int, ...]] = set()  # first blocks whose prompt this step computes
-        while waiting and waiting[0].arrival <= step:
-            r = waiting[0]
-            head = tuple(r.prompt[: pool.block_size])
-            if head in computing and pool.match_prefix(r.prompt) < pool.block_size:
-                # Prefix-aware admission: another request admitted this step computes the
-                # same uncached prefix; next step this one attaches its cached blocks instead.
-                break
-            try:
-                seq = pool.new_sequence(tokens=r.prompt)  # attaches the cached prefix
-            except kvrs.CacheFullError:  # no block for a partial hit's copy
-                break
-            if pool.free_blocks < growth(running + [(r, seq)], pool.block_size):
-                seq.free()
-                break
-            waiting.pop(0)
-            computing.add(head)
-            r.cached, r.tokens, r.admitted = seq.num_cached_tokens, list(r.prompt), step
-            running.append((r, seq))
-        seqs: list[kvrs.Sequence] = []
-        ids: list[int] = []
-        last: list[int] = []
-        for r, seq in running:
-            todo = r.tokens[seq.seq_len :]  # the uncached prompt, or the token generated last
-            seqs += [seq] * len(todo)
-            ids += todo
-            last.append(len(ids) - 1)
-        if ids:
-            with torch.no_grad(), pool.start_forward(seqs, tokens=ids) as batch:
-                logits = forward_batch(model, batch, ids)  # commits when the block ends
-            trace.tokens_computed += len(ids)
-            chosen = logits[last].argmax(-1).tolist()  # one device-to-host copy per step
-            for (r, _), token in zip(running, chosen, strict=True):
-                r.tokens.append(token)
+    finished = 0
+
+    def on_step(step: int, pool: kvrs.BlockPool, states: list[Any]) -> None:
+        nonlocal finished
         st = pool.stats()
+        running = [r for r in states if r.admitted >= 0 and r.finished in (-1, step)]
         trace.used.append(st["used_blocks"])
         trace.cached.append(st["evictable_blocks"])
         trace.empty.append(st["free_blocks"] - st["evictable_blocks"])
         trace.running.append(len(running))
         trace.peak_used_bytes = max(trace.peak_used_bytes, st["bytes_used"])
-        held = sum(len(r.tokens) - 1 for r, _ in running)  # a DynamicCache per request holds these
+        held = sum(len(r.prompt) + len(r.generated) - 1 for r in running)  # a DynamicCache each
         trace.peak_dynamic_bytes = max(trace.peak_dynamic_bytes, held * bytes_per_token)
-        for r, seq in [(r, s) for r, s in running if r.done]:
-            seq.free()  # its blocks stay cached for the next requests
-            running.remove((r, seq))
-            r.finished = step
-            progress.update(1)
+        done = sum(r.finished >= 0 for r in states)
+        progress.update(done - finished)
+        finished = done
         progress.set_postfix(step=step, running=len(running), used_blocks=st["used_blocks"], refresh=False)
-        step += 1
+        for r, state in zip(requests, states, strict=True):
+            r.cached, r.admitted, r.finished = state.cached, state.admitted, state.finished
+
+    t0 = time.perf_counter()
+    outputs = generate_batch(
+        model,
+        [r.prompt for r in requests],
+        pool=pool,
+        max_new_tokens=[r.max_new for r in requests],
+        arrivals=[r.arrival for r in requests],
+        do_sample=False,
+        eos_token_id=[],
+        on_step=on_step,
+    )
     trace.seconds = time.perf_counter() - t0
+    for r, out in zip(requests, outputs, strict=True):
+        r.tokens = r.prompt + out
+        trace.tokens_computed += len(r.prompt) - r.cached + len(out) - 1
     return trace
 
 

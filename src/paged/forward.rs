@@ -81,6 +81,32 @@ impl ForwardPlan {
         &self.slots[g * n..(g + 1) * n]
     }
 
+    /// FlashInfer's `qo_indptr`: where each sequence's tokens start in the batch (in
+    /// `seqs` order), then the number of tokens; `None` unless each sequence's tokens are
+    /// one contiguous run of the batch.
+    pub fn qo_indptr(&self) -> Option<Vec<usize>> {
+        let mut indptr = Vec::with_capacity(self.seqs.len() + 1);
+        for (i, &s) in self.token_seq.iter().enumerate() {
+            if s == indptr.len() {
+                indptr.push(i);
+            } else if s + 1 != indptr.len() {
+                return None;
+            }
+        }
+        indptr.push(self.num_tokens());
+        Some(indptr)
+    }
+
+    /// The batch index of each sequence's last token (in `seqs` order): the rows a
+    /// sampler reads.
+    pub fn last_token_indices(&self) -> Vec<usize> {
+        let mut last = vec![0; self.seqs.len()];
+        for (i, &s) in self.token_seq.iter().enumerate() {
+            last[s] = i;
+        }
+        last
+    }
+
     /// The layers written through [`PoolCore::forward_write`] so far.
     pub fn layers_put(&self) -> impl Iterator<Item = usize> + '_ {
         (0..self.layers_put.len()).filter(|&l| self.layers_put[l].load(Ordering::Relaxed))

@@ -336,16 +336,25 @@ impl TierLookup {
             }
             let ask_keys: Vec<String> = ask.iter().map(|&i| keys[i].clone()).collect();
             let checked = Mutex::new(Vec::new());
-            crate::parallel::in_place_scope(|s| {
+            let served = |batch: Vec<(usize, Vec<u8>)>| -> Vec<Fetched> {
+                batch.into_iter().map(|(k, b)| (ask[k], t, b)).collect()
+            };
+            let streamed = crate::parallel::in_place_scope(|s| {
                 tier.get_each(&ask_keys, len..=len, &mut |batch| {
-                    let (this, ask, mac, checked) = (&self, &ask, &mac, &checked);
+                    let (this, mac, checked, served) = (&self, &mac, &checked, &served);
                     s.spawn(move |_| {
-                        let served = batch.into_iter().map(|(k, b)| (ask[k], t, b)).collect();
-                        let done = this.check_all(served, mac);
+                        let done = this.check_all(served(batch), mac);
                         checked.lock().extend(done);
                     });
                 });
             });
+            if streamed.is_none() {
+                // No pool in this process: each batch is checked on this thread.
+                tier.get_each(&ask_keys, len..=len, &mut |batch| {
+                    let done = self.check_all(served(batch), &mac);
+                    checked.lock().extend(done);
+                });
+            }
             self.keep(&mut found, &keys, checked.into_inner());
         }
         TierFetched {

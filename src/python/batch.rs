@@ -94,6 +94,34 @@ impl PyForwardBatch {
         PyTuple::new(py, self.seqs.iter().map(|s| s.clone_ref(py)))
     }
 
+    /// Where each sequence's tokens start in the batch, then the number of tokens (int32,
+    /// FlashInfer's and vLLM's `qo_indptr`, `len(sequences) + 1` entries). ValueError when
+    /// a sequence's tokens are not one contiguous run of the batch.
+    #[getter]
+    fn qo_indptr<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let indptr = self.plan.qo_indptr().ok_or_else(|| {
+            PyValueError::new_err(
+                "qo_indptr: the batch's tokens of one sequence are not one contiguous run; \
+                 pass start_forward each sequence's tokens together",
+            )
+        })?;
+        // A batch's tokens are bounded by its slots, far below i32::MAX.
+        Ok(PyArray1::from_iter(
+            py,
+            indptr.into_iter().map(|i| i as i32),
+        ))
+    }
+
+    /// The batch index of each sequence's last token (int64, `sequences` order): the rows
+    /// whose logits a sampler reads (`forward_batch(..., logits_to_keep="last")`).
+    #[getter]
+    fn last_token_indices<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        PyArray1::from_iter(
+            py,
+            self.plan.last_token_indices().into_iter().map(|i| i as i64),
+        )
+    }
+
     /// Each token's id as the pool will record it (int64): the ids given to
     /// start_forward(tokens=...), else those its sequence already knows there (its
     /// prompt); -1 where the pool knows none. A model must compute the batch's K/V from

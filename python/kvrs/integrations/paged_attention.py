@@ -123,9 +123,15 @@ def use_paged_attention(model: Any) -> Any:
     return model
 
 
-def forward_batch(model: Any, batch: kvrs.ForwardBatch, token_ids: Any = None) -> torch.Tensor:
+def forward_batch(
+    model: Any, batch: kvrs.ForwardBatch, token_ids: Any = None, *, logits_to_keep: Any = None
+) -> torch.Tensor:
     """Runs one ForwardBatch through `model` (switched by :func:`use_paged_attention`) and
-    returns the logits of its tokens [num_tokens, vocab].
+    returns the logits of its tokens [num_tokens, vocab], or of the rows `logits_to_keep`
+    names: ``"last"`` (each sequence's last token, ``batch.last_token_indices``: the rows a
+    sampler reads, in ``batch.sequences`` order) or a list of batch indices. Keeping only
+    those rows skips the language-model head for the others, as transformers'
+    ``logits_to_keep`` does.
 
     The tokens are the ids the pool records for them (``batch.token_ids``: those given to
     ``start_forward(tokens=...)``, else the sequences' prompts), so the K/V the batch
@@ -163,8 +169,27 @@ def forward_batch(model: Any, batch: kvrs.ForwardBatch, token_ids: Any = None) -
             "(start_forward(tokens=...) or the sequence's prompt): the K/V would be cached under "
             "ids they were not computed from"
         )
+    keep = _rows_to_keep(batch, logits_to_keep)
     device = model.device  # the pool's device too: batch.put takes the model's K/V as they are
     ids = ids.reshape(1, -1).to(device)
     positions = torch.from_numpy(batch.positions).reshape(1, -1).to(device)
-    out = model(input_ids=ids, position_ids=positions, kvrs_batch=batch, use_cache=False)
+    extra = {} if keep is None else {"logits_to_keep": keep.to(device)}
+    out = model(input_ids=ids, position_ids=positions, kvrs_batch=batch, use_cache=False, **extra)
     return out.logits[0]
+
+
+def _rows_to_keep(batch: kvrs.ForwardBatch, logits_to_keep: Any) -> torch.Tensor | None:
+    """The batch rows whose logits `forward_batch` computes (None: all of them)."""
+    if logits_to_keep is None:
+        return None
+    if isinstance(logits_to_keep, str):
+        if logits_to_keep.lower() != "last":
+            raise ValueError(
+                f"logits_to_keep={logits_to_keep!r}: give 'last', a list of batch indices or None"
+            )
+        return torch.from_numpy(batch.last_token_indices)
+    rows = torch.as_tensor(logits_to_keep, dtype=torch.long).flatten()
+    n = batch.num_tokens
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= n):
+        raise IndexError(f"logits_to_keep: batch indices must lie in [0, {n}) (the batch's tokens)")
+    return rows

@@ -12,7 +12,8 @@ releases what sliding-window layers no longer see. Both work with
 sampling, beam search, assisted decoding, cropping).
 
 ``use_paged_attention`` and ``forward_batch`` (from :mod:`kvrs.integrations.paged_attention`)
-run ragged batches of many sequences through one forward pass.
+run ragged batches of many sequences through one forward pass; ``generate_batch`` (from
+:mod:`kvrs.integrations.generation`) serves a list of prompts with continuous batching.
 
 Needs ``torch`` and ``transformers`` (5.x); importing this module without them raises an
 ``ImportError`` that says what to install.
@@ -33,6 +34,7 @@ from kvrs.integrations._torch import (
     text_config,
     torch,
 )
+from kvrs.integrations.generation import RequestState, generate_batch
 from kvrs.integrations.paged_attention import ATTN_IMPLEMENTATION, forward_batch, use_paged_attention
 
 from transformers.cache_utils import Cache, CacheLayerMixin  # isort: skip
@@ -43,8 +45,10 @@ __all__ = [
     "KvrsLayer",
     "KvrsPagedCache",
     "KvrsPagedLayer",
+    "RequestState",
     "block_pool_from_config",
     "forward_batch",
+    "generate_batch",
     "use_paged_attention",
 ]
 

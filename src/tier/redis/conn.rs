@@ -352,6 +352,9 @@ impl Conn {
         deadline: Instant,
         mut each: impl FnMut(Value) -> bool,
     ) -> io::Result<()> {
+        if commands.is_empty() {
+            return Ok(());
+        }
         let login = self.login.take();
         let first = window.clamp(1, commands.len());
         let mut out: Vec<u8> = login.as_ref().map_or_else(Vec::new, |(l, _)| l.clone());

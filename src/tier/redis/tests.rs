@@ -378,13 +378,13 @@ fn a_lookup_streams_its_mgets_two_at_a_time() {
         // The first reply was handed on while this one was still due.
         let handed: Vec<usize> = rx.recv_timeout(Duration::from_secs(5)).unwrap();
         s.write_all(b"*2\r\n$3\r\nab2\r\n$-1\r\n").unwrap();
-        s.write_all(b"*2\r\n$3\r\nab4\r\n$3\r\nab5\r\n").unwrap();
+        s.write_all(b"*1\r\n$3\r\nab4\r\n").unwrap();
         (seen, handed)
     });
     let t = tier(&url, 5000);
     let mut batches = Vec::new();
     // Payloads of up to 512 KiB: two keys per MGET.
-    t.get_each(&keys(6), 3..=(512 << 10), &mut |batch| {
+    t.get_each(&keys(5), 3..=(512 << 10), &mut |batch| {
         let idx: Vec<usize> = batch.iter().map(|(i, _)| *i).collect();
         if batches.is_empty() {
             tx.send(idx.clone()).unwrap();
@@ -397,12 +397,12 @@ fn a_lookup_streams_its_mgets_two_at_a_time() {
     let (seen, handed) = server.join().unwrap();
     assert_eq!(seen, [2, 1]);
     assert_eq!(handed, [0, 1]);
-    assert_eq!(batches, [vec![0, 1], vec![2], vec![4, 5]]);
+    assert_eq!(batches, [vec![0, 1], vec![2], vec![4]]);
     assert_eq!(errors(&t), 0);
 }
 
-/// A short reply midway keeps what earlier replies brought; the rest misses, one error
-/// is counted and nothing is rejected (deleted).
+/// A short reply midway through a lookup's stream keeps what earlier replies brought;
+/// the rest misses, one error is counted and nothing is rejected (deleted).
 #[test]
 fn a_short_reply_midway_keeps_the_earlier_replies() {
     let (url, _) = stand_in(|s, next| {
@@ -414,9 +414,10 @@ fn a_short_reply_midway_keeps_the_earlier_replies() {
         while next().is_some() {}
     });
     let t = tier(&url, 2000);
-    let got = t.get_many(&keys(6), 3..=(512 << 10));
-    let ab = |i: usize| Some(format!("ab{i}").into_bytes());
-    assert_eq!(got, vec![ab(0), ab(1), None, None, None, None]);
+    let mut got = Vec::new();
+    t.get_each(&keys(6), 3..=(512 << 10), &mut |batch| got.extend(batch));
+    let ab = |i: usize| (i, format!("ab{i}").into_bytes());
+    assert_eq!(got, vec![ab(0), ab(1)]);
     assert_eq!(errors(&t), 1);
     assert_eq!(t.counters().snapshot()[3], ("rejected", 0));
 }
