@@ -144,6 +144,10 @@ def test_bad_arguments_are_clear_errors(model):
         generate_batch(model, [[1]], max_new_tokens=-1)
     with pytest.raises(ValueError, match="temperature"):
         generate_batch(model, [[1]], do_sample=True, temperature=0.0)
+    with pytest.raises(ValueError, match=r"top_k=-1"):
+        generate_batch(model, [[1]], do_sample=True, top_k=-1)
+    with pytest.raises(ValueError, match=r"top_p=0.0: give a probability in \(0, 1\]"):
+        generate_batch(model, [[1]], do_sample=True, top_p=0.0)
     small = block_pool_from_config(model.config, num_blocks=2, block_size=4)
     with pytest.raises(
         ValueError, match=r"inputs\[0\]: 9 prompt \+ 4 new tokens need more than the pool's 2 blocks"

@@ -150,6 +150,10 @@ def generate_batch(
     p_top = float(top_p if top_p is not None else (gc.top_p or 1.0))
     if sampling and temp <= 0:
         raise ValueError(f"temperature={temp}: sampling needs a temperature > 0")
+    if k < 0:
+        raise ValueError(f"top_k={k}: give a count >= 0 (0: no top-k filtering)")
+    if not 0.0 < p_top <= 1.0:
+        raise ValueError(f"top_p={p_top}: give a probability in (0, 1] (1: no nucleus filtering)")
     use_paged_attention(model)
     if pool is None:
         need = sum(_blocks(len(p) + b, block_size) for p, b in zip(prompts, budgets, strict=True))

@@ -319,13 +319,13 @@ impl Tier for RedisTier {
     }
 
     fn get_many(&self, keys: &[String], sizes: RangeInclusive<usize>) -> Vec<Option<Vec<u8>>> {
-        match &self.servers {
-            Servers::Single(_) => {}
+        TierCounters::add(&self.counters.lookups, keys.len() as u64);
+        if keys.is_empty() {
+            return Vec::new();
+        }
+        let node = match &self.servers {
+            Servers::Single(node) => node,
             Servers::Cluster(c) => {
-                TierCounters::add(&self.counters.lookups, keys.len() as u64);
-                if keys.is_empty() {
-                    return Vec::new();
-                }
                 let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
                 let build = |i: usize, p: &mut redis::Pipeline| {
                     p.cmd("GET").arg(&keys[i]);
@@ -350,14 +350,7 @@ impl Tier for RedisTier {
                     })
                     .collect();
             }
-        }
-        let Servers::Single(node) = &self.servers else {
-            unreachable!("cluster lookups return above");
         };
-        TierCounters::add(&self.counters.lookups, keys.len() as u64);
-        if keys.is_empty() {
-            return Vec::new();
-        }
         // Sizes may be a loose bound here (a caller's `RedisTier.get`): one pipeline of
         // `MGET`s, all sent at once, rather than the stream a pool's lookups use.
         let mut p = redis::pipe();
