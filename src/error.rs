@@ -7,14 +7,20 @@ use thiserror::Error;
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 pub enum KvError {
     /// Writing would go past the cache's capacity (Python: `kvrs.CacheFullError`).
-    #[error("cache full: {what} needs {needed} positions but the capacity is {capacity}")]
+    #[error(
+        "cache full: {what} needs {needed} more {unit} but {free} of {capacity} {unit} are free"
+    )]
     CacheFull {
         /// What was being written.
         what: String,
-        /// Positions the write needs.
+        /// Units the write needs beyond what is held.
         needed: usize,
-        /// Positions the cache holds.
+        /// Units free now.
+        free: usize,
+        /// Units the cache (or pool) holds in all.
         capacity: usize,
+        /// What is counted: a cache's positions or a pool's blocks.
+        unit: Unit,
     },
     /// An index (layer, head, position) outside its range (Python: `IndexError`).
     #[error("{name}={value} is out of range: must be in [0, {limit})")]
@@ -99,6 +105,55 @@ pub fn check_index(name: &'static str, value: i64, limit: usize) -> Result<usize
         return Err(KvError::OutOfRange { name, value, limit });
     }
     Ok(value as usize)
+}
+
+/// What a [`KvError::CacheFull`] counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unit {
+    /// Positions of a contiguous cache.
+    Positions,
+    /// Blocks of a pool.
+    Blocks,
+}
+
+impl std::fmt::Display for Unit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Unit::Positions => "positions",
+            Unit::Blocks => "blocks",
+        })
+    }
+}
+
+/// Checks that a tensor of token vectors has `shape` `[n_tokens, heads, head_dim]` and
+/// returns `n_tokens`. The error names the expected axes, and for a head-major `[heads,
+/// n_tokens, head_dim]` shape says which transpose to use. A shape with `n_tokens ==
+/// heads` is read as documented (token-major): it cannot be told apart.
+pub fn check_tokens(
+    name: &'static str,
+    shape: &[usize],
+    heads: usize,
+    head_dim: usize,
+) -> Result<usize> {
+    if let [n, h, d] = *shape {
+        if h == heads && d == head_dim {
+            return Ok(n);
+        }
+    }
+    let head_major = matches!(*shape, [h, n, d] if h == heads && d == head_dim && n != heads);
+    let hint = if head_major {
+        format!(
+            "; {name} looks head-major [num_kv_heads, n_tokens, head_dim]: pass \
+             {name}.transpose(0, 1) (NumPy: {name}.swapaxes(0, 1))"
+        )
+    } else {
+        String::new()
+    };
+    Err(KvError::Shape {
+        name,
+        got: shape.to_vec(),
+        expected: format!("[n_tokens, num_kv_heads={heads}, head_dim={head_dim}]{hint}"),
+    })
 }
 
 /// Checks `value >= 0` and returns it as a count.

@@ -6,7 +6,7 @@ use std::ops::Range;
 
 use crate::attention::{self, AttnOptions, KvHeads, KvPages, QueryRow, SeqQueries};
 use crate::dtype::DType;
-use crate::error::{check_count, check_index, check_positive, KvError, Result};
+use crate::error::{check_count, check_index, check_positive, check_tokens, KvError, Result, Unit};
 pub use crate::layout::Kv;
 use crate::layout::{Device, Region};
 use crate::paged::pool::check_layer_count;
@@ -443,23 +443,18 @@ impl CacheCore {
     pub fn append(&mut self, layer: i64, k: &TensorRef, v: &TensorRef) -> Result<usize> {
         let s = self.shape;
         let layer = self.check_layer(layer)?;
-        let n = k.shape().first().copied().unwrap_or(0);
+        let n = check_tokens("k", k.shape(), s.num_kv_heads, s.head_dim)?;
+        check_tokens("v", v.shape(), s.num_kv_heads, s.head_dim)?;
         let expected = [n, s.num_kv_heads, s.head_dim];
-        if k.shape().len() != 3 {
-            return Err(KvError::Shape {
-                name: "k",
-                got: k.shape().to_vec(),
-                expected: format!("[n_tokens, {}, {}]", s.num_kv_heads, s.head_dim),
-            });
-        }
-        k.expect_shape("k", &expected)?;
         v.expect_shape("v", &expected)?;
         let start = self.layer_len[layer];
         if start + n > s.max_seq_len {
             return Err(KvError::CacheFull {
                 what: format!("appending {n} tokens to layer {layer} at position {start}"),
-                needed: start + n,
+                needed: n,
+                free: s.max_seq_len - start,
                 capacity: s.max_seq_len,
+                unit: Unit::Positions,
             });
         }
         // `k` is [n, H, D]; the storage region is viewed in the same index order.
@@ -603,10 +598,9 @@ impl CacheCore {
     pub fn append_at_counter(&self, layer: i64, k: &TensorRef, v: &TensorRef) -> Result<()> {
         let s = self.shape;
         let layer = self.check_layer(layer)?;
-        let n = k.shape().first().copied().unwrap_or(0);
-        let expected = [n, s.num_kv_heads, s.head_dim];
-        k.expect_shape("k", &expected)?;
-        v.expect_shape("v", &expected)?;
+        let n = check_tokens("k", k.shape(), s.num_kv_heads, s.head_dim)?;
+        check_tokens("v", v.shape(), s.num_kv_heads, s.head_dim)?;
+        v.expect_shape("v", &[n, s.num_kv_heads, s.head_dim])?;
         let c = self.cuda("append_at_counter")?;
         if !self.scales.is_unit() {
             // A captured step takes plain values only; dividing by the scales would
@@ -648,8 +642,10 @@ impl CacheCore {
         if value < 0 || value as usize > max {
             return Err(KvError::CacheFull {
                 what: format!("the device counter reached {value}"),
-                needed: value.max(0) as usize,
+                needed: (value.max(0) as usize).saturating_sub(self.seq_len),
+                free: max - self.seq_len,
                 capacity: max,
+                unit: Unit::Positions,
             });
         }
         let n = value as usize;
@@ -662,9 +658,11 @@ impl CacheCore {
         let max = self.shape.max_seq_len;
         if pos >= 0 && pos as u64 >= max as u64 {
             return Err(KvError::CacheFull {
-                what: format!("writing at {name}={pos}"),
-                needed: pos as usize + 1,
+                what: format!("writing at {name}={pos} (positions are 0..{max})"),
+                needed: pos as usize + 1 - self.seq_len,
+                free: max - self.seq_len,
                 capacity: max,
+                unit: Unit::Positions,
             });
         }
         check_index(name, pos, max)

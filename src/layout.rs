@@ -119,7 +119,7 @@ impl FromStr for KvLayout {
     type Err = KvError;
 
     fn from_str(s: &str) -> Result<Self> {
-        match s {
+        match s.trim().to_ascii_uppercase().as_str() {
             "NHD" => Ok(KvLayout::Nhd),
             "HND" => Ok(KvLayout::Hnd),
             _ => Err(KvError::InvalidArgument {

@@ -60,7 +60,7 @@ pub struct ReadmeDoctests;
 
 pub use attention::AttnOptions;
 pub use dtype::DType;
-pub use error::{KvError, Result};
+pub use error::{KvError, Result, Unit};
 pub use kv_cache::Kv;
 pub use layout::{Device, KvLayout, PagedShape};
 pub use paged::{Attention, LayerKind, PoolStats, SeqId};

@@ -18,9 +18,9 @@ impl FromStr for RopeStyle {
     type Err = KvError;
 
     fn from_str(s: &str) -> Result<Self> {
-        match s {
+        match s.trim().to_ascii_lowercase().as_str() {
             "neox" => Ok(RopeStyle::Neox),
-            "gptj" => Ok(RopeStyle::Gptj),
+            "gptj" | "gpt-j" => Ok(RopeStyle::Gptj),
             _ => Err(KvError::InvalidArgument {
                 name: "style",
                 value: format!("{s:?}"),

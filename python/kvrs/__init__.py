@@ -1,7 +1,8 @@
 """kvrs: KV-cache storage for LLM inference, with a Rust core.
 
 The contiguous cache (:class:`KVCache`) preallocates K and V for every layer of one
-sequence and hands them out as zero-copy NumPy views. The paged pool
+sequence and hands them out as zero-copy NumPy views (bfloat16 and fp8 ones as
+:class:`HostArray`, which torch imports through DLPack). The paged pool
 (:class:`BlockPool`) shares fixed-size blocks between many :class:`Sequence` objects,
 with copy-on-write forks, vLLM slot mappings, FlashInfer page tables and ollama-style
 batched forwards (:class:`ForwardBatch`); evicted cached blocks can go to offload tiers
@@ -13,6 +14,7 @@ batched forwards (:class:`ForwardBatch`); evicted cached blocks can go to offloa
 
 from typing import TypeAlias
 
+from kvrs._host_array import HostArray
 from kvrs._kvrs import (
     BlockPool,
     CacheFullError,
@@ -45,6 +47,7 @@ __all__ = [
     "DiskTier",
     "EncoderCache",
     "ForwardBatch",
+    "HostArray",
     "HostTier",
     "KVCache",
     "KvrsError",

@@ -34,6 +34,15 @@ __version__: str
 def attention_simd() -> str:
     """The vector instructions the attention core uses on this CPU ("avx2+fma+f16c" or "portable")."""
 
+def _host_array_capsule(
+    array: Any,
+    *,
+    max_version: tuple[int, int] | None = None,
+    dl_device: tuple[int, int] | None = None,
+    copy: bool | None = None,
+) -> Any:
+    """`kvrs.HostArray.__dlpack__`: a DLPack capsule over a NumPy array of a kvrs storage dtype."""
+
 def cuda_available() -> bool:
     """Whether a CUDA driver and at least one CUDA device are present."""
 
@@ -173,6 +182,10 @@ class KVCache(Generic[_View_co]):
     @property
     def dtype(self) -> str:
         """Storage dtype name: 'float32', 'float16', 'bfloat16', 'fp8_e4m3', 'fp8_e5m2' or 'int8'."""
+    @property
+    def torch_dtype(self) -> Any:
+        """The storage dtype as a torch dtype (`torch.bfloat16`, `torch.float8_e4m3fn`, ...;
+        `torch.int8` for int8 codes). Needs torch."""
     @property
     def device(self) -> str:
         """Device name: 'cpu' (or 'cuda:N')."""
@@ -332,7 +345,7 @@ class BlockPool(Generic[_View_co]):
         layout: str = "NHD",
         prefix_caching: bool = True,
         hash: str = "blake3",
-        seed: int | None = None,
+        seed: int | str | None = None,
         partial_hits: bool = True,
         events: bool = False,
         rope: RoPE | None = None,
@@ -364,7 +377,7 @@ class BlockPool(Generic[_View_co]):
         layout: str = "NHD",
         prefix_caching: bool = True,
         hash: str = "blake3",
-        seed: int | None = None,
+        seed: int | str | None = None,
         partial_hits: bool = True,
         events: bool = False,
         rope: RoPE | None = None,
@@ -396,7 +409,7 @@ class BlockPool(Generic[_View_co]):
         layout: str = "NHD",
         prefix_caching: bool = True,
         hash: str = "blake3",
-        seed: int | None = None,
+        seed: int | str | None = None,
         partial_hits: bool = True,
         events: bool = False,
         rope: RoPE | None = None,
@@ -431,6 +444,10 @@ class BlockPool(Generic[_View_co]):
     @property
     def dtype(self) -> str:
         """Storage dtype name."""
+    @property
+    def torch_dtype(self) -> Any:
+        """The storage dtype as a torch dtype (`torch.bfloat16`, `torch.float8_e4m3fn`, ...;
+        `torch.int8` for int8 codes). Needs torch."""
     @property
     def device(self) -> str:
         """Device name."""

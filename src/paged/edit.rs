@@ -4,7 +4,7 @@
 
 use super::pool::{PoolCore, SeqId};
 use super::seq::{SeqState, NO_BLOCK};
-use crate::error::{check_count, check_index, KvError, Result};
+use crate::error::{check_count, check_index, check_tokens, KvError, Result, Unit};
 use crate::kv_cache::{commit_target, CacheCore, Kv};
 use crate::layout::{BlockId, PagedShape};
 use crate::scales::with_divided;
@@ -89,9 +89,11 @@ impl PoolCore {
     pub(crate) fn ensure_room(&self, needed: usize, what: impl FnOnce() -> String) -> Result<()> {
         if needed > self.num_free_blocks() {
             return Err(KvError::CacheFull {
-                what: format!("{} (blocks)", what()),
+                what: what(),
                 needed,
-                capacity: self.num_free_blocks(),
+                free: self.num_free_blocks(),
+                capacity: self.shape.num_blocks,
+                unit: Unit::Blocks,
             });
         }
         Ok(())
@@ -104,6 +106,7 @@ impl PoolCore {
         let sh = self.shape;
         let layer = check_index("layer", layer, sh.num_layers)?;
         let n = token_count("k", k, sh)?;
+        token_count("v", v, sh)?;
         v.expect_shape("v", &[n, sh.num_kv_heads, sh.head_dim])?;
         let g = self.groups.group_of[layer];
         let s = self.seq(id)?;
@@ -499,7 +502,9 @@ impl PoolCore {
             return Err(KvError::CacheFull {
                 what: format!("copying sequence {id} into a KVCache"),
                 needed: s.held(),
+                free: max,
                 capacity: max,
+                unit: Unit::Positions,
             });
         }
         if let Some((g, t)) = s.tables.iter().enumerate().find(|(_, t)| t.start > 0) {
@@ -540,13 +545,5 @@ fn check_same_shape(sh: PagedShape, cache: &CacheCore) -> Result<()> {
 
 /// Checks that `t` is `[n, heads, head_dim]` and returns `n`.
 pub(crate) fn token_count(name: &'static str, t: &TensorRef, sh: PagedShape) -> Result<usize> {
-    let s = t.shape();
-    if s.len() != 3 || s[1] != sh.num_kv_heads || s[2] != sh.head_dim {
-        return Err(KvError::Shape {
-            name,
-            got: s.to_vec(),
-            expected: format!("[n_tokens, {}, {}]", sh.num_kv_heads, sh.head_dim),
-        });
-    }
-    Ok(s[0])
+    check_tokens(name, t.shape(), sh.num_kv_heads, sh.head_dim)
 }

@@ -37,7 +37,7 @@ impl FromStr for LayerKind {
     type Err = KvError;
 
     fn from_str(s: &str) -> Result<Self> {
-        match s {
+        match s.trim().to_ascii_lowercase().as_str() {
             "full" | "full_attention" => Ok(LayerKind::Full),
             "sliding" | "sliding_attention" => Ok(LayerKind::Sliding),
             "chunked" | "chunked_attention" => Ok(LayerKind::Chunked),

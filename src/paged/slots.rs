@@ -130,6 +130,7 @@ impl PoolCore {
         let sh = self.shape;
         let layer = check_index("layer", layer, sh.num_layers)?;
         let n = token_count("k", k, sh)?;
+        token_count("v", v, sh)?;
         v.expect_shape("v", &[n, sh.num_kv_heads, sh.head_dim])?;
         if slots.len() != n {
             return Err(KvError::Shape {

@@ -22,13 +22,20 @@ impl FromStr for HashKind {
     type Err = KvError;
 
     fn from_str(s: &str) -> Result<Self, KvError> {
-        match s {
+        match s.trim().to_ascii_lowercase().as_str() {
             "blake3" => Ok(HashKind::Blake3),
-            "xxh3" => Ok(HashKind::Xxh3),
+            "xxh3" | "xxh3_128" | "xxhash" => Ok(HashKind::Xxh3),
+            "sha256" | "sha256_cbor" | "sha256_cbor_64bit" => Err(KvError::InvalidArgument {
+                name: "hash",
+                value: format!("{s:?}"),
+                reason: "kvrs has no SHA-256 chains: use 'blake3' (the default, as \
+                         collision-resistant and faster) or 'xxh3' (vLLM's 'xxhash')"
+                    .into(),
+            }),
             _ => Err(KvError::InvalidArgument {
                 name: "hash",
                 value: format!("{s:?}"),
-                reason: "use 'blake3' or 'xxh3'".into(),
+                reason: "use 'blake3' or 'xxh3' (also spelled 'xxhash', as vLLM does)".into(),
             }),
         }
     }

@@ -5,28 +5,15 @@
 
 use std::sync::Arc;
 
-use dlpark::ffi::{
-    DLDataType, DLDataTypeCode, DLDevice, DLManagedTensor, DLManagedTensorVersioned,
-};
-use dlpark::metadata::CopiedSlice;
-use dlpark::Builder;
+use dlpark::ffi::DLDevice;
 use pyo3::exceptions::PyBufferError;
 use pyo3::prelude::*;
 
+use super::dlpack_export::{Export, Keep};
 use crate::dtype::DType;
 use crate::storage::cuda::{gpu_for, CudaStorage};
 use crate::storage::{Device, Storage};
 use crate::tensor::TensorMut;
-
-/// What keeps a device tensor's memory alive; held, never read.
-#[allow(dead_code)]
-#[derive(Clone)]
-enum Keep {
-    /// A view of a cache's storage: the cache object.
-    Cache(Arc<Py<PyAny>>),
-    /// Memory allocated for this tensor.
-    Owned(Arc<CudaStorage>),
-}
 
 /// A tensor in CUDA device memory, exported through DLPack without a copy
 /// (`torch.from_dlpack(t)`, `cupy.from_dlpack(t)`, `jax.dlpack.from_dlpack(t)`).
@@ -55,7 +42,7 @@ impl PyDeviceTensor {
         strides: &[isize],
     ) -> PyResult<Bound<'py, PyAny>> {
         let t = PyDeviceTensor {
-            keep: Keep::Cache(Arc::new(owner.clone().unbind())),
+            keep: Keep::Object(Arc::new(owner.clone().unbind())),
             ptr,
             dtype,
             ordinal,
@@ -94,26 +81,16 @@ impl PyDeviceTensor {
         Ok((Bound::new(py, t)?.into_any(), tensor))
     }
 
-    fn dl_dtype(&self) -> DLDataType {
-        match self.dtype {
-            DType::F32 => DLDataType::scalar(DLDataTypeCode::FLOAT, 32),
-            DType::F16 => DLDataType::scalar(DLDataTypeCode::FLOAT, 16),
-            DType::BF16 => DLDataType::scalar(DLDataTypeCode::BFLOAT, 16),
-            DType::F8E4M3 => DLDataType::scalar(DLDataTypeCode::FLOAT8_E4M3FN, 8),
-            DType::F8E5M2 => DLDataType::scalar(DLDataTypeCode::FLOAT8_E5M2, 8),
-            DType::I8 => DLDataType::scalar(DLDataTypeCode::INT, 8),
+    fn export(&self) -> Export {
+        Export {
+            keep: self.keep.clone(),
+            ptr: self.ptr,
+            dtype: self.dtype,
+            device: DLDevice::cuda(self.ordinal as i32),
+            shape: self.shape.clone(),
+            strides: self.strides.clone(),
+            read_only: false,
         }
-    }
-
-    fn builder(&self) -> Builder<Box<Keep>, CopiedSlice<Vec<i64>, Vec<i64>>> {
-        let b = Builder::new(
-            Box::new(self.keep.clone()),
-            CopiedSlice::new(self.shape.clone(), self.strides.clone()),
-        )
-        .device(DLDevice::cuda(self.ordinal as i32))
-        .dtype(self.dl_dtype());
-        // SAFETY: `Keep` holds the memory alive until the capsule's deleter drops it.
-        unsafe { b.data(self.ptr as *mut std::ffi::c_void) }
     }
 }
 
@@ -148,21 +125,7 @@ impl PyDeviceTensor {
             let gpu = gpu_for(self.ordinal)?;
             py.detach(|| gpu.synchronize(gpu.default_stream()))?;
         }
-        let versioned = max_version.is_some_and(|(major, _)| major >= 1);
-        let capsule = if versioned {
-            let m = self
-                .builder()
-                .try_build::<DLManagedTensorVersioned>()
-                .map_err(|e| PyBufferError::new_err(e.to_string()))?;
-            m.into_pyobject(py)?.into_any()
-        } else {
-            let m = self
-                .builder()
-                .try_build::<DLManagedTensor>()
-                .map_err(|e| PyBufferError::new_err(e.to_string()))?;
-            m.into_pyobject(py)?.into_any()
-        };
-        Ok(capsule)
+        self.export().capsule(py, max_version)
     }
 
     /// `(2, ordinal)`: DLPack's CUDA device type and the device ordinal.

@@ -276,8 +276,9 @@ impl PyEncoderCache {
     fn __repr__(&self, py: Python<'_>) -> String {
         let s = self.shape;
         format!(
-            "EncoderCache(num_layers={}, num_kv_heads={}, head_dim={}, max_len={}, dtype='{}', device='{}', length={:?})",
-            s.num_layers, s.num_kv_heads, s.head_dim, s.max_seq_len, self.dtype, self.device, self.length(py)
+            "EncoderCache(num_layers={}, num_kv_heads={}, head_dim={}, max_len={}, dtype='{}', device='{}', length={})",
+            s.num_layers, s.num_kv_heads, s.head_dim, s.max_seq_len, self.dtype, self.device,
+            self.length(py).map_or("None".into(), |n| n.to_string())
         )
     }
 }

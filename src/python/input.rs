@@ -277,6 +277,7 @@ fn from_dlpack<'py>(
     device: Device,
     stacked: bool,
 ) -> PyResult<Input<'py>> {
+    check_dlpack_device(obj, name, device)?;
     let owner = match obj.extract::<ManagedBox<DLManagedTensorVersioned>>() {
         Ok(m) => Owner::Versioned(m),
         // Producers that predate DLPack 1.0 reject `max_version`: take the legacy capsule.
@@ -353,6 +354,28 @@ fn from_dlpack<'py>(
     })
 }
 
+/// Refuses, as a kvrs `DeviceError`, a tensor whose producer cannot name its device in
+/// DLPack terms (torch's `meta` device holds no data; others have no DLPack device),
+/// before its `__dlpack__` would raise the producer's own error.
+fn check_dlpack_device(obj: &Bound<'_, PyAny>, name: &'static str, device: Device) -> PyResult<()> {
+    let py = obj.py();
+    if !obj.hasattr(intern!(py, "__dlpack_device__"))? {
+        return Ok(());
+    }
+    if obj.call_method0(intern!(py, "__dlpack_device__")).is_ok() {
+        return Ok(());
+    }
+    let on = obj
+        .getattr(intern!(py, "device"))
+        .and_then(|d| d.str().map(|s| s.to_string()))
+        .unwrap_or_else(|_| "a device DLPack cannot describe".into());
+    Err(KvError::Device(format!(
+        "{name} is on {on}, which kvrs cannot read (a 'meta' tensor holds no data): pass a \
+         tensor with data on {device}, e.g. {name}.to('{device}')"
+    ))
+    .into())
+}
+
 /// A DLPack dtype as NumPy would name it (`float64`, `int8`, `bool8`, ...).
 fn dlpack_dtype_name(dt: dlpark::ffi::DLDataType) -> String {
     let kind = match dt.code.0 {
@@ -374,6 +397,12 @@ fn dlpack_dtype_name(dt: dlpark::ffi::DLDataType) -> String {
 
 fn check_rank(name: &'static str, shape: &[usize], stacked: bool) -> PyResult<()> {
     let expected = match stacked {
+        false if shape.len() == MAX_RANK + 1 => format!(
+            "at most {MAX_RANK} dimensions; a 4-D [batch, num_heads, seq_len, head_dim] tensor \
+             (Hugging Face's layout) holds one sequence per batch row: pass row b as \
+             {name}[b].transpose(0, 1), [seq_len, num_heads, head_dim] (NumPy: \
+             {name}[b].swapaxes(0, 1))"
+        ),
         false if shape.len() > MAX_RANK => format!("at most {MAX_RANK} dimensions"),
         true if shape.len() != MAX_RANK + 1 => {
             "[num_layers, n_tokens, num_kv_heads, head_dim] (4 dimensions)".to_string()

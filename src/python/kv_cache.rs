@@ -322,6 +322,13 @@ impl PyKVCache {
         self.dtype.name()
     }
 
+    /// The storage dtype as a torch dtype (`torch.bfloat16`, `torch.float8_e4m3fn`, ...;
+    /// `torch.int8` for int8 codes). Needs torch.
+    #[getter]
+    fn torch_dtype<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        super::args::torch_dtype(py, self.dtype)
+    }
+
     /// The fp8 key scales, [num_layers, num_kv_heads] float32 (None for other dtypes).
     #[getter]
     fn k_scale<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {

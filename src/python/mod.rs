@@ -4,6 +4,7 @@ mod args;
 mod attention;
 mod batch;
 mod device_tensor;
+mod dlpack_export;
 mod encoder_cache;
 mod errors;
 mod guarded;
@@ -63,6 +64,7 @@ fn _kvrs(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<tiers::PyRedisTier>()?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(attention_simd, m)?)?;
+    m.add_function(wrap_pyfunction!(dlpack_export::host_array_capsule, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

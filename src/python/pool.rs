@@ -143,7 +143,7 @@ impl PyBlockPool {
         layout: &str,
         prefix_caching: bool,
         hash: &str,
-        seed: Option<u128>,
+        seed: Option<&Bound<'_, PyAny>>,
         partial_hits: bool,
         events: bool,
         rope: Option<&Bound<'_, PyRope>>,
@@ -170,12 +170,14 @@ impl PyBlockPool {
             policy: tier_write.parse()?,
         };
         let tiers = super::tiers::parse_tiers(tiers)?;
+        let seed = seed.map(pool_args::parse_seed).transpose()?;
         if !tiers.is_empty() && seed.is_none() {
             return Err(KvError::InvalidArgument {
                 name: "seed",
                 value: "None".into(),
                 reason: "pools that share offload tiers (or find a disk tier again after a \
-                         restart) must share the hash seed: pass seed=<int>"
+                         restart) must share the hash seed: pass seed=<int or hex string>, the \
+                         same in every pool"
                     .into(),
             }
             .into());
@@ -255,6 +257,13 @@ impl PyBlockPool {
     #[getter]
     fn dtype(&self) -> &'static str {
         self.dtype.name()
+    }
+
+    /// The storage dtype as a torch dtype (`torch.bfloat16`, `torch.float8_e4m3fn`, ...;
+    /// `torch.int8` for int8 codes). Needs torch.
+    #[getter]
+    fn torch_dtype<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        super::args::torch_dtype(py, self.dtype)
     }
 
     /// Device name.

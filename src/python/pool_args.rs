@@ -94,7 +94,7 @@ pub fn num_blocks(
         }
         _ => Err(KvError::InvalidArgument {
             name: "num_blocks",
-            value: format!("{num_blocks:?}"),
+            value: num_blocks.map_or("None".into(), |n| n.to_string()),
             reason: "give exactly one of num_blocks and memory_bytes".into(),
         }
         .into()),
@@ -129,6 +129,38 @@ pub fn prefix(
         partial_hits,
         events,
     }))
+}
+
+/// Reads `seed=`: an int in [0, 2**128) or the same as a hex string (`pool.seed`
+/// printed with `f"{seed:x}"`, `0x` prefix optional).
+pub fn parse_seed(obj: &Bound<'_, PyAny>) -> PyResult<u128> {
+    let bad = |value: String| KvError::InvalidArgument {
+        name: "seed",
+        value,
+        reason: "must be an int in [0, 2**128) or its hex string (up to 32 hex digits), \
+                 such as another pool's `pool.seed`"
+            .into(),
+    };
+    if let Ok(s) = obj.cast::<pyo3::types::PyString>() {
+        let text = s.to_str()?.trim();
+        let digits = text
+            .strip_prefix("0x")
+            .or_else(|| text.strip_prefix("0X"))
+            .unwrap_or(text);
+        let ok = !digits.is_empty() && digits.len() <= 32;
+        return ok
+            .then(|| u128::from_str_radix(digits, 16).ok())
+            .flatten()
+            .ok_or_else(|| bad(format!("{text:?}")).into());
+    }
+    if obj.is_instance_of::<pyo3::types::PyBool>() || !obj.is_instance_of::<pyo3::types::PyInt>() {
+        return Err(PyTypeError::new_err(format!(
+            "seed must be an int or a hex string, not {}",
+            obj.get_type().name()?
+        )));
+    }
+    obj.extract::<u128>()
+        .map_err(|_| bad(obj.to_string()).into())
 }
 
 /// Reads a namespace or extra key: None, str (as UTF-8) or bytes.

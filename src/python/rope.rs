@@ -138,9 +138,11 @@ impl PyRope {
 
     fn __repr__(&self) -> String {
         format!(
-            "RoPE(theta={}, rotary_dim={:?}, style='{}', scaling={})",
+            "RoPE(theta={}, rotary_dim={}, style='{}', scaling={})",
             self.rope.theta,
-            self.rope.rotary_dim,
+            self.rope
+                .rotary_dim
+                .map_or("None".into(), |d| d.to_string()),
             self.style(),
             if self.rope.linear_factor == 1.0 {
                 "None".to_string()

@@ -8,6 +8,7 @@ use numpy::npyffi::{self, npy_intp, NPY_TYPES, PY_ARRAY_API};
 use numpy::{PyArrayDescr, PyArrayDescrMethods};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
+use pyo3::types::PyType;
 
 use super::device_tensor::PyDeviceTensor;
 use crate::dtype::DType;
@@ -19,6 +20,7 @@ const NPY_ARRAY_WRITEABLE: i32 = 0x0400;
 static BFLOAT16: PyOnceLock<Py<PyArrayDescr>> = PyOnceLock::new();
 static FLOAT8_E4M3FN: PyOnceLock<Py<PyArrayDescr>> = PyOnceLock::new();
 static FLOAT8_E5M2: PyOnceLock<Py<PyArrayDescr>> = PyOnceLock::new();
+static HOST_ARRAY: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 
 /// The NumPy dtype of `dtype`: NumPy's own for float32, float16 and int8; ml_dtypes'
 /// `bfloat16`, `float8_e4m3fn` and `float8_e5m2` for the others.
@@ -64,6 +66,23 @@ fn ml_dtype<'py>(
     .map(|d| d.bind(py))
 }
 
+/// The array type of `dtype`'s arrays: `kvrs.HostArray` (an ndarray that exports itself
+/// through DLPack) for the ml_dtypes dtypes NumPy cannot export (bfloat16, fp8), else
+/// `numpy.ndarray` (also when the package's module cannot be imported).
+fn array_type(py: Python<'_>, dtype: DType) -> *mut pyo3::ffi::PyTypeObject {
+    // SAFETY: NumPy's C API is loaded (this module imports numpy before any array).
+    let plain = || unsafe { npyffi::get_type_object(py, npyffi::NpyTypes::PyArray_Type) };
+    if matches!(dtype, DType::F32 | DType::F16 | DType::I8) {
+        return plain();
+    }
+    HOST_ARRAY
+        .get_or_try_init(py, || {
+            let t = py.import("kvrs._host_array")?.getattr("HostArray")?;
+            Ok::<_, PyErr>(t.cast_into::<PyType>()?.unbind())
+        })
+        .map_or_else(|_| plain(), |t| t.as_ptr() as *mut pyo3::ffi::PyTypeObject)
+}
+
 /// Calls `PyArray_NewFromDescr` for an ndarray of `dtype` and `shape`: over `data` with byte
 /// `strides` when given, else over fresh C-contiguous memory that NumPy allocates.
 ///
@@ -92,7 +111,7 @@ unsafe fn ndarray<'py>(
     };
     let arr = PY_ARRAY_API.PyArray_NewFromDescr(
         py,
-        npyffi::get_type_object(py, npyffi::NpyTypes::PyArray_Type),
+        array_type(py, dtype),
         descr(py, dtype)?.into_ptr() as *mut _,
         shape.len() as i32,
         dims.as_mut_ptr(),

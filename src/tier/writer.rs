@@ -73,7 +73,7 @@ impl std::str::FromStr for WritePolicy {
     type Err = crate::error::KvError;
 
     fn from_str(s: &str) -> crate::error::Result<Self> {
-        match s {
+        match s.trim().to_ascii_lowercase().as_str() {
             "first" => Ok(WritePolicy::First),
             "all" => Ok(WritePolicy::All),
             _ => Err(crate::error::KvError::InvalidArgument {

@@ -159,7 +159,9 @@ def test_a_pool_held_by_others_raises_instead_of_waiting_forever(model):
     pool = block_pool_from_config(model.config, num_blocks=4, block_size=4)
     held = pool.new_sequence()
     pool.reserve([held], [12])  # three of the four blocks
-    with pytest.raises(kvrs.CacheFullError, match=r"inputs\[0\] does not fit"):
+    with pytest.raises(
+        kvrs.CacheFullError, match=r"cache full: inputs\[0\] needs 3 more blocks but 1 of 4 blocks are free"
+    ):
         generate_batch(model, [[1, 2, 3, 4, 5]], pool=pool, max_new_tokens=4)
     assert pool.stats()["used_blocks"] == 3  # the request's sequence was freed
     held.free()

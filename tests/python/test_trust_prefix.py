@@ -232,9 +232,19 @@ def test_the_file_holds_no_seed(tmp_path):
 def test_another_seed_is_named_by_its_seed_id(tmp_path):
     path = saved(tmp_path)
     other = pool(seed=SEED + 1)
-    with pytest.raises(ValueError, match=r"another seed \(seed id \"[0-9a-f]{16}\".*pass that pool's seed="):
+    with pytest.raises(
+        ValueError, match=r"another seed \(seed id '[0-9a-f]{16}'.*seed=<that pool's pool\.seed"
+    ):
         other.load_prefix_cache(path)
     assert other.stats()["cached_blocks"] == 0
+    with pytest.raises(ValueError) as refused:
+        other.load_prefix_cache(path)
+    assert "Some(" not in str(refused.value)
+    # The seed as the hex string of the writing pool's `pool.seed` loads the file.
+    for spelling in (f"{SEED:x}", f"0x{SEED:032X}"):
+        same = pool(seed=spelling)
+        assert same.seed == SEED
+        assert same.load_prefix_cache(path)["loaded"] > 0
 
 
 def test_version_1_files_are_refused_with_a_clear_message(tmp_path):

@@ -3,7 +3,6 @@ zero-copy views, and reading a model config's attention layout."""
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import numpy as np
@@ -38,12 +37,8 @@ QUANTIZED_DTYPES = frozenset({"fp8_e4m3", "fp8_e5m2", "int8"})
 
 
 def as_torch(view: np.ndarray | kvrs.DeviceTensor) -> torch.Tensor:
-    """A torch tensor over a kvrs array (host) or DeviceTensor (CUDA), without a copy."""
-    if isinstance(view, np.ndarray) and view.dtype.name == "bfloat16":
-        # NumPy cannot export bfloat16 through DLPack: reinterpret its bits.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # read-only views; torch only reads them
-            return torch.from_numpy(view.view(np.uint16)).view(torch.bfloat16)
+    """A torch tensor over a kvrs array (host; bfloat16 and fp8 ones export themselves,
+    see `kvrs.HostArray`) or DeviceTensor (CUDA), without a copy."""
     return torch.from_dlpack(view)
 
 
@@ -56,6 +51,42 @@ def model_dtype(config: Any) -> str:
     """The kvrs name of the config's dtype, float32 when it has none kvrs stores."""
     dtype = getattr(text_config(config), "dtype", None)
     return STORAGE_DTYPES.get(dtype, "float32") if isinstance(dtype, torch.dtype) else "float32"
+
+
+def model_parts(model_or_config: Any) -> tuple[Any, torch.dtype | None, torch.device | None]:
+    """The config, dtype and device of a transformers model (those of its parameters:
+    what its forward computes in, whatever its config says), or a config with the dtype
+    it records and no device."""
+    config = getattr(model_or_config, "config", None)
+    if config is not None and isinstance(model_or_config, torch.nn.Module):
+        param = next(model_or_config.parameters(), None)
+        if param is not None:
+            return config, param.dtype, param.device
+        return config, getattr(text_config(config), "dtype", None), None
+    dtype = getattr(text_config(model_or_config), "dtype", None)
+    return model_or_config, dtype if isinstance(dtype, torch.dtype) else None, None
+
+
+def resolve_dtype(dtype: Any, model: torch.dtype | None) -> Any:
+    """`dtype` as kvrs takes it: None or 'auto' (any case) is the model's dtype (None when
+    unknown), anything else (a kvrs name, a torch dtype) as given."""
+    if dtype is None or (isinstance(dtype, str) and dtype.strip().lower() == "auto"):
+        if model is None:
+            return None
+        if model not in STORAGE_DTYPES:
+            raise ValueError(
+                f"dtype='auto': the model computes in {model}, which kvrs does not store; "
+                f"give dtype= one of {sorted(STORAGE_DTYPES.values())} or an 8-bit dtype"
+            )
+        return STORAGE_DTYPES[model]
+    return dtype
+
+
+def resolve_device(device: Any, model: torch.device | None) -> str:
+    """`device` as kvrs takes it: None is the model's device (the host without a model)."""
+    if device is None:
+        return str(model) if model is not None else "cpu"
+    return str(device)
 
 
 def attention_layout(config: Any) -> dict[str, Any]:
@@ -83,18 +114,22 @@ def kvrs_kind(layer_type: str) -> str:
 
 
 def block_pool_from_config(
-    config: Any,
+    model_or_config: Any,
     *,
     num_blocks: int | None = None,
     memory_bytes: int | str | None = None,
     block_size: int = 16,
-    dtype: str | None = None,
-    device: str = "cpu",
+    dtype: Any = "auto",
+    device: Any = None,
     **pool_kwargs: Any,
 ) -> kvrs.BlockPool:
-    """A BlockPool shaped for a transformers model config: its layers (and their kinds),
-    KV heads and head dim; `dtype` defaults to the model's. Give `num_blocks` or
-    `memory_bytes`; other keywords (prefix_caching, swa_memory, ...) go to BlockPool."""
+    """A BlockPool shaped for a transformers model (or its config): its layers (and their
+    kinds), KV heads and head dim. `dtype` 'auto' (or None) is the model's: its
+    parameters' dtype for a model, the config's `dtype` for a config (float32 when it
+    records none); else a kvrs name or a torch dtype. `device` None is the model's (the
+    host for a config). Give `num_blocks` or `memory_bytes`; other keywords
+    (prefix_caching, swa_memory, ...) go to BlockPool."""
+    config, m_dtype, m_device = model_parts(model_or_config)
     text = text_config(config)
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -105,8 +140,8 @@ def block_pool_from_config(
         block_size=block_size,
         num_blocks=num_blocks,
         memory_bytes=memory_bytes,
-        dtype=dtype or model_dtype(config),
-        device=device,
+        dtype=resolve_dtype(dtype, m_dtype) or model_dtype(config),
+        device=resolve_device(device, m_device),
         **attention_layout(config),
         **pool_kwargs,
     )

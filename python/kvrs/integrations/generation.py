@@ -157,10 +157,7 @@ def generate_batch(
     use_paged_attention(model)
     if pool is None:
         need = sum(_blocks(len(p) + b, block_size) for p, b in zip(prompts, budgets, strict=True))
-        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        pool = block_pool_from_config(
-            model.config, num_blocks=need, block_size=block_size, dtype=dtype, device=str(model.device)
-        )
+        pool = block_pool_from_config(model, num_blocks=need, block_size=block_size)
     states = [
         RequestState(i, p, b, a) for i, (p, b, a) in enumerate(zip(prompts, budgets, steps_in, strict=True))
     ]
@@ -237,9 +234,9 @@ def _run(
             if not running:
                 r = waiting[0]
                 raise kvrs.CacheFullError(
-                    f"inputs[{r.index}] does not fit in the pool: it needs "
-                    f"{_blocks(len(r.prompt) + r.max_new_tokens, bs)} blocks, {pool.free_blocks} of "
-                    f"{pool.num_blocks} are free or evictable (other sequences hold the rest)"
+                    f"cache full: inputs[{r.index}] needs "
+                    f"{_blocks(len(r.prompt) + r.max_new_tokens, bs)} more blocks but {pool.free_blocks} "
+                    f"of {pool.num_blocks} blocks are free (other sequences hold the rest)"
                 )
             seqs: list[kvrs.Sequence] = []
             ids: list[int] = []

@@ -31,6 +31,9 @@ from kvrs.integrations._torch import (
     STORAGE_DTYPES,
     as_torch,
     block_pool_from_config,
+    model_parts,
+    resolve_device,
+    resolve_dtype,
     text_config,
     torch,
 )
@@ -265,14 +268,17 @@ class KvrsCache(Cache):
         self,
         num_layers: int,
         max_seq_len: int,
-        dtype: str | None = None,
-        device: str = "cpu",
+        dtype: Any = None,
+        device: Any = "cpu",
         *,
         k_scale: Any = None,
         v_scale: Any = None,
     ):
         if max_seq_len < 1:
             raise ValueError(f"max_seq_len={max_seq_len}: must be >= 1")
+        dtype, device = resolve_dtype(dtype, None), str(device)
+        if dtype is not None:
+            kvrs.KVCache(1, 1, 1, 1, dtype=dtype)  # a bad dtype fails now, not at the first forward
         _check_device(device)
         k, v = _per_layer(k_scale, "k_scale", num_layers), _per_layer(v_scale, "v_scale", num_layers)
         super().__init__(
@@ -282,19 +288,25 @@ class KvrsCache(Cache):
     @classmethod
     def from_config(
         cls,
-        config: Any,
+        model_or_config: Any,
         max_seq_len: int,
-        dtype: str | None = None,
-        device: str = "cpu",
+        dtype: Any = "auto",
+        device: Any = None,
         *,
         k_scale: Any = None,
         v_scale: Any = None,
     ) -> KvrsCache:
-        """A cache for a model config (its `num_hidden_layers`), `max_seq_len` positions per layer,
-        stored in `dtype` on `device`: 'float32', 'float16', 'bfloat16' (default: the model's
-        dtype) or 8-bit 'fp8_e4m3', 'fp8_e5m2', 'int8'. fp8 takes a checkpoint's `k_scale`
-        and `v_scale`: a float, one per layer, or [num_layers, num_kv_heads]."""
+        """A cache for a transformers model or its config (its `num_hidden_layers`),
+        `max_seq_len` positions per layer, stored in `dtype` on `device`. `dtype` is 'auto'
+        (the model's: its parameters' dtype, or for a config the dtype of the K/V the
+        first forward writes), 'float32', 'float16', 'bfloat16' (or the torch dtype), or
+        8-bit 'fp8_e4m3', 'fp8_e5m2', 'int8'. `device` None is the model's (the host for a
+        config). fp8 takes a checkpoint's `k_scale` and `v_scale`: a float, one per layer,
+        or [num_layers, num_kv_heads] (see :func:`calibrate_kv_scales`)."""
+        config, m_dtype, m_device = model_parts(model_or_config)
         layers = text_config(config).num_hidden_layers
+        dtype = resolve_dtype(dtype, m_dtype if isinstance(model_or_config, torch.nn.Module) else None)
+        device = resolve_device(device, m_device)
         return cls(layers, max_seq_len, dtype, device, k_scale=k_scale, v_scale=v_scale)
 
 
@@ -360,23 +372,24 @@ class KvrsPagedCache(Cache):
     @classmethod
     def from_config(
         cls,
-        config: Any,
+        model_or_config: Any,
         *,
         max_seq_len: int | None = None,
         max_batch_size: int = 1,
         num_blocks: int | None = None,
         memory_bytes: int | str | None = None,
         block_size: int = 16,
-        dtype: str | None = None,
-        device: str = "cpu",
+        dtype: Any = "auto",
+        device: Any = None,
         swa_memory: int = 0,
         k_scale: Any = None,
         v_scale: Any = None,
     ) -> KvrsPagedCache:
-        """A cache with a new pool shaped for the model config (its layer types included):
-        room for `max_batch_size` rows of `max_seq_len` positions, or exactly `num_blocks`
-        blocks or `memory_bytes` bytes. `dtype` defaults to the model's (8-bit dtypes as
-        for :class:`KvrsCache`, with fp8 `k_scale` / `v_scale`). `swa_memory`
+        """A cache with a new pool shaped for a transformers model or its config (its layer
+        types included): room for `max_batch_size` rows of `max_seq_len` positions, or
+        exactly `num_blocks` blocks or `memory_bytes` bytes. `dtype` and `device` as for
+        :func:`block_pool_from_config` ('auto' and None: the model's; 8-bit dtypes as for
+        :class:`KvrsCache`, with fp8 `k_scale` / `v_scale`). `swa_memory`
         positions are kept beyond sliding windows so that `crop` (assisted decoding) can
         roll back that far from the longest length reached."""
         given = [n for n, v in (("max_seq_len", max_seq_len), ("num_blocks", num_blocks),
@@ -394,7 +407,7 @@ class KvrsPagedCache(Cache):
                 )
             num_blocks = max_batch_size * -(-max_seq_len // block_size)
         pool = block_pool_from_config(
-            config,
+            model_or_config,
             num_blocks=num_blocks,
             memory_bytes=memory_bytes,
             block_size=block_size,

@@ -94,15 +94,18 @@ impl FileConfig {
             }
             v => {
                 return Err(fail(format!(
-                    "prefix-cache format version {v:?}, expected {VERSION}"
+                    "prefix-cache format version {}, expected {VERSION}",
+                    shown(v)
                 )))
             }
         }
         if entry("seed_id") != Some(self.seed_id.as_str()) {
             return Err(fail(format!(
-                "this file was written by a pool with another seed (seed id {:?}, this pool's is \
-                 {:?}); pass that pool's seed= to load it",
-                entry("seed_id").unwrap_or("none"),
+                "this file was written by a pool with another seed (seed id {}, this pool's is \
+                 '{}'; a seed id is a one-way digest of the seed, not the seed); load it into a \
+                 pool made with the writing pool's seed: BlockPool(..., seed=<that pool's \
+                 pool.seed, an int or its hex string>)",
+                shown(entry("seed_id")),
                 self.seed_id
             )));
         }
@@ -146,7 +149,9 @@ impl FileConfig {
             let got = entry(key);
             if got != Some(want.as_str()) {
                 return Err(fail(format!(
-                    "{key} is {got:?} in the file but {want:?} in this pool"
+                    "{key} is {} in the file but {} in this pool",
+                    shown(got),
+                    shown(Some(want))
                 )));
             }
         }
@@ -324,6 +329,18 @@ fn find_loop(blocks: &[FileBlock]) -> Result<Option<usize>> {
         }
     }
     Ok(None)
+}
+
+/// A metadata entry as messages show it: `'value'`, or `missing`. The recorded
+/// `layer_types` keeps Rust's `Some(128)`/`None` (the tiers' fingerprint covers that text,
+/// so it cannot change); messages show `128`/`none`.
+fn shown(entry: Option<&str>) -> String {
+    let plain = |v: &str| {
+        v.replace("=Some(", "=")
+            .replace(')', "")
+            .replace("=None", "=none")
+    };
+    entry.map_or_else(|| "missing".into(), |v| format!("'{}'", plain(v)))
 }
 
 #[cfg(test)]
