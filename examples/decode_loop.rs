@@ -55,7 +55,7 @@ fn forward(
 }
 
 fn main() -> kvrs::Result<()> {
-    let mut cache = KvCache::<f16>::new(LAYERS, KV_HEADS, HEAD_DIM, MAX_SEQ_LEN);
+    let mut cache = KvCache::<f16>::zeros(LAYERS, KV_HEADS, HEAD_DIM, MAX_SEQ_LEN);
     let mut out = Vec::new();
 
     let t = Instant::now();

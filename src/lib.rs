@@ -9,10 +9,10 @@
 //! ```
 //! use kvrs::KvCache;
 //!
-//! let mut cache = KvCache::<f32>::new(1, 2, 4, 16);
+//! let mut cache = KvCache::new(1, 2, 4, 16);
 //! let kv = vec![1.0f32; 2 * 4]; // one token: [1, num_kv_heads, head_dim]
 //! cache.append(0, &kv, &kv)?;
-//! cache.advance()?;
+//! cache.advance();
 //! let mut out = vec![0.0f32; 4 * 4]; // [1, num_q_heads = 4, head_dim]
 //! cache.attention(0, 4, &vec![0.5f32; 4 * 4], &mut out)?;
 //! assert_eq!(out, vec![1.0f32; 16]); // one position: attention returns its value

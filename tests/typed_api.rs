@@ -114,9 +114,9 @@ fn apply(c: &mut KvCache<f32>, m: &mut Model, op: &CacheOp) {
         } => {
             let v: Vec<f32> = (0..D).map(|d| x + d as f32).collect();
             let r = if kv == 0 {
-                c.store_key(layer, head, pos, &v)
+                c.try_store_key(layer, head, pos, &v)
             } else {
-                c.store_value(layer, head, pos, &v)
+                c.try_store_value(layer, head, pos, &v)
             };
             assert_eq!(r.is_ok(), pos < MAX, "{r:?}");
             if r.is_ok() {
@@ -166,7 +166,7 @@ fn apply(c: &mut KvCache<f32>, m: &mut Model, op: &CacheOp) {
         } => {
             let keys: Vec<f32> = (0..H * size * D).map(|i| x * i as f32).collect();
             let values: Vec<f32> = keys.iter().map(|a| a + 1.0).collect();
-            let r = c.inject_block(layer, start, size, &keys, &values);
+            let r = c.try_inject_block(layer, start, size, &keys, &values);
             let ok = layer < L && start < MAX;
             assert_eq!(r.is_ok(), ok, "{r:?}");
             if ok {
@@ -192,7 +192,7 @@ fn check(c: &KvCache<f32>, m: &Model) {
             assert_eq!(c.keys_for(layer, head, MAX), &m.data[layer][0][head][..]);
             assert_eq!(c.values_for(layer, head, MAX), &m.data[layer][1][head][..]);
         }
-        let (k, v) = c.extract_block(layer, 0, MAX).unwrap();
+        let (k, v) = c.extract_block(layer, 0, MAX);
         assert_eq!(k, m.data[layer][0].concat());
         assert_eq!(v, m.data[layer][1].concat());
     }
@@ -364,11 +364,11 @@ proptest! {
 
 /// Stores of `T` read back bit for bit, and attention over one position returns its value.
 fn half_round_trip<T: Element + PartialEq + std::fmt::Debug>(from: fn(f32) -> T) {
-    let mut c = KvCache::<T>::new(1, 1, 4, 8);
+    let mut c = KvCache::<T>::zeros(1, 1, 4, 8);
     let v: Vec<T> = [0.5f32, -1.25, 3.0, 1e-3].into_iter().map(from).collect();
-    c.store_key(0, 0, 0, &v).unwrap();
-    c.store_value(0, 0, 0, &v).unwrap();
-    c.advance().unwrap();
+    c.store_key(0, 0, 0, &v);
+    c.store_value(0, 0, 0, &v);
+    c.advance();
     assert_eq!(c.keys_for(0, 0, 1), &v[..]);
     let q: Vec<T> = vec![from(1.0); 8];
     let mut out = vec![T::default(); 8];
@@ -380,7 +380,7 @@ fn half_round_trip<T: Element + PartialEq + std::fmt::Debug>(from: fn(f32) -> T)
 fn f16_and_bf16_caches_store_their_own_elements() {
     half_round_trip(f16::from_f32);
     half_round_trip(bf16::from_f32);
-    let c = KvCache::<f16>::new(2, 2, 8, 4);
+    let c = KvCache::<f16>::zeros(2, 2, 8, 4);
     assert_eq!(c.memory_bytes(), 2 * 2 * 2 * 4 * 8 * 2);
 }
 
@@ -390,6 +390,13 @@ fn bad_sizes_and_shapes_are_errors_not_panics() {
         KvCache::<f32>::try_new(0, 1, 1, 1),
         Err(KvError::InvalidArgument {
             name: "num_layers",
+            ..
+        })
+    ));
+    assert!(matches!(
+        KvCache::<bf16>::try_zeros(1, 0, 1, 1),
+        Err(KvError::InvalidArgument {
+            name: "num_kv_heads",
             ..
         })
     ));
