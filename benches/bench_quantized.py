@@ -15,7 +15,13 @@ and the accuracy of each dtype, in one process.
 - the demo workload (24 chat requests sharing a 1024-token system prompt): a float16
   pool of a given size against 8-bit pools of the same bytes and of half the bytes;
 - accuracy: the relative L2 error of decode logits against DynamicCache (float32) on the
-  demo's model and a tiny random Llama, and the demo's greedy agreement.
+  demo's model and a tiny random Llama, and the demo's greedy agreement;
+- calibration: fp8 with scales from ``calibrate_kv_scales`` against scale 1.0, on the same
+  models and on the tiny Llama made loud (layer 1's K/V past E4M3's 448), with the
+  elements each saturates, and how flat each model's logits are (the gap between the two
+  largest, which a greedy pick needs the error to stay under).
+
+    python benches/bench_quantized.py --only calibration   # that part alone
 """
 
 from __future__ import annotations
@@ -182,19 +188,106 @@ def accuracy(quick: bool) -> None:
             )
 
 
+def loud_tiny_model() -> torch.nn.Module:
+    """The tiny Llama with layer 1's K/V 2000x larger (k_proj, v_proj x 2000; q_proj,
+    o_proj / 2000: the same function), past E4M3's 448 with scale 1.0."""
+    model = demo.make_tiny_model(0)
+    with torch.no_grad():
+        attn = model.model.layers[1].self_attn
+        attn.k_proj.weight.mul_(2000.0)
+        attn.v_proj.weight.mul_(2000.0)
+        attn.q_proj.weight.div_(2000.0)
+        attn.o_proj.weight.div_(2000.0)
+    return model
+
+
+def logit_gaps(model: torch.nn.Module, prompt: list[int], steps: int) -> np.ndarray:
+    """At each greedy decode step (DynamicCache, float32): the gap between the two largest
+    logits, relative to the logits' L2 norm (the error a greedy pick survives is about
+    half of it)."""
+    from transformers import DynamicCache
+
+    cache, ids, gaps = DynamicCache(config=model.config), torch.tensor([prompt]), []
+    with torch.no_grad():
+        for _ in range(steps + 1):
+            logits = model(ids, past_key_values=cache, use_cache=True).logits[0, -1].float()
+            top = logits.topk(2).values
+            gaps.append(float((top[0] - top[1]) / logits.norm()))
+            ids = logits.argmax().reshape(1, 1)
+    return np.array(gaps)
+
+
+def saturated(model: torch.nn.Module, prompt: list[int], **cache_kwargs: object) -> int:
+    """Elements an fp8 KvrsPagedCache clamps while `prompt` runs through `model`."""
+    from kvrs.integrations.transformers import KvrsPagedCache
+
+    cache = KvrsPagedCache.from_config(model.config, max_seq_len=len(prompt), **cache_kwargs)
+    with torch.no_grad():
+        model(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+    return sum(cache.pool.stats()["fp8_saturated"])
+
+
+def calibration(quick: bool) -> None:
+    from kvrs.integrations.transformers import calibrate_kv_scales
+
+    g = torch.Generator().manual_seed(1)
+    tiny_prompt = torch.randint(3, 128, (200,), generator=g).tolist()
+    demo_prompt = demo.make_requests(1, 256 if quick else 1024, 8, 2048, 0)[0].prompt
+    models = {
+        "demo model (8 layers, demo prompt)": (demo.make_model(0, 8), demo_prompt),
+        "tiny Llama (2 layers, 200 random tokens)": (demo.make_tiny_model(0), tiny_prompt),
+        "tiny Llama, layer 1's K/V x2000": (loud_tiny_model(), tiny_prompt),
+    }
+    steps = 8 if quick else 32
+    print(f"\ncalibration: fp8 scales from calibrate_kv_scales (the prompt itself, per KV head, "
+          f"margin 1) against 1.0; relative L2 error of {steps} decode steps' logits, "
+          "elements saturated while the prompt is stored")  # fmt: skip
+    for name, (model, prompt) in models.items():
+        gaps = logit_gaps(model, prompt, steps)
+        print(f"{name}: gap between the two largest logits / |logits|: median {np.median(gaps):.2e}, "
+              f"smallest {gaps.min():.2e}")  # fmt: skip
+        vocab = model.config.vocab_size
+        for dtype in ("fp8_e4m3", "fp8_e5m2"):
+            exact = calibrate_kv_scales(model, [prompt], dtype=dtype)
+            wide = calibrate_kv_scales(model, [prompt], dtype=dtype, margin=1.1)
+            amax = max(max(map(max, exact.k_amax)), max(map(max, exact.v_amax)))
+            for label, kw in (
+                ("scale 1.0", {}),
+                ("calibrated", {"k_scale": exact.k_scale, "v_scale": exact.v_scale}),
+                ("margin 1.1", {"k_scale": wide.k_scale, "v_scale": wide.v_scale}),
+            ):
+                err, agree = demo.logits_error(model, dtype, prompt, steps, **kw)
+                sat = saturated(model, prompt, dtype=dtype, **kw)
+                print(
+                    f"  {dtype:<9} {label:<10} error {err:.2e} (about {err / vocab**0.5:.1e} of "
+                    f"|logits| per logit), argmax agrees {agree:.0%}, {sat:,} saturated "
+                    f"(K/V amax {amax:.3g})"
+                )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="smaller sizes (seconds)")
+    parts = ("capacity", "decode", "writes", "workload", "accuracy", "calibration")
+    parser.add_argument("--only", choices=parts, action="append", help="run only these parts")
     args = parser.parse_args()
-    capacity()
-    decode(4096 if args.quick else 32768, 3 if args.quick else 7)
-    # Most E4M3 codes subnormal (below 2^-6): their float16s are subnormal too.
-    decode(4096 if args.quick else 32768, 3 if args.quick else 7, magnitude=0.005)
-    writes(1024 if args.quick else 4096, 3 if args.quick else 7)
-    workload(args.quick)
-    accuracy(args.quick)
+    only = set(args.only or parts)
+    if "capacity" in only:
+        capacity()
+    if "decode" in only:
+        decode(4096 if args.quick else 32768, 3 if args.quick else 7)
+        # Most E4M3 codes subnormal (below 2^-6): their float16s are subnormal too.
+        decode(4096 if args.quick else 32768, 3 if args.quick else 7, magnitude=0.005)
+    if "writes" in only:
+        writes(1024 if args.quick else 4096, 3 if args.quick else 7)
+    if "workload" in only:
+        workload(args.quick)
+    if "accuracy" in only:
+        accuracy(args.quick)
+    if "calibration" in only:
+        calibration(args.quick)
 
 
 if __name__ == "__main__":

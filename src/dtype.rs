@@ -109,7 +109,9 @@ impl FromStr for DType {
     }
 }
 
-/// Converts `n` contiguous elements from `src` (of `src_dtype`) into `dst` (of `dst_dtype`).
+/// Converts `n` contiguous elements from `src` (of `src_dtype`) into `dst` (of `dst_dtype`);
+/// returns how many of them saturated an fp8 `dst_dtype` ([`Fp8::saturates`]; 0 for
+/// other dtypes).
 ///
 /// Narrowing conversions round to nearest, ties to even (the `half` crate, with
 /// F16C/NEON instructions where the CPU has them).
@@ -124,13 +126,13 @@ pub unsafe fn convert_contiguous(
     src: *const u8,
     src_dtype: DType,
     n: usize,
-) {
+) -> usize {
     if n == 0 {
-        return;
+        return 0;
     }
     if dst_dtype == src_dtype {
         std::ptr::copy_nonoverlapping(src, dst, n * dst_dtype.size());
-        return;
+        return 0;
     }
     // Aligned fast paths use half's vectorised slice converters; unaligned inputs
     // (rare: a NumPy view at an odd byte offset) take the scalar path.
@@ -161,11 +163,12 @@ pub unsafe fn convert_contiguous(
             }
             _ => unreachable!("equal and 8-bit dtypes are handled above and below"),
         }
-        return;
+        return 0;
     }
     if let (Some(f), false) = (dst_dtype.fp8(), src_dtype.is_quantized()) {
         // Floats to fp8 a chunk at a time through f32, with the vectorised encoder.
         let mut buf = [0f32; 256];
+        let mut saturated = 0;
         for start in (0..n).step_by(buf.len()) {
             let len = buf.len().min(n - start);
             let chunk = &mut buf[..len];
@@ -176,14 +179,18 @@ pub unsafe fn convert_contiguous(
                 src_dtype,
                 len,
             );
-            f.encode_slice(slice_mut::<u8>(dst.add(start), len), chunk);
+            saturated += f.encode_slice(slice_mut::<u8>(dst.add(start), len), chunk);
         }
-        return;
+        return saturated;
     }
+    let fp8 = dst_dtype.fp8();
+    let mut saturated = 0;
     for i in 0..n {
         let v = read_f32(src.add(i * src_dtype.size()), src_dtype);
+        saturated += fp8.is_some_and(|f| f.saturates(v)) as usize;
         write_f32(dst.add(i * dst_dtype.size()), dst_dtype, v);
     }
+    saturated
 }
 
 /// Reads one element of `dtype` at `p` (any alignment) as f32. 8-bit elements read as

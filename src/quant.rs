@@ -5,7 +5,8 @@
 //! Encoding rounds to nearest, ties to even, and saturates: a value beyond the format's
 //! largest finite number (infinities included) becomes that number with its sign, so
 //! no finite input is ever stored as NaN or infinity (CUDA's `__NV_SATFINITE`). NaN
-//! stays NaN. Decoding is exact: every code's value is an f32.
+//! stays NaN. Decoding is exact: every code's value is an f32. The slice encoder counts
+//! the values it saturates ([`Fp8::saturates`]) in the same loop.
 
 /// One of the OCP 8-bit floating-point formats.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -43,6 +44,17 @@ impl Fp8 {
         }
     }
 
+    /// The smallest magnitude that saturates ([`Fp8::saturates`]): the first float past
+    /// 464 for E4M3 (464, halfway between 448 and the 480 the format lacks, ties to
+    /// 448's even code), 61440 for E5M2 (halfway between 57344 and 65536, whose even
+    /// code is infinity).
+    pub const fn saturation_limit(self) -> f32 {
+        match self {
+            Fp8::E4M3 => f32::from_bits(464f32.to_bits() + 1),
+            Fp8::E5M2 => 61440.0,
+        }
+    }
+
     /// The smallest positive normal value, `2^(1 - bias)`.
     fn min_normal(self) -> f32 {
         f32::powi(2.0, 1 - self.bias())
@@ -52,15 +64,28 @@ impl Fp8 {
     #[inline]
     pub fn encode(self, x: f32) -> u8 {
         match self {
-            Fp8::E4M3 => encode_as::<3, 7, 0x7e, 0x7f>(x, 448.0),
-            Fp8::E5M2 => encode_as::<2, 15, 0x7b, 0x7e>(x, 57344.0),
+            Fp8::E4M3 => encode_as::<3, 7, 0x7e, 0x7f>(x, E4M3_LIMIT),
+            Fp8::E5M2 => encode_as::<2, 15, 0x7b, 0x7e>(x, E5M2_LIMIT),
         }
     }
 
-    /// Encodes every element of `src` into `dst` (same length), as [`Fp8::encode`]:
-    /// one branch-free loop per format, which the compiler vectorises (with AVX2 where
-    /// the CPU has it, chosen at run time).
-    pub fn encode_slice(self, dst: &mut [u8], src: &[f32]) {
+    /// Whether encoding `x` saturates: rounding it to nearest even would go past the
+    /// largest finite value (`|x| >= saturation_limit()`, infinities included), so the
+    /// encoder stores `±max()` instead, where ml_dtypes' unclamped cast gives NaN
+    /// (E4M3FN) or infinity (E5M2). A value between `max()` and the limit rounds to
+    /// `max()` as any value rounds to its nearest code, and does not count; NaN does not
+    /// either (it stays NaN).
+    #[inline(always)]
+    pub fn saturates(self, x: f32) -> bool {
+        x.abs() >= self.saturation_limit()
+    }
+
+    /// Encodes every element of `src` into `dst` (same length), as [`Fp8::encode`], and
+    /// returns how many of them saturated ([`Fp8::saturates`]): one branch-free loop per
+    /// format, which the compiler vectorises (with AVX2 where the CPU has it, chosen at
+    /// run time). The count costs an add per element in the same loop: its compare is
+    /// the one the clamp makes.
+    pub fn encode_slice(self, dst: &mut [u8], src: &[f32]) -> usize {
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU has AVX2.
@@ -72,24 +97,16 @@ impl Fp8 {
     /// [`Fp8::encode_slice`] compiled for AVX2.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2")]
-    unsafe fn encode_slice_avx2(self, dst: &mut [u8], src: &[f32]) {
+    unsafe fn encode_slice_avx2(self, dst: &mut [u8], src: &[f32]) -> usize {
         self.encode_slice_with(dst, src)
     }
 
     /// The loop of [`Fp8::encode_slice`], inlined into each build.
     #[inline(always)]
-    fn encode_slice_with(self, dst: &mut [u8], src: &[f32]) {
+    fn encode_slice_with(self, dst: &mut [u8], src: &[f32]) -> usize {
         match self {
-            Fp8::E4M3 => {
-                for (d, &x) in dst.iter_mut().zip(src) {
-                    *d = encode_as::<3, 7, 0x7e, 0x7f>(x, 448.0);
-                }
-            }
-            Fp8::E5M2 => {
-                for (d, &x) in dst.iter_mut().zip(src) {
-                    *d = encode_as::<2, 15, 0x7b, 0x7e>(x, 57344.0);
-                }
-            }
+            Fp8::E4M3 => encode_counting::<3, 7, 0x7e, 0x7f>(dst, src, E4M3_LIMIT),
+            Fp8::E5M2 => encode_counting::<2, 15, 0x7b, 0x7e>(dst, src, E5M2_LIMIT),
         }
     }
 
@@ -146,6 +163,10 @@ impl Fp8 {
     }
 }
 
+/// [`Fp8::saturation_limit`] of each format, as constants for the encoder's loops.
+const E4M3_LIMIT: f32 = Fp8::E4M3.saturation_limit();
+const E5M2_LIMIT: f32 = Fp8::E5M2.saturation_limit();
+
 /// `y` rounded to the nearest integer, ties to even, for `|y| < 2^22`: adding 1.5 * 2^23
 /// leaves the rounding to the FPU and the integer in the sum's low mantissa bits, so no
 /// call, branch or float-to-int conversion is needed (a loop of it vectorises).
@@ -156,15 +177,18 @@ fn round_small(y: f32) -> i32 {
 }
 
 /// [`Fp8::encode`] for a format of `M` mantissa bits and exponent bias `BIAS`, whose
-/// largest finite value is `max`, its code `MAX`, and NaN code `NAN` (sign bit clear). Both paths are
-/// computed and the result selected, so that a loop of it vectorises: subnormals are a
-/// multiple of `2^(1 - BIAS - M)` (scaling by a power of two is exact, and a result of
-/// `2^M` is the smallest normal's code, as it should be); normals round the f32
-/// mantissa to `M` bits (a carry moves into the exponent) and rebias the exponent.
+/// largest finite value has code `MAX`, NaN code `NAN` (sign bit clear), and magnitudes
+/// from `limit` on round past the largest value ([`Fp8::saturation_limit`]). Both paths
+/// are computed and the result selected, so that a loop of it vectorises: subnormals
+/// are a multiple of `2^(1 - BIAS - M)` (scaling by a power of two is exact, and a
+/// result of `2^M` is the smallest normal's code, as it should be); normals round the
+/// f32 mantissa to `M` bits (a carry moves into the exponent) and rebias the exponent.
+/// Magnitudes below `limit` round to `MAX` at most; from `limit` on, `MAX` is stored
+/// (the compare [`encode_counting`] counts with, so that counting costs no second one).
 #[inline(always)]
 fn encode_as<const M: u32, const BIAS: i32, const MAX: u32, const NAN: u32>(
     x: f32,
-    max: f32,
+    limit: f32,
 ) -> u8 {
     let bits = x.to_bits();
     let sign = (bits >> 24) & 0x80;
@@ -179,9 +203,31 @@ fn encode_as<const M: u32, const BIAS: i32, const MAX: u32, const NAN: u32>(
     let normal = ((abits + (1 << (drop - 1)) - 1 + ((abits >> drop) & 1)) >> drop)
         .wrapping_sub(((127 - BIAS) as u32) << M);
     let code = if a < min_normal { subnormal } else { normal };
-    let code = if a >= max { MAX } else { code.min(MAX) };
+    let code = if a >= limit { MAX } else { code.min(MAX) };
     let code = if a.is_nan() { NAN } else { code };
     (sign | code) as u8
+}
+
+/// Encodes `src` into `dst` as [`encode_as`] and counts the elements that saturate:
+/// magnitudes from `limit` on (NaN compares false). The count runs in 32-bit lanes
+/// beside the encoder's, chunk by chunk so that it cannot overflow.
+#[inline(always)]
+fn encode_counting<const M: u32, const BIAS: i32, const MAX: u32, const NAN: u32>(
+    dst: &mut [u8],
+    src: &[f32],
+    limit: f32,
+) -> usize {
+    const CHUNK: usize = 1 << 16;
+    let mut total = 0usize;
+    for (dst, src) in dst.chunks_mut(CHUNK).zip(src.chunks(CHUNK)) {
+        let mut n = 0u32;
+        for (d, &x) in dst.iter_mut().zip(src) {
+            *d = encode_as::<M, BIAS, MAX, NAN>(x, limit);
+            n += (x.abs() >= limit) as u32;
+        }
+        total += n as usize;
+    }
+    total
 }
 
 /// The largest magnitude an int8 code stores: codes are symmetric, `-127..=127`.
@@ -412,7 +458,142 @@ mod tests {
         assert_eq!(int8_round_trip(&[below]).1, below / I8_MAX);
     }
 
+    /// The reference count, one element at a time: those whose nearest value, found
+    /// by rounding without a largest value (`nearest_unbounded`), lies past the format's
+    /// largest finite value (NaN never counts).
+    fn saturated_reference(f: Fp8, xs: &[f32]) -> usize {
+        xs.iter()
+            .filter(|x| !x.is_nan() && nearest_unbounded(f, x.abs() as f64) > f.max() as f64)
+            .count()
+    }
+
+    /// `a` (>= 0) rounded to nearest, ties to even, among the values of `f`'s normal
+    /// binade pattern continued past its largest exponent: what a format with no
+    /// largest value would store.
+    fn nearest_unbounded(f: Fp8, a: f64) -> f64 {
+        if a.is_infinite() || a >= 2.0 * f.max() as f64 {
+            return f64::INFINITY;
+        }
+        if a < f.max() as f64 {
+            return a; // below the top: rounds to a finite code at most max
+        }
+        // [max, 2 max): the top binade, steps of 2^(e - M); max is 1.75 * 2^e in both.
+        let step = f.max() as f64 / 7.0 * if f == Fp8::E4M3 { 0.5 } else { 1.0 };
+        let k = a / step;
+        let (lo, frac) = (k.floor(), k - k.floor());
+        let q = if frac > 0.5 || (frac == 0.5 && lo as i64 % 2 == 1) {
+            lo + 1.0
+        } else {
+            lo
+        };
+        q * step
+    }
+
+    #[test]
+    fn saturation_counts_what_rounds_past_the_largest_value() {
+        for f in [Fp8::E4M3, Fp8::E5M2] {
+            let m = f.max();
+            let limit = f.saturation_limit();
+            let below = f32::from_bits(limit.to_bits() - 1);
+            let just_past_max = f32::from_bits(m.to_bits() + 1);
+            let xs = [
+                m,
+                -m,
+                just_past_max, // rounds to max: not saturated
+                below,
+                limit,
+                -limit,
+                f32::INFINITY,
+                f32::NEG_INFINITY,
+                f32::NAN,
+                -f32::NAN,
+                0.0,
+                1e30,
+            ];
+            let mut out = [0u8; 12];
+            assert_eq!(f.encode_slice(&mut out, &xs), 5, "{f:?}");
+            assert_eq!(saturated_reference(f, &xs), 5, "{f:?}");
+            assert!(!f.saturates(m) && !f.saturates(below) && f.saturates(limit));
+            assert!(!f.saturates(f32::NAN));
+            // Saturated elements are stored as the largest value, with their sign; the
+            // values below the limit round to it.
+            for (i, want) in [(2, m), (3, m), (4, m), (5, -m), (7, -m), (11, m)] {
+                assert_eq!(f.decode(out[i]), want, "{f:?} {}", xs[i]);
+            }
+        }
+        // The halfway points: E4M3's 464 ties to 448's even code, E5M2's 61440 to
+        // infinity's.
+        assert!(!Fp8::E4M3.saturates(464.0) && Fp8::E4M3.saturates(464.00003));
+        assert!(!Fp8::E5M2.saturates(61439.996) && Fp8::E5M2.saturates(61440.0));
+    }
+
     proptest! {
+        #[test]
+        fn the_counting_encoder_counts_what_a_scalar_loop_counts(
+            bits in prop::collection::vec(any::<u32>(), 0..600),
+            values in prop::collection::vec(-1e5f32..1e5, 0..600),
+            scale in 0.001f32..1000.0,
+        ) {
+            // Any bit patterns (NaNs and infinities included), and values around the
+            // formats' largest ones, divided by a scale as the caches do.
+            let xs: Vec<f32> = bits
+                .iter()
+                .map(|&b| f32::from_bits(b))
+                .chain(values.iter().map(|&v| v / scale))
+                .collect();
+            for f in [Fp8::E4M3, Fp8::E5M2] {
+                let mut out = vec![0u8; xs.len()];
+                let n = f.encode_slice(&mut out, &xs);
+                prop_assert_eq!(n, saturated_reference(f, &xs), "{:?}", f);
+                for (x, c) in xs.iter().zip(&out) {
+                    prop_assert_eq!(*c, f.encode(*x));
+                }
+            }
+        }
+
+        #[test]
+        fn conversions_and_strided_copies_count_what_they_clamp(
+            values in prop::collection::vec(-1e6f32..1e6, 1..700),
+            transpose in any::<bool>(),
+        ) {
+            use crate::dtype::{convert_contiguous, DType};
+            use crate::tensor::copy_strided;
+            for (f, dtype) in [(Fp8::E4M3, DType::F8E4M3), (Fp8::E5M2, DType::F8E5M2)] {
+                let want = saturated_reference(f, &values);
+                let mut out = vec![0u8; values.len()];
+                // SAFETY: both buffers hold `values.len()` elements of their dtypes.
+                let n = unsafe {
+                    convert_contiguous(
+                        out.as_mut_ptr(), dtype, values.as_ptr() as *const u8, DType::F32, values.len(),
+                    )
+                };
+                prop_assert_eq!(n, want);
+                // The element-by-element path (a non-unit inner stride) counts the same.
+                let len = values.len();
+                let (rows, cols) = if transpose && len % 2 == 0 { (2, len / 2) } else { (1, len) };
+                let dst_strides = if rows == 2 { [0, 1, 2] } else { [0, 0, 1] };
+                // SAFETY: every index of [1, rows, cols] lies in both buffers.
+                let n = unsafe {
+                    copy_strided(
+                        out.as_mut_ptr(), dtype, dst_strides,
+                        values.as_ptr() as *const u8, DType::F32, [0, cols as isize, 1],
+                        [1, rows, cols],
+                    )
+                };
+                prop_assert_eq!(n, want);
+                // A copy of codes into codes encodes nothing.
+                let codes = out.clone();
+                // SAFETY: as above, both of `len` fp8 elements.
+                let n = unsafe {
+                    copy_strided(
+                        out.as_mut_ptr(), dtype, [0, 0, 1],
+                        codes.as_ptr(), dtype, [0, 0, 1], [1, 1, len],
+                    )
+                };
+                prop_assert_eq!(n, 0);
+            }
+        }
+
         #[test]
         fn encoding_is_the_nearest_code(bits in any::<u32>(), small in -20.0f32..20.0) {
             for f in [Fp8::E4M3, Fp8::E5M2] {

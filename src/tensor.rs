@@ -597,7 +597,9 @@ pub fn expect_block_pair(keys: &[usize], values: &[usize], shape: [usize; MAX_RA
 /// sequentially, which matters more than sequential writes), and
 /// dimensions that are contiguous in both tensors are merged, so a copy between
 /// compatible layouts runs as a few long rows (a plain `memcpy` per row when the dtypes
-/// match).
+/// match). Returns how many elements saturated an fp8 `dst_dtype` (rounded past its
+/// largest finite value and clamped to it; [`crate::quant::Fp8::saturates`]), 0 for
+/// other dtypes.
 ///
 /// # Safety
 /// `src` must be readable and `dst` writable at every element addressed by `shape` with
@@ -610,9 +612,9 @@ pub unsafe fn copy_strided(
     src_dtype: DType,
     src_strides: [isize; MAX_RANK],
     shape: [usize; MAX_RANK],
-) {
+) -> usize {
     if shape.contains(&0) {
-        return;
+        return 0;
     }
     // (size, dst stride, src stride) of the dimensions that matter, outermost first.
     let mut order: [(usize, isize, isize); MAX_RANK] = [(1, 0, 0); MAX_RANK];
@@ -657,21 +659,29 @@ pub unsafe fn copy_strided(
             }
         }
     };
+    let mut saturated = 0;
     if inner_dst == 1 && inner_src == 1 {
         if dst_dtype == src_dtype {
             let bytes = row_len * dst_dtype.size();
             rows(&mut |d, s| std::ptr::copy_nonoverlapping(s, d, bytes));
         } else {
-            rows(&mut |d, s| convert_contiguous(d, dst_dtype, s, src_dtype, row_len));
+            rows(&mut |d, s| saturated += convert_contiguous(d, dst_dtype, s, src_dtype, row_len));
         }
     } else {
+        let fp8 = if src_dtype == dst_dtype {
+            None // codes copied as they are: nothing is encoded
+        } else {
+            dst_dtype.fp8()
+        };
         rows(&mut |d, s| {
             for i in 0..row_len as isize {
                 let v = read_f32(s.offset(i * inner_src * ss), src_dtype);
+                saturated += fp8.is_some_and(|f| f.saturates(v)) as usize;
                 write_f32(d.offset(i * inner_dst * ds), dst_dtype, v);
             }
         });
     }
+    saturated
 }
 
 #[cfg(test)]

@@ -500,7 +500,12 @@ class BlockPool(Generic[_View_co]):
     def kv_cache(self, layer: int) -> _View_co:
         """Zero-copy writable view of one layer's cache tensor, in FlashInfer's paged layout."""
     def stats(self) -> dict[str, Any]:
-        """Occupancy as a dict (blocks, bytes, exact token counts)."""
+        """Occupancy as a dict (blocks, bytes, exact token counts, prefix and tier counters).
+
+        ``fp8_saturated``: per layer, the elements fp8 writes rounded past the format's largest
+        value and clamped to it (K and V together); None for other dtypes and for CUDA pools
+        (not counted).
+        """
     def new_sequence(
         self, tokens: _IntsLike | None = None, namespace: _Key = None, extra_key: _Key = None
     ) -> Sequence[_View_co]:

@@ -348,11 +348,20 @@ def run(
     return 0
 
 
-def logits_error(model: Any, kv_dtype: str, prompt: list[int], steps: int) -> tuple[float, float]:
+def logits_error(
+    model: Any,
+    kv_dtype: str,
+    prompt: list[int],
+    steps: int,
+    *,
+    k_scale: Any = None,
+    v_scale: Any = None,
+) -> tuple[float, float]:
     """Decodes `steps` greedy tokens after `prompt` with DynamicCache (K/V in the model's
     dtype), then feeds the same tokens through a :class:`KvrsPagedCache` storing
-    `kv_dtype`; returns the largest relative L2 error of a step's logits
-    (``|l - l_ref| / |l_ref|``) and the fraction of steps whose argmax agrees."""
+    `kv_dtype` (with fp8 `k_scale` / `v_scale`); returns the largest relative L2 error of
+    a step's logits (``|l - l_ref| / |l_ref|``) and the fraction of steps whose argmax
+    agrees."""
     import torch
     from transformers import DynamicCache
 
@@ -372,7 +381,12 @@ def logits_error(model: Any, kv_dtype: str, prompt: list[int], steps: int) -> tu
 
     want, tokens = run(DynamicCache(config=model.config), None)
     cache = KvrsPagedCache.from_config(
-        model.config, max_seq_len=len(prompt) + steps + 1, dtype=kv_dtype, device=str(model.device)
+        model.config,
+        max_seq_len=len(prompt) + steps + 1,
+        dtype=kv_dtype,
+        device=str(model.device),
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     got, _ = run(cache, tokens)
     err = max(float((g - w).norm() / w.norm()) for g, w in zip(got, want, strict=True))

@@ -195,10 +195,13 @@ impl PoolCore {
             self.scales.heads(layer, Kv::Key),
             self.scales.heads(layer, Kv::Value),
         );
+        let before = self.storage.saturated();
         let storage = &mut self.storage;
-        with_divided(storage.scaler(), [(k, ks), (v, vs)], 1, |[k, v]| {
+        let written = with_divided(storage.scaler(), [(k, ks), (v, vs)], 1, |[k, v]| {
             storage.write_positions(t, blocks, start, k, v)
-        })
+        });
+        self.count_saturated(layer, before);
+        written
     }
 
     /// Layer `layer`'s cache tensor, as the storage's paged operations take it.

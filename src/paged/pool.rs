@@ -62,6 +62,9 @@ pub struct PoolCore {
     /// [`Storage::copy_blocks`] when it ends ([`PoolCore::batch_copies`]); `None`
     /// outside one, when each copy is made at once.
     pending_copies: Option<Vec<(BlockId, BlockId)>>,
+    /// Elements each layer's writes saturated (fp8 storages that count them:
+    /// [`Storage::saturated`]), K and V together.
+    pub(crate) saturated: Vec<u64>,
 }
 
 impl PoolCore {
@@ -155,6 +158,7 @@ impl PoolCore {
             tiers: None,
             model_id: String::new(),
             pending_copies: None,
+            saturated: vec![0; shape.num_layers],
         })
     }
 
@@ -181,6 +185,22 @@ impl PoolCore {
     /// The fp8 scales (all 1 for other dtypes).
     pub fn scales(&self) -> &KvScales {
         &self.scales
+    }
+
+    /// Elements each layer's writes have saturated since the pool was made, K and V
+    /// together: values whose `x / scale` rounds past the fp8 dtype's largest finite
+    /// value (448 for E4M3, 57344 for E5M2; [`crate::quant::Fp8::saturates`]:
+    /// infinities included, NaN not) and was stored as it. `None` where nothing is
+    /// counted: pools of other dtypes, and device pools, whose kernels encode
+    /// ([`Storage::saturated`]).
+    pub fn saturated(&self) -> Option<Vec<u64>> {
+        self.storage.saturated().map(|_| self.saturated.clone())
+    }
+
+    /// Adds what the storage saturated since its count was `before` (taken before a
+    /// write of `layer`) to the layer's count.
+    pub(crate) fn count_saturated(&mut self, layer: usize, before: Option<u64>) {
+        add_saturated(&mut self.saturated, &*self.storage, layer, before);
     }
 
     /// The per-vector scales of an int8 pool (laid out like the storage, one per head
@@ -648,5 +668,18 @@ pub(crate) fn freed(id: SeqId) -> KvError {
         name: "seq",
         value: format!("sequence {id}"),
         reason: "was freed (or belongs to no pool)".into(),
+    }
+}
+
+/// Adds what `storage` saturated since its count was `before` to `counts[layer]`
+/// ([`PoolCore::count_saturated`], for callers that hold other borrows of the pool).
+pub(crate) fn add_saturated(
+    counts: &mut [u64],
+    storage: &dyn Storage,
+    layer: usize,
+    before: Option<u64>,
+) {
+    if let (Some(before), Some(now)) = (before, storage.saturated()) {
+        counts[layer] += now - before;
     }
 }

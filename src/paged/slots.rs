@@ -145,10 +145,13 @@ impl PoolCore {
             self.scales.heads(layer, Kv::Key),
             self.scales.heads(layer, Kv::Value),
         );
+        let before = self.storage.saturated();
         let storage = &mut self.storage;
-        with_divided(storage.scaler(), [(k, ks), (v, vs)], 1, |[k, v]| {
+        let written = with_divided(storage.scaler(), [(k, ks), (v, vs)], 1, |[k, v]| {
             storage.write_slots(t, slots, k, v)
-        })
+        });
+        self.count_saturated(layer, before);
+        written
     }
 
     /// [`Self::write`] of every layer at once: `k[l]`, `v[l]` are layer `l`'s rows
@@ -202,8 +205,9 @@ impl PoolCore {
             };
             &slots[g * n..(g + 1) * n]
         };
-        if !self.scales.is_unit() {
-            // Each layer divided by its own scales, then written.
+        if !self.scales.is_unit() || self.storage.saturated().is_some() {
+            // Each layer divided by its own scales, then written, and its saturated
+            // elements counted (what the storage's write_layers does on the host).
             for layer in 0..sh.num_layers {
                 let t = self.paged_tensor(layer);
                 let (ks, vs) = (
@@ -211,13 +215,16 @@ impl PoolCore {
                     self.scales.heads(layer, Kv::Value),
                 );
                 let slots = row(layer);
+                let before = self.storage.saturated();
                 let storage = &mut self.storage;
-                with_divided(
+                let written = with_divided(
                     storage.scaler(),
                     [(&k[layer], ks), (&v[layer], vs)],
                     1,
                     |[k, v]| storage.write_slots(t, slots, k, v),
-                )?;
+                );
+                super::pool::add_saturated(&mut self.saturated, &*self.storage, layer, before);
+                written?;
             }
             return Ok(());
         }

@@ -52,6 +52,10 @@ pub struct PoolStats {
     pub prefix: PrefixCounters,
     /// Blocks and positions held by sequences, per layer kind present.
     pub by_kind: Vec<KindStats>,
+    /// Elements each layer's writes saturated, K and V together, since the pool was
+    /// made ([`PoolCore::saturated`]); `None` where nothing is counted (pools of
+    /// other dtypes than fp8, device pools).
+    pub fp8_saturated: Option<Vec<u64>>,
 }
 
 impl PoolCore {
@@ -118,6 +122,7 @@ impl PoolCore {
             evictable_blocks: self.blocks.num_evictable(),
             prefix: self.blocks.counters(),
             by_kind,
+            fp8_saturated: self.saturated(),
         }
     }
 

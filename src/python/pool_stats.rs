@@ -46,6 +46,8 @@ pub fn stats_dict<'py>(
         kinds.set_item(k.kind.name(), e)?;
     }
     d.set_item("by_layer_type", kinds)?;
+    // Per layer, K and V together; None where nothing is counted (not fp8, or a device pool).
+    d.set_item("fp8_saturated", s.fp8_saturated.clone())?;
     if let Some(t) = tiers {
         super::tiers::tier_stats(py, t, &d)?;
     }

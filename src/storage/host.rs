@@ -24,6 +24,8 @@ pub struct HostStorage {
     layout: Layout,
     dtype: DType,
     numel: usize,
+    /// Elements [`Storage::write`] has clamped to an fp8 dtype's largest value so far.
+    saturated: u64,
 }
 
 // SAFETY: HostStorage owns its allocation outright; mutation goes through &mut self.
@@ -58,6 +60,7 @@ impl HostStorage {
             layout,
             dtype,
             numel,
+            saturated: 0,
         })
     }
 
@@ -191,7 +194,7 @@ impl Storage for HostStorage {
         src.expect_region("the source", &dst)?;
         // SAFETY: dst checked above; src holds dst's shape (checked above), readable by
         // the TensorRef's contract.
-        unsafe {
+        let saturated = unsafe {
             copy_strided(
                 self.at(dst.offset),
                 self.dtype,
@@ -202,7 +205,12 @@ impl Storage for HostStorage {
                 dst.shape,
             )
         };
+        self.saturated += saturated as u64;
         Ok(())
+    }
+
+    fn saturated(&self) -> Option<u64> {
+        self.dtype.fp8().map(|_| self.saturated)
     }
 
     fn read(&self, src: Region, dst: &mut TensorMut) -> Result<()> {

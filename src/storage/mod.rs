@@ -159,6 +159,16 @@ pub trait Storage: Send + Sync + fmt::Debug {
         None
     }
 
+    /// Elements the writes into this storage have saturated so far: rounded past an fp8
+    /// dtype's largest finite value and clamped to it ([`crate::quant::Fp8::saturates`];
+    /// NaN never counts),
+    /// counted by the host encoder as it stores them. `None` where nothing is counted:
+    /// other dtypes, and device storages, whose kernels encode (the committed PTX has no
+    /// counter).
+    fn saturated(&self) -> Option<u64> {
+        None
+    }
+
     /// What applies an fp8 cache's per-head scales to tensors on this storage's device
     /// (`None` on the host, where [`crate::scales`] does it in host memory).
     fn scaler(&self) -> Option<cuda::DeviceScaler> {

@@ -11,6 +11,9 @@ releases what sliding-window layers no longer see. Both work with
 ``model.generate(..., past_key_values=cache)`` and with manual forward loops (greedy,
 sampling, beam search, assisted decoding, cropping).
 
+``calibrate_kv_scales`` (from :mod:`kvrs.integrations.calibration`) computes fp8 K/V scales
+from calibration prompts, in the form both caches and :class:`kvrs.BlockPool` take.
+
 ``use_paged_attention`` and ``forward_batch`` (from :mod:`kvrs.integrations.paged_attention`)
 run ragged batches of many sequences through one forward pass; ``generate_batch`` (from
 :mod:`kvrs.integrations.generation`) serves a list of prompts with continuous batching.
@@ -37,6 +40,7 @@ from kvrs.integrations._torch import (
     text_config,
     torch,
 )
+from kvrs.integrations.calibration import KvScales, calibrate_kv_scales
 from kvrs.integrations.generation import RequestState, generate_batch
 from kvrs.integrations.paged_attention import ATTN_IMPLEMENTATION, forward_batch, use_paged_attention
 
@@ -44,12 +48,14 @@ from transformers.cache_utils import Cache, CacheLayerMixin  # isort: skip
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "KvScales",
     "KvrsCache",
     "KvrsLayer",
     "KvrsPagedCache",
     "KvrsPagedLayer",
     "RequestState",
     "block_pool_from_config",
+    "calibrate_kv_scales",
     "forward_batch",
     "generate_batch",
     "use_paged_attention",
