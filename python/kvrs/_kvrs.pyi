@@ -25,6 +25,7 @@ __all__ = [
     "RoPE",
     "Sequence",
     "__version__",
+    "_host_array_capsule",
     "attention_simd",
     "cuda_available",
 ]
