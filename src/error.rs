@@ -141,13 +141,20 @@ pub fn check_tokens(
         }
     }
     let head_major = matches!(*shape, [h, n, d] if h == heads && d == head_dim && n != heads);
-    let hint = if head_major {
-        format!(
+    // A middle axis that is a multiple of the KV heads may also be the query heads (keys
+    // repeated for GQA): then transposing would be wrong, so the hint says both.
+    let repeated = matches!(*shape, [_, n, _] if n > heads && n % heads == 0);
+    let hint = match (head_major, repeated) {
+        (true, false) => format!(
             "; {name} looks head-major [num_kv_heads, n_tokens, head_dim]: pass \
              {name}.transpose(0, 1) (NumPy: {name}.swapaxes(0, 1))"
-        )
-    } else {
-        String::new()
+        ),
+        (true, true) => format!(
+            "; if {name} is head-major [num_kv_heads, n_tokens, head_dim], pass \
+             {name}.transpose(0, 1) (NumPy: {name}.swapaxes(0, 1)); if it holds one vector per \
+             query head (keys repeated for GQA), pass the {heads} KV heads before repeating"
+        ),
+        _ => String::new(),
     };
     Err(KvError::Shape {
         name,

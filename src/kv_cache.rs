@@ -397,7 +397,7 @@ impl CacheCore {
         let s = self.shape;
         let layer = self.check_layer(layer)?;
         let head = check_index("head", head, s.num_kv_heads)?;
-        let pos = self.check_position("pos", pos)?;
+        let pos = self.check_position("pos", pos, layer)?;
         vector.expect_shape(if kv == Kv::Key { "key" } else { "value" }, &[s.head_dim])?;
         // The write comes first: it is the step a bad vector (another device) fails, and
         // then nothing has changed.
@@ -639,10 +639,15 @@ impl CacheCore {
     pub fn sync_counter_from_gpu(&mut self) -> Result<usize> {
         let value = self.cuda("sync_counter_from_gpu")?.read_counter()?;
         let max = self.shape.max_seq_len;
-        if value < 0 || value as usize > max {
+        if value < 0 {
+            return Err(KvError::Device(format!(
+                "the device counter holds {value}, not a position: a kernel wrote it out of turn"
+            )));
+        }
+        if value as usize > max {
             return Err(KvError::CacheFull {
                 what: format!("the device counter reached {value}"),
-                needed: (value.max(0) as usize).saturating_sub(self.seq_len),
+                needed: value as usize - self.seq_len,
                 free: max - self.seq_len,
                 capacity: max,
                 unit: Unit::Positions,
@@ -654,13 +659,15 @@ impl CacheCore {
         Ok(n)
     }
 
-    fn check_position(&self, name: &'static str, pos: i64) -> Result<usize> {
+    fn check_position(&self, name: &'static str, pos: i64, layer: usize) -> Result<usize> {
         let max = self.shape.max_seq_len;
         if pos >= 0 && pos as u64 >= max as u64 {
+            // `layer_len <= max <= pos`: counted from what the layer holds, as `append` is.
+            let held = self.layer_len[layer];
             return Err(KvError::CacheFull {
-                what: format!("writing at {name}={pos} (positions are 0..{max})"),
-                needed: pos as usize + 1 - self.seq_len,
-                free: max - self.seq_len,
+                what: format!("writing at {name}={pos} of layer {layer} (positions are 0..{max})"),
+                needed: pos as usize + 1 - held,
+                free: max - held,
                 capacity: max,
                 unit: Unit::Positions,
             });

@@ -234,7 +234,7 @@ fn kind(e: &KvError) -> &'static str {
 /// the variant and the start of the message of the error their `try_` twins return.
 fn refusals() -> Vec<(Call, &'static str, &'static str)> {
     use Call::*;
-    let full = "cache full: writing at pos=16 (positions are 0..16) needs 14 more positions but 13 of 16 positions are free";
+    let full = "cache full: writing at pos=16 of layer ";
     vec![
         (StoreKey(0, 0, 4, DIM + 1), "Shape", "key has shape [5]"),
         (
@@ -417,7 +417,7 @@ fn store_key_panics_on_a_head_out_of_range() {
 
 #[test]
 #[should_panic(
-    expected = "KvCache::store_key: cache full: writing at pos=16 (positions are 0..16) needs 14 more positions but 13 of 16 positions are free"
+    expected = "KvCache::store_key: cache full: writing at pos=16 of layer 0 (positions are 0..16) needs 13 more positions but 12 of 16 positions are free"
 )]
 fn store_key_panics_at_max_seq_len() {
     filled().store_key(0, 0, MAX, &[1.0; DIM]);

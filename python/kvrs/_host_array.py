@@ -10,6 +10,9 @@ import numpy as np
 
 from kvrs import _kvrs
 
+_KVRS_ONLY = frozenset({"bfloat16", "float8_e4m3fn", "float8_e5m2"})
+"""The ml_dtypes dtypes NumPy will not export through DLPack: kvrs exports them."""
+
 
 class HostArray(np.ndarray):  # type: ignore[type-arg]  # the dtype varies per array
     """A NumPy array of a kvrs storage dtype (bfloat16, float8_e4m3fn, float8_e5m2)
@@ -25,7 +28,11 @@ class HostArray(np.ndarray):  # type: ignore[type-arg]  # the dtype varies per a
         copy: bool | None = None,
     ) -> Any:
         """A DLPack capsule over this array's memory (versioned when `max_version` >=
-        (1, 0); a read-only array is exported only as such). `stream` is unused on the host."""
+        (1, 0); a read-only array is exported only as such). `stream` is unused on the
+        host. Arrays of NumPy's own dtypes (what `view > 0` or `.astype` make of a
+        HostArray) are exported by NumPy."""
+        if self.dtype.name not in _KVRS_ONLY:
+            return super().__dlpack__(stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)
         return _kvrs._host_array_capsule(self, max_version=max_version, dl_device=dl_device, copy=copy)
 
     def __dlpack_device__(self) -> tuple[Literal[1], Literal[0]]:

@@ -147,8 +147,13 @@ pub fn host_array_capsule<'py>(
     .find(|&t| descr(py, t).is_ok_and(|x| x.is_equiv_to(&d)))
     .ok_or_else(|| PyBufferError::new_err(format!("dtype {d} is not a kvrs storage dtype")))?;
     let size = dtype.size() as isize;
+    let empty = arr.shape().contains(&0);
     let mut strides = Vec::with_capacity(arr.ndim());
-    for &s in arr.strides() {
+    for (&s, &n) in arr.strides().iter().zip(arr.shape()) {
+        if n <= 1 || empty {
+            strides.push(0); // never stepped along: any stride addresses the same elements
+            continue;
+        }
         if s % size != 0 {
             return Err(PyBufferError::new_err(format!(
                 "byte strides {:?} are not multiples of the element size {size}",

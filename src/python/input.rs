@@ -362,16 +362,19 @@ fn check_dlpack_device(obj: &Bound<'_, PyAny>, name: &'static str, device: Devic
     if !obj.hasattr(intern!(py, "__dlpack_device__"))? {
         return Ok(());
     }
-    if obj.call_method0(intern!(py, "__dlpack_device__")).is_ok() {
-        return Ok(());
+    match obj.call_method0(intern!(py, "__dlpack_device__")) {
+        Ok(_) => return Ok(()),
+        Err(e) if !e.is_instance_of::<pyo3::exceptions::PyException>(py) => return Err(e),
+        Err(_) => {}
     }
     let on = obj
         .getattr(intern!(py, "device"))
         .and_then(|d| d.str().map(|s| s.to_string()))
         .unwrap_or_else(|_| "a device DLPack cannot describe".into());
     Err(KvError::Device(format!(
-        "{name} is on {on}, which kvrs cannot read (a 'meta' tensor holds no data): pass a \
-         tensor with data on {device}, e.g. {name}.to('{device}')"
+        "{name} is on {on}, which kvrs cannot read (DLPack cannot describe it; a 'meta' \
+         tensor holds no data): pass a tensor with data on {device}, e.g. \
+         {name}.to('{device}')"
     ))
     .into())
 }

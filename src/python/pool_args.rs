@@ -147,18 +147,23 @@ pub fn parse_seed(obj: &Bound<'_, PyAny>) -> PyResult<u128> {
             .strip_prefix("0x")
             .or_else(|| text.strip_prefix("0X"))
             .unwrap_or(text);
-        let ok = !digits.is_empty() && digits.len() <= 32;
+        let ok = !digits.is_empty()
+            && digits.len() <= 32
+            && digits.bytes().all(|b| b.is_ascii_hexdigit());
         return ok
             .then(|| u128::from_str_radix(digits, 16).ok())
             .flatten()
             .ok_or_else(|| bad(format!("{text:?}")).into());
     }
-    if obj.is_instance_of::<pyo3::types::PyBool>() || !obj.is_instance_of::<pyo3::types::PyInt>() {
+    let integer = !obj.is_instance_of::<pyo3::types::PyBool>()
+        && obj.hasattr(pyo3::intern!(obj.py(), "__index__"))?;
+    if !integer {
         return Err(PyTypeError::new_err(format!(
             "seed must be an int or a hex string, not {}",
             obj.get_type().name()?
         )));
     }
+    // Any integer type (`int`, `numpy.int64`) through `__index__`.
     obj.extract::<u128>()
         .map_err(|_| bad(obj.to_string()).into())
 }

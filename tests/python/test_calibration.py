@@ -8,6 +8,7 @@ a plain DynamicCache holds after each prompt runs alone; the counts against NumP
 from __future__ import annotations
 
 import copy
+import re
 
 import ml_dtypes
 import numpy as np
@@ -330,3 +331,11 @@ def test_other_pools_count_nothing():
         assert pool.stats()["fp8_saturated"] is None
     pool = kvrs.BlockPool(2, 1, 8, num_blocks=4, dtype="fp8_e4m3")
     assert pool.stats()["fp8_saturated"] == [0, 0]
+
+
+def test_a_margin_whose_scale_float32_cannot_hold_is_refused():
+    from kvrs.integrations.calibration import scale_for
+
+    for margin in (1e308, 1e-300):
+        with pytest.raises(ValueError, match=re.escape(f"margin={margin}:")):
+            scale_for(1.0, 448.0, margin)

@@ -301,3 +301,41 @@ def test_pools_and_caches_from_a_model_take_its_dtype_and_device():
         block_pool_from_config(make_tiny_model(1).to(torch.float64), num_blocks=4)
     with pytest.raises(ValueError, match="dtype"):
         KvrsCache.from_config(model, 16, dtype="float12")
+
+
+def test_numpy_results_of_a_host_array_export_as_numpy_would():
+    """`view > 0`, `astype`, `view(np.uint16)` of a HostArray stay HostArrays: NumPy exports them."""
+    cache = kvrs.KVCache(1, H, D, 8, dtype="bfloat16")
+    k = np.ones((3, H, D), np.float32)
+    cache.append(0, k, k)
+    v = cache.keys_for(0, 1, 3)
+    assert torch.from_dlpack(v > 0).dtype is torch.bool
+    assert torch.from_dlpack(v.astype(np.float64)).dtype is torch.float64
+    bits = torch.from_dlpack(v.view(np.uint16))
+    assert bits.dtype is torch.uint16 and bits.data_ptr() == v.ctypes.data
+
+
+def test_size_one_and_empty_axes_export_whatever_their_strides():
+    import ml_dtypes
+
+    raw = np.zeros((1, 5), np.uint8).view(kvrs.HostArray)[:, :2].view(ml_dtypes.bfloat16)  # strides (5, 2)
+    assert tuple(torch.from_dlpack(raw).shape) == (1, 1)
+    empty = kvrs.KVCache(1, H, D, 8, dtype="bfloat16").get(0)[0]
+    assert tuple(torch.from_dlpack(empty).shape) == tuple(empty.shape)
+
+
+def test_numpy_integer_seeds_and_signed_hex_strings():
+    assert kvrs.BlockPool(1, H, D, num_blocks=2, seed=np.int64(5)).seed == 5
+    for bad in ("0x+ff", "-ff", "+ff"):
+        with pytest.raises(ValueError, match="seed="):
+            kvrs.BlockPool(1, H, D, num_blocks=2, seed=bad)
+
+
+def test_the_hint_does_not_advise_a_transpose_for_repeated_kv_heads():
+    cache = kvrs.KVCache(1, 2, D, 16)
+    repeated = np.zeros((2, 8, D), np.float32)  # 2 tokens of 8 query heads: keys after repeat_kv
+    with pytest.raises(
+        ValueError,
+        match=r"if k is head-major .*; if it holds one vector per query head .* pass the 2 KV heads",
+    ):
+        cache.append(0, repeated, repeated)

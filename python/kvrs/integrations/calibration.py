@@ -84,7 +84,15 @@ def scale_for(amax: float, fmt_max: float, margin: float = 1.0) -> float:
         raise ValueError(f"amax={amax}: the model's keys or values are not finite")
     if amax == 0:
         return 1.0
-    scale = np.float32(amax) / np.float32(fmt_max / margin)
+    target = fmt_max / margin  # a float64: finite for any margin the caller validated
+    with np.errstate(over="ignore", divide="ignore", under="ignore", invalid="ignore"):
+        target32 = np.float32(target)
+        scale = np.float32(amax) / target32
+    if not (np.isfinite(scale) and np.isfinite(target32) and target32 > 0):
+        raise ValueError(
+            f"margin={margin}: amax {amax} maps to a scale float32 cannot hold ({scale}); "
+            "give a margin near 1 (vLLM's runtime constants are 448/200 for K, 448/100 for V)"
+        )
     return float(max(scale, np.finfo(np.float32).tiny))
 
 
