@@ -188,19 +188,6 @@ def accuracy(quick: bool) -> None:
             )
 
 
-def loud_tiny_model() -> torch.nn.Module:
-    """The tiny Llama with layer 1's K/V 2000x larger (k_proj, v_proj x 2000; q_proj,
-    o_proj / 2000: the same function), past E4M3's 448 with scale 1.0."""
-    model = demo.make_tiny_model(0)
-    with torch.no_grad():
-        attn = model.model.layers[1].self_attn
-        attn.k_proj.weight.mul_(2000.0)
-        attn.v_proj.weight.mul_(2000.0)
-        attn.q_proj.weight.div_(2000.0)
-        attn.o_proj.weight.div_(2000.0)
-    return model
-
-
 def logit_gaps(model: torch.nn.Module, prompt: list[int], steps: int) -> np.ndarray:
     """At each greedy decode step (DynamicCache, float32): the gap between the two largest
     logits, relative to the logits' L2 norm (the error a greedy pick survives is about
@@ -236,7 +223,7 @@ def calibration(quick: bool) -> None:
     models = {
         "demo model (8 layers, demo prompt)": (demo.make_model(0, 8), demo_prompt),
         "tiny Llama (2 layers, 200 random tokens)": (demo.make_tiny_model(0), tiny_prompt),
-        "tiny Llama, layer 1's K/V x2000": (loud_tiny_model(), tiny_prompt),
+        "tiny Llama, layer 1's K/V x2000": (demo.make_loud_model(0), tiny_prompt),
     }
     steps = 8 if quick else 32
     print(f"\ncalibration: fp8 scales from calibrate_kv_scales (the prompt itself, per KV head, "

@@ -112,6 +112,23 @@ def make_tiny_model(seed: int = 0) -> Any:
     return use_paged_attention(LlamaForCausalLM(config).eval())
 
 
+def make_loud_model(seed: int = 0, layer: int = 1, factor: float = 2000.0) -> Any:
+    """:func:`make_tiny_model` with `layer`'s k_proj and v_proj weights times `factor` and
+    its q_proj and o_proj weights divided by it: the same function (scores and outputs
+    unchanged), with that layer's K and V `factor` times larger (past E4M3's 448 at the
+    default): the fp8 calibration tests' and benchmark's model."""
+    import torch
+
+    model = make_tiny_model(seed)
+    with torch.no_grad():
+        attn = model.model.layers[layer].self_attn
+        attn.k_proj.weight.mul_(factor)
+        attn.v_proj.weight.mul_(factor)
+        attn.q_proj.weight.div_(factor)
+        attn.o_proj.weight.div_(factor)
+    return model
+
+
 def make_requests(n: int, system_len: int, new_tokens: int, vocab: int, seed: int) -> list[Request]:
     """`n` requests: a shared system prompt, then a question of 16 to 64 tokens each; one
     arrives every 4 steps on average and generates new_tokens/2 to new_tokens tokens."""

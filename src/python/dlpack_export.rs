@@ -14,7 +14,7 @@ use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyBufferError, PyTypeError};
 use pyo3::prelude::*;
 
-use super::views::descr;
+use super::views::{descr, NPY_ARRAY_WRITEABLE};
 use crate::dtype::DType;
 use crate::storage::cuda::CudaStorage;
 
@@ -105,8 +105,6 @@ impl Export {
     }
 }
 
-const NPY_ARRAY_WRITEABLE: i32 = 0x0400;
-
 /// `__dlpack__` of `kvrs.HostArray`: a capsule over a NumPy array of any kvrs storage
 /// dtype (bfloat16 and fp8 included, which NumPy refuses to export), keeping the array
 /// alive. Read-only arrays are signalled as such.
@@ -135,17 +133,10 @@ pub fn host_array_capsule<'py>(
         }
     }
     let d = arr.dtype();
-    let dtype = [
-        DType::F32,
-        DType::F16,
-        DType::BF16,
-        DType::F8E4M3,
-        DType::F8E5M2,
-        DType::I8,
-    ]
-    .into_iter()
-    .find(|&t| descr(py, t).is_ok_and(|x| x.is_equiv_to(&d)))
-    .ok_or_else(|| PyBufferError::new_err(format!("dtype {d} is not a kvrs storage dtype")))?;
+    let dtype = DType::ALL
+        .into_iter()
+        .find(|&t| descr(py, t).is_ok_and(|x| x.is_equiv_to(&d)))
+        .ok_or_else(|| PyBufferError::new_err(format!("dtype {d} is not a kvrs storage dtype")))?;
     let size = dtype.size() as isize;
     let empty = arr.shape().contains(&0);
     let mut strides = Vec::with_capacity(arr.ndim());

@@ -277,12 +277,14 @@ fn from_dlpack<'py>(
     device: Device,
     stacked: bool,
 ) -> PyResult<Input<'py>> {
-    check_dlpack_device(obj, name, device)?;
     let owner = match obj.extract::<ManagedBox<DLManagedTensorVersioned>>() {
         Ok(m) => Owner::Versioned(m),
         // Producers that predate DLPack 1.0 reject `max_version`: take the legacy capsule.
-        Err(e) if e.is_instance_of::<PyTypeError>(obj.py()) => Owner::Legacy(obj.extract()?),
-        Err(e) => return Err(e),
+        Err(e) if e.is_instance_of::<PyTypeError>(obj.py()) => Owner::Legacy(
+            obj.extract()
+                .map_err(|e| unreadable_device(obj, name, device, e))?,
+        ),
+        Err(e) => return Err(unreadable_device(obj, name, device, e)),
     };
     let t: &DLTensor = match &owner {
         Owner::Versioned(m) => m.tensor(),
@@ -354,29 +356,34 @@ fn from_dlpack<'py>(
     })
 }
 
-/// Refuses, as a kvrs `DeviceError`, a tensor whose producer cannot name its device in
-/// DLPack terms (torch's `meta` device holds no data; others have no DLPack device),
-/// before its `__dlpack__` would raise the producer's own error.
-fn check_dlpack_device(obj: &Bound<'_, PyAny>, name: &'static str, device: Device) -> PyResult<()> {
+/// The error of a failed DLPack export: a kvrs `DeviceError` when the producer cannot
+/// name the tensor's device in DLPack terms (torch's `meta` device holds no data; others
+/// have no DLPack device), else the producer's own error. Asked only after a failure,
+/// so a successful read pays nothing for it.
+fn unreadable_device(
+    obj: &Bound<'_, PyAny>,
+    name: &'static str,
+    device: Device,
+    err: PyErr,
+) -> PyErr {
     let py = obj.py();
-    if !obj.hasattr(intern!(py, "__dlpack_device__"))? {
-        return Ok(());
+    if !err.is_instance_of::<pyo3::exceptions::PyException>(py) {
+        return err;
     }
     match obj.call_method0(intern!(py, "__dlpack_device__")) {
-        Ok(_) => return Ok(()),
-        Err(e) if !e.is_instance_of::<pyo3::exceptions::PyException>(py) => return Err(e),
-        Err(_) => {}
+        Err(e) if e.is_instance_of::<pyo3::exceptions::PyException>(py) => {}
+        _ => return err,
     }
     let on = obj
         .getattr(intern!(py, "device"))
         .and_then(|d| d.str().map(|s| s.to_string()))
         .unwrap_or_else(|_| "a device DLPack cannot describe".into());
-    Err(KvError::Device(format!(
+    KvError::Device(format!(
         "{name} is on {on}, which kvrs cannot read (DLPack cannot describe it; a 'meta' \
          tensor holds no data): pass a tensor with data on {device}, e.g. \
          {name}.to('{device}')"
     ))
-    .into())
+    .into()
 }
 
 /// A DLPack dtype as NumPy would name it (`float64`, `int8`, `bool8`, ...).

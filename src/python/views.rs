@@ -15,7 +15,8 @@ use crate::dtype::DType;
 use crate::storage::Device;
 
 const NPY_ARRAY_ALIGNED: i32 = 0x0100;
-const NPY_ARRAY_WRITEABLE: i32 = 0x0400;
+/// NumPy's flag of a writeable array.
+pub const NPY_ARRAY_WRITEABLE: i32 = 0x0400;
 
 static BFLOAT16: PyOnceLock<Py<PyArrayDescr>> = PyOnceLock::new();
 static FLOAT8_E4M3FN: PyOnceLock<Py<PyArrayDescr>> = PyOnceLock::new();

@@ -21,7 +21,7 @@ import kvrs
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from kvrs.demo import logits_error, make_tiny_model  # noqa: E402
+from kvrs.demo import logits_error, make_loud_model, make_tiny_model  # noqa: E402
 from kvrs.integrations.calibration import scale_for  # noqa: E402
 from kvrs.integrations.transformers import (  # noqa: E402
     KvrsCache,
@@ -41,17 +41,8 @@ def tiny_model():
 
 @pytest.fixture(scope="module")
 def loud_model():
-    """The tiny Llama with layer 1's k_proj and v_proj weights 2000x and its q_proj and
-    o_proj weights / 2000: the same function (scores and outputs unchanged), but layer
-    1's K and V reach past E4M3's 448, while layer 0's stay below 1."""
-    model = copy.deepcopy(make_tiny_model(0))
-    with torch.no_grad():
-        attn = model.model.layers[1].self_attn
-        attn.k_proj.weight.mul_(2000.0)
-        attn.v_proj.weight.mul_(2000.0)
-        attn.q_proj.weight.div_(2000.0)
-        attn.o_proj.weight.div_(2000.0)
-    return model
+    """Layer 1's K and V reach past E4M3's 448, layer 0's stay below 1 (same function)."""
+    return make_loud_model(0)
 
 
 def prompts(seed: int, lengths: list[int]) -> list[list[int]]:

@@ -62,10 +62,10 @@ __all__ = [
 ]
 
 
-def _check_device(device: str) -> None:
-    """Raises kvrs.DeviceError now, rather than at the first forward, for a device kvrs
-    cannot store on."""
-    kvrs.KVCache(1, 1, 1, 1, device=device)
+def _check_storage(dtype: Any, device: str) -> None:
+    """Raises now, rather than at the first forward, for a dtype kvrs does not store
+    (ValueError, TypeError) or a device it cannot store on (kvrs.DeviceError)."""
+    kvrs.KVCache(1, 1, 1, 1, dtype=dtype or "float32", device=device)
 
 
 def _check_same_device(tensor: torch.Tensor, device: str, what: str) -> None:
@@ -283,9 +283,7 @@ class KvrsCache(Cache):
         if max_seq_len < 1:
             raise ValueError(f"max_seq_len={max_seq_len}: must be >= 1")
         dtype, device = resolve_dtype(dtype, None), str(device)
-        if dtype is not None:
-            kvrs.KVCache(1, 1, 1, 1, dtype=dtype)  # a bad dtype fails now, not at the first forward
-        _check_device(device)
+        _check_storage(dtype, device)
         k, v = _per_layer(k_scale, "k_scale", num_layers), _per_layer(v_scale, "v_scale", num_layers)
         super().__init__(
             layers=[KvrsLayer(max_seq_len, dtype, device, (k[i], v[i])) for i in range(num_layers)]
