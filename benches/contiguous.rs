@@ -14,6 +14,7 @@ fn cache(max_seq_len: usize, num_layers: usize) -> CacheCore {
         num_layers,
         num_kv_heads: HEADS,
         head_dim: DIM,
+        v_head_dim: DIM,
         max_seq_len,
     };
     CacheCore::new(shape, DType::F16, Device::Cpu).unwrap()

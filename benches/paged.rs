@@ -25,6 +25,7 @@ fn schedule(c: &mut Criterion) {
         num_layers: 1,
         num_kv_heads: 1,
         head_dim: 8,
+        v_head_dim: 8,
         block_size: 16,
         num_blocks: 256 * 64,
         layout: KvLayout::Nhd,

@@ -159,7 +159,10 @@ pub fn check_tokens(
     Err(KvError::Shape {
         name,
         got: shape.to_vec(),
-        expected: format!("[n_tokens, num_kv_heads={heads}, head_dim={head_dim}]{hint}"),
+        expected: format!(
+            "[n_tokens, num_kv_heads={heads}, {}={head_dim}]{hint}",
+            if name.starts_with('v') { "v_head_dim" } else { "head_dim" }
+        ),
     })
 }
 

@@ -1,5 +1,5 @@
 //! The contiguous KV cache: one sequence, every layer preallocated head-major
-//! (`[num_kv_heads, max_seq_len, head_dim]` for K and for V), filled layer by layer and
+//! (`[num_kv_heads, max_seq_len, head_dim]` for K, `[.., v_head_dim]` for V), filled layer by layer and
 //! committed with [`CacheCore::advance`].
 
 use std::ops::Range;
@@ -22,13 +22,40 @@ pub struct CacheShape {
     pub num_layers: usize,
     /// Key/value heads per layer.
     pub num_kv_heads: usize,
-    /// Elements per head vector.
+    /// Elements per key head vector.
     pub head_dim: usize,
+    /// Elements per value head vector (`head_dim` for most models).
+    pub v_head_dim: usize,
     /// Positions each layer holds.
     pub max_seq_len: usize,
 }
 
 impl CacheShape {
+    /// A shape whose keys and values have the same head size.
+    pub fn uniform(num_layers: usize, num_kv_heads: usize, head_dim: usize, max_seq_len: usize) -> Self {
+        CacheShape {
+            num_layers,
+            num_kv_heads,
+            head_dim,
+            v_head_dim: head_dim,
+            max_seq_len,
+        }
+    }
+
+    /// Elements per head vector of `kv`.
+    pub fn dim(&self, kv: Kv) -> usize {
+        match kv {
+            Kv::Key => self.head_dim,
+            Kv::Value => self.v_head_dim,
+        }
+    }
+
+    /// Elements per int8 scale: one per head vector (int8 caches have one head size,
+    /// [`sizes::check_int8_dims`]).
+    pub fn scale_unit(&self) -> usize {
+        self.head_dim
+    }
+
     /// Checks that every size is positive, that there are at most
     /// [`MAX_LAYERS`](crate::paged::pool::MAX_LAYERS) layers and that the whole cache
     /// is addressable; returns its number of elements.
@@ -37,6 +64,7 @@ impl CacheShape {
             ("num_layers", self.num_layers),
             ("num_kv_heads", self.num_kv_heads),
             ("head_dim", self.head_dim),
+            ("v_head_dim", self.v_head_dim),
             ("max_seq_len", self.max_seq_len),
         ])?;
         check_layer_count(self.num_layers)?;
@@ -47,11 +75,11 @@ impl CacheShape {
                 ("num_kv_heads", self.num_kv_heads),
                 ("max_seq_len", self.max_seq_len),
             ],
-            self.head_dim,
+            [self.head_dim, self.v_head_dim],
             dtype,
         )?;
         // The bytes fit, so the element count does.
-        Ok(2 * self.num_layers * self.num_kv_heads * self.max_seq_len * self.head_dim)
+        Ok(self.num_layers * self.num_kv_heads * self.max_seq_len * (self.head_dim + self.v_head_dim))
     }
 }
 
@@ -92,7 +120,8 @@ impl CacheCore {
     /// Allocates a zero-filled cache of `dtype` on `device`; nothing is allocated later.
     pub fn new(shape: CacheShape, dtype: DType, device: Device) -> Result<Self> {
         let numel = shape.validate(dtype)?;
-        let storage = allocate(device, dtype, numel, shape.head_dim)?;
+        crate::storage::check_device_dims(device, [shape.head_dim, shape.v_head_dim])?;
+        let storage = allocate(device, dtype, numel, shape.scale_unit())?;
         Ok(CacheCore {
             shape,
             storage,
@@ -173,16 +202,22 @@ impl CacheCore {
     /// Element offset of `[layer][kv][head][pos][0]`.
     pub fn offset(&self, layer: usize, kv: Kv, head: usize, pos: usize) -> usize {
         let s = &self.shape;
-        (((layer * 2 + kv as usize) * s.num_kv_heads + head) * s.max_seq_len + pos) * s.head_dim
+        let run = s.num_kv_heads * s.max_seq_len;
+        let d = s.dim(kv);
+        layer * run * (s.head_dim + s.v_head_dim)
+            + kv as usize * run * s.head_dim
+            + (head * s.max_seq_len + pos) * d
     }
 
-    /// The region `[heads, positions start..start+len, head_dim]` of one layer's K or V.
+    /// The region `[heads, positions start..start+len, head_dim]` of one layer's K or V
+    /// (`v_head_dim` for V).
     pub fn region(&self, layer: usize, kv: Kv, start: usize, len: usize) -> Region {
         let s = &self.shape;
+        let d = s.dim(kv);
         Region {
             offset: self.offset(layer, kv, 0, start),
-            shape: [s.num_kv_heads, len, s.head_dim],
-            strides: [s.max_seq_len * s.head_dim, s.head_dim, 1],
+            shape: [s.num_kv_heads, len, d],
+            strides: [s.max_seq_len * d, d, 1],
         }
     }
 
@@ -194,7 +229,7 @@ impl CacheCore {
     /// use kvrs::kv_cache::{CacheCore, CacheShape, Kv};
     /// use kvrs::{DType, Device};
     ///
-    /// let shape = CacheShape { num_layers: 1, num_kv_heads: 1, head_dim: 4, max_seq_len: 8 };
+    /// let shape = CacheShape::uniform(1, 1, 4, 8);
     /// let a = CacheCore::new(shape, DType::F32, Device::Cpu)?;
     /// let t = a.host_tensor(0, Kv::Key, 8)?;
     /// assert_eq!(t.shape(), &[1, 8, 4]);
@@ -207,7 +242,7 @@ impl CacheCore {
     /// ```compile_fail
     /// # use kvrs::kv_cache::{CacheCore, CacheShape, Kv};
     /// # use kvrs::{DType, Device};
-    /// # let shape = CacheShape { num_layers: 1, num_kv_heads: 1, head_dim: 4, max_seq_len: 8 };
+    /// # let shape = CacheShape::uniform(1, 1, 4, 8);
     /// let (a, b) = (CacheCore::new(shape, DType::F32, Device::Cpu)?, CacheCore::new(shape, DType::F32, Device::Cpu)?);
     /// let t = a.host_tensor(0, Kv::Key, 8)?;
     /// b.extract_block(0, 0, 8, &t, &t)?; // a TensorRef is no destination
@@ -217,7 +252,7 @@ impl CacheCore {
     /// ```compile_fail
     /// # use kvrs::kv_cache::{CacheCore, CacheShape, Kv};
     /// # use kvrs::{DType, Device};
-    /// # let shape = CacheShape { num_layers: 1, num_kv_heads: 1, head_dim: 4, max_seq_len: 8 };
+    /// # let shape = CacheShape::uniform(1, 1, 4, 8);
     /// let t = {
     ///     let a = CacheCore::new(shape, DType::F32, Device::Cpu)?;
     ///     a.host_tensor(0, Kv::Key, 8)?
@@ -296,6 +331,8 @@ impl CacheCore {
             v_offset: self.offset(layer, Kv::Value, 0, 0) - base,
             pos_stride: s.head_dim,
             head_stride: s.max_seq_len * s.head_dim,
+            v_pos_stride: s.v_head_dim,
+            v_head_stride: s.max_seq_len * s.v_head_dim,
             scales: attention_scales(self.storage.as_ref(), &self.scales, layer),
         })
     }
@@ -356,6 +393,7 @@ impl CacheCore {
         let heads = KvHeads {
             num_kv_heads: self.shape.num_kv_heads,
             head_dim: self.shape.head_dim,
+            v_head_dim: self.shape.v_head_dim,
         };
         let seqs = [SeqQueries {
             kv: self.kv_pages(layer)?,
@@ -379,7 +417,7 @@ impl CacheCore {
         self.layer_len.copy_from_slice(layer_len);
     }
 
-    /// Writes one `head_dim` vector at `(layer, head, pos)`: the seed's `store_key` /
+    /// Writes one `head_dim` (`v_head_dim`) vector at `(layer, head, pos)`: the seed's `store_key` /
     /// `store_value`. The layer then holds position `pos` (its fill length becomes at
     /// least `pos + 1`), so the seed's decode step (store every head's K and V at
     /// `seq_len`, then [`CacheCore::advance`]) commits it. Positions a store brings into the
@@ -398,7 +436,7 @@ impl CacheCore {
         let layer = self.check_layer(layer)?;
         let head = check_index("head", head, s.num_kv_heads)?;
         let pos = self.check_position("pos", pos, layer)?;
-        vector.expect_shape(if kv == Kv::Key { "key" } else { "value" }, &[s.head_dim])?;
+        vector.expect_shape(if kv == Kv::Key { "key" } else { "value" }, &[s.dim(kv)])?;
         // The write comes first: it is the step a bad vector (another device) fails, and
         // then nothing has changed.
         let region = self.heads_at(layer, kv, head..head + 1, pos);
@@ -431,10 +469,11 @@ impl CacheCore {
     /// The region `[heads, 1, head_dim]` of one layer's K or V at position `pos`.
     fn heads_at(&self, layer: usize, kv: Kv, heads: Range<usize>, pos: usize) -> Region {
         let s = &self.shape;
+        let d = s.dim(kv);
         Region {
             offset: self.offset(layer, kv, heads.start, pos),
-            shape: [heads.len(), 1, s.head_dim],
-            strides: [s.max_seq_len * s.head_dim, s.head_dim, 1],
+            shape: [heads.len(), 1, d],
+            strides: [s.max_seq_len * d, d, 1],
         }
     }
 
@@ -444,9 +483,8 @@ impl CacheCore {
         let s = self.shape;
         let layer = self.check_layer(layer)?;
         let n = check_tokens("k", k.shape(), s.num_kv_heads, s.head_dim)?;
-        check_tokens("v", v.shape(), s.num_kv_heads, s.head_dim)?;
-        let expected = [n, s.num_kv_heads, s.head_dim];
-        v.expect_shape("v", &expected)?;
+        check_tokens("v", v.shape(), s.num_kv_heads, s.v_head_dim)?;
+        v.expect_shape("v", &[n, s.num_kv_heads, s.v_head_dim])?;
         let start = self.layer_len[layer];
         if start + n > s.max_seq_len {
             return Err(KvError::CacheFull {
@@ -462,7 +500,7 @@ impl CacheCore {
             let r = self.region(layer, kv, start, n);
             let transposed = Region {
                 offset: r.offset,
-                shape: expected,
+                shape: [n, s.num_kv_heads, s.dim(kv)],
                 strides: [r.strides[1], r.strides[0], 1],
             };
             let storage = &mut self.storage;
@@ -524,7 +562,10 @@ impl CacheCore {
         expect_block_pair(
             keys.shape(),
             values.shape(),
-            [s.num_kv_heads, bs, s.head_dim],
+            [
+                [s.num_kv_heads, bs, s.head_dim],
+                [s.num_kv_heads, bs, s.v_head_dim],
+            ],
         )?;
         check_disjoint(("keys", keys), ("values", values))?;
         for (kv, mut out) in [(Kv::Key, keys.reborrow()), (Kv::Value, values.reborrow())] {
@@ -558,7 +599,10 @@ impl CacheCore {
         expect_block_pair(
             keys.shape(),
             values.shape(),
-            [s.num_kv_heads, bs, s.head_dim],
+            [
+                [s.num_kv_heads, bs, s.head_dim],
+                [s.num_kv_heads, bs, s.v_head_dim],
+            ],
         )?;
         for (kv, src) in [(Kv::Key, keys), (Kv::Value, values)] {
             let region = self.region(layer, kv, start, inside);
@@ -599,8 +643,8 @@ impl CacheCore {
         let s = self.shape;
         let layer = self.check_layer(layer)?;
         let n = check_tokens("k", k.shape(), s.num_kv_heads, s.head_dim)?;
-        check_tokens("v", v.shape(), s.num_kv_heads, s.head_dim)?;
-        v.expect_shape("v", &[n, s.num_kv_heads, s.head_dim])?;
+        check_tokens("v", v.shape(), s.num_kv_heads, s.v_head_dim)?;
+        v.expect_shape("v", &[n, s.num_kv_heads, s.v_head_dim])?;
         let c = self.cuda("append_at_counter")?;
         if !self.scales.is_unit() {
             // A captured step takes plain values only; dividing by the scales would

@@ -149,8 +149,11 @@ pub struct PagedShape {
     pub num_layers: usize,
     /// Key/value heads per layer.
     pub num_kv_heads: usize,
-    /// Elements per head vector.
+    /// Elements per key head vector.
     pub head_dim: usize,
+    /// Elements per value head vector (`head_dim` for most models; MLA latent pools
+    /// keep `qk_rope_head_dim` rotary values beside `kv_lora_rank` latent keys).
+    pub v_head_dim: usize,
     /// Positions per block.
     pub block_size: usize,
     /// Blocks in the pool.
@@ -162,7 +165,26 @@ pub struct PagedShape {
 impl PagedShape {
     /// Elements of one block in one layer, K and V.
     pub fn block_elems(&self) -> usize {
-        2 * self.block_size * self.num_kv_heads * self.head_dim
+        self.block_size * self.num_kv_heads * (self.head_dim + self.v_head_dim)
+    }
+
+    /// Elements per head vector of `kv`.
+    pub fn dim(&self, kv: Kv) -> usize {
+        match kv {
+            Kv::Key => self.head_dim,
+            Kv::Value => self.v_head_dim,
+        }
+    }
+
+    /// Elements per int8 scale: one scale per head vector, and int8 pools have one
+    /// head size ([`crate::sizes::check_int8_dims`]).
+    pub fn scale_unit(&self) -> usize {
+        self.head_dim
+    }
+
+    /// Head vectors (K and V) in one block of one layer.
+    pub fn block_vectors(&self) -> usize {
+        2 * self.block_size * self.num_kv_heads
     }
 
     /// Elements of one cache tensor.
@@ -185,8 +207,8 @@ impl PagedShape {
         offset: usize,
         n: usize,
     ) -> Region {
-        let (h, d, bs) = (self.num_kv_heads, self.head_dim, self.block_size);
-        let base = self.block_offset(tensor, block) + kv as usize * bs * h * d;
+        let (h, d, bs) = (self.num_kv_heads, self.dim(kv), self.block_size);
+        let base = self.block_offset(tensor, block) + kv as usize * bs * h * self.head_dim;
         let (pos_stride, head_stride) = match self.layout {
             KvLayout::Nhd => (h * d, d),
             KvLayout::Hnd => (d, bs * d),
@@ -207,7 +229,8 @@ impl PagedShape {
         }
     }
 
-    /// Shape of one cache tensor, as FlashInfer expects it.
+    /// Shape of one cache tensor, as FlashInfer expects it (K and V of one head size;
+    /// see [`PagedShape::part_tensor_shape`] otherwise).
     pub fn layer_tensor_shape(&self) -> [usize; 5] {
         let (n, bs, h, d) = (
             self.num_blocks,
@@ -219,6 +242,26 @@ impl PagedShape {
             KvLayout::Nhd => [n, 2, bs, h, d],
             KvLayout::Hnd => [n, 2, h, bs, d],
         }
+    }
+}
+
+impl PagedShape {
+    /// Shape and element strides of the K or V part of one cache tensor, as a
+    /// `[num_blocks, block_size, heads, dim]` (NHD) or `[num_blocks, heads, block_size,
+    /// dim]` (HND) view whose offset is `kv`'s part of block 0: FlashInfer's separate K
+    /// and V caches (its MLA `ckv`/`kpe` pages when `num_kv_heads` is 1).
+    pub fn part_tensor_shape(&self, kv: Kv) -> ([usize; 4], [usize; 4]) {
+        let (n, bs, h, d) = (self.num_blocks, self.block_size, self.num_kv_heads, self.dim(kv));
+        let r = self.positions(0, kv, 0, 0, 1);
+        match self.layout {
+            KvLayout::Nhd => ([n, bs, h, d], [self.block_elems(), r.strides[0], r.strides[1], 1]),
+            KvLayout::Hnd => ([n, h, bs, d], [self.block_elems(), r.strides[1], r.strides[0], 1]),
+        }
+    }
+
+    /// Element offset of `kv`'s part within a block.
+    pub fn part_offset(&self, kv: Kv) -> usize {
+        kv as usize * self.block_size * self.num_kv_heads * self.head_dim
     }
 }
 
@@ -249,6 +292,7 @@ mod tests {
             num_layers: 2,
             num_kv_heads: 3,
             head_dim: 4,
+            v_head_dim: 4,
             block_size: 5,
             num_blocks: 6,
             layout: KvLayout::Nhd,

@@ -17,30 +17,58 @@ pub fn product(what: &str, sizes: &[(&'static str, usize)]) -> Result<usize> {
 }
 
 /// Bytes of `what` holding K and V for the product of `sizes` positions (or heads,
-/// blocks, ...) of head vectors of `head_dim` elements of `dtype`, an int8 vector with
-/// its float32 scale. Fails like [`product`] past the address space.
+/// blocks, ...): a key of `dims[0]` and a value of `dims[1]` elements of `dtype` each,
+/// int8 with a float32 scale per vector. Fails like [`product`] past the address
+/// space, and for int8 of two head sizes ([`check_int8_dims`]).
 pub fn kv_bytes(
     what: &str,
     sizes: &[(&'static str, usize)],
-    head_dim: usize,
+    dims: [usize; 2],
     dtype: DType,
 ) -> Result<usize> {
-    let scale = if dtype == DType::I8 { 4 } else { 0 };
+    check_int8_dims(dims, dtype)?;
     let fail = || {
         let mut all = sizes.to_vec();
-        all.push(("head_dim", head_dim));
+        all.push(("head_dim", dims[0]));
+        if dims[1] != dims[0] {
+            all.push(("v_head_dim", dims[1]));
+        }
         too_large(&format!("{what}'s K and V of {dtype}"), &all)
     };
-    let per_vector = head_dim
-        .checked_mul(dtype.size())
-        .and_then(|b| b.checked_add(scale))
-        .ok_or_else(fail)?;
+    let per_pair = kv_pair_bytes(dims, dtype).ok_or_else(fail)?;
     sizes
         .iter()
-        .try_fold(2usize, |acc, &(_, x)| acc.checked_mul(x))
-        .and_then(|n| n.checked_mul(per_vector))
+        .try_fold(per_pair, |acc, &(_, x)| acc.checked_mul(x))
         .filter(|&b| b <= isize::MAX as usize)
         .ok_or_else(fail)
+}
+
+/// Bytes of one key of `dims[0]` and one value of `dims[1]` elements of `dtype`, int8's
+/// scales included (one per vector); `None` past `usize`.
+pub fn kv_pair_bytes(dims: [usize; 2], dtype: DType) -> Option<usize> {
+    let scales = if dtype == DType::I8 { 8 } else { 0 };
+    dims[0]
+        .checked_add(dims[1])?
+        .checked_mul(dtype.size())?
+        .checked_add(scales)
+}
+
+/// Fails unless int8 storage (one scale per head vector, addressed by element offset /
+/// `head_dim`) gets keys and values of one head size.
+pub fn check_int8_dims(dims: [usize; 2], dtype: DType) -> Result<()> {
+    if dtype == DType::I8 && dims[0] != dims[1] {
+        return Err(KvError::InvalidArgument {
+            name: "v_head_dim",
+            value: dims[1].to_string(),
+            reason: format!(
+                "int8 storage keeps one scale per head vector and needs v_head_dim == \
+                 head_dim={}; store K and V of different sizes (an MLA latent) as fp8_e4m3, \
+                 bfloat16 or float16",
+                dims[0]
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// A vector of `n` copies of `value`, allocated fallibly: [`KvError::OutOfMemory`]
@@ -112,15 +140,19 @@ mod tests {
     #[test]
     fn kv_bytes_count_k_v_and_int8_scales() {
         let sizes = [("num_layers", 2), ("max_seq_len", 3)];
-        assert_eq!(kv_bytes("c", &sizes, 4, DType::F16).unwrap(), 2 * 6 * 8);
-        assert_eq!(kv_bytes("c", &sizes, 4, DType::I8).unwrap(), 2 * 6 * 8);
+        assert_eq!(kv_bytes("c", &sizes, [4, 4], DType::F16).unwrap(), 2 * 6 * 8);
+        assert_eq!(kv_bytes("c", &sizes, [4, 4], DType::I8).unwrap(), 2 * 6 * 8);
+        // Different head sizes: 6 x (12 + 4) elements; int8 keeps a scale per 4.
+        assert_eq!(kv_bytes("c", &sizes, [12, 4], DType::F16).unwrap(), 6 * 32);
+        let e = kv_bytes("c", &sizes, [12, 4], DType::I8).unwrap_err().to_string();
+        assert!(e.starts_with("v_head_dim=4: int8 storage"), "{e}");
         // head_dim * 4 overflows before any product.
-        let e = kv_bytes("c", &[("num_kv_heads", 1)], 1 << 62, DType::F32).unwrap_err();
+        let e = kv_bytes("c", &[("num_kv_heads", 1)], [1 << 62, 1 << 62], DType::F32).unwrap_err();
         assert!(
             e.to_string().starts_with("head_dim=4611686018427387904"),
             "{e}"
         );
-        assert!(kv_bytes("c", &[("num_blocks", 1 << 61)], 2, DType::F32).is_err());
+        assert!(kv_bytes("c", &[("num_blocks", 1 << 61)], [2, 2], DType::F32).is_err());
     }
 
     #[test]

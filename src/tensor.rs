@@ -586,9 +586,13 @@ fn expect_shape(name: &'static str, got: &[usize], expected: &[usize]) -> Result
 
 /// Checks the shapes of a block pair: `keys` and `values`, each exactly `shape`
 /// (`[heads, n, head_dim]`).
-pub fn expect_block_pair(keys: &[usize], values: &[usize], shape: [usize; MAX_RANK]) -> Result<()> {
-    expect_shape("keys", keys, &shape)?;
-    expect_shape("values", values, &shape)
+pub fn expect_block_pair(
+    keys: &[usize],
+    values: &[usize],
+    shapes: [[usize; MAX_RANK]; 2],
+) -> Result<()> {
+    expect_shape("keys", keys, &shapes[0])?;
+    expect_shape("values", values, &shapes[1])
 }
 
 /// Copies every element of a rank-3 shape from `src` to `dst`, converting the dtype.

@@ -98,7 +98,7 @@ proptest! {
         use_sinks in any::<bool>(),
         seed in any::<u64>(),
     ) {
-        let shape = PagedShape { num_layers: 1, num_kv_heads: h, head_dim: D, block_size, num_blocks: 512, layout };
+        let shape = PagedShape { num_layers: 1, num_kv_heads: h, head_dim: D, v_head_dim: D, block_size, num_blocks: 512, layout };
         let attention = Attention {
             kinds: vec![kind],
             sliding_window: Some(window),

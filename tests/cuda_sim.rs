@@ -59,6 +59,7 @@ fn captured_decode_loop_equals_host_appends() {
         num_layers: layers,
         num_kv_heads: heads,
         head_dim: dim,
+        v_head_dim: dim,
         max_seq_len: max,
     };
     for dtype in DType::ALL {
@@ -114,6 +115,7 @@ fn counter_past_capacity_is_cache_full_and_changes_nothing() {
         num_layers: 1,
         num_kv_heads: 1,
         head_dim: 4,
+        v_head_dim: 4,
         max_seq_len: 2,
     };
     let mut c = CacheCore::new(shape, DType::F32, Device::Cuda(0)).unwrap();
@@ -145,6 +147,7 @@ fn counter_methods_need_a_cuda_cache() {
         num_layers: 1,
         num_kv_heads: 1,
         head_dim: 4,
+        v_head_dim: 4,
         max_seq_len: 2,
     };
     let c = CacheCore::new(shape, DType::F32, Device::Cpu).unwrap();
@@ -157,6 +160,7 @@ fn a_host_cache_refuses_device_tensors() {
         num_layers: 1,
         num_kv_heads: 1,
         head_dim: 4,
+        v_head_dim: 4,
         max_seq_len: 2,
     };
     let mut c = CacheCore::new(shape, DType::F32, Device::Cpu).unwrap();
@@ -172,6 +176,7 @@ fn a_refused_store_changes_nothing() {
         num_layers: 1,
         num_kv_heads: 2,
         head_dim: 4,
+        v_head_dim: 4,
         max_seq_len: 4,
     };
     let mut c = CacheCore::new(shape, DType::F32, Device::Cuda(0)).unwrap();
@@ -205,6 +210,7 @@ fn paged_attention_kernel_equals_the_cpu_core() {
                 num_layers: 2,
                 num_kv_heads: h,
                 head_dim: d,
+                v_head_dim: d,
                 block_size: 4,
                 num_blocks: 256,
                 layout,
@@ -334,6 +340,7 @@ fn paged_storage() -> (kvrs::storage::PagedTensor, Box<dyn kvrs::storage::Storag
         num_layers: 1,
         num_kv_heads: 2,
         head_dim: 4,
+        v_head_dim: 4,
         block_size: 4,
         num_blocks: 2,
         layout: kvrs::KvLayout::Nhd,

@@ -79,6 +79,7 @@ fn run(c: &Case) -> [Vec<Vec<f32>>; 2] {
         num_layers: 2,
         num_kv_heads: h,
         head_dim: d,
+        v_head_dim: d,
         block_size: c.block_size,
         num_blocks: 2 * (c.history + c.extend + 8).div_ceil(c.block_size) + 8,
         layout: c.layout,

@@ -52,6 +52,7 @@ fn shape(layout: KvLayout, head_dim: usize, num_blocks: usize) -> PagedShape {
         num_layers: 3,
         num_kv_heads: 2,
         head_dim,
+        v_head_dim: head_dim,
         block_size: 4,
         num_blocks,
         layout,

@@ -127,6 +127,7 @@ fn device_int8_rows_equal_the_host_quantizer() {
             num_layers: 1,
             num_kv_heads: 1,
             head_dim: 4,
+            v_head_dim: 4,
             max_seq_len: 2,
         };
         let caches: Vec<CacheCore> = [Device::Cpu, CUDA]
@@ -236,6 +237,7 @@ impl Twins {
             num_layers: L,
             num_kv_heads: H,
             head_dim: D,
+            v_head_dim: D,
             block_size: BS,
             num_blocks: BLOCKS,
             layout,
@@ -601,6 +603,7 @@ fn contiguous_fp8_cache_with_scales_equals_the_host() {
         num_layers: 2,
         num_kv_heads: H,
         head_dim: D,
+        v_head_dim: D,
         max_seq_len: 12,
     };
     for dtype in [DType::F8E4M3, DType::F8E5M2, DType::I8] {
@@ -666,6 +669,7 @@ fn cuda_pools_swap_blocks_through_a_host_tier() {
         num_layers: L,
         num_kv_heads: H,
         head_dim: D,
+        v_head_dim: D,
         block_size: BS,
         num_blocks: 8,
         layout: KvLayout::Hnd,

@@ -323,6 +323,7 @@ fn run(device: Device, dtype: DType, ops: &[Op]) {
         num_layers: L,
         num_kv_heads: H,
         head_dim: D,
+        v_head_dim: D,
         max_seq_len: MAX,
     };
     let mut cache = CacheCore::new(shape, dtype, device).unwrap();

@@ -637,6 +637,7 @@ fn run(device: Device, layout: KvLayout, dtype: DType, kinds: [LayerKind; L], op
         num_layers: L,
         num_kv_heads: H,
         head_dim: D,
+        v_head_dim: D,
         block_size: BS,
         num_blocks: BLOCKS,
         layout,

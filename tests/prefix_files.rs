@@ -15,6 +15,7 @@ fn pool(model_id: &str, cached: bool) -> PoolCore {
         num_layers: 1,
         num_kv_heads: 1,
         head_dim: 2,
+        v_head_dim: 2,
         block_size: BS,
         num_blocks: 8,
         layout: KvLayout::Nhd,

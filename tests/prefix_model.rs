@@ -344,6 +344,7 @@ fn run(hash: HashKind, partial_hits: bool, layout: KvLayout, ops: &[Op]) {
         num_layers: L,
         num_kv_heads: H,
         head_dim: D,
+        v_head_dim: D,
         block_size: BS,
         num_blocks: BLOCKS,
         layout,

@@ -16,28 +16,28 @@ pub(super) const RUN: usize = 32;
 struct Scratch {
     /// Query rows, scaled: `[rows][head_dim]`.
     q: Vec<f32>,
-    /// Unnormalised outputs: `[rows][head_dim]`.
+    /// Unnormalised outputs: `[rows][v_head_dim]`.
     o: Vec<f32>,
     /// Running maximum and sum of each row.
     m: Vec<f32>,
     l: Vec<f32>,
     /// One run of keys in f32: `[RUN][head_dim]`, or transposed `[head_dim][RUN]`.
     k: Vec<f32>,
-    /// The run's values in f32: `[RUN][head_dim]`.
+    /// The run's values in f32: `[RUN][v_head_dim]`.
     v: Vec<f32>,
     /// Scores of one row over one run (and a key row on its way into `k`).
     s: Vec<f32>,
 }
 
 impl Scratch {
-    fn fit(&mut self, rows: usize, d: usize) {
+    fn fit(&mut self, rows: usize, d: usize, dv: usize) {
         for (buf, n) in [
             (&mut self.q, rows * d),
-            (&mut self.o, rows * d),
+            (&mut self.o, rows * dv),
             (&mut self.m, rows),
             (&mut self.l, rows),
             (&mut self.k, RUN * d),
-            (&mut self.v, RUN * d),
+            (&mut self.v, RUN * dv),
             (&mut self.s, RUN.max(d)),
         ] {
             if buf.len() < n {
@@ -56,7 +56,7 @@ thread_local! {
 pub(super) enum Dest {
     /// Normalised into the output tensor.
     Out,
-    /// As `(m, l, o)` per row (`head_dim + 2` floats) at this float offset of the
+    /// As `(m, l, o)` per row (`v_head_dim + 2` floats) at this float offset of the
     /// partial buffer, for the merge of a split history.
     Partial(usize),
 }
@@ -120,14 +120,14 @@ unsafe fn run_item_with<const SIMD: bool>(
     dest: Dest,
     sc: &mut Scratch,
 ) {
-    let d = p.heads.head_dim;
+    let (d, dv) = (p.heads.head_dim, p.heads.v_head_dim);
     let g = p.num_q_heads / p.heads.num_kv_heads;
     let rows = &p.rows[it.rows.clone()];
     // Rows per KV head (token i, query head j of the group: i * g + j); the item's rows
     // are those of each of its heads in turn.
     let per = rows.len() * g;
     let nrows = per * it.heads.len();
-    sc.fit(nrows, d);
+    sc.fit(nrows, d, dv);
     let Scratch {
         q,
         o,
@@ -147,14 +147,15 @@ unsafe fn run_item_with<const SIMD: bool>(
     }
     m[..nrows].fill(f32::NEG_INFINITY);
     l[..nrows].fill(0.0);
-    o[..nrows * d].fill(0.0);
+    o[..nrows * dv].fill(0.0);
     // Keys are transposed when enough rows share them to repay the transposition
     // (prefill tiles, wide GQA groups); a decode row of a narrow group takes dot products.
     let transposed = per >= TRANSPOSE_ROWS;
-    // Otherwise, with AVX2, rows score and accumulate straight from the stored codes.
-    let fused = !transposed && fuses::<SIMD>(d);
     let kv = &p.seqs[it.seq].kv;
-    let size = kv.dtype.size();
+    // Otherwise, with AVX2, rows score and accumulate straight from the stored codes
+    // (keys and values of one head size, a scale per vector).
+    let latent = p.opts.latent;
+    let fused = !transposed && !latent && kv.uniform() && fuses::<SIMD>(d);
     let mut pos = it.lo;
     while pos < it.hi {
         let n = (kv.block_size - pos % kv.block_size)
@@ -163,28 +164,19 @@ unsafe fn run_item_with<const SIMD: bool>(
         for (hi, head) in it.heads.clone().enumerate() {
             let first = kv.key_offset(pos, head);
             for j in (0..n).filter(|_| !fused) {
-                let at = first + j * kv.pos_stride;
-                let ks = kv.scale(at, head, false);
                 if transposed {
                     // The key row goes through `s` into K's transposed tile ([head_dim][RUN]).
-                    load_row::<SIMD>(&mut s[..d], kv.data.add(at * size), kv.dtype, ks);
+                    load_key::<SIMD>(kv, latent, pos + j, head, &mut s[..d], dv);
                     for (i, &x) in s[..d].iter().enumerate() {
                         k[i * RUN + j] = x;
                     }
                 } else {
-                    let row = &mut k[j * d..(j + 1) * d];
-                    load_row::<SIMD>(row, kv.data.add(at * size), kv.dtype, ks);
+                    load_key::<SIMD>(kv, latent, pos + j, head, &mut k[j * d..(j + 1) * d], dv);
                 }
-                let vat = at + kv.v_offset;
-                load_row::<SIMD>(
-                    &mut v[j * d..(j + 1) * d],
-                    kv.data.add(vat * size),
-                    kv.dtype,
-                    kv.scale(vat, head, true),
-                );
+                load_value::<SIMD>(kv, latent, pos + j, head, &mut v[j * dv..(j + 1) * dv]);
             }
             if pos + n < it.hi {
-                prefetch_run(kv, pos + n, it.hi, head, d);
+                prefetch_run(kv, pos + n, it.hi, head, super::KvPages::stored_lens([d, dv], latent));
             }
             // Rows (token i, head j of the group) in blocks of BLOCK_ROWS: their scores over
             // the run are computed together, each key element loaded once for the block.
@@ -236,7 +228,7 @@ unsafe fn run_item_with<const SIMD: bool>(
                         }
                     }
                     let mx = sr.iter().fold(f32::NEG_INFINITY, |acc, &x| acc.max(x));
-                    let or = &mut o[r * d..(r + 1) * d];
+                    let or = &mut o[r * dv..(r + 1) * dv];
                     if mx > m[r] {
                         let f = rescale(m[r], mx);
                         scale(or, f);
@@ -249,7 +241,7 @@ unsafe fn run_item_with<const SIMD: bool>(
                     }
                     l[r] += sr.iter().sum::<f32>();
                     for (&w, kp) in sr.iter().zip(a - pos..b - pos).filter(|_| !fused) {
-                        axpy::<SIMD>(or, w, &v[kp * d..(kp + 1) * d]);
+                        axpy::<SIMD>(or, w, &v[kp * dv..(kp + 1) * dv]);
                     }
                 }
                 #[cfg(target_arch = "x86_64")]
@@ -281,11 +273,11 @@ unsafe fn run_item_with<const SIMD: bool>(
         for (i, row) in rows.iter().enumerate() {
             for j in 0..g {
                 let r = hi * per + i * g + j;
-                let or = &mut o[r * d..(r + 1) * d];
+                let or = &mut o[r * dv..(r + 1) * dv];
                 match dest {
                     Dest::Out => write_row(p, row.token, head * g + j, m[r], l[r], or),
                     Dest::Partial(at) => {
-                        let dst = p.partial_row(at + r * (d + 2), d);
+                        let dst = p.partial_row(at + r * (dv + 2), dv);
                         dst[0] = m[r];
                         dst[1] = l[r];
                         dst[2..].copy_from_slice(or);
@@ -355,27 +347,84 @@ fn scores<const SIMD: bool>(
 
 /// Asks the CPU to start loading the keys and values of the run at `pos` while the
 /// current one is computed: one head's rows are strided (in NHD, `heads * head_dim`
-/// apart), which the hardware prefetcher does not follow.
+/// apart), which the hardware prefetcher does not follow. `lens`: the stored key and
+/// value lengths.
 #[inline(always)]
-unsafe fn prefetch_run(kv: &super::KvPages<'_>, pos: usize, hi: usize, head: usize, d: usize) {
+unsafe fn prefetch_run(
+    kv: &super::KvPages<'_>,
+    pos: usize,
+    hi: usize,
+    head: usize,
+    lens: (usize, usize),
+) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
         let size = kv.dtype.size();
         let n = (kv.block_size - pos % kv.block_size).min(hi - pos).min(RUN);
-        let first = kv.key_offset(pos, head);
-        for j in 0..n {
-            let at = first + j * kv.pos_stride;
-            for line in (0..d * size).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T0>(kv.data.add(at * size + line) as *const i8);
-                _mm_prefetch::<_MM_HINT_T0>(
-                    kv.data.add((at + kv.v_offset) * size + line) as *const i8
-                );
+        let (k_len, v_len) = lens;
+        for j in pos..pos + n {
+            for (at, len) in [(kv.key_offset(j, head), k_len), (kv.value_offset(j, head), v_len)] {
+                for line in (0..len * size).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(kv.data.add(at * size + line) as *const i8);
+                }
             }
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (kv, pos, hi, head, d);
+    let _ = (kv, pos, hi, head, lens);
+}
+
+/// Reads the stored vector of `dst.len()` elements at element offset `at` (of KV head
+/// `head`; a value when `value`) into `dst` as f32, times its scale.
+#[inline(always)]
+unsafe fn load_vector<const SIMD: bool>(
+    kv: &super::KvPages<'_>,
+    at: usize,
+    head: usize,
+    value: bool,
+    dst: &mut [f32],
+) {
+    let ptr = kv.data.add(at * kv.dtype.size());
+    load_row::<SIMD>(dst, ptr, kv.dtype, kv.scale(at, head, value));
+}
+
+/// Reads the key of position `pos`, KV head `head` (`dst`: `head_dim` elements; for
+/// `latent` attention, the stored latent of `dv` elements followed by its rotary tail).
+#[inline(always)]
+unsafe fn load_key<const SIMD: bool>(
+    kv: &super::KvPages<'_>,
+    latent: bool,
+    pos: usize,
+    head: usize,
+    dst: &mut [f32],
+    dv: usize,
+) {
+    let at = kv.key_offset(pos, head);
+    if latent {
+        let (c, r) = dst.split_at_mut(dv);
+        load_vector::<SIMD>(kv, at, head, false, c);
+        load_vector::<SIMD>(kv, kv.value_offset(pos, head), head, true, r);
+    } else {
+        load_vector::<SIMD>(kv, at, head, false, dst);
+    }
+}
+
+/// Reads the value of position `pos`, KV head `head` (`dst`: `v_head_dim` elements; for
+/// `latent` attention, the stored latent).
+#[inline(always)]
+unsafe fn load_value<const SIMD: bool>(
+    kv: &super::KvPages<'_>,
+    latent: bool,
+    pos: usize,
+    head: usize,
+    dst: &mut [f32],
+) {
+    if latent {
+        load_vector::<SIMD>(kv, kv.key_offset(pos, head), head, false, dst);
+    } else {
+        load_vector::<SIMD>(kv, kv.value_offset(pos, head), head, true, dst);
+    }
 }
 
 /// `e^(old - new)` for a running maximum that grew from `old` (possibly -inf) to `new`.

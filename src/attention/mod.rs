@@ -45,12 +45,21 @@ pub struct AttnOptions<'a> {
     /// ALiBi: one slope per query head; `slope * (key_pos - query_pos)` is added to
     /// each score.
     pub alibi_slopes: Option<&'a [f32]>,
+    /// Absorbed multi-head latent attention (DeepSeek's MLA) over a latent cache, whose
+    /// keys are the compressed latents `c` (`kv_lora_rank` elements) and whose values are
+    /// the rotary parts `r` (`qk_rope_head_dim`): each query (`[q_latent, q_rope]`,
+    /// `head_dim + v_head_dim` elements) scores `q . [c, r]`, and the output is the
+    /// softmax-weighted sum of the latents (`head_dim` elements), for the caller to
+    /// project with `W_UV`.
+    pub latent: bool,
 }
 
 /// Where one sequence's keys and values (one layer) lie in a storage: position `p` of
 /// KV head `h` has its key at element
 /// `base + table[p / block_size] * block_stride + (p % block_size) * pos_stride + h * head_stride`
-/// and its value `v_offset` elements further; each head vector is contiguous.
+/// and its value at
+/// `base + v_offset + table[..] * block_stride + (p % block_size) * v_pos_stride + h * v_head_stride`;
+/// each head vector is contiguous.
 #[derive(Clone, Copy, Debug)]
 pub struct KvPages<'a> {
     /// Element 0 of the storage (host memory).
@@ -65,12 +74,16 @@ pub struct KvPages<'a> {
     pub block_stride: usize,
     /// Element offset of block 0's key at position 0, head 0.
     pub base: usize,
-    /// Elements from a key to its value.
+    /// Elements from block 0's key at position 0, head 0 to its value.
     pub v_offset: usize,
-    /// Elements between consecutive positions of a block.
+    /// Elements between consecutive keys of a block.
     pub pos_stride: usize,
-    /// Elements between consecutive KV heads.
+    /// Elements between consecutive KV heads' keys.
     pub head_stride: usize,
+    /// Elements between consecutive values of a block.
+    pub v_pos_stride: usize,
+    /// Elements between consecutive KV heads' values.
+    pub v_head_stride: usize,
     /// The scales of 8-bit storage.
     pub scales: Scales<'a>,
 }
@@ -130,6 +143,32 @@ impl KvPages<'_> {
             + (pos % self.block_size) * self.pos_stride
             + head * self.head_stride
     }
+
+    /// Element offset of the value at position `pos` of KV head `head`.
+    fn value_offset(&self, pos: usize, head: usize) -> usize {
+        let block = self.table[pos / self.block_size] as usize;
+        self.base
+            + self.v_offset
+            + block * self.block_stride
+            + (pos % self.block_size) * self.v_pos_stride
+            + head * self.v_head_stride
+    }
+
+    /// The stored lengths of a key and a value for attention of `dims` (query and
+    /// output lengths): a latent cache stores the output-sized latent as its key and the
+    /// rest of the query's length as its value.
+    fn stored_lens(dims: [usize; 2], latent: bool) -> (usize, usize) {
+        if latent {
+            (dims[1], dims[0] - dims[1])
+        } else {
+            (dims[0], dims[1])
+        }
+    }
+
+    /// Whether keys and values share their strides (one head size).
+    fn uniform(&self) -> bool {
+        self.v_pos_stride == self.pos_stride && self.v_head_stride == self.head_stride
+    }
 }
 
 /// One query token: its row in the query tensor, its position (for ALiBi) and the
@@ -156,23 +195,44 @@ pub struct SeqQueries<'a> {
     pub rows: Range<usize>,
 }
 
-/// Sizes of the attention: query heads come from the query tensor.
+/// Sizes of a cache's heads: query heads come from the query tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KvHeads {
     /// KV heads of the cache.
     pub num_kv_heads: usize,
-    /// Elements per head vector.
+    /// Elements per query and key vector.
     pub head_dim: usize,
+    /// Elements per value and output vector.
+    pub v_head_dim: usize,
+}
+
+impl KvHeads {
+    /// The sizes attention works in: the cache's own, or for latent attention
+    /// ([`AttnOptions::latent`]) queries of latent plus rotary part and outputs of the
+    /// latent.
+    pub fn attended(self, latent: bool) -> KvHeads {
+        if latent {
+            KvHeads {
+                num_kv_heads: self.num_kv_heads,
+                head_dim: self.head_dim + self.v_head_dim,
+                v_head_dim: self.head_dim,
+            }
+        } else {
+            self
+        }
+    }
 }
 
 /// Computes attention for `q` (`[n_tokens, num_q_heads, head_dim]`, any dtype and
-/// strides, host memory) into `out` (same shape, C-contiguous, any dtype): each token
+/// strides, host memory) into `out` (`[n_tokens, num_q_heads, v_head_dim]`, C-contiguous,
+/// any dtype; both sizes as [`KvHeads::attended`] gives them): each token
 /// of `rows` attends over its sequence's positions `lo..hi`. Tokens no row names are
 /// left untouched; a row with nothing to see gets zeros.
 ///
 /// # Safety
 /// Every `KvPages` describes host memory that holds, for every position a row names
-/// and every KV head, a key and a value of `head_dim` elements where its formula says;
+/// and every KV head, a key of `head_dim` and a value of `v_head_dim` elements where its
+/// formula says;
 /// that memory stays valid and unwritten for the whole call. No token is named by two
 /// rows (rayon's threads write each token's output row from the one item holding it).
 pub unsafe fn attend(
@@ -190,6 +250,7 @@ pub unsafe fn attend(
             )));
         }
     }
+    let heads = heads.attended(opts.latent);
     let (num_q_heads, scale) = validate(q, out, heads, opts)?;
     // Checked, not assumed: a token past `q` would be written past `out`'s end.
     for s in seqs {
@@ -251,7 +312,7 @@ fn check_queries(q: &TensorRef, out: &TensorMut, heads: KvHeads) -> Result<usize
             ),
         });
     }
-    out.expect_shape("out", s)?;
+    out.expect_shape("out", &[s[0], s[1], heads.v_head_dim])?;
     if q.device() == out.device() && q.span().overlaps(&out.span()) {
         return Err(KvError::InvalidArgument {
             name: "out",

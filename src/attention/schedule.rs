@@ -78,7 +78,7 @@ pub(super) struct Item {
 }
 
 /// A tile whose history is split in `splits` items, their partial results at float
-/// offset `partial` (each `rows * heads * (head_dim + 2)` floats, rows per KV head).
+/// offset `partial` (each `rows * heads * (v_head_dim + 2)` floats, rows per KV head).
 struct Split {
     item: Item,
     splits: usize,
@@ -88,7 +88,8 @@ struct Split {
 /// Runs every item of `p` on this process's threads ([`crate::parallel`]).
 pub(super) fn run(p: &mut Problem<'_>) {
     let g = p.num_q_heads / p.heads.num_kv_heads;
-    let d = p.heads.head_dim;
+    // Partial results hold output rows.
+    let d = p.heads.v_head_dim;
     let mut tiles: Vec<Item> = Vec::new();
     for (si, s) in p.seqs.iter().enumerate() {
         let mut t = s.rows.start;

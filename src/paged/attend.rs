@@ -11,7 +11,7 @@ use super::pool::{PoolCore, SeqId};
 use super::seq::{SeqState, Table};
 use crate::attention::{self, AttnOptions, KvHeads, KvPages, QueryRow, SeqQueries};
 use crate::error::{check_index, KvError, Result};
-use crate::layout::{Kv, KvLayout};
+use crate::layout::Kv;
 use crate::scales::attention_scales;
 use crate::storage::cuda::attention::DeviceRow;
 use crate::storage::PagedTensor;
@@ -148,6 +148,13 @@ impl PoolCore {
             // table's first held position and ends at the token itself).
             return unsafe { attention::attend(q, out, self.kv_heads(), rows, &seqs, opts) };
         };
+        if opts.latent {
+            return Err(KvError::NotSupported(
+                "latent (MLA) attention on a CUDA pool: the CUDA kernels attend over K and V \
+                 of one head size; keep an MLA pool on the host (device='cpu')"
+                    .into(),
+            ));
+        }
         let (_, scale) = attention::validate(q, out, self.kv_heads(), opts)?;
         let mut tables: Vec<u32> = Vec::new();
         let mut device_rows: Vec<DeviceRow> = Vec::with_capacity(rows.len());
@@ -191,21 +198,22 @@ impl PoolCore {
     /// Where `layer`'s K/V lie for one of its group's tables.
     fn kv_pages<'a>(&'a self, table: &'a Table, layer: usize) -> KvPages<'a> {
         let sh = self.shape;
-        let (h, d, bs) = (sh.num_kv_heads, sh.head_dim, sh.block_size);
-        let (pos_stride, head_stride) = match sh.layout {
-            KvLayout::Nhd => (h * d, d),
-            KvLayout::Hnd => (d, bs * d),
-        };
+        let (k, v) = (
+            sh.positions(0, Kv::Key, 0, 0, 1),
+            sh.positions(0, Kv::Value, 0, 0, 1),
+        );
         KvPages {
             data: self.storage.data_ptr(),
             dtype: self.dtype(),
             table: &table.blocks,
-            block_size: bs,
+            block_size: sh.block_size,
             block_stride: sh.block_elems(),
             base: self.tensor_of(layer) * sh.layer_elems(),
-            v_offset: bs * h * d,
-            pos_stride,
-            head_stride,
+            v_offset: v.offset - k.offset,
+            pos_stride: k.strides[0],
+            head_stride: k.strides[1],
+            v_pos_stride: v.strides[0],
+            v_head_stride: v.strides[1],
             scales: attention_scales(self.storage.as_ref(), &self.scales, layer),
         }
     }
@@ -214,6 +222,7 @@ impl PoolCore {
         KvHeads {
             num_kv_heads: self.shape.num_kv_heads,
             head_dim: self.shape.head_dim,
+            v_head_dim: self.shape.v_head_dim,
         }
     }
 }

@@ -106,8 +106,8 @@ impl PoolCore {
         let sh = self.shape;
         let layer = check_index("layer", layer, sh.num_layers)?;
         let n = token_count("k", k, sh)?;
-        token_count("v", v, sh)?;
-        v.expect_shape("v", &[n, sh.num_kv_heads, sh.head_dim])?;
+        value_count(v, sh)?;
+        v.expect_shape("v", &[n, sh.num_kv_heads, sh.v_head_dim])?;
         let g = self.groups.group_of[layer];
         let s = self.seq(id)?;
         let start = s.layer_len[layer];
@@ -152,7 +152,14 @@ impl PoolCore {
     ) -> Result<(usize, usize, usize)> {
         let (layer, start, n) = self.check_block_args(layer, start_pos, block_size)?;
         let sh = self.shape;
-        expect_block_pair(keys, values, [sh.num_kv_heads, n, sh.head_dim])?;
+        expect_block_pair(
+            keys,
+            values,
+            [
+                [sh.num_kv_heads, n, sh.head_dim],
+                [sh.num_kv_heads, n, sh.v_head_dim],
+            ],
+        )?;
         Ok((layer, start, n))
     }
 
@@ -530,16 +537,17 @@ impl PoolCore {
 
 fn check_same_shape(sh: PagedShape, cache: &CacheCore) -> Result<()> {
     let c = cache.shape();
-    if (c.num_layers, c.num_kv_heads, c.head_dim) != (sh.num_layers, sh.num_kv_heads, sh.head_dim) {
+    let of_cache = (c.num_layers, c.num_kv_heads, c.head_dim, c.v_head_dim);
+    if of_cache != (sh.num_layers, sh.num_kv_heads, sh.head_dim, sh.v_head_dim) {
         return Err(KvError::InvalidArgument {
             name: "cache",
             value: format!(
-                "{} layers x {} heads x {}",
-                c.num_layers, c.num_kv_heads, c.head_dim
+                "{} layers x {} heads x {} (values {})",
+                c.num_layers, c.num_kv_heads, c.head_dim, c.v_head_dim
             ),
             reason: format!(
-                "must match the pool's {} layers x {} heads x {}",
-                sh.num_layers, sh.num_kv_heads, sh.head_dim
+                "must match the pool's {} layers x {} heads x {} (values {})",
+                sh.num_layers, sh.num_kv_heads, sh.head_dim, sh.v_head_dim
             ),
         });
     }
@@ -549,4 +557,9 @@ fn check_same_shape(sh: PagedShape, cache: &CacheCore) -> Result<()> {
 /// Checks that `t` is `[n, heads, head_dim]` and returns `n`.
 pub(crate) fn token_count(name: &'static str, t: &TensorRef, sh: PagedShape) -> Result<usize> {
     check_tokens(name, t.shape(), sh.num_kv_heads, sh.head_dim)
+}
+
+/// Checks that `v` is `[n, heads, v_head_dim]` and returns `n`.
+pub(crate) fn value_count(v: &TensorRef, sh: PagedShape) -> Result<usize> {
+    check_tokens("v", v.shape(), sh.num_kv_heads, sh.v_head_dim)
 }

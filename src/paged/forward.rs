@@ -342,8 +342,11 @@ impl PoolCore {
         check_disjoint(("k_out", k_out), ("v_out", v_out))?;
         let layer = layer as usize;
         let (g, kind) = (self.groups.group_of[layer], self.groups.kind(layer));
-        for (name, out) in [("k_out", &*k_out), ("v_out", &*v_out)] {
-            out.expect_shape(name, &[sh.num_kv_heads, history, sh.head_dim])?;
+        for (name, out, d) in [
+            ("k_out", &*k_out, sh.head_dim),
+            ("v_out", &*v_out, sh.v_head_dim),
+        ] {
+            out.expect_shape(name, &[sh.num_kv_heads, history, d])?;
         }
         if mask.len() != plan.num_tokens() * history {
             return Err(KvError::Shape {

@@ -99,6 +99,7 @@ impl PoolCore {
             ("num_layers", shape.num_layers),
             ("num_kv_heads", shape.num_kv_heads),
             ("head_dim", shape.head_dim),
+            ("v_head_dim", shape.v_head_dim),
             ("block_size", shape.block_size),
             ("num_blocks", shape.num_blocks),
         ])?;
@@ -123,7 +124,7 @@ impl PoolCore {
                 ("block_size", shape.block_size),
                 ("num_kv_heads", shape.num_kv_heads),
             ],
-            shape.head_dim,
+            [shape.head_dim, shape.v_head_dim],
             dtype,
         )?;
         // The bookkeeping first: a pool whose tables the host cannot hold fails before
@@ -145,7 +146,8 @@ impl PoolCore {
         let scales = KvScales::unit(shape.num_layers, shape.num_kv_heads)?;
         // The bytes fit, so the element count does.
         let numel = groups.per_block * shape.num_blocks * shape.block_elems();
-        let storage = allocate(device, dtype, numel, shape.head_dim)?;
+        crate::storage::check_device_dims(device, [shape.head_dim, shape.v_head_dim])?;
+        let storage = allocate(device, dtype, numel, shape.scale_unit())?;
         Ok(PoolCore {
             shape,
             groups,
@@ -274,8 +276,10 @@ impl PoolCore {
 
     /// Bytes of one block id: one block of each layer of a group (int8's scales included).
     pub fn bytes_per_block(&self) -> usize {
-        let vectors = self.shape.block_elems() / self.shape.head_dim;
-        self.groups.per_block * vectors * self.dtype().bytes_per_vector(self.shape.head_dim)
+        let sh = self.shape;
+        let pair = sizes::kv_pair_bytes([sh.head_dim, sh.v_head_dim], self.dtype())
+            .expect("the pool's size was checked at construction");
+        self.groups.per_block * sh.block_size * sh.num_kv_heads * pair
     }
 
     /// Blocks that allocation can hand out: free ones plus evictable cached ones.

@@ -38,19 +38,22 @@ impl PoolCore {
         let layer = check_index("layer", layer, sh.num_layers)?;
         let (first, end) = self.layer_span(id, layer)?;
         let len = end - first;
-        for (name, out) in [("k_out", &*k_out), ("v_out", &*v_out)] {
+        for (name, out, d) in [
+            ("k_out", &*k_out, sh.head_dim),
+            ("v_out", &*v_out, sh.v_head_dim),
+        ] {
             let o = out.shape();
-            if o.len() != 3 || o[0] != sh.num_kv_heads || o[1] < len || o[2] != sh.head_dim {
+            if o.len() != 3 || o[0] != sh.num_kv_heads || o[1] < len || o[2] != d {
                 return Err(KvError::Shape {
                     name,
                     got: o.to_vec(),
-                    expected: format!("[{}, >= {len}, {}]", sh.num_kv_heads, sh.head_dim),
+                    expected: format!("[{}, >= {len}, {d}]", sh.num_kv_heads),
                 });
             }
         }
         check_disjoint(("k_out", k_out), ("v_out", v_out))?;
         let blocks = &self.seq(id)?.tables[self.groups.group_of[layer]].blocks;
-        let bytes = 2 * len * sh.num_kv_heads * sh.head_dim * self.storage.dtype().size();
+        let bytes = len * sh.num_kv_heads * (sh.head_dim + sh.v_head_dim) * self.storage.dtype().size();
         let on_host = self.device() == Device::Cpu;
         let parallel = on_host && bytes >= PARALLEL_GATHER_BYTES && crate::parallel::threads() >= 2;
         match (k_out.share(), v_out.share()) {

@@ -87,7 +87,7 @@ impl PoolCore {
     /// before they change. All or nothing: `CacheFull` when the copies do not fit.
     fn remove_span(&mut self, id: SeqId, begin: usize, end: usize, rope: Rope) -> Result<()> {
         let sh = self.shape;
-        let (bs, h, d) = (sh.block_size, sh.num_kv_heads, sh.head_dim);
+        let (bs, h, d, dv) = (sh.block_size, sh.num_kv_heads, sh.head_dim, sh.v_head_dim);
         let shift = end - begin;
         let moved = |l: usize| if l > end { l - shift } else { l.min(begin) };
         // Per group: where moved data lands, and the new first held position.
@@ -122,7 +122,7 @@ impl PoolCore {
             }
             // One layer's moved tail at a time, through float32.
             let n = len - src;
-            let (mut k, mut v) = (vec![0f32; h * n * d], vec![0f32; h * n * d]);
+            let (mut k, mut v) = (vec![0f32; h * n * d], vec![0f32; h * n * dv]);
             let blocks = self.seq(id)?.tables[g].blocks.clone();
             self.read_positions(
                 &blocks,
@@ -130,7 +130,7 @@ impl PoolCore {
                 src,
                 n,
                 &mut TensorMut::from_f32_mut(&mut k, &[h, n, d])?,
-                &mut TensorMut::from_f32_mut(&mut v, &[h, n, d])?,
+                &mut TensorMut::from_f32_mut(&mut v, &[h, n, dv])?,
             )?;
             rope.rotate(d, &mut k, -(shift as f64))?;
             self.write_positions(
@@ -138,7 +138,7 @@ impl PoolCore {
                 layer,
                 src - shift,
                 &TensorRef::from_f32(&k, &[h, n, d])?.transposed(0, 1),
-                &TensorRef::from_f32(&v, &[h, n, d])?.transposed(0, 1),
+                &TensorRef::from_f32(&v, &[h, n, dv])?.transposed(0, 1),
             )?;
         }
         let s = self.seq_mut(id);

@@ -3,7 +3,7 @@
 
 use rustc_hash::FxHashSet;
 
-use super::edit::token_count;
+use super::edit::{token_count, value_count};
 use super::pool::{PoolCore, SeqId};
 use super::seq::{SeqState, NO_BLOCK};
 use crate::error::{check_count, check_index, KvError, Result};
@@ -130,8 +130,8 @@ impl PoolCore {
         let sh = self.shape;
         let layer = check_index("layer", layer, sh.num_layers)?;
         let n = token_count("k", k, sh)?;
-        token_count("v", v, sh)?;
-        v.expect_shape("v", &[n, sh.num_kv_heads, sh.head_dim])?;
+        value_count(v, sh)?;
+        v.expect_shape("v", &[n, sh.num_kv_heads, sh.v_head_dim])?;
         if slots.len() != n {
             return Err(KvError::Shape {
                 name: "slot_mapping",
@@ -168,7 +168,9 @@ impl PoolCore {
                     got: vec![x.len()],
                     expected: format!(
                         "[{}, n_tokens, {}, {}] (every layer)",
-                        sh.num_layers, sh.num_kv_heads, sh.head_dim
+                        sh.num_layers,
+                        sh.num_kv_heads,
+                        if name == "k" { sh.head_dim } else { sh.v_head_dim }
                     ),
                 });
             }
@@ -178,8 +180,9 @@ impl PoolCore {
         };
         let n = token_count("k", first, sh)?;
         for (name, x) in [("k", k), ("v", v)] {
+            let d = if name == "k" { sh.head_dim } else { sh.v_head_dim };
             for t in x {
-                t.expect_shape(name, &[n, sh.num_kv_heads, sh.head_dim])?;
+                t.expect_shape(name, &[n, sh.num_kv_heads, d])?;
             }
         }
         let ng = self.groups.groups.len();

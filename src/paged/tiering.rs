@@ -148,7 +148,7 @@ impl PoolCore {
         let sh = self.shape;
         let tensor_bytes = sh.block_elems() * self.dtype().size();
         let scale_bytes = if self.storage.row_scales().is_some() {
-            4 * sh.block_elems() / sh.head_dim
+            4 * sh.block_elems() / sh.scale_unit()
         } else {
             0
         };

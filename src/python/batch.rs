@@ -191,15 +191,14 @@ impl PyForwardBatch {
     fn get<'py>(&self, py: Python<'py>, layer: i64) -> PyResult<Bound<'py, PyTuple>> {
         self.check_open()?;
         let pool = &self.pool;
-        let (h, d, hist, n) = (
+        let (h, hist, n) = (
             pool.shape.num_kv_heads,
-            pool.shape.head_dim,
             self.history_len(py, layer)?,
             self.plan.num_tokens(),
         );
         let dtype = read_dtype(pool.dtype);
-        let mut k = new_output(py, pool.device, dtype, &[h, hist, d])?;
-        let mut v = new_output(py, pool.device, dtype, &[h, hist, d])?;
+        let mut k = new_output(py, pool.device, dtype, &[h, hist, pool.shape.head_dim])?;
+        let mut v = new_output(py, pool.device, dtype, &[h, hist, pool.shape.v_head_dim])?;
         let mask = PyArray1::<f32>::zeros(py, n * hist, false);
         {
             // SAFETY: a fresh array nothing else references yet.
@@ -218,7 +217,7 @@ impl PyForwardBatch {
     /// place from the pool's blocks: q [n_tokens, num_q_heads, head_dim] in batch order;
     /// each token attends to its own sequence up to its own position, within the
     /// layer's window. Returns a new array of q's shape and dtype, or fills `out`.
-    #[pyo3(signature = (layer, q, *, out = None, scale = None, softcap = None, sinks = None, alibi_slopes = None))]
+    #[pyo3(signature = (layer, q, *, out = None, scale = None, softcap = None, sinks = None, alibi_slopes = None, latent = false))]
     #[allow(clippy::too_many_arguments)]
     fn attention<'py>(
         &self,
@@ -230,11 +229,13 @@ impl PyForwardBatch {
         softcap: Option<f64>,
         sinks: Option<&Bound<'py, PyAny>>,
         alibi_slopes: Option<&Bound<'py, PyAny>>,
+        latent: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let args = AttnArgs::parse(scale, softcap, sinks, alibi_slopes)?;
+        let args = AttnArgs::parse(scale, softcap, sinks, alibi_slopes, latent)?;
         self.check_open()?;
         let (pool, plan) = (&self.pool, &self.plan);
-        attention::run(py, q, out, &pool.target, |q, o| {
+        let out_dim = args.out_dim(pool.shape.head_dim, pool.shape.v_head_dim);
+        attention::run(py, q, out, &pool.target, out_dim, |q, o| {
             pool.read_moving(py, usize::MAX, |c| {
                 c.forward_attention(plan, layer, q, o, &args.options())
             })

@@ -43,9 +43,9 @@ impl PyEncoderCache {
     }
 
     #[new]
-    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, max_len, *, dtype = None, device = None, k_scale = None, v_scale = None))]
+    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, max_len, *, v_head_dim = None, dtype = None, device = None, k_scale = None, v_scale = None))]
     #[pyo3(
-        text_signature = "(num_layers, num_kv_heads, head_dim, max_len, *, dtype='float16', device='cpu', k_scale=None, v_scale=None)"
+        text_signature = "(num_layers, num_kv_heads, head_dim, max_len, *, v_head_dim=None, dtype='float16', device='cpu', k_scale=None, v_scale=None)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -53,6 +53,7 @@ impl PyEncoderCache {
         num_kv_heads: i64,
         head_dim: i64,
         max_len: i64,
+        v_head_dim: Option<i64>,
         dtype: Option<&Bound<'_, PyAny>>,
         device: Option<&Bound<'_, PyAny>>,
         k_scale: Option<&Bound<'_, PyAny>>,
@@ -62,6 +63,7 @@ impl PyEncoderCache {
             num_layers: check_size("num_layers", num_layers)?,
             num_kv_heads: check_size("num_kv_heads", num_kv_heads)?,
             head_dim: check_size("head_dim", head_dim)?,
+            v_head_dim: check_size("v_head_dim", v_head_dim.unwrap_or(head_dim))?,
             max_seq_len: check_size("max_len", max_len)?,
         };
         let dtype = dtype.map(parse_dtype).transpose()?.unwrap_or(DType::F16);
@@ -88,7 +90,7 @@ impl PyEncoderCache {
     /// Cross-attention of q [n, num_q_heads, head_dim] (any number of decoder tokens)
     /// over every encoder position of `layer` (no causal mask), read in place. Returns
     /// a new array of q's shape and dtype, or fills `out`.
-    #[pyo3(signature = (layer, q, *, out = None, scale = None, softcap = None, sinks = None, alibi_slopes = None))]
+    #[pyo3(signature = (layer, q, *, out = None, scale = None, softcap = None, sinks = None, alibi_slopes = None, latent = false))]
     #[allow(clippy::too_many_arguments)]
     fn attention<'py>(
         &self,
@@ -100,9 +102,11 @@ impl PyEncoderCache {
         softcap: Option<f64>,
         sinks: Option<&Bound<'py, PyAny>>,
         alibi_slopes: Option<&Bound<'py, PyAny>>,
+        latent: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let args = AttnArgs::parse(scale, softcap, sinks, alibi_slopes)?;
-        attention::run(py, q, out, &self.target, |q, o| {
+        let args = AttnArgs::parse(scale, softcap, sinks, alibi_slopes, latent)?;
+        let out_dim = args.out_dim(self.shape.head_dim, self.shape.v_head_dim);
+        attention::run(py, q, out, &self.target, out_dim, |q, o| {
             self.core.read_moving(py, usize::MAX, |c| {
                 c.attention(layer, q, o, &args.options())
             })
@@ -219,8 +223,8 @@ impl PyEncoderCache {
             Ok((l, c.cache().layer_len(l)))
         })?;
         if dequantize {
-            let shape = [me.shape.num_kv_heads, len, me.shape.head_dim];
-            return dequantized_pair(py, me.device, shape, |k, v, len| {
+            let dims = [me.shape.head_dim, me.shape.v_head_dim];
+            return dequantized_pair(py, me.device, me.shape.num_kv_heads, len, dims, |k, v, len| {
                 me.core.read_moving(py, 2 * k.nbytes(), |c| {
                     let cache = c.cache();
                     if cache.layer_len(layer) != len {
@@ -276,8 +280,8 @@ impl PyEncoderCache {
     fn __repr__(&self, py: Python<'_>) -> String {
         let s = self.shape;
         format!(
-            "EncoderCache(num_layers={}, num_kv_heads={}, head_dim={}, max_len={}, dtype='{}', device='{}', length={})",
-            s.num_layers, s.num_kv_heads, s.head_dim, s.max_seq_len, self.dtype, self.device,
+            "EncoderCache(num_layers={}, num_kv_heads={}, head_dim={}{}, max_len={}, dtype='{}', device='{}', length={})",
+            s.num_layers, s.num_kv_heads, s.head_dim, super::pool::v_head_dim_repr(s.head_dim, s.v_head_dim), s.max_seq_len, self.dtype, self.device,
             self.length(py).map_or("None".into(), |n| n.to_string())
         )
     }

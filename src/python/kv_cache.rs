@@ -36,17 +36,20 @@ pub(crate) unsafe fn layer_view<'py>(
     len: usize,
 ) -> PyResult<Bound<'py, PyAny>> {
     let (s, es) = (shape, dtype.size());
-    let offset = (((layer * 2 + kv as usize) * s.num_kv_heads + head.unwrap_or(0)) * s.max_seq_len)
-        * s.head_dim;
+    let d = s.dim(kv);
+    let run = s.num_kv_heads * s.max_seq_len;
+    let offset = layer * run * (s.head_dim + s.v_head_dim)
+        + kv as usize * run * s.head_dim
+        + head.unwrap_or(0) * s.max_seq_len * d;
     let ptr = (data + offset * es) as *mut u8;
-    let row = (s.head_dim * es) as isize;
+    let row = (d * es) as isize;
     match head {
         None => borrowed_view(
             owner,
             device,
             ptr,
             dtype,
-            &[s.num_kv_heads, len, s.head_dim],
+            &[s.num_kv_heads, len, d],
             &[row * s.max_seq_len as isize, row, es as isize],
             false,
         ),
@@ -55,7 +58,7 @@ pub(crate) unsafe fn layer_view<'py>(
             device,
             ptr,
             dtype,
-            &[len, s.head_dim],
+            &[len, d],
             &[row, es as isize],
             false,
         ),
@@ -174,7 +177,7 @@ impl PyKVCache {
     /// just appended); the token at position p sees positions 0..=p, or the `window`
     /// most recent of them (itself included). Returns a new array of q's shape and
     /// dtype, or fills `out`.
-    #[pyo3(signature = (layer, q, *, out = None, window = None, scale = None, softcap = None, sinks = None, alibi_slopes = None))]
+    #[pyo3(signature = (layer, q, *, out = None, window = None, scale = None, softcap = None, sinks = None, alibi_slopes = None, latent = false))]
     #[allow(clippy::too_many_arguments)]
     fn attention<'py>(
         &self,
@@ -187,9 +190,11 @@ impl PyKVCache {
         softcap: Option<f64>,
         sinks: Option<&Bound<'py, PyAny>>,
         alibi_slopes: Option<&Bound<'py, PyAny>>,
+        latent: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let args = AttnArgs::parse(scale, softcap, sinks, alibi_slopes)?;
-        attention::run(py, q, out, &self.target, |q, o| {
+        let args = AttnArgs::parse(scale, softcap, sinks, alibi_slopes, latent)?;
+        let out_dim = args.out_dim(self.shape.head_dim, self.shape.v_head_dim);
+        attention::run(py, q, out, &self.target, out_dim, |q, o| {
             self.core.read_moving(py, usize::MAX, |c| {
                 c.attention(layer, q, o, window, &args.options())
             })
@@ -243,9 +248,9 @@ impl PyKVCache {
     }
 
     #[new]
-    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, max_seq_len, *, dtype = None, device = None, k_scale = None, v_scale = None))]
+    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, max_seq_len, *, v_head_dim = None, dtype = None, device = None, k_scale = None, v_scale = None))]
     #[pyo3(
-        text_signature = "(num_layers, num_kv_heads, head_dim, max_seq_len, *, dtype='float16', device='cpu', k_scale=None, v_scale=None)"
+        text_signature = "(num_layers, num_kv_heads, head_dim, max_seq_len, *, v_head_dim=None, dtype='float16', device='cpu', k_scale=None, v_scale=None)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -253,6 +258,7 @@ impl PyKVCache {
         num_kv_heads: i64,
         head_dim: i64,
         max_seq_len: i64,
+        v_head_dim: Option<i64>,
         dtype: Option<&Bound<'_, PyAny>>,
         device: Option<&Bound<'_, PyAny>>,
         k_scale: Option<&Bound<'_, PyAny>>,
@@ -262,6 +268,7 @@ impl PyKVCache {
             num_layers: check_size("num_layers", num_layers)?,
             num_kv_heads: check_size("num_kv_heads", num_kv_heads)?,
             head_dim: check_size("head_dim", head_dim)?,
+            v_head_dim: check_size("v_head_dim", v_head_dim.unwrap_or(head_dim))?,
             max_seq_len: check_size("max_seq_len", max_seq_len)?,
         };
         let dtype = dtype.map(parse_dtype).transpose()?.unwrap_or(DType::F16);
@@ -309,10 +316,16 @@ impl PyKVCache {
         self.shape.num_kv_heads
     }
 
-    /// Elements per head vector.
+    /// Elements per key head vector.
     #[getter]
     fn head_dim(&self) -> usize {
         self.shape.head_dim
+    }
+
+    /// Elements per value head vector (head_dim unless the cache was made with another).
+    #[getter]
+    fn v_head_dim(&self) -> usize {
+        self.shape.v_head_dim
     }
 
     /// Storage dtype name: 'float32', 'float16', 'bfloat16', 'fp8_e4m3', 'fp8_e5m2' or
@@ -431,8 +444,8 @@ impl PyKVCache {
             .core
             .read(py, |c| c.check_layer(layer).map(|l| (l, c.layer_len(l))))?;
         if dequantize {
-            let shape = [me.shape.num_kv_heads, len, me.shape.head_dim];
-            return dequantized_pair(py, me.device, shape, |k, v, len| {
+            let dims = [me.shape.head_dim, me.shape.v_head_dim];
+            return dequantized_pair(py, me.device, me.shape.num_kv_heads, len, dims, |k, v, len| {
                 me.core.read_moving(py, 2 * k.nbytes(), |c| {
                     if c.layer_len(l) != len {
                         return Ok(Err(c.layer_len(l)));
@@ -501,14 +514,10 @@ impl PyKVCache {
     ) -> PyResult<Bound<'py, PyTuple>> {
         self.core
             .read(py, |c| c.check_block_args(layer, start_pos, block_size))?;
-        let shape = [
-            self.shape.num_kv_heads,
-            block_size as usize,
-            self.shape.head_dim,
-        ];
+        let (h, n) = (self.shape.num_kv_heads, block_size as usize);
         let dtype = read_dtype(self.dtype);
-        let mut k = new_output(py, self.device, dtype, &shape)?;
-        let mut v = new_output(py, self.device, dtype, &shape)?;
+        let mut k = new_output(py, self.device, dtype, &[h, n, self.shape.head_dim])?;
+        let mut v = new_output(py, self.device, dtype, &[h, n, self.shape.v_head_dim])?;
         let (mut kt, mut vt) = (k.tensor(), v.tensor());
         self.core.read_moving(py, 2 * kt.nbytes(), |c| {
             c.extract_block(layer, start_pos, block_size, &mut kt, &mut vt)
@@ -555,8 +564,8 @@ impl PyKVCache {
     fn __repr__(&self, py: Python<'_>) -> String {
         let s = self.shape;
         format!(
-            "KVCache(num_layers={}, num_kv_heads={}, head_dim={}, max_seq_len={}, dtype='{}', device='{}', seq_len={})",
-            s.num_layers, s.num_kv_heads, s.head_dim, s.max_seq_len, self.dtype, self.device, self.seq_len(py)
+            "KVCache(num_layers={}, num_kv_heads={}, head_dim={}{}, max_seq_len={}, dtype='{}', device='{}', seq_len={})",
+            s.num_layers, s.num_kv_heads, s.head_dim, super::pool::v_head_dim_repr(s.head_dim, s.v_head_dim), s.max_seq_len, self.dtype, self.device, self.seq_len(py)
         )
     }
 }

@@ -126,15 +126,16 @@ impl PyBlockPool {
     }
 
     #[new]
-    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, *, block_size = 16, num_blocks = None, memory_bytes = None, dtype = None, device = None, layout = "NHD", prefix_caching = true, hash = "blake3", seed = None, partial_hits = true, events = false, rope = None, layer_types = None, sliding_window = None, chunk_size = None, swa_memory = 0, k_scale = None, v_scale = None, tiers = None, model_id = "", tier_queue = 1024, tier_write = "first", tier_key = None, tier_queue_bytes = None))]
+    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, *, v_head_dim = None, block_size = 16, num_blocks = None, memory_bytes = None, dtype = None, device = None, layout = "NHD", prefix_caching = true, hash = "blake3", seed = None, partial_hits = true, events = false, rope = None, layer_types = None, sliding_window = None, chunk_size = None, swa_memory = 0, k_scale = None, v_scale = None, tiers = None, model_id = "", tier_queue = 1024, tier_write = "first", tier_key = None, tier_queue_bytes = None))]
     #[pyo3(
-        text_signature = "(num_layers, num_kv_heads, head_dim, *, block_size=16, num_blocks=None, memory_bytes=None, dtype='float16', device='cpu', layout='NHD', prefix_caching=True, hash='blake3', seed=None, partial_hits=True, events=False, rope=None, layer_types=None, sliding_window=None, chunk_size=None, swa_memory=0, k_scale=None, v_scale=None, tiers=None, model_id='', tier_queue=1024, tier_write='first', tier_key=None, tier_queue_bytes='256MiB')"
+        text_signature = "(num_layers, num_kv_heads, head_dim, *, v_head_dim=None, block_size=16, num_blocks=None, memory_bytes=None, dtype='float16', device='cpu', layout='NHD', prefix_caching=True, hash='blake3', seed=None, partial_hits=True, events=False, rope=None, layer_types=None, sliding_window=None, chunk_size=None, swa_memory=0, k_scale=None, v_scale=None, tiers=None, model_id='', tier_queue=1024, tier_write='first', tier_key=None, tier_queue_bytes='256MiB')"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_layers: i64,
         num_kv_heads: i64,
         head_dim: i64,
+        v_head_dim: Option<i64>,
         block_size: i64,
         num_blocks: Option<i64>,
         memory_bytes: Option<&Bound<'_, PyAny>>,
@@ -188,6 +189,7 @@ impl PyBlockPool {
             num_layers: check_size("num_layers", num_layers)?,
             num_kv_heads: check_size("num_kv_heads", num_kv_heads)?,
             head_dim: check_size("head_dim", head_dim)?,
+            v_head_dim: check_size("v_head_dim", v_head_dim.unwrap_or(head_dim))?,
             block_size: check_size("block_size", block_size)?,
             num_blocks: 0,
             layout: layout.parse::<KvLayout>()?,
@@ -235,10 +237,16 @@ impl PyBlockPool {
         self.shape.num_kv_heads
     }
 
-    /// Elements per head vector.
+    /// Elements per key head vector.
     #[getter]
     fn head_dim(&self) -> usize {
         self.shape.head_dim
+    }
+
+    /// Elements per value head vector (head_dim unless the pool was made with another).
+    #[getter]
+    fn v_head_dim(&self) -> usize {
+        self.shape.v_head_dim
     }
 
     /// Positions per block.
@@ -413,11 +421,22 @@ impl PyBlockPool {
         }
     }
 
-    /// Zero-copy writable view of one layer's cache tensor, in FlashInfer's paged layout.
+    /// Zero-copy writable view of one layer's cache tensor, in FlashInfer's paged layout;
+    /// a pool whose values have another head size gives FlashInfer's separate (K, V)
+    /// caches instead: two strided views [num_blocks, block_size, num_kv_heads, head_dim]
+    /// and [..., v_head_dim] (NHD; HND swaps the middle axes).
     fn kv_cache<'py>(slf: &Bound<'py, Self>, layer: i64) -> PyResult<Bound<'py, PyAny>> {
         let sh = slf.get().shape;
         let layer = crate::error::check_index("layer", layer, sh.num_layers)?;
         let tensor = slf.get().core.read(slf.py(), |c| c.tensor_of(layer));
+        if sh.v_head_dim != sh.head_dim {
+            let part = |kv: Kv| {
+                let (dims, strides) = sh.part_tensor_shape(kv);
+                let at = sh.block_offset(tensor, 0) + sh.part_offset(kv);
+                slf.get().view(slf.as_any(), at, &dims, &strides, true)
+            };
+            return Ok(PyTuple::new(slf.py(), [part(Kv::Key)?, part(Kv::Value)?])?.into_any());
+        }
         let dims = sh.layer_tensor_shape();
         let mut strides = [1usize; 5];
         for i in (0..4).rev() {
@@ -795,8 +814,17 @@ impl PyBlockPool {
     fn __repr__(&self) -> String {
         let s = self.shape;
         format!(
-            "BlockPool(num_layers={}, num_kv_heads={}, head_dim={}, block_size={}, num_blocks={}, dtype='{}', device='{}', layout='{}')",
-            s.num_layers, s.num_kv_heads, s.head_dim, s.block_size, s.num_blocks, self.dtype, self.device, s.layout
+            "BlockPool(num_layers={}, num_kv_heads={}, head_dim={}{}, block_size={}, num_blocks={}, dtype='{}', device='{}', layout='{}')",
+            s.num_layers, s.num_kv_heads, s.head_dim, v_head_dim_repr(s.head_dim, s.v_head_dim), s.block_size, s.num_blocks, self.dtype, self.device, s.layout
         )
+    }
+}
+
+/// `", v_head_dim=N"` for a repr when the values' head size differs from the keys'.
+pub(crate) fn v_head_dim_repr(head_dim: usize, v_head_dim: usize) -> String {
+    if v_head_dim == head_dim {
+        String::new()
+    } else {
+        format!(", v_head_dim={v_head_dim}")
     }
 }

@@ -53,7 +53,7 @@ pub fn block_bytes(tensors: usize, shape: &PagedShape, dtype: DType) -> PyResult
             ("block_size", shape.block_size),
             ("num_kv_heads", shape.num_kv_heads),
         ],
-        shape.head_dim,
+        [shape.head_dim, shape.v_head_dim],
         dtype,
     )?)
 }

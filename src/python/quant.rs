@@ -113,14 +113,17 @@ pub fn read_dtype(storage: DType) -> DType {
     }
 }
 
-/// Float32 `[heads, len, head_dim]` copies (K, V) of a layer on `device`. `read` fills
+/// Float32 `[heads, len, dims[0]]` and `[heads, len, dims[1]]` copies (K, V) of a layer
+/// on `device`. `read` fills
 /// them under the cache's lock (a cache's `extract_block` over the layer's positions)
 /// and returns `Err(now)` when the layer no longer holds `len` positions; they are then
 /// made again at that length, so the length and the values come from one locked read.
 pub fn dequantized_pair<'py>(
     py: Python<'py>,
     device: Device,
-    [heads, mut len, head_dim]: [usize; 3],
+    heads: usize,
+    mut len: usize,
+    dims: [usize; 2],
     mut read: impl FnMut(
         &mut TensorMut<'_>,
         &mut TensorMut<'_>,
@@ -128,9 +131,8 @@ pub fn dequantized_pair<'py>(
     ) -> crate::error::Result<Result<(), usize>>,
 ) -> PyResult<Bound<'py, PyTuple>> {
     loop {
-        let shape = [heads, len, head_dim];
-        let mut k = new_output(py, device, DType::F32, &shape)?;
-        let mut v = new_output(py, device, DType::F32, &shape)?;
+        let mut k = new_output(py, device, DType::F32, &[heads, len, dims[0]])?;
+        let mut v = new_output(py, device, DType::F32, &[heads, len, dims[1]])?;
         match read(&mut k.tensor(), &mut v.tensor(), len)? {
             Ok(()) => return PyTuple::new(py, [k.into_object(), v.into_object()]),
             Err(now) => len = now,

@@ -248,14 +248,10 @@ impl PySequence {
     ) -> PyResult<Bound<'py, PyTuple>> {
         let pool = self.pool_ref();
         pool.read(py, |c| c.check_block_args(layer, start_pos, block_size))?;
-        let shape = [
-            pool.shape.num_kv_heads,
-            block_size as usize,
-            pool.shape.head_dim,
-        ];
+        let (h, n) = (pool.shape.num_kv_heads, block_size as usize);
         let dtype = read_dtype(pool.dtype);
-        let mut k = new_output(py, pool.device, dtype, &shape)?;
-        let mut v = new_output(py, pool.device, dtype, &shape)?;
+        let mut k = new_output(py, pool.device, dtype, &[h, n, pool.shape.head_dim])?;
+        let mut v = new_output(py, pool.device, dtype, &[h, n, pool.shape.v_head_dim])?;
         let (mut kt, mut vt, id) = (k.tensor(), v.tensor(), self.id);
         pool.read_moving(py, 2 * kt.nbytes(), |c| {
             c.extract_block(id, layer, start_pos, block_size, &mut kt, &mut vt)
@@ -313,7 +309,7 @@ impl PySequence {
     /// positions the layer holds (the tokens just appended); each attends up to its own
     /// position within the layer's window. Returns a new array of q's shape and dtype,
     /// or fills `out`.
-    #[pyo3(signature = (layer, q, *, out = None, scale = None, softcap = None, sinks = None, alibi_slopes = None))]
+    #[pyo3(signature = (layer, q, *, out = None, scale = None, softcap = None, sinks = None, alibi_slopes = None, latent = false))]
     #[allow(clippy::too_many_arguments)]
     fn attention<'py>(
         &self,
@@ -325,11 +321,13 @@ impl PySequence {
         softcap: Option<f64>,
         sinks: Option<&Bound<'py, PyAny>>,
         alibi_slopes: Option<&Bound<'py, PyAny>>,
+        latent: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let args = AttnArgs::parse(scale, softcap, sinks, alibi_slopes)?;
+        let args = AttnArgs::parse(scale, softcap, sinks, alibi_slopes, latent)?;
         let pool = self.pool_ref();
         let id = self.id;
-        attention::run(py, q, out, &pool.target, |q, o| {
+        let out_dim = args.out_dim(pool.shape.head_dim, pool.shape.v_head_dim);
+        attention::run(py, q, out, &pool.target, out_dim, |q, o| {
             pool.read_moving(py, usize::MAX, |c| {
                 c.seq_attention(id, layer, q, o, &args.options())
             })
@@ -351,7 +349,7 @@ impl PySequence {
         let pool = self.pool_ref();
         let dtype = if dequantize { DType::F32 } else { pool.dtype };
         let id = self.id;
-        let (h, d) = (pool.shape.num_kv_heads, pool.shape.head_dim);
+        let (h, d, dv) = (pool.shape.num_kv_heads, pool.shape.head_dim, pool.shape.v_head_dim);
         let l = crate::error::check_index("layer", layer, pool.shape.num_layers)?;
         if let Some(pair) = out {
             let (k, v): (Bound<'py, PyAny>, Bound<'py, PyAny>) = pair.extract()?;
@@ -374,10 +372,9 @@ impl PySequence {
         // sequence whose length changed in between is read again at its new length.
         let mut len = self.with(py, |_, p| p.layer_span(id, l).map(|(a, b)| b - a))??;
         loop {
-            let shape = [h, len, d];
             let (mut k, mut v) = (
-                new_output(py, pool.device, dtype, &shape)?,
-                new_output(py, pool.device, dtype, &shape)?,
+                new_output(py, pool.device, dtype, &[h, len, d])?,
+                new_output(py, pool.device, dtype, &[h, len, dv])?,
             );
             let (mut kt, mut vt) = (k.tensor(), v.tensor());
             let read = pool.read_moving(py, kt.nbytes() + vt.nbytes(), |c| {
@@ -443,7 +440,7 @@ impl PySequence {
             )
         })?;
         let out = PyList::empty(py);
-        let (h, d, bs) = (sh.num_kv_heads, sh.head_dim, sh.block_size);
+        let (h, bs) = (sh.num_kv_heads, sh.block_size);
         for (i, &b) in blocks.iter().enumerate() {
             let start = (i * bs).max(first);
             if start >= len {
@@ -453,25 +450,16 @@ impl PySequence {
                 continue;
             }
             let n = ((i + 1) * bs).min(len) - start;
-            let (shape, strides) = match sh.layout {
-                KvLayout::Nhd => ([n, h, d], [h * d, d, 1]),
-                KvLayout::Hnd => ([h, n, d], [bs * d, d, 1]),
+            let part = |kv: Kv| {
+                let d = sh.dim(kv);
+                let (shape, strides) = match sh.layout {
+                    KvLayout::Nhd => ([n, h, d], [h * d, d, 1]),
+                    KvLayout::Hnd => ([h, n, d], [bs * d, d, 1]),
+                };
+                let at = sh.positions(tensor, kv, b, start % bs, 1).offset;
+                self.core.view(pool_obj, at, &shape, &strides, false)
             };
-            let k = self.core.view(
-                pool_obj,
-                sh.positions(tensor, Kv::Key, b, start % bs, 1).offset,
-                &shape,
-                &strides,
-                false,
-            )?;
-            let v = self.core.view(
-                pool_obj,
-                sh.positions(tensor, Kv::Value, b, start % bs, 1).offset,
-                &shape,
-                &strides,
-                false,
-            )?;
-            out.append((start, n, k, v))?;
+            out.append((start, n, part(Kv::Key)?, part(Kv::Value)?))?;
         }
         Ok(out)
     }

@@ -322,6 +322,7 @@ mod tests {
                 num_layers: layers,
                 num_kv_heads: 2,
                 head_dim: 4,
+                v_head_dim: 4,
                 block_size: 3,
                 num_blocks,
                 layout: KvLayout::Nhd,

@@ -223,6 +223,19 @@ pub struct RowScales {
     pub len: usize,
 }
 
+/// Fails unless `device` can hold keys of `dims[0]` and values of `dims[1]` elements:
+/// the CUDA kernels take one head size for both.
+pub fn check_device_dims(device: Device, dims: [usize; 2]) -> Result<()> {
+    if device != Device::Cpu && dims[0] != dims[1] {
+        return Err(KvError::NotSupported(format!(
+            "v_head_dim={} beside head_dim={} on {device}: the CUDA kernels take one head size \
+             for K and V; keep this cache on the host (device='cpu')",
+            dims[1], dims[0]
+        )));
+    }
+    Ok(())
+}
+
 /// Allocates zero-filled storage of `numel` elements of `dtype` on `device`, for head
 /// vectors of `head_dim` elements (int8 keeps a scale per vector).
 pub fn allocate(

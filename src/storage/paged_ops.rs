@@ -39,9 +39,9 @@ pub(crate) fn check_rows(
     k: &TensorRef,
     v: &TensorRef,
 ) -> Result<usize> {
-    let (h, d) = (t.shape.num_kv_heads, t.shape.head_dim);
+    let h = t.shape.num_kv_heads;
     let n = rows.unwrap_or(k.shape3()[0]);
-    for (name, x) in [("k", k), ("v", v)] {
+    for (name, x, d) in [("k", k, t.shape.head_dim), ("v", v, t.shape.v_head_dim)] {
         if x.shape3() != [n, h, d] {
             return Err(KvError::Shape {
                 name,
@@ -61,8 +61,11 @@ pub(crate) fn check_outputs(
     k_out: &TensorMut,
     v_out: &TensorMut,
 ) -> Result<()> {
-    let (h, d) = (t.shape.num_kv_heads, t.shape.head_dim);
-    for (name, out) in [("k_out", k_out), ("v_out", v_out)] {
+    let h = t.shape.num_kv_heads;
+    for (name, out, d) in [
+        ("k_out", k_out, t.shape.head_dim),
+        ("v_out", v_out, t.shape.v_head_dim),
+    ] {
         let [a, b, c] = out.shape3();
         if a != h || b < n || c != d {
             return Err(KvError::Shape {

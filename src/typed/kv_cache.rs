@@ -145,12 +145,7 @@ impl<T: Element> KvCache<T> {
         head_dim: usize,
         max_seq_len: usize,
     ) -> Result<Self> {
-        let shape = CacheShape {
-            num_layers,
-            num_kv_heads,
-            head_dim,
-            max_seq_len,
-        };
+        let shape = CacheShape::uniform(num_layers, num_kv_heads, head_dim, max_seq_len);
         Ok(KvCache {
             core: CacheCore::new(shape, T::DTYPE, Device::Cpu)?,
             elem: PhantomData,

@@ -75,6 +75,7 @@ impl PoolConfig {
                 num_layers,
                 num_kv_heads,
                 head_dim,
+                v_head_dim: head_dim,
                 block_size,
                 num_blocks,
                 layout: KvLayout::Nhd,
@@ -85,6 +86,14 @@ impl PoolConfig {
             scales: None,
             tiers: None,
         }
+    }
+
+    /// Sets the values' head size (default `head_dim`): MLA latent pools keep a
+    /// `kv_lora_rank` latent as the key and `qk_rope_head_dim` rotary values as the
+    /// value, other models value heads of another size than their key heads.
+    pub fn v_head_dim(mut self, v_head_dim: usize) -> Self {
+        self.shape.v_head_dim = v_head_dim;
+        self
     }
 
     /// Sets the order within a block (NHD, or HND: `[num_blocks, 2, num_kv_heads,

@@ -113,6 +113,20 @@ def kvrs_kind(layer_type: str) -> str:
     return layer_type.removesuffix("_attention")
 
 
+def cache_heads(config: Any) -> tuple[int, int, int]:
+    """What a model's cache holds per token and layer: (KV heads, key head size, value
+    head size). An MLA model (DeepSeek-V2/V3: a config with `kv_lora_rank`) caches its
+    compressed latent, one shared head whose "key" is the `kv_lora_rank` latent and whose
+    "value" the `qk_rope_head_dim` rotary key, as transformers' own cache does."""
+    text = text_config(config)
+    rank = getattr(text, "kv_lora_rank", None)
+    if rank is not None:
+        return 1, rank, text.qk_rope_head_dim
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return heads, head_dim, head_dim
+
+
 def block_pool_from_config(
     model_or_config: Any,
     *,
@@ -124,19 +138,18 @@ def block_pool_from_config(
     **pool_kwargs: Any,
 ) -> kvrs.BlockPool:
     """A BlockPool shaped for a transformers model (or its config): its layers (and their
-    kinds), KV heads and head dim. `dtype` 'auto' (or None) is the model's: its
+    kinds), KV heads and head sizes (an MLA model's latent: see :func:`cache_heads`). `dtype` 'auto' (or None) is the model's: its
     parameters' dtype for a model, the config's `dtype` for a config (float32 when it
     records none); else a kvrs name or a torch dtype. `device` None is the model's (the
     host for a config). Give `num_blocks` or `memory_bytes`; other keywords
     (prefix_caching, swa_memory, ...) go to BlockPool."""
     config, m_dtype, m_device = model_parts(model_or_config)
-    text = text_config(config)
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    heads, head_dim, v_head_dim = cache_heads(config)
     return kvrs.BlockPool(
-        text.num_hidden_layers,
+        text_config(config).num_hidden_layers,
         heads,
         head_dim,
+        v_head_dim=v_head_dim,
         block_size=block_size,
         num_blocks=num_blocks,
         memory_bytes=memory_bytes,

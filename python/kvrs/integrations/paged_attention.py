@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 import kvrs
+from kvrs.integrations import mla
 from kvrs.integrations._torch import as_torch, torch
 
 from transformers import AttentionInterface  # isort: skip
@@ -115,8 +116,12 @@ def use_paged_attention(model: Any) -> Any:
     """Switches `model`'s attention to kvrs: a ForwardBatch (:func:`forward_batch`) or a
     kvrs cache (``KvrsCache``, ``KvrsPagedCache``) passed as ``past_key_values`` makes
     each layer attend over kvrs's memory in place, with no gathered history and no dense
-    mask; anything else runs SDPA."""
+    mask; anything else runs SDPA. DeepSeek-style MLA layers attend over the cached
+    latent in absorbed form (:mod:`kvrs.integrations.mla`)."""
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    for module in model.modules():
+        if mla.is_mla(module):
+            mla.wrap_forward(module)
     if not getattr(model, "_kvrs_hooked", False):
         model.register_forward_pre_hook(_attend_in_place, with_kwargs=True)
         model._kvrs_hooked = True

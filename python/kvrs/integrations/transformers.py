@@ -93,7 +93,7 @@ class KvrsLayer(CacheLayerMixin):
         self.storage_device = device
         self.scales = scales  # this layer's fp8 (k_scale, v_scale): floats or one per KV head
         self.cache: kvrs.KVCache | None = None
-        self.batch = self.heads = self.head_dim = 0
+        self.batch = self.heads = self.head_dim = self.v_head_dim = 0
         self.in_place = False
 
     @property
@@ -107,11 +107,11 @@ class KvrsLayer(CacheLayerMixin):
         _check_same_device(key_states, self.storage_device, "KvrsCache")
         self.dtype, self.device = key_states.dtype, key_states.device
         batch, heads, _, head_dim = key_states.shape
-        self._allocate(batch, heads, head_dim)
+        self._allocate(batch, heads, head_dim, value_states.shape[-1])
         self.is_initialized = True
 
-    def _allocate(self, batch: int, heads: int, head_dim: int) -> None:
-        self.batch, self.heads, self.head_dim = batch, heads, head_dim
+    def _allocate(self, batch: int, heads: int, head_dim: int, v_head_dim: int) -> None:
+        self.batch, self.heads, self.head_dim, self.v_head_dim = batch, heads, head_dim, v_head_dim
         dtype = self.storage_dtype or STORAGE_DTYPES.get(self.dtype, "float32")
 
         # The cache's heads are the batch's rows times the KV heads: per-head scales repeat.
@@ -126,6 +126,7 @@ class KvrsLayer(CacheLayerMixin):
             batch * heads,
             head_dim,
             self.max_seq_len,
+            v_head_dim=v_head_dim,
             dtype=dtype,
             device=self.storage_device,
             k_scale=k_scale,
@@ -141,8 +142,8 @@ class KvrsLayer(CacheLayerMixin):
     def _tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.store.get(0, dequantize=self.store.dtype in QUANTIZED_DTYPES)
         out = []
-        for view in (keys, values):
-            t = as_torch(view).view(self.batch, self.heads, view.shape[1], self.head_dim)
+        for view, dim in ((keys, self.head_dim), (values, self.v_head_dim)):
+            t = as_torch(view).view(self.batch, self.heads, view.shape[1], dim)
             out.append(t if t.dtype == self.dtype else t.to(self.dtype))
         return out[0], out[1]
 
@@ -176,7 +177,7 @@ class KvrsLayer(CacheLayerMixin):
         b, h, n, d = query.shape
         q = query.permute(2, 0, 1, 3).reshape(n, b * h, d)
         out = as_torch(self.store.attention(0, q, window=window, **options))
-        return out.view(n, b, h, d).transpose(0, 1)
+        return out.view(n, b, h, out.shape[-1]).transpose(0, 1)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -204,7 +205,7 @@ class KvrsLayer(CacheLayerMixin):
     def _rewrite(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Replaces the content with `keys`, `values` ([batch, heads, len, head_dim])."""
         keys, values = keys.contiguous(), values.contiguous()  # copies: the sources alias the cache
-        self._allocate(keys.shape[0], keys.shape[1], keys.shape[3])
+        self._allocate(keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3])
         if keys.shape[2]:
             self.store.append(0, self._rows(keys), self._rows(values))
             self.store.advance(keys.shape[2])

@@ -90,7 +90,7 @@ impl PoolCore {
         };
         let per_block = self.groups().per_block;
         let block_bytes = elems * dtype.size();
-        let vectors = elems / sh.head_dim;
+        let vectors = elems / sh.scale_unit();
         let written = (|| -> Result<()> {
             for (layer, range) in file.data.iter().enumerate() {
                 let data = &file.bytes[range.clone()];

@@ -79,16 +79,24 @@ fn pool_entries(pool: &PoolCore) -> Vec<(&'static str, String)> {
     let hash = pool
         .prefix()
         .map_or_else(String::new, |p| p.kind.to_string());
-    vec![
+    // `v_head_dim` only where it differs: files and tier payloads of pools whose K and
+    // V share a head size keep the entries (and fingerprints) they always had.
+    let v_head_dim = (sh.v_head_dim != sh.head_dim).then(|| ("v_head_dim", sh.v_head_dim.to_string()));
+    [
         ("num_layers", sh.num_layers.to_string()),
         ("layer_types", layer_types(pool)),
         ("num_kv_heads", sh.num_kv_heads.to_string()),
         ("head_dim", sh.head_dim.to_string()),
+    ]
+    .into_iter()
+    .chain(v_head_dim)
+    .chain([
         ("block_size", sh.block_size.to_string()),
         ("layout", sh.layout.to_string()),
         ("dtype", pool.dtype().name().into()),
         ("hash", hash),
-    ]
+    ])
+    .collect()
 }
 
 /// The configuration entries the offload tiers' payload fingerprint covers: format
@@ -159,7 +167,7 @@ impl PoolCore {
             groups: self.groups().groups.len(),
             block_size: sh.block_size,
             block_elems: sh.block_elems(),
-            vectors: sh.block_elems() / sh.head_dim,
+            vectors: sh.block_elems() / sh.scale_unit(),
             dtype: self.dtype(),
             tensors,
             scale_tensors: if self.dtype() == DType::I8 {
