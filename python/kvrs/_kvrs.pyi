@@ -134,6 +134,7 @@ class KVCache(Generic[_View_co]):
         head_dim: int,
         max_seq_len: int,
         *,
+        v_head_dim: int | None = None,
         dtype: _DTypeLike = "float16",
         device: _Cpu = "cpu",
         k_scale: _ScaleLike = None,
@@ -147,6 +148,7 @@ class KVCache(Generic[_View_co]):
         head_dim: int,
         max_seq_len: int,
         *,
+        v_head_dim: int | None = None,
         dtype: _DTypeLike = "float16",
         device: _Cuda,
         k_scale: _ScaleLike = None,
@@ -160,6 +162,7 @@ class KVCache(Generic[_View_co]):
         head_dim: int,
         max_seq_len: int,
         *,
+        v_head_dim: int | None = None,
         dtype: _DTypeLike = "float16",
         device: str | Any,
         k_scale: _ScaleLike = None,
@@ -179,7 +182,10 @@ class KVCache(Generic[_View_co]):
         """Key/value heads per layer."""
     @property
     def head_dim(self) -> int:
-        """Elements per head vector."""
+        """Elements per key head vector."""
+    @property
+    def v_head_dim(self) -> int:
+        """Elements per value head vector (head_dim unless made with another)."""
     @property
     def dtype(self) -> str:
         """Storage dtype name: 'float32', 'float16', 'bfloat16', 'fp8_e4m3', 'fp8_e5m2' or 'int8'."""
@@ -233,6 +239,7 @@ class KVCache(Generic[_View_co]):
         softcap: float | None = None,
         sinks: _FloatsLike | None = None,
         alibi_slopes: _FloatsLike | None = None,
+        latent: bool = False,
     ) -> _View_co:
         """Causal attention of the layer's last n positions (q [n, num_q_heads, head_dim]), read in place."""
     def keys_for(self, layer: int, head: int, seq_len: int | None = None) -> _View_co:
@@ -338,6 +345,7 @@ class BlockPool(Generic[_View_co]):
         num_kv_heads: int,
         head_dim: int,
         *,
+        v_head_dim: int | None = None,
         block_size: int = 16,
         num_blocks: int | None = None,
         memory_bytes: int | str | None = None,
@@ -370,6 +378,7 @@ class BlockPool(Generic[_View_co]):
         num_kv_heads: int,
         head_dim: int,
         *,
+        v_head_dim: int | None = None,
         block_size: int = 16,
         num_blocks: int | None = None,
         memory_bytes: int | str | None = None,
@@ -402,6 +411,7 @@ class BlockPool(Generic[_View_co]):
         num_kv_heads: int,
         head_dim: int,
         *,
+        v_head_dim: int | None = None,
         block_size: int = 16,
         num_blocks: int | None = None,
         memory_bytes: int | str | None = None,
@@ -435,7 +445,10 @@ class BlockPool(Generic[_View_co]):
         """Key/value heads per layer."""
     @property
     def head_dim(self) -> int:
-        """Elements per head vector."""
+        """Elements per key head vector."""
+    @property
+    def v_head_dim(self) -> int:
+        """Elements per value head vector (head_dim unless made with another)."""
     @property
     def block_size(self) -> int:
         """Positions per block."""
@@ -499,7 +512,9 @@ class BlockPool(Generic[_View_co]):
     def scale_cache(self, layer: int) -> npt.NDArray[np.float32]:
         """Zero-copy writable view of an int8 pool's per-token scales: kv_cache's shape minus head_dim."""
     def kv_cache(self, layer: int) -> _View_co:
-        """Zero-copy writable view of one layer's cache tensor, in FlashInfer's paged layout."""
+        """Zero-copy writable view of one layer's cache tensor, in FlashInfer's paged layout (K and V of one head size)."""
+    def kv_cache_parts(self, layer: int) -> tuple[_View_co, _View_co]:
+        """Zero-copy writable views (K, V) of one layer: FlashInfer's separate paged K and V caches (MLA: ckv, kpe)."""
     def stats(self) -> dict[str, Any]:
         """Occupancy as a dict (blocks, bytes, exact token counts, prefix and tier counters).
 
@@ -655,6 +670,7 @@ class Sequence(Generic[_View_co]):
         softcap: float | None = None,
         sinks: _FloatsLike | None = None,
         alibi_slopes: _FloatsLike | None = None,
+        latent: bool = False,
     ) -> _View_co:
         """Attention of the newest n positions (q [n, num_q_heads, head_dim]) over the layer, in place."""
     def views(self, layer: int) -> list[tuple[int, int, _View_co, _View_co]]:
@@ -725,6 +741,7 @@ class ForwardBatch(Generic[_View_co]):
         softcap: float | None = None,
         sinks: _FloatsLike | None = None,
         alibi_slopes: _FloatsLike | None = None,
+        latent: bool = False,
     ) -> _View_co:
         """Attention of the batch's tokens (q [n_tokens, num_q_heads, head_dim]) over `layer`, in place."""
     def finish(self) -> None:
@@ -781,6 +798,7 @@ class EncoderCache(Generic[_View_co]):
         head_dim: int,
         max_len: int,
         *,
+        v_head_dim: int | None = None,
         dtype: _DTypeLike = "float16",
         device: _Cpu = "cpu",
         k_scale: _ScaleLike = None,
@@ -794,6 +812,7 @@ class EncoderCache(Generic[_View_co]):
         head_dim: int,
         max_len: int,
         *,
+        v_head_dim: int | None = None,
         dtype: _DTypeLike = "float16",
         device: _Cuda,
         k_scale: _ScaleLike = None,
@@ -807,6 +826,7 @@ class EncoderCache(Generic[_View_co]):
         head_dim: int,
         max_len: int,
         *,
+        v_head_dim: int | None = None,
         dtype: _DTypeLike = "float16",
         device: str | Any,
         k_scale: _ScaleLike = None,
@@ -854,6 +874,7 @@ class EncoderCache(Generic[_View_co]):
         softcap: float | None = None,
         sinks: _FloatsLike | None = None,
         alibi_slopes: _FloatsLike | None = None,
+        latent: bool = False,
     ) -> _View_co:
         """Cross-attention of q [n, num_q_heads, head_dim] over every encoder position of `layer`."""
     def clear(self) -> None:

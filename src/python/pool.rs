@@ -421,22 +421,41 @@ impl PyBlockPool {
         }
     }
 
-    /// Zero-copy writable view of one layer's cache tensor, in FlashInfer's paged layout;
-    /// a pool whose values have another head size gives FlashInfer's separate (K, V)
-    /// caches instead: two strided views [num_blocks, block_size, num_kv_heads, head_dim]
-    /// and [..., v_head_dim] (NHD; HND swaps the middle axes).
-    fn kv_cache<'py>(slf: &Bound<'py, Self>, layer: i64) -> PyResult<Bound<'py, PyAny>> {
+    /// Zero-copy writable views (K, V) of one layer's cache tensor: FlashInfer's separate
+    /// paged K and V caches (its MLA ckv and kpe caches for a latent pool), strided views
+    /// [num_blocks, block_size, num_kv_heads, head_dim] and [..., v_head_dim] (NHD; HND
+    /// swaps the middle axes).
+    fn kv_cache_parts<'py>(slf: &Bound<'py, Self>, layer: i64) -> PyResult<Bound<'py, PyTuple>> {
         let sh = slf.get().shape;
         let layer = crate::error::check_index("layer", layer, sh.num_layers)?;
         let tensor = slf.get().core.read(slf.py(), |c| c.tensor_of(layer));
+        let part = |kv: Kv| {
+            let (dims, strides) = sh.part_tensor_shape(kv);
+            let at = sh.block_offset(tensor, 0) + sh.part_offset(kv);
+            slf.get().view(slf.as_any(), at, &dims, &strides, true)
+        };
+        PyTuple::new(slf.py(), [part(Kv::Key)?, part(Kv::Value)?])
+    }
+
+    /// Zero-copy writable view of one layer's cache tensor, in FlashInfer's paged layout
+    /// (K and V of one head size; kv_cache_parts otherwise).
+    fn kv_cache<'py>(slf: &Bound<'py, Self>, layer: i64) -> PyResult<Bound<'py, PyAny>> {
+        let sh = slf.get().shape;
         if sh.v_head_dim != sh.head_dim {
-            let part = |kv: Kv| {
-                let (dims, strides) = sh.part_tensor_shape(kv);
-                let at = sh.block_offset(tensor, 0) + sh.part_offset(kv);
-                slf.get().view(slf.as_any(), at, &dims, &strides, true)
-            };
-            return Ok(PyTuple::new(slf.py(), [part(Kv::Key)?, part(Kv::Value)?])?.into_any());
+            return Err(KvError::InvalidArgument {
+                name: "layer",
+                value: layer.to_string(),
+                reason: format!(
+                    "kv_cache is one [num_blocks, 2, ...] tensor, which needs head_dim == \
+                     v_head_dim; this pool has {} and {}: use kv_cache_parts(layer), the (K, V) \
+                     pair FlashInfer also takes",
+                    sh.head_dim, sh.v_head_dim
+                ),
+            }
+            .into());
         }
+        let layer = crate::error::check_index("layer", layer, sh.num_layers)?;
+        let tensor = slf.get().core.read(slf.py(), |c| c.tensor_of(layer));
         let dims = sh.layer_tensor_shape();
         let mut strides = [1usize; 5];
         for i in (0..4).rev() {

@@ -1,0 +1,275 @@
+"""K and V of different head sizes (v_head_dim), latent (absorbed MLA) attention, and
+DeepSeek-V3 served from its latent cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvrs
+
+
+def softmax_attention(q, keys, values, scale, lo_hi):
+    """Reference: q [n, Hq, d] over keys [T, Hkv, d], values [T, Hkv, dv]; row i sees
+    positions lo_hi[i]."""
+    n, hq, _ = q.shape
+    g = hq // keys.shape[1]
+    out = np.zeros((n, hq, values.shape[-1]), np.float64)
+    for i in range(n):
+        lo, hi = lo_hi[i]
+        for h in range(hq):
+            k, v = keys[lo:hi, h // g].astype(np.float64), values[lo:hi, h // g].astype(np.float64)
+            s = (k @ q[i, h].astype(np.float64)) * scale
+            w = np.exp(s - s.max())
+            out[i, h] = (w / w.sum()) @ v
+    return out
+
+
+def latent_reference(q, ckv, kpe, scale):
+    """Absorbed MLA over one latent head: scores q . [ckv, kpe], outputs sum p ckv (causal
+    for the last n positions)."""
+    keys = np.concatenate([ckv, kpe], -1)[:, None]
+    t, n = ckv.shape[0], q.shape[0]
+    return softmax_attention(q, keys, ckv[:, None], scale, [(0, t - n + i + 1) for i in range(n)])
+
+
+def tol(dtype):
+    return {"float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3, "fp8_e4m3": 0.2}[dtype]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    dims=st.sampled_from([(8, 4), (4, 12), (16, 8), (8, 8)]),
+    heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 3]),
+    layout=st.sampled_from(["NHD", "HND"]),
+    dtype=st.sampled_from(["float32", "bfloat16", "fp8_e4m3"]),
+    block_size=st.sampled_from([1, 4, 5]),
+    lens=st.lists(st.integers(1, 9), min_size=1, max_size=4),
+    fork_at=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_pool_with_other_value_heads_matches_a_reference(
+    dims, heads, group, layout, dtype, block_size, lens, fork_at, seed
+):
+    """Appends in steps, a fork, then: every read (get, blocks, extract_block,
+    kv_cache_parts) gives back what was written, and attention (plain and latent) matches
+    a float64 reference over the same values as stored."""
+    d, dv = dims
+    rng = np.random.default_rng(seed)
+    pool = kvrs.BlockPool(
+        2, heads, d, v_head_dim=dv, block_size=block_size, num_blocks=64, dtype=dtype, layout=layout
+    )
+    assert (pool.head_dim, pool.v_head_dim) == (d, dv)
+    seq = pool.new_sequence()
+    ks, vs = [], []
+    other = None
+    for step, n in enumerate(lens):
+        if step == fork_at:
+            other = seq.fork()
+        k = rng.standard_normal((n, heads, d)).astype(np.float32)
+        v = rng.standard_normal((n, heads, dv)).astype(np.float32)
+        for layer in range(2):
+            seq.append(layer, k, v)
+        seq.advance(n)
+        ks.append(k)
+        vs.append(v)
+    k_all, v_all = np.concatenate(ks), np.concatenate(vs)
+    t = k_all.shape[0]
+    got_k, got_v = seq.get(1, dequantize=True)
+    assert got_k.shape == (heads, t, d) and got_v.shape == (heads, t, dv)
+    np.testing.assert_allclose(got_k.transpose(1, 0, 2), k_all, atol=tol(dtype) * 4, rtol=tol(dtype))
+    np.testing.assert_allclose(got_v.transpose(1, 0, 2), v_all, atol=tol(dtype) * 4, rtol=tol(dtype))
+    # The stored values (rounded to the dtype) are the reference from here on.
+    k_ref, v_ref = got_k.transpose(1, 0, 2), got_v.transpose(1, 0, 2)
+    if other is not None:
+        kept = sum(lens[:fork_at])
+        ok, ov = other.get(0, dequantize=True)
+        np.testing.assert_array_equal(ok.transpose(1, 0, 2), k_ref[:kept])
+        np.testing.assert_array_equal(ov.transpose(1, 0, 2), v_ref[:kept])
+    kb, vb = seq.extract_block(0, 0, t)
+    assert kb.shape == (heads, t, d) and vb.shape == (heads, t, dv)
+    kp, vp = pool.kv_cache_parts(0)
+    assert kp.shape[-1] == d and vp.shape[-1] == dv and kp.shape[0] == pool.num_blocks
+    for start, n, kview, vview in seq.views(0):
+        assert kview.shape[-1] == d and vview.shape[-1] == dv
+    # Plain attention: the newest n tokens, causal.
+    n = lens[-1]
+    q = rng.standard_normal((n, heads * group, d)).astype(np.float32)
+    out = seq.attention(0, q, scale=0.3)
+    assert out.shape == (n, heads * group, dv)
+    ref = softmax_attention(q, k_ref, v_ref, 0.3, [(0, t - n + i + 1) for i in range(n)])
+    np.testing.assert_allclose(out, ref, atol=2e-4 * (1 + abs(ref).max()), rtol=1e-3)
+    # Latent attention: keys [stored K, stored V], values the stored K.
+    if heads == 1:
+        ql = rng.standard_normal((n, 4, d + dv)).astype(np.float32)
+        out = seq.attention(1, ql, latent=True, scale=0.2)
+        assert out.shape == (n, 4, d)
+        ref = latent_reference(ql, k_ref[:, 0], v_ref[:, 0], 0.2)
+        np.testing.assert_allclose(out, ref[:, :, :], atol=2e-4 * (1 + abs(ref).max()), rtol=1e-3)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    dims=st.sampled_from([(8, 4), (4, 12)]),
+    dtype=st.sampled_from(["float32", "float16"]),
+    n=st.integers(1, 12),
+    seed=st.integers(0, 2**16),
+)
+def test_contiguous_cache_with_other_value_heads(dims, dtype, n, seed):
+    d, dv = dims
+    rng = np.random.default_rng(seed)
+    cache = kvrs.KVCache(2, 2, d, 16, v_head_dim=dv, dtype=dtype)
+    assert cache.v_head_dim == dv and f"v_head_dim={dv}" in repr(cache)
+    k = rng.standard_normal((n, 2, d)).astype(np.float32)
+    v = rng.standard_normal((n, 2, dv)).astype(np.float32)
+    for layer in range(2):
+        cache.append(layer, k, v)
+    cache.advance(n)
+    gk, gv = cache.get(1)
+    assert gk.shape == (2, n, d) and gv.shape == (2, n, dv)
+    np.testing.assert_allclose(np.asarray(gv, np.float32).transpose(1, 0, 2), v, atol=tol(dtype) * 4, rtol=tol(dtype))
+    assert cache.values_for(0, 1).shape == (n, dv)
+    k_ref = np.asarray(gk, np.float32).transpose(1, 0, 2)
+    v_ref = np.asarray(gv, np.float32).transpose(1, 0, 2)
+    q = rng.standard_normal((1, 4, d)).astype(np.float32)
+    out = cache.attention(1, q)
+    ref = softmax_attention(q, k_ref, v_ref, d**-0.5, [(0, n)])
+    np.testing.assert_allclose(out, ref, atol=2e-4 * (1 + abs(ref).max()), rtol=1e-3)
+    c1 = kvrs.KVCache(1, 1, d, 16, v_head_dim=dv, dtype="float32")
+    c1.append(0, k[:, :1], v[:, :1])
+    c1.advance(n)
+    ql = rng.standard_normal((1, 3, d + dv)).astype(np.float32)
+    out = c1.attention(0, ql, latent=True, scale=0.5)
+    ref = latent_reference(ql, k[:, 0], v[:, 0], 0.5)
+    np.testing.assert_allclose(out, ref, atol=2e-4 * (1 + abs(ref).max()), rtol=1e-3)
+
+
+def test_shapes_are_checked_against_each_head_size():
+    pool = kvrs.BlockPool(1, 1, 8, v_head_dim=4, block_size=4, num_blocks=8, dtype="float32")
+    seq = pool.new_sequence()
+    with pytest.raises(ValueError, match=r"v has shape \[2, 1, 8\].*v_head_dim=4"):
+        seq.append(0, np.ones((2, 1, 8), np.float32), np.ones((2, 1, 8), np.float32))
+    assert seq.seq_len == 0 and pool.free_blocks == 8
+    seq.append(0, np.ones((2, 1, 8), np.float32), np.ones((2, 1, 4), np.float32))
+    seq.advance(2)
+    with pytest.raises(ValueError, match="q has shape"):
+        seq.attention(0, np.ones((1, 2, 8), np.float32), latent=True)  # needs 8 + 4
+    with pytest.raises(ValueError, match="kv_cache_parts"):
+        pool.kv_cache(0)
+    with pytest.raises(ValueError, match="int8 storage keeps one scale per head vector"):
+        kvrs.BlockPool(1, 1, 8, v_head_dim=4, num_blocks=8, dtype="int8")
+    with pytest.raises(ValueError, match="v_head_dim"):
+        kvrs.KVCache(1, 1, 8, 8, v_head_dim=0)
+    # One head size: kv_cache is FlashInfer's single tensor, kv_cache_parts its two halves.
+    same = kvrs.BlockPool(1, 2, 4, block_size=4, num_blocks=8, dtype="float32")
+    whole = same.kv_cache(0)
+    k, v = same.kv_cache_parts(0)
+    k[1, 2, 1] = 7.0
+    v[3, 0, 0] = -5.0
+    assert whole[1, 0, 2, 1, 0] == 7.0 and whole[3, 1, 0, 0, 0] == -5.0
+
+
+def test_latent_pools_persist_with_their_value_size(tmp_path):
+    def make(v_head_dim):
+        return kvrs.BlockPool(
+            2, 1, 8, v_head_dim=v_head_dim, block_size=4, num_blocks=16, dtype="bfloat16", seed=7
+        )
+
+    pool = make(4)
+    tokens = list(range(9))
+    seq = pool.new_sequence(tokens)
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((9, 1, 8)).astype(np.float32)
+    v = rng.standard_normal((9, 1, 4)).astype(np.float32)
+    for layer in range(2):
+        seq.append(layer, k, v)
+    seq.advance(9, tokens=tokens)
+    path = str(tmp_path / "latent.safetensors")
+    pool.save_prefix_cache(path)
+    again = make(4)
+    again.load_prefix_cache(path)
+    hit = again.new_sequence(tokens)
+    assert hit.seq_len == 8
+    np.testing.assert_array_equal(
+        np.asarray(hit.get(1)[1], np.float32), np.asarray(seq.get(1)[1], np.float32)[:, :8]
+    )
+    with pytest.raises(ValueError, match="v_head_dim"):
+        make(8).load_prefix_cache(path)
+
+
+# --- DeepSeek-V3 (MLA) through transformers -------------------------------------------
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def deepseek():
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=32,
+        q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
+        topk_group=1, max_position_embeddings=128,
+    )  # fmt: skip
+    return cfg, DeepseekV3ForCausalLM(cfg).eval()
+
+
+def _generate(model, ids, cache):
+    mask = torch.ones_like(ids)
+    return model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8, do_sample=False)
+
+
+def test_deepseek_v3_caches_only_its_latent(deepseek):
+    from kvrs.integrations.transformers import KvrsCache, KvrsPagedCache, use_paged_attention
+
+    from transformers import DynamicCache
+
+    cfg, model = deepseek
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(1))
+    model.set_attn_implementation("sdpa")
+    ref = _generate(model, ids, DynamicCache(config=cfg))
+    # The issue's failing examples: both caches refused the latent's two sizes.
+    contiguous = KvrsCache.from_config(cfg, max_seq_len=64)
+    paged = KvrsPagedCache.from_config(cfg, max_seq_len=64, max_batch_size=2)
+    assert torch.equal(_generate(model, ids, contiguous), ref)
+    assert torch.equal(_generate(model, ids, paged), ref)
+    pool = paged.pool
+    assert (pool.num_kv_heads, pool.head_dim, pool.v_head_dim) == (1, 32, 8)
+    # Bytes per token and layer: the latent, (kv_lora_rank + qk_rope_head_dim) x 4.
+    assert pool.stats()["bytes_total"] / (pool.num_blocks * pool.block_size * pool.num_layers) == (32 + 8) * 4
+    # In place: absorbed attention over the latent, no expansion of the history.
+    use_paged_attention(model)
+    try:
+        assert torch.equal(_generate(model, ids, KvrsCache.from_config(cfg, max_seq_len=64)), ref)
+        assert torch.equal(
+            _generate(model, ids, KvrsPagedCache.from_config(cfg, max_seq_len=64, max_batch_size=2)), ref
+        )
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+def test_deepseek_v3_serves_ragged_batches_from_the_latent(deepseek):
+    from kvrs.integrations.transformers import generate_batch, use_paged_attention
+
+    from transformers import DynamicCache
+
+    cfg, model = deepseek
+    prompts = [[5, 9, 33, 2, 71, 8, 100], [3, 4], [120, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
+    use_paged_attention(model)
+    try:
+        outs = generate_batch(model, prompts, max_new_tokens=6)
+    finally:
+        model.set_attn_implementation("sdpa")
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = torch.tensor([prompt])
+        ref = model.generate(
+            ids, past_key_values=DynamicCache(config=cfg), max_new_tokens=6, do_sample=False
+        )[0, len(prompt) :].tolist()
+        assert out == ref
