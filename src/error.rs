@@ -161,7 +161,11 @@ pub fn check_tokens(
         got: shape.to_vec(),
         expected: format!(
             "[n_tokens, num_kv_heads={heads}, {}={head_dim}]{hint}",
-            if name.starts_with('v') { "v_head_dim" } else { "head_dim" }
+            if name.starts_with('v') {
+                "v_head_dim"
+            } else {
+                "head_dim"
+            }
         ),
     })
 }

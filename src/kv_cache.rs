@@ -32,7 +32,12 @@ pub struct CacheShape {
 
 impl CacheShape {
     /// A shape whose keys and values have the same head size.
-    pub fn uniform(num_layers: usize, num_kv_heads: usize, head_dim: usize, max_seq_len: usize) -> Self {
+    pub fn uniform(
+        num_layers: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+        max_seq_len: usize,
+    ) -> Self {
         CacheShape {
             num_layers,
             num_kv_heads,
@@ -79,7 +84,10 @@ impl CacheShape {
             dtype,
         )?;
         // The bytes fit, so the element count does.
-        Ok(self.num_layers * self.num_kv_heads * self.max_seq_len * (self.head_dim + self.v_head_dim))
+        Ok(self.num_layers
+            * self.num_kv_heads
+            * self.max_seq_len
+            * (self.head_dim + self.v_head_dim))
     }
 }
 

@@ -251,11 +251,22 @@ impl PagedShape {
     /// dim]` (HND) view whose offset is `kv`'s part of block 0: FlashInfer's separate K
     /// and V caches (its MLA `ckv`/`kpe` pages when `num_kv_heads` is 1).
     pub fn part_tensor_shape(&self, kv: Kv) -> ([usize; 4], [usize; 4]) {
-        let (n, bs, h, d) = (self.num_blocks, self.block_size, self.num_kv_heads, self.dim(kv));
+        let (n, bs, h, d) = (
+            self.num_blocks,
+            self.block_size,
+            self.num_kv_heads,
+            self.dim(kv),
+        );
         let r = self.positions(0, kv, 0, 0, 1);
         match self.layout {
-            KvLayout::Nhd => ([n, bs, h, d], [self.block_elems(), r.strides[0], r.strides[1], 1]),
-            KvLayout::Hnd => ([n, h, bs, d], [self.block_elems(), r.strides[1], r.strides[0], 1]),
+            KvLayout::Nhd => (
+                [n, bs, h, d],
+                [self.block_elems(), r.strides[0], r.strides[1], 1],
+            ),
+            KvLayout::Hnd => (
+                [n, h, bs, d],
+                [self.block_elems(), r.strides[1], r.strides[0], 1],
+            ),
         }
     }
 

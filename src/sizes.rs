@@ -140,11 +140,16 @@ mod tests {
     #[test]
     fn kv_bytes_count_k_v_and_int8_scales() {
         let sizes = [("num_layers", 2), ("max_seq_len", 3)];
-        assert_eq!(kv_bytes("c", &sizes, [4, 4], DType::F16).unwrap(), 2 * 6 * 8);
+        assert_eq!(
+            kv_bytes("c", &sizes, [4, 4], DType::F16).unwrap(),
+            2 * 6 * 8
+        );
         assert_eq!(kv_bytes("c", &sizes, [4, 4], DType::I8).unwrap(), 2 * 6 * 8);
         // Different head sizes: 6 x (12 + 4) elements; int8 keeps a scale per 4.
         assert_eq!(kv_bytes("c", &sizes, [12, 4], DType::F16).unwrap(), 6 * 32);
-        let e = kv_bytes("c", &sizes, [12, 4], DType::I8).unwrap_err().to_string();
+        let e = kv_bytes("c", &sizes, [12, 4], DType::I8)
+            .unwrap_err()
+            .to_string();
         assert!(e.starts_with("v_head_dim=4: int8 storage"), "{e}");
         // head_dim * 4 overflows before any product.
         let e = kv_bytes("c", &[("num_kv_heads", 1)], [1 << 62, 1 << 62], DType::F32).unwrap_err();

@@ -512,9 +512,9 @@ class BlockPool(Generic[_View_co]):
     def scale_cache(self, layer: int) -> npt.NDArray[np.float32]:
         """Zero-copy writable view of an int8 pool's per-token scales: kv_cache's shape minus head_dim."""
     def kv_cache(self, layer: int) -> _View_co:
-        """Zero-copy writable view of one layer's cache tensor, in FlashInfer's paged layout (K and V of one head size)."""
+        """Zero-copy writable view of one layer's cache tensor, FlashInfer's paged layout (one head size)."""
     def kv_cache_parts(self, layer: int) -> tuple[_View_co, _View_co]:
-        """Zero-copy writable views (K, V) of one layer: FlashInfer's separate paged K and V caches (MLA: ckv, kpe)."""
+        """Zero-copy writable views (K, V) of one layer: FlashInfer's paged K and V caches (MLA: ckv, kpe)."""
     def stats(self) -> dict[str, Any]:
         """Occupancy as a dict (blocks, bytes, exact token counts, prefix and tier counters).
 

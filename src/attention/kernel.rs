@@ -176,7 +176,13 @@ unsafe fn run_item_with<const SIMD: bool>(
                 load_value::<SIMD>(kv, latent, pos + j, head, &mut v[j * dv..(j + 1) * dv]);
             }
             if pos + n < it.hi {
-                prefetch_run(kv, pos + n, it.hi, head, super::KvPages::stored_lens([d, dv], latent));
+                prefetch_run(
+                    kv,
+                    pos + n,
+                    it.hi,
+                    head,
+                    super::KvPages::stored_lens([d, dv], latent),
+                );
             }
             // Rows (token i, head j of the group) in blocks of BLOCK_ROWS: their scores over
             // the run are computed together, each key element loaded once for the block.
@@ -364,7 +370,10 @@ unsafe fn prefetch_run(
         let n = (kv.block_size - pos % kv.block_size).min(hi - pos).min(RUN);
         let (k_len, v_len) = lens;
         for j in pos..pos + n {
-            for (at, len) in [(kv.key_offset(j, head), k_len), (kv.value_offset(j, head), v_len)] {
+            for (at, len) in [
+                (kv.key_offset(j, head), k_len),
+                (kv.value_offset(j, head), v_len),
+            ] {
                 for line in (0..len * size).step_by(64) {
                     _mm_prefetch::<_MM_HINT_T0>(kv.data.add(at * size + line) as *const i8);
                 }

@@ -53,7 +53,8 @@ impl PoolCore {
         }
         check_disjoint(("k_out", k_out), ("v_out", v_out))?;
         let blocks = &self.seq(id)?.tables[self.groups.group_of[layer]].blocks;
-        let bytes = len * sh.num_kv_heads * (sh.head_dim + sh.v_head_dim) * self.storage.dtype().size();
+        let bytes =
+            len * sh.num_kv_heads * (sh.head_dim + sh.v_head_dim) * self.storage.dtype().size();
         let on_host = self.device() == Device::Cpu;
         let parallel = on_host && bytes >= PARALLEL_GATHER_BYTES && crate::parallel::threads() >= 2;
         match (k_out.share(), v_out.share()) {

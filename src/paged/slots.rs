@@ -170,7 +170,11 @@ impl PoolCore {
                         "[{}, n_tokens, {}, {}] (every layer)",
                         sh.num_layers,
                         sh.num_kv_heads,
-                        if name == "k" { sh.head_dim } else { sh.v_head_dim }
+                        if name == "k" {
+                            sh.head_dim
+                        } else {
+                            sh.v_head_dim
+                        }
                     ),
                 });
             }
@@ -180,7 +184,11 @@ impl PoolCore {
         };
         let n = token_count("k", first, sh)?;
         for (name, x) in [("k", k), ("v", v)] {
-            let d = if name == "k" { sh.head_dim } else { sh.v_head_dim };
+            let d = if name == "k" {
+                sh.head_dim
+            } else {
+                sh.v_head_dim
+            };
             for t in x {
                 t.expect_shape(name, &[n, sh.num_kv_heads, d])?;
             }

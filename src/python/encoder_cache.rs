@@ -224,18 +224,25 @@ impl PyEncoderCache {
         })?;
         if dequantize {
             let dims = [me.shape.head_dim, me.shape.v_head_dim];
-            return dequantized_pair(py, me.device, me.shape.num_kv_heads, len, dims, |k, v, len| {
-                me.core.read_moving(py, 2 * k.nbytes(), |c| {
-                    let cache = c.cache();
-                    if cache.layer_len(layer) != len {
-                        return Ok(Err(cache.layer_len(layer)));
-                    }
-                    if len > 0 {
-                        cache.extract_block(layer as i64, 0, len as i64, k, v)?;
-                    }
-                    Ok(Ok(()))
-                })
-            });
+            return dequantized_pair(
+                py,
+                me.device,
+                me.shape.num_kv_heads,
+                len,
+                dims,
+                |k, v, len| {
+                    me.core.read_moving(py, 2 * k.nbytes(), |c| {
+                        let cache = c.cache();
+                        if cache.layer_len(layer) != len {
+                            return Ok(Err(cache.layer_len(layer)));
+                        }
+                        if len > 0 {
+                            cache.extract_block(layer as i64, 0, len as i64, k, v)?;
+                        }
+                        Ok(Ok(()))
+                    })
+                },
+            );
         }
         // SAFETY: the storage lives as long as `slf`, the base of the views.
         let k = unsafe {

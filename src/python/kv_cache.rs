@@ -445,17 +445,24 @@ impl PyKVCache {
             .read(py, |c| c.check_layer(layer).map(|l| (l, c.layer_len(l))))?;
         if dequantize {
             let dims = [me.shape.head_dim, me.shape.v_head_dim];
-            return dequantized_pair(py, me.device, me.shape.num_kv_heads, len, dims, |k, v, len| {
-                me.core.read_moving(py, 2 * k.nbytes(), |c| {
-                    if c.layer_len(l) != len {
-                        return Ok(Err(c.layer_len(l)));
-                    }
-                    if len > 0 {
-                        c.extract_block(layer, 0, len as i64, k, v)?;
-                    }
-                    Ok(Ok(()))
-                })
-            });
+            return dequantized_pair(
+                py,
+                me.device,
+                me.shape.num_kv_heads,
+                len,
+                dims,
+                |k, v, len| {
+                    me.core.read_moving(py, 2 * k.nbytes(), |c| {
+                        if c.layer_len(l) != len {
+                            return Ok(Err(c.layer_len(l)));
+                        }
+                        if len > 0 {
+                            c.extract_block(layer, 0, len as i64, k, v)?;
+                        }
+                        Ok(Ok(()))
+                    })
+                },
+            );
         }
         let k = Self::view(slf, l, Kv::Key, None, len)?;
         let v = Self::view(slf, l, Kv::Value, None, len)?;

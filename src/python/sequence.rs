@@ -349,7 +349,11 @@ impl PySequence {
         let pool = self.pool_ref();
         let dtype = if dequantize { DType::F32 } else { pool.dtype };
         let id = self.id;
-        let (h, d, dv) = (pool.shape.num_kv_heads, pool.shape.head_dim, pool.shape.v_head_dim);
+        let (h, d, dv) = (
+            pool.shape.num_kv_heads,
+            pool.shape.head_dim,
+            pool.shape.v_head_dim,
+        );
         let l = crate::error::check_index("layer", layer, pool.shape.num_layers)?;
         if let Some(pair) = out {
             let (k, v): (Bound<'py, PyAny>, Bound<'py, PyAny>) = pair.extract()?;

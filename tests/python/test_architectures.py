@@ -93,7 +93,7 @@ def test_pool_with_other_value_heads_matches_a_reference(
     assert kb.shape == (heads, t, d) and vb.shape == (heads, t, dv)
     kp, vp = pool.kv_cache_parts(0)
     assert kp.shape[-1] == d and vp.shape[-1] == dv and kp.shape[0] == pool.num_blocks
-    for start, n, kview, vview in seq.views(0):
+    for _start, _n, kview, vview in seq.views(0):
         assert kview.shape[-1] == d and vview.shape[-1] == dv
     # Plain attention: the newest n tokens, causal.
     n = lens[-1]
@@ -130,7 +130,9 @@ def test_contiguous_cache_with_other_value_heads(dims, dtype, n, seed):
     cache.advance(n)
     gk, gv = cache.get(1)
     assert gk.shape == (2, n, d) and gv.shape == (2, n, dv)
-    np.testing.assert_allclose(np.asarray(gv, np.float32).transpose(1, 0, 2), v, atol=tol(dtype) * 4, rtol=tol(dtype))
+    np.testing.assert_allclose(
+        np.asarray(gv, np.float32).transpose(1, 0, 2), v, atol=tol(dtype) * 4, rtol=tol(dtype)
+    )
     assert cache.values_for(0, 1).shape == (n, dv)
     k_ref = np.asarray(gk, np.float32).transpose(1, 0, 2)
     v_ref = np.asarray(gv, np.float32).transpose(1, 0, 2)
@@ -227,9 +229,9 @@ def _generate(model, ids, cache):
 
 
 def test_deepseek_v3_caches_only_its_latent(deepseek):
-    from kvrs.integrations.transformers import KvrsCache, KvrsPagedCache, use_paged_attention
-
     from transformers import DynamicCache
+
+    from kvrs.integrations.transformers import KvrsCache, KvrsPagedCache, use_paged_attention
 
     cfg, model = deepseek
     ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(1))
@@ -256,9 +258,9 @@ def test_deepseek_v3_caches_only_its_latent(deepseek):
 
 
 def test_deepseek_v3_serves_ragged_batches_from_the_latent(deepseek):
-    from kvrs.integrations.transformers import generate_batch, use_paged_attention
-
     from transformers import DynamicCache
+
+    from kvrs.integrations.transformers import generate_batch, use_paged_attention
 
     cfg, model = deepseek
     prompts = [[5, 9, 33, 2, 71, 8, 100], [3, 4], [120, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]

@@ -138,11 +138,11 @@ def block_pool_from_config(
     **pool_kwargs: Any,
 ) -> kvrs.BlockPool:
     """A BlockPool shaped for a transformers model (or its config): its layers (and their
-    kinds), KV heads and head sizes (an MLA model's latent: see :func:`cache_heads`). `dtype` 'auto' (or None) is the model's: its
-    parameters' dtype for a model, the config's `dtype` for a config (float32 when it
-    records none); else a kvrs name or a torch dtype. `device` None is the model's (the
-    host for a config). Give `num_blocks` or `memory_bytes`; other keywords
-    (prefix_caching, swa_memory, ...) go to BlockPool."""
+    kinds), KV heads and head sizes (an MLA model's latent: see :func:`cache_heads`).
+    `dtype` 'auto' (or None) is the model's: its parameters' dtype for a model, the
+    config's `dtype` for a config (float32 when it records none); else a kvrs name or a
+    torch dtype. `device` None is the model's (the host for a config). Give `num_blocks`
+    or `memory_bytes`; other keywords (prefix_caching, swa_memory, ...) go to BlockPool."""
     config, m_dtype, m_device = model_parts(model_or_config)
     heads, head_dim, v_head_dim = cache_heads(config)
     return kvrs.BlockPool(

@@ -81,7 +81,8 @@ fn pool_entries(pool: &PoolCore) -> Vec<(&'static str, String)> {
         .map_or_else(String::new, |p| p.kind.to_string());
     // `v_head_dim` only where it differs: files and tier payloads of pools whose K and
     // V share a head size keep the entries (and fingerprints) they always had.
-    let v_head_dim = (sh.v_head_dim != sh.head_dim).then(|| ("v_head_dim", sh.v_head_dim.to_string()));
+    let v_head_dim =
+        (sh.v_head_dim != sh.head_dim).then(|| ("v_head_dim", sh.v_head_dim.to_string()));
     [
         ("num_layers", sh.num_layers.to_string()),
         ("layer_types", layer_types(pool)),
