@@ -577,3 +577,64 @@ fn eight_bit_pools_take_and_return_floats_and_attend_over_what_they_hold() {
         Err(KvError::InvalidArgument { .. })
     ));
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// A latent (MLA) pool: keys and values of different sizes read back as written
+    /// through forks, and latent attention matches a direct softmax over `[c, r]`.
+    #[test]
+    fn latent_pools_store_and_attend_like_a_reference(
+        rank in 1usize..9,
+        rope in 1usize..5,
+        lens in proptest::collection::vec(1usize..7, 1..4),
+        heads in 1usize..4,
+        seed in 0u32..1000,
+    ) {
+        let mut pool = BlockPool::<f32>::new(PoolConfig::new(1, 1, rank, 3, 32).v_head_dim(rope)).unwrap();
+        let seq = pool.new_sequence();
+        let val = |i: usize| ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 17) as f32 / 8.0 - 1.0;
+        let (mut ck, mut cr) = (Vec::new(), Vec::new());
+        let mut forked = None;
+        for (step, &n) in lens.iter().enumerate() {
+            let k: Vec<f32> = (0..n * rank).map(|i| val(ck.len() + i)).collect();
+            let v: Vec<f32> = (0..n * rope).map(|i| val(1000 + cr.len() + i)).collect();
+            pool.append(seq, 0, &k, &v).unwrap();
+            pool.advance(seq, n).unwrap();
+            ck.extend(k);
+            cr.extend(v);
+            if step == 0 {
+                forked = Some((pool.fork(seq).unwrap(), ck.clone(), cr.clone()));
+            }
+        }
+        let (keys, values) = pool.read(seq, 0).unwrap();
+        prop_assert_eq!(&keys, &ck);
+        prop_assert_eq!(&values, &cr);
+        let (f, fk, fv) = forked.unwrap();
+        prop_assert_eq!(pool.read(f, 0).unwrap(), (fk, fv));
+        let t = ck.len() / rank;
+        let q: Vec<f32> = (0..heads * (rank + rope)).map(|i| val(5000 + i)).collect();
+        let mut out = vec![0f32; heads * rank];
+        let opts = kvrs::AttnOptions { scale: Some(0.5), latent: true, ..Default::default() };
+        pool.attention_with(seq, 0, heads, &q, &mut out, &opts).unwrap();
+        for h in 0..heads {
+            let qh = &q[h * (rank + rope)..(h + 1) * (rank + rope)];
+            let s: Vec<f64> = (0..t)
+                .map(|p| {
+                    let c = &ck[p * rank..(p + 1) * rank];
+                    let r = &cr[p * rope..(p + 1) * rope];
+                    let dot: f32 = qh[..rank].iter().zip(c).map(|(a, b)| a * b).sum::<f32>()
+                        + qh[rank..].iter().zip(r).map(|(a, b)| a * b).sum::<f32>();
+                    0.5 * dot as f64
+                })
+                .collect();
+            let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let w: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+            let z: f64 = w.iter().sum();
+            for d in 0..rank {
+                let want: f64 = (0..t).map(|p| w[p] / z * ck[p * rank + d] as f64).sum();
+                prop_assert!((out[h * rank + d] as f64 - want).abs() < 1e-4, "{} vs {}", out[h * rank + d], want);
+            }
+        }
+    }
+}

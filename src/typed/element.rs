@@ -84,17 +84,19 @@ pub(crate) fn token_count(
     Ok(len / per_token.max(1))
 }
 
-/// `q` and `out` (`[n, num_q_heads, head_dim]`, `n` read from `q`'s length) as the
-/// core's query and output tensors.
+/// `q` (`[n, num_q_heads, dims[0]]`, `n` read from `q`'s length) and `out` (`[n,
+/// num_q_heads, dims[1]]`) as the core's query and output tensors.
 pub(crate) fn query_tensors<'a, Q: Element>(
     q: &'a [Q],
     out: &'a mut [Q],
     num_q_heads: usize,
-    head_dim: usize,
+    dims: [usize; 2],
 ) -> Result<(TensorRef<'a>, TensorMut<'a>)> {
-    let n = token_count("q", q.len(), num_q_heads.max(1), head_dim)?;
-    let shape = [n, num_q_heads, head_dim];
-    Ok((tensor("q", q, &shape)?, tensor_mut("out", out, &shape)?))
+    let n = token_count("q", q.len(), num_q_heads.max(1), dims[0])?;
+    Ok((
+        tensor("q", q, &[n, num_q_heads, dims[0]])?,
+        tensor_mut("out", out, &[n, num_q_heads, dims[1]])?,
+    ))
 }
 
 /// A `usize` index as the core's signed index (an index past `i64::MAX` is out of range

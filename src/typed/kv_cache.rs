@@ -453,7 +453,8 @@ impl<T: Element> KvCache<T> {
         window: Option<usize>,
         opts: &AttnOptions<'_>,
     ) -> Result<()> {
-        let (qt, mut ot) = query_tensors(q, out, num_q_heads, self.head_dim())?;
+        let d = self.head_dim();
+        let (qt, mut ot) = query_tensors(q, out, num_q_heads, [d, d])?;
         self.core
             .attention(index(layer), &qt, &mut ot, window.map(index), opts)
     }

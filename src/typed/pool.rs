@@ -278,7 +278,8 @@ impl<T: Element> BlockPool<T> {
         Ok(first..end)
     }
 
-    /// Writes `n` tokens' keys and values (`[n, num_kv_heads, head_dim]`, C order) at
+    /// Writes `n` tokens' keys (`[n, num_kv_heads, head_dim]`, C order) and values
+    /// (`[n, num_kv_heads, v_head_dim]`) at
     /// `layer`'s next free position of `seq`, taking blocks as needed (copying a shared
     /// block first), and returns that position. [`crate::KvError::CacheFull`], with
     /// nothing written, when the pool has too few free blocks.
@@ -286,7 +287,7 @@ impl<T: Element> BlockPool<T> {
         let sh = self.shape();
         let n = token_count("k", k.len(), sh.num_kv_heads, sh.head_dim)?;
         let kt = tensor("k", k, &[n, sh.num_kv_heads, sh.head_dim])?;
-        let vt = tensor("v", v, &[n, sh.num_kv_heads, sh.head_dim])?;
+        let vt = tensor("v", v, &[n, sh.num_kv_heads, sh.v_head_dim])?;
         self.core.append(seq, index(layer), &kt, &vt)
     }
 
@@ -303,22 +304,28 @@ impl<T: Element> BlockPool<T> {
     }
 
     /// Copies the keys and values `layer` of `seq` holds (the positions of
-    /// [`BlockPool::layer_span`]) as `[num_kv_heads, len, head_dim]`.
+    /// [`BlockPool::layer_span`]) as `[num_kv_heads, len, head_dim]` and `[num_kv_heads,
+    /// len, v_head_dim]`.
     pub fn read(&self, seq: SeqId, layer: usize) -> Result<(Vec<T>, Vec<T>)> {
         let sh = self.shape();
         let len = self.layer_span(seq, layer)?.len();
-        let shape = [sh.num_kv_heads, len, sh.head_dim];
-        let mut keys = vec![T::default(); shape.iter().product()];
-        let mut values = keys.clone();
-        let mut kt = tensor_mut("keys", &mut keys, &shape)?;
-        let mut vt = tensor_mut("values", &mut values, &shape)?;
+        let (k_shape, v_shape) = (
+            [sh.num_kv_heads, len, sh.head_dim],
+            [sh.num_kv_heads, len, sh.v_head_dim],
+        );
+        let mut keys = vec![T::default(); k_shape.iter().product()];
+        let mut values = vec![T::default(); v_shape.iter().product()];
+        let mut kt = tensor_mut("keys", &mut keys, &k_shape)?;
+        let mut vt = tensor_mut("values", &mut values, &v_shape)?;
         self.core.gather(seq, index(layer), &mut kt, &mut vt)?;
         Ok((keys, values))
     }
 
     /// Attention of `seq`'s last `n` positions in `layer` over what the layer holds,
     /// within its window: `q` is `[n, num_q_heads, head_dim]` (the queries of the tokens
-    /// just appended), `out` the same shape. Computed in `f32` over the blocks in place.
+    /// just appended), `out` `[n, num_q_heads, v_head_dim]` (for latent attention,
+    /// [`AttnOptions::latent`]: `q` of `head_dim + v_head_dim`, `out` of `head_dim`).
+    /// Computed in `f32` over the blocks in place.
     pub fn attention<Q: Element>(
         &self,
         seq: SeqId,
@@ -341,7 +348,14 @@ impl<T: Element> BlockPool<T> {
         out: &mut [Q],
         opts: &AttnOptions<'_>,
     ) -> Result<()> {
-        let (qt, mut ot) = query_tensors(q, out, num_q_heads, self.shape().head_dim)?;
+        let sh = self.shape();
+        let heads = crate::attention::KvHeads {
+            num_kv_heads: sh.num_kv_heads,
+            head_dim: sh.head_dim,
+            v_head_dim: sh.v_head_dim,
+        }
+        .attended(opts.latent);
+        let (qt, mut ot) = query_tensors(q, out, num_q_heads, [heads.head_dim, heads.v_head_dim])?;
         self.core
             .seq_attention(seq, index(layer), &qt, &mut ot, opts)
     }
