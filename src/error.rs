@@ -114,6 +114,8 @@ pub enum Unit {
     Positions,
     /// Blocks of a pool.
     Blocks,
+    /// Recurrent-state slots of a pool (one per sequence of a hybrid model).
+    StateSlots,
 }
 
 impl std::fmt::Display for Unit {
@@ -121,6 +123,7 @@ impl std::fmt::Display for Unit {
         f.write_str(match self {
             Unit::Positions => "positions",
             Unit::Blocks => "blocks",
+            Unit::StateSlots => "state slots",
         })
     }
 }

@@ -323,6 +323,7 @@ impl PoolCore {
     pub fn truncate(&mut self, id: SeqId, n: i64) -> Result<()> {
         let n = check_count("n", n)?;
         if n < self.seq(id)?.seq_len {
+            self.check_state_kept(id, n, "truncate")?;
             self.cut_to(id, n, true);
         }
         Ok(())
@@ -335,6 +336,7 @@ impl PoolCore {
     /// lie in are never cached: only K/V a holder wrote joins the prefix cache.
     pub fn set_seq_len(&mut self, id: SeqId, n: i64) -> Result<()> {
         let n = check_count("n", n)?;
+        self.check_state_kept(id, n, "set_seq_len")?;
         let s = self.seq(id)?;
         // Positions some layer gains: from its shortest layer's end (after a cut to n).
         let low = s.layer_len.iter().copied().min().unwrap_or(0).min(n);

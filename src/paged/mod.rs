@@ -3,7 +3,7 @@
 //! ([`ledger`]), layer kinds and groups ([`groups`]), sequences'
 //! block tables ([`seq`]), where blocks live in storage ([`crate::layout`]), prefix caching on
 //! the pool ([`caching`]), slots and page tables for kernels ([`slots`]), position edits
-//! ([`shift`]) and ollama-style batched forwards ([`forward`]).
+//! ([`shift`]) and ollama-style batched forwards ([`forward`]), and hybrid models' recurrent state slots ([`states`]).
 
 pub mod allocator;
 pub mod attend;
@@ -17,6 +17,7 @@ pub mod read;
 pub mod seq;
 pub mod shift;
 pub mod slots;
+pub mod states;
 pub mod stats;
 pub mod tier_lookup;
 pub mod tiering;
@@ -28,4 +29,5 @@ pub use groups::{Attention, LayerGroups, LayerKind};
 pub use ledger::BlockLedger;
 pub use pool::{PoolCore, PrefixConfig, SeqId};
 pub use seq::{SeqState, Table, NO_BLOCK};
-pub use stats::{KindStats, PoolStats};
+pub use states::{StateArena, StateConfig, StateSpec};
+pub use stats::{KindStats, PoolStats, StateStats};

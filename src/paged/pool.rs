@@ -14,6 +14,7 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use super::groups::{Attention, LayerGroups, LayerKind};
 use super::ledger::BlockLedger;
 use super::seq::{SeqState, Table, NO_BLOCK};
+use super::states::{StateArena, StateConfig};
 use crate::dtype::DType;
 use crate::error::{check_count, check_index, check_positive, KvError, Result};
 use crate::layout::BlockId;
@@ -65,6 +66,9 @@ pub struct PoolCore {
     /// Elements each layer's writes saturated (fp8 storages that count them:
     /// [`Storage::saturated`]), K and V together.
     pub(crate) saturated: Vec<u64>,
+    /// Hybrid models' recurrent state slots ([`PoolCore::with_states`]); `None` for a
+    /// pool of attention layers only.
+    pub(crate) states: Option<StateArena>,
 }
 
 impl PoolCore {
@@ -161,7 +165,79 @@ impl PoolCore {
             model_id: String::new(),
             pending_copies: None,
             saturated: vec![0; shape.num_layers],
+            states: None,
         })
+    }
+
+    /// Gives the pool `config.layers` state layers beside its K/V layers: one state slot
+    /// per sequence (of `config.slots`), taken zeroed when a sequence starts, copied by
+    /// `fork`, freed with the sequence. Refused for a pool that caches prefixes: a hit
+    /// would attach K/V without the state of the hit's length.
+    pub fn with_states(mut self, config: StateConfig) -> Result<Self> {
+        if self.prefix().is_some() {
+            return Err(KvError::InvalidArgument {
+                name: "prefix_caching",
+                value: "True".into(),
+                reason: "a pool with state layers does not cache prefixes: a hit would restore \
+                         K/V but not the recurrent state after the hit's tokens; pass \
+                         prefix_caching=False"
+                    .into(),
+            });
+        }
+        if !self.seqs.is_empty() {
+            return Err(KvError::NotSupported(
+                "state layers are given before the pool's first sequence".into(),
+            ));
+        }
+        self.states = Some(StateArena::new(config, self.device())?);
+        Ok(self)
+    }
+
+    /// The state slots, for a pool with state layers.
+    pub fn states(&self) -> Option<&StateArena> {
+        self.states.as_ref()
+    }
+
+    /// Fails unless `n` more sequences can take a state slot (always true without state
+    /// layers): callers that start or fork sequences check first.
+    pub fn check_state_room(&self, n: usize, what: impl FnOnce() -> String) -> Result<()> {
+        self.states.as_ref().map_or(Ok(()), |a| a.check_room(n, what))
+    }
+
+    /// Moves the states of `ids` (distinct live sequences) to consecutive slots in their
+    /// order (see [`StateArena::pack`]); returns the first.
+    pub fn pack_states(&mut self, ids: &[SeqId]) -> Result<u32> {
+        let slots = ids
+            .iter()
+            .map(|&id| {
+                self.seq(id)?.state_slot.ok_or_else(|| {
+                    KvError::NotSupported(format!("sequence {id} has no state slot"))
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let arena = self.states.as_mut().ok_or_else(|| {
+            KvError::NotSupported("this pool has no state layers".into())
+        })?;
+        let (first, moved) = arena.pack(&slots)?;
+        for (&id, slot) in ids.iter().zip(moved) {
+            self.seq_mut(id).state_slot = Some(slot);
+        }
+        Ok(first)
+    }
+
+    /// Fails when sequence `id` has a recurrent state that an edit of its committed
+    /// positions from `n` on would leave out of step with its K/V.
+    pub(crate) fn check_state_kept(&self, id: SeqId, n: usize, what: &str) -> Result<()> {
+        let s = self.seq(id)?;
+        if self.states.is_some() && n < s.seq_len {
+            return Err(KvError::NotSupported(format!(
+                "{what}: sequence {id} has recurrent state, which holds all its {} committed \
+                 positions and cannot be rolled back to {n}; fork the sequence before tokens \
+                 you may reject (a fork copies the state)",
+                s.seq_len
+            )));
+        }
+        Ok(())
     }
 
     /// Sets the fp8 scales (a new pool of an fp8 dtype; unit scales for any other).
@@ -251,7 +327,11 @@ impl PoolCore {
 
     /// The byte ranges of the storage's allocations (see [`Storage::spans`]).
     pub fn storage_spans(&self) -> Vec<crate::tensor::Span> {
-        self.storage.spans()
+        let mut spans = self.storage.spans();
+        if let Some(a) = &self.states {
+            spans.extend(a.spans());
+        }
+        spans
     }
 
     /// The storage (for persistence and transfers).
@@ -446,10 +526,16 @@ impl PoolCore {
             tier_tokens: Default::default(),
             cache_limit: usize::MAX,
             edits: 0,
+            state_slot: None,
         }
     }
 
-    pub(crate) fn insert(&mut self, s: SeqState) -> SeqId {
+    /// Adds a sequence; in a pool with state layers it takes a zeroed state slot when one
+    /// is free (callers check [`Self::check_state_room`] first).
+    pub(crate) fn insert(&mut self, mut s: SeqState) -> SeqId {
+        if let Some(a) = &mut self.states {
+            s.state_slot = a.take();
+        }
         let id = self.next_id;
         self.next_id += 1;
         self.seqs.insert(id, s);
@@ -488,6 +574,9 @@ impl PoolCore {
         for t in &s.tables {
             self.release_all(t.blocks.iter().copied());
         }
+        if let (Some(a), Some(slot)) = (&mut self.states, s.state_slot) {
+            a.release(slot);
+        }
         Ok(())
     }
 
@@ -509,14 +598,25 @@ impl PoolCore {
         Ok(())
     }
 
-    /// A new sequence sharing every block of `id` (no copy).
+    /// A new sequence sharing every block of `id` (no copy); its recurrent state, in a
+    /// pool with state layers, is a copy of `id`'s.
     pub fn fork(&mut self, id: SeqId) -> Result<SeqId> {
         let mut s = self.seq(id)?.clone();
+        self.check_state_room(1, || format!("forking sequence {id}"))?;
+        let src_slot = s.state_slot.take();
         s.num_cached_tokens = 0;
         for b in s.all_blocks().collect::<Vec<_>>() {
             self.hold_block(b);
         }
-        Ok(self.insert(s))
+        let new = self.insert(s);
+        if let (Some(a), Some(src), Some(dst)) = (
+            &mut self.states,
+            src_slot,
+            self.seqs.get(&new).and_then(|s| s.state_slot),
+        ) {
+            a.copy(src, dst);
+        }
+        Ok(new)
     }
 
     /// Makes `dst` hold the first `n` committed positions of `src`, sharing their blocks
@@ -549,8 +649,17 @@ impl PoolCore {
                 ),
             });
         }
+        if self.states.is_some() && n != s.seq_len {
+            return Err(KvError::NotSupported(format!(
+                "copy_prefix(n={n}): sequence {src} has recurrent state, which is known only \
+                 after all its {} committed positions; copy all of them (n={})",
+                s.seq_len, s.seq_len
+            )));
+        }
+        let (src_slot, dst_slot) = (s.state_slot, d.state_slot);
         let bs = self.shape.block_size;
         let mut copy = s.clone();
+        copy.state_slot = dst_slot;
         // dst keeps its identity (namespace, extra key) and its edit count, moved on.
         copy.root = d.root;
         copy.extra = d.extra.clone();
@@ -572,6 +681,9 @@ impl PoolCore {
         let old = std::mem::replace(self.seq_mut(dst), copy);
         for t in &old.tables {
             self.release_all(t.blocks.iter().copied());
+        }
+        if let (Some(a), Some(from), Some(to)) = (&mut self.states, src_slot, dst_slot) {
+            a.copy(from, to);
         }
         self.trim(dst);
         Ok(())

@@ -70,6 +70,8 @@ pub struct SeqState {
     /// Counts the edits other than growth (cuts, removals, replacements): a
     /// [`super::ForwardPlan`] placed before one is stale.
     pub edits: u32,
+    /// Its recurrent-state slot in a pool with state layers ([`super::states`]).
+    pub state_slot: Option<u32>,
 }
 
 impl SeqState {

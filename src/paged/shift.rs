@@ -21,6 +21,7 @@ impl PoolCore {
         if begin >= end || begin >= held {
             return Ok(());
         }
+        self.check_state_kept(id, begin, "remove")?;
         if end < held {
             let rope = self.rope_for(|| {
                 format!(

@@ -1,5 +1,5 @@
 //! Accounting and self-checks: exact occupancy per pool and per layer kind
-//! ([`PoolStats`], [`KindStats`]), and the invariants tests verify after every step.
+//! ([`PoolStats`], [`KindStats`], [`StateStats`]), and the invariants tests verify after every step.
 
 use super::groups::LayerKind;
 use super::pool::PoolCore;
@@ -56,6 +56,21 @@ pub struct PoolStats {
     /// made ([`PoolCore::saturated`]); `None` where nothing is counted (pools of
     /// other dtypes than fp8, device pools).
     pub fp8_saturated: Option<Vec<u64>>,
+    /// The recurrent state slots of a pool with state layers.
+    pub states: Option<StateStats>,
+}
+
+/// Recurrent state slots of a pool with state layers (see [`super::states`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StateStats {
+    /// State layers.
+    pub layers: usize,
+    /// Slots in all.
+    pub slots: usize,
+    /// Slots no sequence holds.
+    pub free_slots: usize,
+    /// Bytes of one slot (every state of every state layer).
+    pub slot_bytes: usize,
 }
 
 impl PoolCore {
@@ -107,13 +122,22 @@ impl PoolCore {
                 }
             })
             .collect();
+        let states = self.states.as_ref().map(|a| StateStats {
+            layers: a.config().layers,
+            slots: a.config().slots,
+            free_slots: a.free_slots(),
+            slot_bytes: a.config().slot_bytes(),
+        });
+        let (state_total, state_used) = states.as_ref().map_or((0, 0), |s| {
+            (s.slots * s.slot_bytes, (s.slots - s.free_slots) * s.slot_bytes)
+        });
         PoolStats {
             num_blocks: self.shape.num_blocks,
             free_blocks: free,
             used_blocks: used,
             block_size: bs,
-            bytes_total: self.storage.nbytes(),
-            bytes_used: used * self.bytes_per_block(),
+            bytes_total: self.storage.nbytes() + state_total,
+            bytes_used: used * self.bytes_per_block() + state_used,
             tokens_stored: tokens,
             fragmentation_tokens: used * bs - tokens,
             utilization_ratio: tokens as f64 / (self.shape.num_blocks * bs) as f64,
@@ -123,6 +147,7 @@ impl PoolCore {
             prefix: self.blocks.counters(),
             by_kind,
             fp8_saturated: self.saturated(),
+            states,
         }
     }
 
@@ -165,6 +190,13 @@ impl PoolCore {
                 ));
             }
             s.all_blocks().for_each(|b| refs[b as usize] += 1);
+        }
+        if let Some(a) = &self.states {
+            let held: Vec<u32> = self.seqs.values().filter_map(|s| s.state_slot).collect();
+            if held.len() != self.seqs.len() {
+                return Err("a live sequence of a pool with state layers has no state slot".into());
+            }
+            a.check(&held)?;
         }
         self.blocks.check(&refs)
     }

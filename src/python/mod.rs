@@ -18,6 +18,7 @@ mod quant;
 mod rope;
 mod sequence;
 mod shared_pool;
+mod states;
 mod tiers;
 mod views;
 

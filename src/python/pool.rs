@@ -126,9 +126,9 @@ impl PyBlockPool {
     }
 
     #[new]
-    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, *, v_head_dim = None, block_size = 16, num_blocks = None, memory_bytes = None, dtype = None, device = None, layout = "NHD", prefix_caching = true, hash = "blake3", seed = None, partial_hits = true, events = false, rope = None, layer_types = None, sliding_window = None, chunk_size = None, swa_memory = 0, k_scale = None, v_scale = None, tiers = None, model_id = "", tier_queue = 1024, tier_write = "first", tier_key = None, tier_queue_bytes = None))]
+    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, *, v_head_dim = None, block_size = 16, num_blocks = None, memory_bytes = None, dtype = None, device = None, layout = "NHD", prefix_caching = None, hash = "blake3", seed = None, partial_hits = true, events = false, rope = None, layer_types = None, sliding_window = None, chunk_size = None, swa_memory = 0, k_scale = None, v_scale = None, tiers = None, model_id = "", tier_queue = 1024, tier_write = "first", tier_key = None, tier_queue_bytes = None, state_layers = 0, state_shapes = None, state_slots = None, state_dtype = None))]
     #[pyo3(
-        text_signature = "(num_layers, num_kv_heads, head_dim, *, v_head_dim=None, block_size=16, num_blocks=None, memory_bytes=None, dtype='float16', device='cpu', layout='NHD', prefix_caching=True, hash='blake3', seed=None, partial_hits=True, events=False, rope=None, layer_types=None, sliding_window=None, chunk_size=None, swa_memory=0, k_scale=None, v_scale=None, tiers=None, model_id='', tier_queue=1024, tier_write='first', tier_key=None, tier_queue_bytes='256MiB')"
+        text_signature = "(num_layers, num_kv_heads, head_dim, *, v_head_dim=None, block_size=16, num_blocks=None, memory_bytes=None, dtype='float16', device='cpu', layout='NHD', prefix_caching=None, hash='blake3', seed=None, partial_hits=True, events=False, rope=None, layer_types=None, sliding_window=None, chunk_size=None, swa_memory=0, k_scale=None, v_scale=None, tiers=None, model_id='', tier_queue=1024, tier_write='first', tier_key=None, tier_queue_bytes='256MiB', state_layers=0, state_shapes=None, state_slots=None, state_dtype='float32')"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -142,7 +142,7 @@ impl PyBlockPool {
         dtype: Option<&Bound<'_, PyAny>>,
         device: Option<&Bound<'_, PyAny>>,
         layout: &str,
-        prefix_caching: bool,
+        prefix_caching: Option<bool>,
         hash: &str,
         seed: Option<&Bound<'_, PyAny>>,
         partial_hits: bool,
@@ -160,7 +160,15 @@ impl PyBlockPool {
         tier_write: &str,
         tier_key: Option<&Bound<'_, PyAny>>,
         tier_queue_bytes: Option<&Bound<'_, PyAny>>,
+        state_layers: i64,
+        state_shapes: Option<&Bound<'_, PyDict>>,
+        state_slots: Option<i64>,
+        state_dtype: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        let states =
+            super::states::parse_config(state_layers, state_shapes, state_slots, state_dtype)?;
+        // Pools with state layers do not cache prefixes (see PoolCore::with_states).
+        let prefix_caching = prefix_caching.unwrap_or(states.is_none());
         let tier_options = crate::paged::tiering::TierOptions {
             secret: tier_key.map(super::tiers::secret).transpose()?,
             queue: tier_queue,
@@ -204,7 +212,8 @@ impl PyBlockPool {
         )?;
         let per_block =
             pool_args::block_bytes(LayerGroups::new(attention.clone()).per_block, &shape, dtype)?;
-        shape.num_blocks = pool_args::num_blocks(num_blocks, memory_bytes, per_block)?;
+        let reserved = states.as_ref().map_or(0, |c| c.slot_bytes() * c.slots);
+        shape.num_blocks = pool_args::num_blocks(num_blocks, memory_bytes, per_block, reserved)?;
         let prefix = pool_args::prefix(prefix_caching, hash, seed, partial_hits, events)?;
         let mut pool = PoolCore::with_attention(shape, attention, dtype, device, prefix)?
             .with_model_id(model_id);
@@ -219,6 +228,9 @@ impl PyBlockPool {
         )?)?;
         if !tiers.is_empty() {
             pool = pool.with_tiers(tiers, model_id, &tier_options)?;
+        }
+        if let Some(config) = states {
+            pool = pool.with_states(config)?;
         }
         Ok(PyBlockPool {
             core: Arc::new(SharedPool::new(pool)),
@@ -421,6 +433,68 @@ impl PyBlockPool {
         }
     }
 
+    /// State layers beside the K/V layers (hybrid models' linear-attention or Mamba
+    /// layers; 0 for a pool of attention layers only).
+    #[getter]
+    fn state_layers(&self) -> usize {
+        self.states.as_ref().map_or(0, |s| s.config.layers)
+    }
+
+    /// Sequences that can hold a recurrent state at once (0 without state layers).
+    #[getter]
+    fn state_slots(&self) -> usize {
+        self.states.as_ref().map_or(0, |s| s.config.slots)
+    }
+
+    /// State slots no sequence holds (0 without state layers).
+    #[getter]
+    fn free_state_slots(&self, py: Python<'_>) -> usize {
+        self.core
+            .read(py, |c| c.states().map_or(0, |a| a.free_slots()))
+    }
+
+    /// Each state's shape per sequence and layer and its dtype: {name: (dims, dtype)}
+    /// (empty without state layers).
+    #[getter]
+    fn state_shapes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        match &self.states {
+            Some(s) => s.shapes(py),
+            None => Ok(PyDict::new(py)),
+        }
+    }
+
+    /// Zero-copy writable views of one state layer's states for every slot, by name:
+    /// `{name: [state_slots, *dims]}`; a sequence's row is `seq.state_slot` (what a
+    /// batched kernel indexes, as vLLM's Mamba layers do).
+    fn state_cache<'py>(slf: &Bound<'py, Self>, layer: i64) -> PyResult<Bound<'py, PyDict>> {
+        let me = slf.get();
+        let states = me.state_layout()?;
+        states.views(slf.as_any(), me.device, layer, 0, states.config.slots, false)
+    }
+
+    /// Moves the states of `seqs` (distinct sequences of this pool) to consecutive slots
+    /// in their order, the lowest such run, and returns its first slot: then
+    /// `state_cache(layer)[name][first:first + len(seqs)]` is the batch's states as one
+    /// tensor. Contents follow their sequences; views of the moved slots see the new
+    /// holders.
+    fn pack_states(slf: &Bound<'_, Self>, seqs: &Bound<'_, PyAny>) -> PyResult<u32> {
+        slf.get().state_layout()?;
+        let ids = Self::ids(slf, seqs, "seqs")?;
+        let mut seen = rustc_hash::FxHashSet::default();
+        if let Some(dup) = ids.iter().find(|&&id| !seen.insert(id)) {
+            return Err(KvError::InvalidArgument {
+                name: "seqs",
+                value: format!("sequence {dup} twice"),
+                reason: "each sequence has one state slot: list each once".into(),
+            }
+            .into());
+        }
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        Ok(slf.get().core.write(slf.py(), |c| c.pack_states(&ids))?)
+    }
+
     /// Zero-copy writable views (K, V) of one layer's cache tensor: FlashInfer's separate
     /// paged K and V caches (its MLA ckv and kpe caches for a latent pool), strided views
     /// [num_blocks, block_size, num_kv_heads, head_dim] and [..., v_head_dim] (NHD; HND
@@ -493,6 +567,15 @@ impl PyBlockPool {
         );
         let pool = &slf.get().core;
         let py = slf.py();
+        if pool.states.is_some() {
+            // No prefix cache and no tiers: the state slot is the only thing to check.
+            let t = tokens.map(|t| read_token_ids(t, "tokens")).transpose()?;
+            let seq = pool.write(py, |c| {
+                c.check_state_room(1, || "starting a sequence".into())?;
+                Ok::<_, KvError>(c.new_sequence_owning(t.unwrap_or_default(), &ns, &extra))
+            })?;
+            return Ok(Self::sequence(slf, seq));
+        }
         let id = match tokens {
             Some(t) => {
                 let t = read_token_ids(t, "tokens")?;

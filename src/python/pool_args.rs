@@ -64,6 +64,7 @@ pub fn num_blocks(
     num_blocks: Option<i64>,
     memory_bytes: Option<&Bound<'_, PyAny>>,
     per_block: usize,
+    reserved: usize,
 ) -> PyResult<usize> {
     match (num_blocks, memory_bytes) {
         (Some(n), None) => Ok(check_size("num_blocks", n)?),
@@ -80,17 +81,22 @@ pub fn num_blocks(
                 }
                 Err(_) => parse_size(&m.str()?.to_string())?,
             };
-            if bytes < per_block {
+            if bytes < reserved.saturating_add(per_block) {
+                let states = if reserved > 0 {
+                    format!(" after the {reserved} bytes of the state slots")
+                } else {
+                    String::new()
+                };
                 return Err(KvError::InvalidArgument {
                     name: "memory_bytes",
                     value: bytes.to_string(),
                     reason: format!(
-                        "holds no block: one block id (a block of each layer of a group) takes {per_block} bytes"
+                        "holds no block{states}: one block id (a block of each layer of a group) takes {per_block} bytes"
                     ),
                 }
                 .into());
             }
-            Ok(bytes / per_block)
+            Ok((bytes - reserved) / per_block)
         }
         _ => Err(KvError::InvalidArgument {
             name: "num_blocks",

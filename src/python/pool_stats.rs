@@ -48,6 +48,13 @@ pub fn stats_dict<'py>(
     d.set_item("by_layer_type", kinds)?;
     // Per layer, K and V together; None where nothing is counted (not fp8, or a device pool).
     d.set_item("fp8_saturated", s.fp8_saturated.clone())?;
+    // Recurrent state slots (pools with state layers); bytes_total/bytes_used count them.
+    if let Some(st) = &s.states {
+        d.set_item("state_slots", st.slots)?;
+        d.set_item("free_state_slots", st.free_slots)?;
+        d.set_item("state_bytes", st.slots * st.slot_bytes)?;
+        d.set_item("state_bytes_used", (st.slots - st.free_slots) * st.slot_bytes)?;
+    }
     if let Some(t) = tiers {
         super::tiers::tier_stats(py, t, &d)?;
     }

@@ -468,6 +468,26 @@ impl PySequence {
         Ok(out)
     }
 
+    /// Its recurrent-state slot in a pool with state layers (its row of
+    /// `pool.state_cache(layer)`), else None.
+    #[getter]
+    fn state_slot(&self, py: Python<'_>) -> PyResult<Option<u32>> {
+        self.with(py, |s, _| s.state_slot)
+    }
+
+    /// Zero-copy writable views of this sequence's states in state layer `layer`, by
+    /// name (`{name: array of the state's shape}`): the model reads and updates them in
+    /// place. A new sequence's states are zeros; `fork` copies them. The views are the
+    /// slot's memory: after `free()` they belong to the next sequence given the slot.
+    fn state<'py>(slf: &Bound<'py, Self>, layer: i64) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+        let me = slf.get();
+        let states = me.core.state_layout()?;
+        let slot = me
+            .with(slf.py(), |s, _| s.state_slot)?
+            .ok_or_else(|| crate::error::KvError::NotSupported(format!("sequence {} has no state slot", me.id)))?;
+        states.views(slf.as_any(), me.core.device, layer, slot, 1, true)
+    }
+
     /// A new sequence sharing every block of this one (copy-on-write on first write).
     fn fork(&self, py: Python<'_>) -> PyResult<PySequence> {
         let me = self.id;

@@ -11,6 +11,7 @@ use pyo3::prelude::*;
 
 use super::guarded::Guarded;
 use super::input::Target;
+use super::states::StateLayout;
 use super::views::borrowed_view;
 use crate::dtype::DType;
 use crate::paged::{PagedShape, PoolCore, SeqId};
@@ -38,6 +39,8 @@ pub struct SharedPool {
     pub(crate) data: usize,
     /// Its storage's allocations: what no input may overlap.
     pub(crate) target: Target,
+    /// Where its recurrent states live (pools with state layers).
+    pub(crate) states: Option<StateLayout>,
 }
 
 impl SharedPool {
@@ -53,6 +56,7 @@ impl SharedPool {
             device: core.device(),
             data: core.data_ptr() as usize,
             target,
+            states: StateLayout::of(&core),
             core: Guarded::new(core),
             dropped: Mutex::new(Vec::new()),
             has_dropped: AtomicBool::new(false),
@@ -130,6 +134,20 @@ impl SharedPool {
             // Already gone (freed explicitly before its object was dropped): nothing to do.
             let _ = core.free_sequence(id);
         }
+    }
+
+    /// The pool's state layout; a ValueError for a pool without state layers.
+    pub(crate) fn state_layout(&self) -> PyResult<&StateLayout> {
+        self.states.as_ref().ok_or_else(|| {
+            crate::error::KvError::InvalidArgument {
+                name: "state_layers",
+                value: "0".into(),
+                reason: "this pool has no state layers: make it with state_layers, \
+                         state_shapes and state_slots"
+                    .into(),
+            }
+            .into()
+        })
     }
 
     /// A read-only (or writable) view over `[...]` elements of the storage, owned by the

@@ -1,0 +1,178 @@
+//! The Python face of a pool's recurrent state slots ([`crate::paged::states`]): the
+//! constructor's `state_*` arguments, and zero-copy views of one sequence's states or of
+//! a whole state layer, keyed by state name.
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use super::args::parse_dtype;
+use super::views::borrowed_view;
+use crate::dtype::DType;
+use crate::error::{check_index, check_size, KvError};
+use crate::paged::{PoolCore, StateConfig, StateSpec};
+use crate::storage::Device;
+
+/// Where a pool's states live, fixed for its life: read once, without the lock, by the
+/// views.
+#[derive(Clone, Debug)]
+pub struct StateLayout {
+    /// The layers, slots and states.
+    pub config: StateConfig,
+    /// Address of each state's storage (never reallocated).
+    pub bases: Vec<usize>,
+}
+
+impl StateLayout {
+    /// The layout of `core`'s states, if it has state layers.
+    pub fn of(core: &PoolCore) -> Option<Self> {
+        core.states().map(|a| StateLayout {
+            config: a.config().clone(),
+            bases: (0..a.config().specs.len())
+                .map(|s| a.storage(s).data_ptr() as usize)
+                .collect(),
+        })
+    }
+
+    /// Views of every state of `layer` for `count` slots from `slot`, by name:
+    /// `[count, *dims]` each, or `[*dims]` when `single`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn views<'py>(
+        &self,
+        owner: &Bound<'py, PyAny>,
+        device: Device,
+        layer: i64,
+        slot: u32,
+        count: usize,
+        single: bool,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let c = &self.config;
+        let layer = check_index("layer", layer, c.layers)?;
+        let out = PyDict::new(owner.py());
+        for (s, spec) in c.specs.iter().enumerate() {
+            let es = spec.dtype.size();
+            let numel = spec.numel();
+            let offset = (layer * c.slots + slot as usize) * numel;
+            let mut shape = if single { vec![] } else { vec![count] };
+            shape.extend_from_slice(&spec.dims);
+            let mut strides = vec![0isize; shape.len()];
+            let mut acc = es as isize;
+            for i in (0..shape.len()).rev() {
+                strides[i] = acc;
+                acc *= shape[i] as isize;
+            }
+            // SAFETY: the state storages are never reallocated and live as long as the
+            // pool, which `owner` (the pool or one of its sequences) keeps alive; the
+            // region lies within the storage (layer and slot range checked).
+            let view = unsafe {
+                borrowed_view(
+                    owner,
+                    device,
+                    (self.bases[s] + offset * es) as *mut u8,
+                    spec.dtype,
+                    &shape,
+                    &strides,
+                    true,
+                )?
+            };
+            out.set_item(&spec.name, view)?;
+        }
+        Ok(out)
+    }
+
+    /// `{name: (dims, dtype name)}`.
+    pub fn shapes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let out = PyDict::new(py);
+        for s in &self.config.specs {
+            out.set_item(&s.name, (s.dims.clone(), s.dtype.name()))?;
+        }
+        Ok(out)
+    }
+}
+
+/// The state configuration of the constructor's arguments: `None` without state layers.
+/// `state_shapes` maps each state's name to its shape per sequence; `state_dtype` is one
+/// dtype or a dict of one per name (float32 by default).
+pub fn parse_config(
+    state_layers: i64,
+    state_shapes: Option<&Bound<'_, PyDict>>,
+    state_slots: Option<i64>,
+    state_dtype: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Option<StateConfig>> {
+    let bad = |name, value: String, reason: &str| -> PyErr {
+        KvError::InvalidArgument {
+            name,
+            value,
+            reason: reason.into(),
+        }
+        .into()
+    };
+    if state_layers < 0 {
+        return Err(bad("state_layers", state_layers.to_string(), "must be >= 0"));
+    }
+    if state_layers == 0 {
+        if state_shapes.is_some() || state_slots.is_some() {
+            return Err(bad(
+                "state_layers",
+                "0".into(),
+                "state_shapes and state_slots need state_layers >= 1",
+            ));
+        }
+        return Ok(None);
+    }
+    let shapes = state_shapes.ok_or_else(|| {
+        bad(
+            "state_shapes",
+            "None".into(),
+            "state layers need their states' shapes, e.g. {'conv': (conv_dim, kernel), \
+             'recurrent': (heads, k_dim, v_dim)}",
+        )
+    })?;
+    let slots = state_slots.ok_or_else(|| {
+        bad(
+            "state_slots",
+            "None".into(),
+            "state layers need state_slots: how many sequences hold a state at once",
+        )
+    })?;
+    let dtype_of = |name: &str| -> PyResult<DType> {
+        match state_dtype {
+            None => Ok(DType::F32),
+            Some(d) => match d.cast::<PyDict>() {
+                Ok(map) => match map.get_item(name)? {
+                    Some(x) => parse_dtype(&x),
+                    None => Ok(DType::F32),
+                },
+                Err(_) => parse_dtype(d),
+            },
+        }
+    };
+    let mut specs = Vec::with_capacity(shapes.len());
+    for (k, v) in shapes.iter() {
+        let name: String = k
+            .extract()
+            .map_err(|_| bad("state_shapes", k.repr().map_or_else(|_| "?".into(), |r| r.to_string()), "keys are state names (str)"))?;
+        let dims: Vec<i64> = v.extract().map_err(|_| {
+            bad(
+                "state_shapes",
+                format!("{name}: {}", v.repr().map_or_else(|_| "?".into(), |r| r.to_string())),
+                "each value is a shape: a tuple of ints",
+            )
+        })?;
+        let dims = dims
+            .iter()
+            .map(|&d| check_size("state_shapes", d))
+            .collect::<Result<Vec<_>, _>>()?;
+        specs.push(StateSpec {
+            dtype: dtype_of(&name)?,
+            name,
+            dims,
+        });
+    }
+    let config = StateConfig {
+        layers: check_size("state_layers", state_layers)?,
+        slots: check_size("state_slots", slots)?,
+        specs,
+    };
+    config.validate()?;
+    Ok(Some(config))
+}
