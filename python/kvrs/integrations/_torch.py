@@ -1,5 +1,5 @@
 """What the transformers integrations share: the import guard (torch and transformers),
-zero-copy views, and reading a model config's attention layout."""
+zero-copy views, and a model's dtype and device (its layers: :mod:`kvrs.integrations.layout`)."""
 
 from __future__ import annotations
 
@@ -87,74 +87,3 @@ def resolve_device(device: Any, model: torch.device | None) -> str:
     if device is None:
         return str(model) if model is not None else "cpu"
     return str(device)
-
-
-def attention_layout(config: Any) -> dict[str, Any]:
-    """The BlockPool arguments that describe a model's layers: `layer_types` (from the
-    config's `layer_types`, else every layer sliding when it sets `sliding_window`, chunked
-    when it sets `attention_chunk_size`, full otherwise), `sliding_window`, `chunk_size`."""
-    text = text_config(config)
-    window = getattr(text, "sliding_window", None)
-    chunk = getattr(text, "attention_chunk_size", None)
-    types = getattr(text, "layer_types", None)
-    if types is None:
-        kind = "sliding" if window is not None else "chunked" if chunk is not None else "full"
-        types = [kind] * text.num_hidden_layers
-    kinds = {kvrs_kind(t) for t in types}
-    return {
-        "layer_types": [kvrs_kind(t) for t in types],
-        "sliding_window": window if "sliding" in kinds else None,
-        "chunk_size": chunk if "chunked" in kinds else None,
-    }
-
-
-def kvrs_kind(layer_type: str) -> str:
-    """kvrs's name for a Hugging Face layer type ('sliding_attention' -> 'sliding')."""
-    return layer_type.removesuffix("_attention")
-
-
-def cache_heads(config: Any) -> tuple[int, int, int]:
-    """What a model's cache holds per token and layer: (KV heads, key head size, value
-    head size). An MLA model (DeepSeek-V2/V3: a config with `kv_lora_rank`) caches its
-    compressed latent, one shared head whose "key" is the `kv_lora_rank` latent and whose
-    "value" the `qk_rope_head_dim` rotary key, as transformers' own cache does."""
-    text = text_config(config)
-    rank = getattr(text, "kv_lora_rank", None)
-    if rank is not None:
-        return 1, rank, text.qk_rope_head_dim
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return heads, head_dim, head_dim
-
-
-def block_pool_from_config(
-    model_or_config: Any,
-    *,
-    num_blocks: int | None = None,
-    memory_bytes: int | str | None = None,
-    block_size: int = 16,
-    dtype: Any = "auto",
-    device: Any = None,
-    **pool_kwargs: Any,
-) -> kvrs.BlockPool:
-    """A BlockPool shaped for a transformers model (or its config): its layers (and their
-    kinds), KV heads and head sizes (an MLA model's latent: see :func:`cache_heads`).
-    `dtype` 'auto' (or None) is the model's: its parameters' dtype for a model, the
-    config's `dtype` for a config (float32 when it records none); else a kvrs name or a
-    torch dtype. `device` None is the model's (the host for a config). Give `num_blocks`
-    or `memory_bytes`; other keywords (prefix_caching, swa_memory, ...) go to BlockPool."""
-    config, m_dtype, m_device = model_parts(model_or_config)
-    heads, head_dim, v_head_dim = cache_heads(config)
-    return kvrs.BlockPool(
-        text_config(config).num_hidden_layers,
-        heads,
-        head_dim,
-        v_head_dim=v_head_dim,
-        block_size=block_size,
-        num_blocks=num_blocks,
-        memory_bytes=memory_bytes,
-        dtype=resolve_dtype(dtype, m_dtype) or model_dtype(config),
-        device=resolve_device(device, m_device),
-        **attention_layout(config),
-        **pool_kwargs,
-    )

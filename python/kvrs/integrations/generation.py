@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kvrs
-from kvrs.integrations._torch import block_pool_from_config, torch
+from kvrs.integrations._torch import torch
+from kvrs.integrations.layout import block_pool_from_config, is_hybrid
 from kvrs.integrations.paged_attention import forward_batch, use_paged_attention
 
 __all__ = ["RequestState", "generate_batch"]
@@ -157,7 +158,9 @@ def generate_batch(
     use_paged_attention(model)
     if pool is None:
         need = sum(_blocks(len(p) + b, block_size) for p, b in zip(prompts, budgets, strict=True))
-        pool = block_pool_from_config(model, num_blocks=need, block_size=block_size)
+        # A hybrid model's sequences each hold a state slot: one per request.
+        slots = {"state_slots": n} if is_hybrid(model.config) else {}
+        pool = block_pool_from_config(model, num_blocks=need, block_size=block_size, **slots)
     states = [
         RequestState(i, p, b, a) for i, (p, b, a) in enumerate(zip(prompts, budgets, steps_in, strict=True))
     ]

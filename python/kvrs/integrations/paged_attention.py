@@ -16,8 +16,9 @@ import sys
 from typing import Any
 
 import kvrs
-from kvrs.integrations import mla
+from kvrs.integrations import hybrid, mla
 from kvrs.integrations._torch import as_torch, torch
+from kvrs.integrations.layout import layer_plan
 
 from transformers import AttentionInterface  # isort: skip
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # isort: skip
@@ -92,6 +93,8 @@ def paged_attention(
     if source is not None:
         # query [batch, heads, n, d]; the cache attends each row over what it holds.
         return source.attend(layer, query.detach(), options, getattr(module, "sliding_window", None)), None
+    # The pool's K/V layer (a hybrid model's pool numbers its attention layers apart).
+    layer = getattr(module, "_kvrs_layer", layer)
     # query [1, heads, n, d]; key, value [1, kv_heads, n, d]; the pool takes [n, heads, d].
     batch.put(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))  # type: ignore[union-attr]
     out = batch.attention(layer, query[0].detach().transpose(0, 1), **options)  # type: ignore[union-attr]
@@ -117,11 +120,21 @@ def use_paged_attention(model: Any) -> Any:
     kvrs cache (``KvrsCache``, ``KvrsPagedCache``) passed as ``past_key_values`` makes
     each layer attend over kvrs's memory in place, with no gathered history and no dense
     mask; anything else runs SDPA. DeepSeek-style MLA layers attend over the cached
-    latent in absorbed form (:mod:`kvrs.integrations.mla`)."""
+    latent in absorbed form (:mod:`kvrs.integrations.mla`); a hybrid model's linear
+    layers run each sequence of a ForwardBatch against its state slot
+    (:mod:`kvrs.integrations.hybrid`)."""
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    plan = layer_plan(model.config)
     for module in model.modules():
         if mla.is_mla(module):
             mla.wrap_forward(module)
+        index = getattr(module, "layer_idx", None)
+        if not isinstance(index, int):
+            continue
+        if hybrid.is_linear_mixer(module) and index in plan.state_of:
+            hybrid.wrap_mixer(module, plan.state_of[index])
+        elif index in plan.kv_of:
+            module._kvrs_layer = plan.kv_of[index]
     if not getattr(model, "_kvrs_hooked", False):
         model.register_forward_pre_hook(_attend_in_place, with_kwargs=True)
         model._kvrs_hooked = True

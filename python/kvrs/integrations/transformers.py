@@ -29,11 +29,11 @@ from typing import Any
 import numpy as np
 
 import kvrs
+from kvrs.integrations import hybrid
 from kvrs.integrations._torch import (
     QUANTIZED_DTYPES,
     STORAGE_DTYPES,
     as_torch,
-    block_pool_from_config,
     model_parts,
     resolve_device,
     resolve_dtype,
@@ -42,9 +42,15 @@ from kvrs.integrations._torch import (
 )
 from kvrs.integrations.calibration import KvScales, calibrate_kv_scales
 from kvrs.integrations.generation import RequestState, generate_batch
+from kvrs.integrations.layout import LayerPlan, block_pool_from_config, layer_plan
 from kvrs.integrations.paged_attention import ATTN_IMPLEMENTATION, forward_batch, use_paged_attention
 
-from transformers.cache_utils import Cache, CacheLayerMixin  # isort: skip
+from transformers.cache_utils import (  # isort: skip
+    Cache,
+    CacheLayerMixin,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+)
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -53,6 +59,7 @@ __all__ = [
     "KvrsLayer",
     "KvrsPagedCache",
     "KvrsPagedLayer",
+    "KvrsStateLayer",
     "RequestState",
     "block_pool_from_config",
     "calibrate_kv_scales",
@@ -269,7 +276,8 @@ class KvrsCache(Cache):
     @attend_in_place.setter
     def attend_in_place(self, value: bool) -> None:
         for layer in self.layers:
-            layer.in_place = value  # type: ignore[union-attr]  # every layer is a KvrsLayer
+            if isinstance(layer, KvrsLayer):
+                layer.in_place = value
 
     def __init__(
         self,
@@ -280,15 +288,23 @@ class KvrsCache(Cache):
         *,
         k_scale: Any = None,
         v_scale: Any = None,
+        linear_layers: Any = (),
     ):
         if max_seq_len < 1:
             raise ValueError(f"max_seq_len={max_seq_len}: must be >= 1")
         dtype, device = resolve_dtype(dtype, None), str(device)
         _check_storage(dtype, device)
         k, v = _per_layer(k_scale, "k_scale", num_layers), _per_layer(v_scale, "v_scale", num_layers)
-        super().__init__(
-            layers=[KvrsLayer(max_seq_len, dtype, device, (k[i], v[i])) for i in range(num_layers)]
-        )
+        linear = set(linear_layers)
+        if any(not 0 <= i < num_layers for i in linear):
+            raise IndexError(f"linear_layers={sorted(linear)}: each must lie in [0, {num_layers})")
+        # A hybrid model's linear layers keep their fixed-size state in transformers' own
+        # layer (a few tensors per layer); K/V of the attention layers live in kvrs.
+        layers: list[Any] = [
+            LinearAttentionLayer() if i in linear else KvrsLayer(max_seq_len, dtype, device, (k[i], v[i]))
+            for i in range(num_layers)
+        ]
+        super().__init__(layers=layers)
 
     @classmethod
     def from_config(
@@ -312,7 +328,10 @@ class KvrsCache(Cache):
         layers = text_config(config).num_hidden_layers
         dtype = resolve_dtype(dtype, m_dtype if isinstance(model_or_config, torch.nn.Module) else None)
         device = resolve_device(device, m_device)
-        return cls(layers, max_seq_len, dtype, device, k_scale=k_scale, v_scale=v_scale)
+        linear = layer_plan(config).state_of
+        return cls(
+            layers, max_seq_len, dtype, device, k_scale=k_scale, v_scale=v_scale, linear_layers=linear
+        )
 
 
 class KvrsPagedLayer(CacheLayerMixin):
@@ -355,6 +374,94 @@ class KvrsPagedLayer(CacheLayerMixin):
         return -1
 
 
+class KvrsStateLayer(LinearAttentionCacheLayerMixin):
+    """One linear-attention or Mamba layer of a :class:`KvrsPagedCache`: its convolution
+    window and recurrent state live in the pool's state slots of the batch rows, updated
+    in place as transformers' ``LinearAttentionLayer`` updates its own tensors."""
+
+    def __init__(self, owner: KvrsPagedCache, index: int):
+        self.owner, self.index = owner, index
+        self.number_of_states = 1
+        self.written = False  # whether the rows' states hold the tokens seen so far
+        self.record_past = False
+        self.device = self.dtype = None
+        shape = owner.pool.state_shapes["conv"][0]
+        self.conv_kernel_size = {0: shape[-1]}
+
+    @property
+    def has_previous_state(self) -> dict[int, bool]:  # type: ignore[override]  # read-only here
+        return {0: self.written}
+
+    @property
+    def conv_states(self) -> dict[int, torch.Tensor | None]:  # type: ignore[override]
+        return {0: self.owner.state_view(self.index, "conv") if self.owner.rows else None}
+
+    @property
+    def recurrent_states(self) -> dict[int, torch.Tensor | None]:  # type: ignore[override]
+        return {0: self.owner.state_view(self.index, "recurrent") if self.owner.rows else None}
+
+    @property
+    def is_conv_states_initialized(self) -> dict[int, bool]:  # type: ignore[override]
+        return {0: self.written}
+
+    @property
+    def is_recurrent_states_initialized(self) -> dict[int, bool]:  # type: ignore[override]
+        return {0: self.written}
+
+    def lazy_initialization(
+        self, conv_states: Any = None, recurrent_states: Any = None, state_idx: int = 0, **kwargs: Any
+    ) -> None:
+        """Nothing to allocate: the pool holds the states."""
+
+    def _views(self, states: torch.Tensor, name: str) -> torch.Tensor:
+        self.owner.ensure_rows(states.shape[0], f"the {name} state")
+        if self.device is None:
+            self.dtype, self.device = states.dtype, states.device
+        view = self.owner.state_view(self.index, name)
+        hybrid.check_state(name, view, states, self.index)
+        return view
+
+    def update_conv_state(
+        self, conv_states: torch.Tensor, state_idx: int = 0, conv_kernel_size: int | None = None, **kwargs: Any
+    ) -> torch.Tensor:
+        _check_state_index(state_idx)
+        view = self._views(conv_states, "conv")
+        full = hybrid.conv_window(view, conv_states, self.written, view.shape[-1])
+        self.written = True
+        return full
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs: Any):
+        _check_state_index(state_idx)
+        view = self._views(recurrent_states, "recurrent")
+        view.copy_(recurrent_states)
+        self.written = True
+        return view
+
+    def activate_past_recording(self) -> None:
+        raise kvrs.NotSupportedError(
+            "a kvrs cache keeps one recurrent state per row and cannot record past ones "
+            "(assisted decoding of hybrid models needs transformers' DynamicCache)"
+        )
+
+    @property
+    def is_croppable(self) -> bool:  # type: ignore[override]
+        return not self.written
+
+    def reset(self) -> None:
+        self.written = False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """The owner reorders the rows (forks copy their states)."""
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """The owner crops (and refuses once a state holds tokens)."""
+
+
+def _check_state_index(state_idx: int) -> None:
+    if state_idx != 0:
+        raise kvrs.NotSupportedError(f"state_idx={state_idx}: kvrs keeps one conv and one recurrent state per layer")
+
+
 class KvrsPagedCache(Cache):
     """A ``transformers`` cache whose keys and values live in a :class:`kvrs.BlockPool`,
     one pool sequence per batch row.
@@ -367,12 +474,29 @@ class KvrsPagedCache(Cache):
     attended K/V are gathered from the blocks at every step (one copy per layer and step).
     """
 
-    def __init__(self, pool: kvrs.BlockPool):
+    def __init__(self, pool: kvrs.BlockPool, plan: LayerPlan | None = None):
         self.pool = pool
         self.attend_in_place = False
         self.rows: list[kvrs.Sequence] = []
-        self.paged_layers = [KvrsPagedLayer(self, i) for i in range(pool.num_layers)]
-        super().__init__(layers=list(self.paged_layers))
+        if plan is None:
+            plan = LayerPlan({i: i for i in range(pool.num_layers)}, {}, list(pool.layer_types))
+        if len(plan.kv_of) != pool.num_layers or len(plan.state_of) != pool.state_layers:
+            raise ValueError(
+                f"the model has {len(plan.kv_of)} attention and {len(plan.state_of)} linear layers; "
+                f"the pool holds {pool.num_layers} K/V and {pool.state_layers} state layers"
+            )
+        self.plan = plan
+        self.paged_layers = [KvrsPagedLayer(self, kv) for kv in plan.kv_of.values()]
+        self.state_layers = [KvrsStateLayer(self, j) for j in plan.state_of.values()]
+        # The rows' states of each state layer, as [batch, ...] torch views (the rows'
+        # slots are consecutive: see _rows_changed).
+        self._state_views: dict[int, dict[str, torch.Tensor]] = {}
+        layers: list[Any] = [None] * plan.num_layers
+        for i, kv in plan.kv_of.items():
+            layers[i] = self.paged_layers[kv]
+        for i, j in plan.state_of.items():
+            layers[i] = self.state_layers[j]
+        super().__init__(layers=layers)
 
     @classmethod
     def from_config(
@@ -391,8 +515,9 @@ class KvrsPagedCache(Cache):
         v_scale: Any = None,
     ) -> KvrsPagedCache:
         """A cache with a new pool shaped for a transformers model or its config (its layer
-        types included): room for `max_batch_size` rows of `max_seq_len` positions, or
-        exactly `num_blocks` blocks or `memory_bytes` bytes. `dtype` and `device` as for
+        types included; a hybrid model's linear layers as state layers with
+        `max_batch_size` state slots): room for `max_batch_size` rows of `max_seq_len`
+        positions, or exactly `num_blocks` blocks or `memory_bytes` bytes. `dtype` and `device` as for
         :func:`block_pool_from_config` ('auto' and None: the model's; 8-bit dtypes as for
         :class:`KvrsCache`, with fp8 `k_scale` / `v_scale`). `swa_memory`
         positions are kept beyond sliding windows so that `crop` (assisted decoding) can
@@ -411,6 +536,9 @@ class KvrsPagedCache(Cache):
                     f"block_size={block_size}: each must be >= 1"
                 )
             num_blocks = max_batch_size * -(-max_seq_len // block_size)
+        config = model_parts(model_or_config)[0]
+        plan = layer_plan(config)
+        slots = {"state_slots": max_batch_size} if plan.is_hybrid else {}
         pool = block_pool_from_config(
             model_or_config,
             num_blocks=num_blocks,
@@ -422,8 +550,9 @@ class KvrsPagedCache(Cache):
             prefix_caching=False,
             k_scale=k_scale,
             v_scale=v_scale,
+            **slots,
         )
-        return cls(pool)
+        return cls(pool, plan)
 
     def seq_len(self) -> int:
         """Committed positions (the same for every row)."""
@@ -440,10 +569,7 @@ class KvrsPagedCache(Cache):
         [batch, heads, len, head_dim] in `dtype` (None: gathers nothing, returns None).
         The last layer commits the step."""
         batch, _, q, _ = key_states.shape
-        if not self.rows:
-            self.rows = [self.pool.new_sequence() for _ in range(batch)]
-        if batch != len(self.rows):
-            raise ValueError(f"key_states has batch {batch}; this cache holds {len(self.rows)} rows")
+        self.ensure_rows(batch, "key_states")
         keys, values = [], []
         for row, seq in enumerate(self.rows):
             seq.append(
@@ -460,12 +586,45 @@ class KvrsPagedCache(Cache):
             return None
         return torch.stack(keys).to(dtype), torch.stack(values).to(dtype)
 
+    def ensure_rows(self, batch: int, what: str) -> None:
+        """Starts one pool sequence per batch row on the first write of any layer."""
+        if not self.rows:
+            rows: list[kvrs.Sequence] = []
+            try:
+                for _ in range(batch):
+                    rows.append(self.pool.new_sequence())
+            except BaseException:
+                for seq in rows:
+                    seq.free()
+                raise
+            self.rows = rows
+            self._rows_changed()
+        if batch != len(self.rows):
+            raise ValueError(f"{what} has batch {batch}; this cache holds {len(self.rows)} rows")
+
+    def _rows_changed(self) -> None:
+        """After the rows changed: their state slots are made consecutive, so that each
+        state layer's states of the batch are one [batch, ...] view."""
+        self._state_views = {}
+        if self.state_layers and self.rows:
+            self._state_first = self.pool.pack_states(self.rows)
+
+    def state_view(self, layer: int, name: str) -> torch.Tensor:
+        """State `name` of state layer `layer` for every row: [batch, *dims], in place."""
+        views = self._state_views.get(layer)
+        if views is None:
+            first, n = self._state_first, len(self.rows)
+            views = {k: as_torch(v)[first : first + n] for k, v in self.pool.state_cache(layer).items()}
+            self._state_views[layer] = views
+        return views[name]
+
     def attend(
         self, layer: int, query: torch.Tensor, options: dict[str, Any], window: int | None = None
     ) -> torch.Tensor:
         """Attention of the newest tokens' `query` ([batch, heads, n, head_dim]) over each
-        row's blocks of `layer`, read in place (the pool applies the layer's window);
-        returns [batch, n, heads, head_dim]."""
+        row's blocks of model layer `layer`, read in place (the pool applies the layer's
+        window); returns [batch, n, heads, head_dim]."""
+        layer = self.plan.kv_of[layer]
         rows = [
             as_torch(seq.attention(layer, query[i].transpose(0, 1), **options))
             for i, seq in enumerate(self.rows)
@@ -474,10 +633,18 @@ class KvrsPagedCache(Cache):
 
     def _replace_rows(self, sources: list[int]) -> None:
         """Rows become forks of the current rows at `sources` (blocks shared, no copy)."""
-        new = [self.rows[i].fork() for i in sources]
+        new: list[kvrs.Sequence] = []
+        try:
+            for i in sources:
+                new.append(self.rows[i].fork())
+        except BaseException:
+            for seq in new:
+                seq.free()
+            raise
         for seq in self.rows:
             seq.free()
         self.rows = new
+        self._rows_changed()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.rows:
@@ -501,6 +668,11 @@ class KvrsPagedCache(Cache):
             raise ValueError(f"crop({tokens_to_remove}): pass a negative count of tokens to remove")
         if tokens_to_remove == 0 or not self.rows:
             return
+        if any(layer.written for layer in self.state_layers):
+            raise ValueError(
+                f"crop({tokens_to_remove}): the model's linear layers keep a recurrent state of every "
+                "token, which cannot be rolled back (transformers' own cache refuses too)"
+            )
         n = max(0, self.seq_len() + tokens_to_remove)
         if not all(seq.can_resume(n) for seq in self.rows):
             raise ValueError(
@@ -515,12 +687,19 @@ class KvrsPagedCache(Cache):
         for seq in self.rows:
             seq.free()
         self.rows = []
+        self._state_views = {}
+        for layer in self.state_layers:
+            layer.written = False
 
     def __deepcopy__(self, memo: dict) -> KvrsPagedCache:
-        """A cache on the same pool whose rows are forks of these (blocks shared)."""
-        copy = KvrsPagedCache(self.pool)
+        """A cache on the same pool whose rows are forks of these (blocks shared, states
+        copied)."""
+        copy = KvrsPagedCache(self.pool, self.plan)
         copy.rows = [seq.fork() for seq in self.rows]
+        copy._rows_changed()
         for mine, theirs in zip(copy.paged_layers, self.paged_layers, strict=True):
             if theirs.is_initialized:
                 mine.dtype, mine.device, mine.is_initialized = theirs.dtype, theirs.device, True
+        for s_mine, s_theirs in zip(copy.state_layers, self.state_layers, strict=True):
+            s_mine.written = s_theirs.written
         return copy

@@ -1,0 +1,124 @@
+"""Hybrid models (Qwen3-Next's gated delta-net, Bamba's and Granite 4's Mamba-2 layers)
+over kvrs: their attention layers keep K/V in a pool's blocks, their linear layers a
+fixed-size recurrent state (a convolution window and an SSM / delta-rule matrix) in the
+pool's state slots, one per sequence (see ``BlockPool(state_layers=...)``).
+
+:func:`kvrs.integrations.layout.layer_plan` reads a config into the pool's two kinds
+of layers; this module updates the states: the cache classes
+(:mod:`kvrs.integrations.transformers`) and :func:`forward_batch`
+(:mod:`kvrs.integrations.paged_attention`) use it. The state is updated exactly as
+transformers' own ``LinearAttentionLayer`` updates it, but in kvrs's memory: the model's
+kernels read and write the slot views in place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kvrs
+from kvrs.integrations._torch import as_torch, torch
+
+def conv_window(view: torch.Tensor, new: torch.Tensor, has_previous: bool, kernel: int) -> torch.Tensor:
+    """transformers' ``LinearAttentionLayer.update_conv_state`` over kvrs memory: the
+    window the causal convolution sees (the cached window, then `new`; or `new` padded to
+    the kernel on a first call), whose last `kernel` columns are stored in `view`."""
+    if has_previous:
+        full = torch.cat([view.to(new.dtype), new], dim=-1)
+    else:
+        full = new
+        if full.shape[-1] < kernel:
+            full = torch.nn.functional.pad(full, (kernel - full.shape[-1], 0), value=0)
+    view.copy_(full[..., -kernel:])
+    return full
+
+
+def check_state(name: str, view: torch.Tensor, got: torch.Tensor, layer: int) -> None:
+    """The model's state must have the pool's shape (the config's, per row)."""
+    if tuple(got.shape[1:]) != tuple(view.shape[1:]) and not (
+        name == "conv" and got.shape[1] == view.shape[1]
+    ):
+        raise ValueError(
+            f"layer {layer}'s {name} state has shape {tuple(got.shape)}; the pool holds "
+            f"{tuple(view.shape)} per batch: the pool was made for another config"
+        )
+
+
+class SequenceStates:
+    """A cache-like object over one sequence's state slot: what a linear layer's own
+    forward calls (``get_conv_state``, ``update_conv_state``, ...) when
+    :func:`forward_batch` runs it on that sequence's tokens."""
+
+    def __init__(self, seq: kvrs.Sequence, state_layer: int, layer_idx: int, has_previous: bool):
+        views = seq.state(state_layer)
+        self.conv = as_torch(views["conv"])[None]
+        self.recurrent = as_torch(views["recurrent"])[None]
+        self.layer_idx = layer_idx
+        self.previous = has_previous
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self.conv if self.previous else None
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self.recurrent if self.previous else None
+
+    def update_conv_state(
+        self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
+    ) -> torch.Tensor:
+        check_state("conv", self.conv, conv_states, layer_idx)
+        return conv_window(self.conv, conv_states, self.previous, self.conv.shape[-1])
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
+    ) -> torch.Tensor:
+        check_state("recurrent", self.recurrent, recurrent_states, layer_idx)
+        self.recurrent.copy_(recurrent_states)
+        return self.recurrent
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return self.previous
+
+
+def is_linear_mixer(module: torch.nn.Module) -> bool:
+    """Whether `module` is a linear-attention or Mamba mixer (a causal convolution and a
+    layer index: the modules that call ``get_conv_state``)."""
+    return hasattr(module, "conv1d") and hasattr(module, "layer_idx") and hasattr(module, "conv_kernel_size")
+
+
+def wrap_mixer(module: torch.nn.Module, state_layer: int) -> None:
+    """Makes `module` (a linear mixer) run each sequence of a kvrs ForwardBatch on its own
+    tokens and state slot; any other call runs its own forward unchanged."""
+    if getattr(module, "_kvrs_state_layer", None) is not None:
+        module._kvrs_state_layer = state_layer  # type: ignore[assignment]
+        return
+    own = module.forward
+    module._kvrs_state_layer = state_layer  # type: ignore[assignment]
+
+    def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        batch = kwargs.pop("kvrs_batch", None)
+        if batch is None:
+            return own(hidden_states, *args, **kwargs)
+        return batch_forward(own, module, hidden_states, batch, kwargs)
+
+    module.forward = forward  # type: ignore[method-assign]  # an instance attribute, per module
+
+
+def batch_forward(
+    own: Any, module: torch.nn.Module, hidden: torch.Tensor, batch: kvrs.ForwardBatch, kwargs: dict[str, Any]
+) -> torch.Tensor:
+    """`module`'s own forward over each sequence of `batch` in turn (hidden [1, tokens,
+    d], the batch's tokens in order), each against its state slot: a sequence whose
+    first token sits at position 0 starts from no state, any other continues its slot."""
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("cache_params", "attention_mask")}
+    bounds = batch.qo_indptr.tolist()
+    positions = batch.positions
+    layer = int(module.layer_idx)  # type: ignore[arg-type]  # an int on every mixer
+    state_layer = int(module._kvrs_state_layer)  # type: ignore[arg-type]  # set by wrap_mixer
+    outs = []
+    for i, seq in enumerate(batch.sequences):
+        lo, hi = bounds[i], bounds[i + 1]
+        states = SequenceStates(seq, state_layer, layer, int(positions[lo]) > 0)
+        outs.append(own(hidden[:, lo:hi], cache_params=states, attention_mask=None, **kwargs))
+    return torch.cat(outs, dim=1)
