@@ -106,7 +106,10 @@ def main() -> None:
     n, repeat = (4096, 3) if args.quick else (32768, 5)
     print(f"MLA decode, 1 sequence x {n} tokens, {HEADS} query heads, latent {RANK} + {ROPE}")
     print(f"SIMD: {kvrs.attention_simd()}, torch threads: {torch.get_num_threads()}")
-    print("| storage | kvrs (ms) | torch absorbed (ms) | kvrs vs torch | kvrs GB/s | NumPy copy GB/s | max abs err |")
+    print(
+        "| storage | kvrs (ms) | torch absorbed (ms) | kvrs vs torch | kvrs GB/s "
+        "| NumPy copy GB/s | max abs err |"
+    )
     print("|---|---|---|---|---|---|---|")
     for dtype in ("bfloat16", "float16"):
         r = decode(dtype, n, repeat)

@@ -1,7 +1,7 @@
 """Type stubs for the compiled core, kvrs._kvrs (checked by mypy.stubtest in `make test`)."""
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as Sequence_
 from types import GenericAlias, TracebackType
 from typing import Any, Generic, Literal, TypeVar, final, overload
@@ -352,7 +352,7 @@ class BlockPool(Generic[_View_co]):
         dtype: _DTypeLike = "float16",
         device: _Cpu = "cpu",
         layout: str = "NHD",
-        prefix_caching: bool = True,
+        prefix_caching: bool | None = None,
         hash: str = "blake3",
         seed: int | str | None = None,
         partial_hits: bool = True,
@@ -370,6 +370,10 @@ class BlockPool(Generic[_View_co]):
         tier_write: str = "first",
         tier_key: bytes | str | None = None,
         tier_queue_bytes: int | str | None = None,
+        state_layers: int = 0,
+        state_shapes: Mapping[str, Sequence_[int]] | None = None,
+        state_slots: int | None = None,
+        state_dtype: _DTypeLike | Mapping[str, _DTypeLike] | None = None,
     ) -> BlockPool[npt.NDArray[Any]]: ...
     @overload
     def __new__(
@@ -385,7 +389,7 @@ class BlockPool(Generic[_View_co]):
         dtype: _DTypeLike = "float16",
         device: _Cuda,
         layout: str = "NHD",
-        prefix_caching: bool = True,
+        prefix_caching: bool | None = None,
         hash: str = "blake3",
         seed: int | str | None = None,
         partial_hits: bool = True,
@@ -403,6 +407,10 @@ class BlockPool(Generic[_View_co]):
         tier_write: str = "first",
         tier_key: bytes | str | None = None,
         tier_queue_bytes: int | str | None = None,
+        state_layers: int = 0,
+        state_shapes: Mapping[str, Sequence_[int]] | None = None,
+        state_slots: int | None = None,
+        state_dtype: _DTypeLike | Mapping[str, _DTypeLike] | None = None,
     ) -> BlockPool[DeviceTensor]: ...
     @overload
     def __new__(
@@ -418,7 +426,7 @@ class BlockPool(Generic[_View_co]):
         dtype: _DTypeLike = "float16",
         device: str | Any,
         layout: str = "NHD",
-        prefix_caching: bool = True,
+        prefix_caching: bool | None = None,
         hash: str = "blake3",
         seed: int | str | None = None,
         partial_hits: bool = True,
@@ -436,6 +444,10 @@ class BlockPool(Generic[_View_co]):
         tier_write: str = "first",
         tier_key: bytes | str | None = None,
         tier_queue_bytes: int | str | None = None,
+        state_layers: int = 0,
+        state_shapes: Mapping[str, Sequence_[int]] | None = None,
+        state_slots: int | None = None,
+        state_dtype: _DTypeLike | Mapping[str, _DTypeLike] | None = None,
     ) -> BlockPool[_Either]: ...
     @property
     def num_layers(self) -> int:
@@ -513,6 +525,23 @@ class BlockPool(Generic[_View_co]):
         """Zero-copy writable view of an int8 pool's per-token scales: kv_cache's shape minus head_dim."""
     def kv_cache(self, layer: int) -> _View_co:
         """Zero-copy writable view of one layer's cache tensor, FlashInfer's paged layout (one head size)."""
+    @property
+    def state_layers(self) -> int:
+        """State layers beside the K/V layers (hybrid models' linear-attention or Mamba
+        layers; 0 for a pool of attention layers only)."""
+    @property
+    def state_slots(self) -> int:
+        """Sequences that can hold a recurrent state at once (0 without state layers)."""
+    @property
+    def free_state_slots(self) -> int:
+        """State slots no sequence holds."""
+    @property
+    def state_shapes(self) -> dict[str, tuple[list[int], str]]:
+        """Each state's shape per sequence and layer, and its dtype: {name: (dims, dtype)}."""
+    def state_cache(self, layer: int) -> dict[str, _View_co]:
+        """Writable views of one state layer's states for every slot: {name: [state_slots, *dims]}."""
+    def pack_states(self, seqs: Iterable[Sequence[Any]]) -> int:
+        """Moves the states of `seqs` to consecutive slots in their order; returns the first."""
     def kv_cache_parts(self, layer: int) -> tuple[_View_co, _View_co]:
         """Zero-copy writable views (K, V) of one layer: FlashInfer's paged K and V caches (MLA: ckv, kpe)."""
     def stats(self) -> dict[str, Any]:
@@ -675,6 +704,11 @@ class Sequence(Generic[_View_co]):
         """Attention of the newest n positions (q [n, num_q_heads, head_dim]) over the layer, in place."""
     def views(self, layer: int) -> list[tuple[int, int, _View_co, _View_co]]:
         """Zero-copy read-only per-block views: a list of (start, length, K, V)."""
+    @property
+    def state_slot(self) -> int | None:
+        """Its recurrent-state slot in a pool with state layers, else None."""
+    def state(self, layer: int) -> dict[str, _View_co]:
+        """Writable views of its states in state layer `layer`: {name: array of the state's shape}."""
     def fork(self) -> Sequence[_View_co]:
         """A new sequence sharing every block of this one (copy-on-write on first write)."""
     def truncate(self, n: int) -> None:

@@ -17,6 +17,7 @@ pub mod read;
 pub mod seq;
 pub mod shift;
 pub mod slots;
+pub mod state_ops;
 pub mod states;
 pub mod stats;
 pub mod tier_lookup;

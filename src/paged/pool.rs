@@ -14,7 +14,7 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use super::groups::{Attention, LayerGroups, LayerKind};
 use super::ledger::BlockLedger;
 use super::seq::{SeqState, Table, NO_BLOCK};
-use super::states::{StateArena, StateConfig};
+use super::states::StateArena;
 use crate::dtype::DType;
 use crate::error::{check_count, check_index, check_positive, KvError, Result};
 use crate::layout::BlockId;
@@ -167,77 +167,6 @@ impl PoolCore {
             saturated: vec![0; shape.num_layers],
             states: None,
         })
-    }
-
-    /// Gives the pool `config.layers` state layers beside its K/V layers: one state slot
-    /// per sequence (of `config.slots`), taken zeroed when a sequence starts, copied by
-    /// `fork`, freed with the sequence. Refused for a pool that caches prefixes: a hit
-    /// would attach K/V without the state of the hit's length.
-    pub fn with_states(mut self, config: StateConfig) -> Result<Self> {
-        if self.prefix().is_some() {
-            return Err(KvError::InvalidArgument {
-                name: "prefix_caching",
-                value: "True".into(),
-                reason: "a pool with state layers does not cache prefixes: a hit would restore \
-                         K/V but not the recurrent state after the hit's tokens; pass \
-                         prefix_caching=False"
-                    .into(),
-            });
-        }
-        if !self.seqs.is_empty() {
-            return Err(KvError::NotSupported(
-                "state layers are given before the pool's first sequence".into(),
-            ));
-        }
-        self.states = Some(StateArena::new(config, self.device())?);
-        Ok(self)
-    }
-
-    /// The state slots, for a pool with state layers.
-    pub fn states(&self) -> Option<&StateArena> {
-        self.states.as_ref()
-    }
-
-    /// Fails unless `n` more sequences can take a state slot (always true without state
-    /// layers): callers that start or fork sequences check first.
-    pub fn check_state_room(&self, n: usize, what: impl FnOnce() -> String) -> Result<()> {
-        self.states.as_ref().map_or(Ok(()), |a| a.check_room(n, what))
-    }
-
-    /// Moves the states of `ids` (distinct live sequences) to consecutive slots in their
-    /// order (see [`StateArena::pack`]); returns the first.
-    pub fn pack_states(&mut self, ids: &[SeqId]) -> Result<u32> {
-        let slots = ids
-            .iter()
-            .map(|&id| {
-                self.seq(id)?.state_slot.ok_or_else(|| {
-                    KvError::NotSupported(format!("sequence {id} has no state slot"))
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let arena = self.states.as_mut().ok_or_else(|| {
-            KvError::NotSupported("this pool has no state layers".into())
-        })?;
-        let (first, moved) = arena.pack(&slots)?;
-        for (&id, slot) in ids.iter().zip(moved) {
-            self.seq_mut(id).state_slot = Some(slot);
-        }
-        Ok(first)
-    }
-
-    /// Fails when sequence `id` has a recurrent state that an edit of its committed
-    /// positions from `n` on would leave out of step with its K/V.
-    pub(crate) fn check_state_kept(&self, id: SeqId, n: usize, what: &str) -> Result<()> {
-        let s = self.seq(id)?;
-        if self.states.is_some() && n < s.seq_len {
-            return Err(KvError::NotSupported(format!(
-                "{what}: sequence {id} has recurrent state, which holds all its {} committed \
-                 positions and cannot be rolled back to {n}; fork the sequence before tokens \
-                 you may reject (a fork copies the state)",
-                s.seq_len
-            )));
-        }
-        Ok(())
     }
 
     /// Sets the fp8 scales (a new pool of an fp8 dtype; unit scales for any other).

@@ -273,6 +273,23 @@ impl StateArena {
         Ok((first, targets))
     }
 
+    /// The index of state `name` and the checked `layer`.
+    pub fn locate(&self, layer: i64, name: &str) -> Result<(usize, usize)> {
+        let layer = crate::error::check_index("layer", layer, self.config.layers)?;
+        Ok((self.find(name)?, layer))
+    }
+
+    /// Reads state `s` of `layer` at `slot` into `dst` (`[numel, 1, 1]`).
+    pub fn read(&self, s: usize, layer: usize, slot: u32, dst: &mut TensorMut) -> Result<()> {
+        self.storages[s].read(self.region(s, layer, slot, 1), dst)
+    }
+
+    /// Writes `src` (`[numel, 1, 1]`) as state `s` of `layer` at `slot`.
+    pub fn write(&mut self, s: usize, layer: usize, slot: u32, src: &TensorRef) -> Result<()> {
+        let r = self.region(s, layer, slot, 1);
+        self.storages[s].write(r, src)
+    }
+
     /// Element offset of state `s` of `layer` at `slot` in its storage.
     pub fn offset(&self, s: usize, layer: usize, slot: u32) -> usize {
         let numel = self.config.specs[s].numel();

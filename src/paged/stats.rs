@@ -129,7 +129,10 @@ impl PoolCore {
             slot_bytes: a.config().slot_bytes(),
         });
         let (state_total, state_used) = states.as_ref().map_or((0, 0), |s| {
-            (s.slots * s.slot_bytes, (s.slots - s.free_slots) * s.slot_bytes)
+            (
+                s.slots * s.slot_bytes,
+                (s.slots - s.free_slots) * s.slot_bytes,
+            )
         });
         PoolStats {
             num_blocks: self.shape.num_blocks,

@@ -469,7 +469,14 @@ impl PyBlockPool {
     fn state_cache<'py>(slf: &Bound<'py, Self>, layer: i64) -> PyResult<Bound<'py, PyDict>> {
         let me = slf.get();
         let states = me.state_layout()?;
-        states.views(slf.as_any(), me.device, layer, 0, states.config.slots, false)
+        states.views(
+            slf.as_any(),
+            me.device,
+            layer,
+            0,
+            states.config.slots,
+            false,
+        )
     }
 
     /// Moves the states of `seqs` (distinct sequences of this pool) to consecutive slots

@@ -482,9 +482,9 @@ impl PySequence {
     fn state<'py>(slf: &Bound<'py, Self>, layer: i64) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
         let me = slf.get();
         let states = me.core.state_layout()?;
-        let slot = me
-            .with(slf.py(), |s, _| s.state_slot)?
-            .ok_or_else(|| crate::error::KvError::NotSupported(format!("sequence {} has no state slot", me.id)))?;
+        let slot = me.with(slf.py(), |s, _| s.state_slot)?.ok_or_else(|| {
+            crate::error::KvError::NotSupported(format!("sequence {} has no state slot", me.id))
+        })?;
         states.views(slf.as_any(), me.core.device, layer, slot, 1, true)
     }
 

@@ -107,7 +107,11 @@ pub fn parse_config(
         .into()
     };
     if state_layers < 0 {
-        return Err(bad("state_layers", state_layers.to_string(), "must be >= 0"));
+        return Err(bad(
+            "state_layers",
+            state_layers.to_string(),
+            "must be >= 0",
+        ));
     }
     if state_layers == 0 {
         if state_shapes.is_some() || state_slots.is_some() {
@@ -148,20 +152,31 @@ pub fn parse_config(
     };
     let mut specs = Vec::with_capacity(shapes.len());
     for (k, v) in shapes.iter() {
-        let name: String = k
-            .extract()
-            .map_err(|_| bad("state_shapes", k.repr().map_or_else(|_| "?".into(), |r| r.to_string()), "keys are state names (str)"))?;
+        let name: String = k.extract().map_err(|_| {
+            bad(
+                "state_shapes",
+                k.repr().map_or_else(|_| "?".into(), |r| r.to_string()),
+                "keys are state names (str)",
+            )
+        })?;
         let dims: Vec<i64> = v.extract().map_err(|_| {
             bad(
                 "state_shapes",
-                format!("{name}: {}", v.repr().map_or_else(|_| "?".into(), |r| r.to_string())),
+                format!(
+                    "{name}: {}",
+                    v.repr().map_or_else(|_| "?".into(), |r| r.to_string())
+                ),
                 "each value is a shape: a tuple of ints",
             )
         })?;
-        let dims = dims
-            .iter()
-            .map(|&d| check_size("state_shapes", d))
-            .collect::<Result<Vec<_>, _>>()?;
+        if dims.is_empty() || dims.iter().any(|&d| d < 1) {
+            return Err(bad(
+                "state_shapes",
+                format!("{name}: {dims:?}"),
+                "every dimension must be >= 1",
+            ));
+        }
+        let dims = dims.iter().map(|&d| d as usize).collect();
         specs.push(StateSpec {
             dtype: dtype_of(&name)?,
             name,

@@ -18,6 +18,7 @@ from typing import Any
 import kvrs
 from kvrs.integrations._torch import as_torch, torch
 
+
 def conv_window(view: torch.Tensor, new: torch.Tensor, has_previous: bool, kernel: int) -> torch.Tensor:
     """transformers' ``LinearAttentionLayer.update_conv_state`` over kvrs memory: the
     window the causal convolution sees (the cached window, then `new`; or `new` padded to

@@ -184,7 +184,9 @@ def block_pool_from_config(
             **pool_kwargs,
         }
     elif state_slots is not None:
-        raise ValueError(f"state_slots={state_slots}: {type(text_config(config)).__name__} has no state layers")
+        raise ValueError(
+            f"state_slots={state_slots}: {type(text_config(config)).__name__} has no state layers"
+        )
     return kvrs.BlockPool(
         len(layout["layer_types"]),
         heads,

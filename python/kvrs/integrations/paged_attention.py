@@ -107,12 +107,16 @@ AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 def _attend_in_place(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
     """Forward pre-hook: a kvrs cache passed to the model attends in place for this
-    forward (unless the batch is padded: padding needs the model's mask)."""
+    forward (unless the batch is padded: padding needs the model's mask, or the model's
+    attention is no longer kvrs's)."""
     cache = kwargs.get("past_key_values")
     if cache is not None and hasattr(cache, "attend_in_place"):
         mask = kwargs.get("attention_mask")
         padded = mask is not None and mask.ndim == 2 and not bool(mask.all())
-        cache.attend_in_place = not padded
+        # Only while the model's attention is kvrs's (set_attn_implementation may have
+        # switched it back since use_paged_attention).
+        ours = getattr(module.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
+        cache.attend_in_place = ours and not padded
 
 
 def use_paged_attention(model: Any) -> Any:

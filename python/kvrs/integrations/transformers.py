@@ -329,9 +329,7 @@ class KvrsCache(Cache):
         dtype = resolve_dtype(dtype, m_dtype if isinstance(model_or_config, torch.nn.Module) else None)
         device = resolve_device(device, m_device)
         linear = layer_plan(config).state_of
-        return cls(
-            layers, max_seq_len, dtype, device, k_scale=k_scale, v_scale=v_scale, linear_layers=linear
-        )
+        return cls(layers, max_seq_len, dtype, device, k_scale=k_scale, v_scale=v_scale, linear_layers=linear)
 
 
 class KvrsPagedLayer(CacheLayerMixin):
@@ -384,7 +382,8 @@ class KvrsStateLayer(LinearAttentionCacheLayerMixin):
         self.number_of_states = 1
         self.written = False  # whether the rows' states hold the tokens seen so far
         self.record_past = False
-        self.device = self.dtype = None
+        self.device: Any = None
+        self.dtype: Any = None
         shape = owner.pool.state_shapes["conv"][0]
         self.conv_kernel_size = {0: shape[-1]}
 
@@ -422,7 +421,11 @@ class KvrsStateLayer(LinearAttentionCacheLayerMixin):
         return view
 
     def update_conv_state(
-        self, conv_states: torch.Tensor, state_idx: int = 0, conv_kernel_size: int | None = None, **kwargs: Any
+        self,
+        conv_states: torch.Tensor,
+        state_idx: int = 0,
+        conv_kernel_size: int | None = None,
+        **kwargs: Any,
     ) -> torch.Tensor:
         _check_state_index(state_idx)
         view = self._views(conv_states, "conv")
@@ -459,7 +462,9 @@ class KvrsStateLayer(LinearAttentionCacheLayerMixin):
 
 def _check_state_index(state_idx: int) -> None:
     if state_idx != 0:
-        raise kvrs.NotSupportedError(f"state_idx={state_idx}: kvrs keeps one conv and one recurrent state per layer")
+        raise kvrs.NotSupportedError(
+            f"state_idx={state_idx}: kvrs keeps one conv and one recurrent state per layer"
+        )
 
 
 class KvrsPagedCache(Cache):
@@ -632,17 +637,28 @@ class KvrsPagedCache(Cache):
         return torch.stack(rows)
 
     def _replace_rows(self, sources: list[int]) -> None:
-        """Rows become forks of the current rows at `sources` (blocks shared, no copy)."""
+        """Rows become the current rows at `sources`: a row's first use keeps it, a
+        repeat forks it (blocks shared, no copy; states copied), rows no source names are
+        freed first, so a reorder needs no more sequences (or state slots) than it keeps."""
+        used = set(sources)
+        for i, seq in enumerate(self.rows):
+            if i not in used:
+                seq.free()
         new: list[kvrs.Sequence] = []
+        forks: list[kvrs.Sequence] = []
         try:
             for i in sources:
-                new.append(self.rows[i].fork())
+                if any(seq is self.rows[i] for seq in new):
+                    forks.append(self.rows[i].fork())
+                    new.append(forks[-1])
+                else:
+                    new.append(self.rows[i])
         except BaseException:
-            for seq in new:
+            for seq in forks:
                 seq.free()
+            self.rows = [self.rows[i] for i in sorted(used)]
+            self._rows_changed()
             raise
-        for seq in self.rows:
-            seq.free()
         self.rows = new
         self._rows_changed()
 
