@@ -55,10 +55,10 @@ impl CacheShape {
         }
     }
 
-    /// Elements per int8 scale: one per head vector (int8 caches have one head size,
-    /// [`sizes::check_int8_dims`]).
+    /// Elements per int8 scale: `gcd(head_dim, v_head_dim)` ([`sizes::int8_scale_unit`]),
+    /// one per head vector when K and V have one head size.
     pub fn scale_unit(&self) -> usize {
-        self.head_dim
+        sizes::int8_scale_unit([self.head_dim, self.v_head_dim])
     }
 
     /// Checks that every size is positive, that there are at most
