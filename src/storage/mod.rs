@@ -225,13 +225,16 @@ pub struct RowScales {
     pub len: usize,
 }
 
-/// Fails unless `device` can hold keys of `dims[0]` and values of `dims[1]` elements:
-/// the CUDA kernels take one head size for both.
-pub fn check_device_dims(device: Device, dims: [usize; 2]) -> Result<()> {
+/// Fails unless the CUDA kernel behind `what` (attention, the captured append) can run
+/// on `device` over keys of `dims[0]` and values of `dims[1]` elements: those kernels
+/// take one head size for both. Storage of two head sizes on a device (writes, reads,
+/// copies, forks, swaps) goes through the region copies and needs no check.
+pub fn check_kernel_dims(what: &str, device: Device, dims: [usize; 2]) -> Result<()> {
     if device != Device::Cpu && dims[0] != dims[1] {
         return Err(KvError::NotSupported(format!(
-            "v_head_dim={} beside head_dim={} on {device}: the CUDA kernels take one head size \
-             for K and V; keep this cache on the host (device='cpu')",
+            "{what} on {device} with v_head_dim={} beside head_dim={}: the CUDA kernels of \
+             {what} take one head size for K and V; keep this cache on the host \
+             (device='cpu') to {what}",
             dims[1], dims[0]
         )));
     }
