@@ -55,10 +55,10 @@ impl CacheShape {
         }
     }
 
-    /// Elements per int8 scale: one per head vector (int8 caches have one head size,
-    /// [`sizes::check_int8_dims`]).
+    /// Elements per int8 scale: `gcd(head_dim, v_head_dim)` ([`sizes::int8_scale_unit`]),
+    /// one per head vector when K and V have one head size.
     pub fn scale_unit(&self) -> usize {
-        self.head_dim
+        sizes::int8_scale_unit([self.head_dim, self.v_head_dim])
     }
 
     /// Checks that every size is positive, that there are at most
@@ -128,7 +128,6 @@ impl CacheCore {
     /// Allocates a zero-filled cache of `dtype` on `device`; nothing is allocated later.
     pub fn new(shape: CacheShape, dtype: DType, device: Device) -> Result<Self> {
         let numel = shape.validate(dtype)?;
-        crate::storage::check_device_dims(device, [shape.head_dim, shape.v_head_dim])?;
         let storage = allocate(device, dtype, numel, shape.scale_unit())?;
         Ok(CacheCore {
             shape,
@@ -654,6 +653,11 @@ impl CacheCore {
         check_tokens("v", v.shape(), s.num_kv_heads, s.v_head_dim)?;
         v.expect_shape("v", &[n, s.num_kv_heads, s.v_head_dim])?;
         let c = self.cuda("append_at_counter")?;
+        crate::storage::check_kernel_dims(
+            "append_at_counter",
+            self.device(),
+            [s.head_dim, s.v_head_dim],
+        )?;
         if !self.scales.is_unit() {
             // A captured step takes plain values only; dividing by the scales would
             // upload them from the host on every replay.

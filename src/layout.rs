@@ -176,10 +176,11 @@ impl PagedShape {
         }
     }
 
-    /// Elements per int8 scale: one scale per head vector, and int8 pools have one
-    /// head size ([`crate::sizes::check_int8_dims`]).
+    /// Elements per int8 scale: `gcd(head_dim, v_head_dim)`
+    /// ([`crate::sizes::int8_scale_unit`]), one scale per head vector when K and V have
+    /// one head size.
     pub fn scale_unit(&self) -> usize {
-        self.head_dim
+        crate::sizes::int8_scale_unit([self.head_dim, self.v_head_dim])
     }
 
     /// Head vectors (K and V) in one block of one layer.

@@ -18,15 +18,14 @@ pub fn product(what: &str, sizes: &[(&'static str, usize)]) -> Result<usize> {
 
 /// Bytes of `what` holding K and V for the product of `sizes` positions (or heads,
 /// blocks, ...): a key of `dims[0]` and a value of `dims[1]` elements of `dtype` each,
-/// int8 with a float32 scale per vector. Fails like [`product`] past the address
-/// space, and for int8 of two head sizes ([`check_int8_dims`]).
+/// int8 with a float32 scale per [`int8_scale_unit`] elements. Fails like [`product`]
+/// past the address space.
 pub fn kv_bytes(
     what: &str,
     sizes: &[(&'static str, usize)],
     dims: [usize; 2],
     dtype: DType,
 ) -> Result<usize> {
-    check_int8_dims(dims, dtype)?;
     let fail = || {
         let mut all = sizes.to_vec();
         all.push(("head_dim", dims[0]));
@@ -44,31 +43,28 @@ pub fn kv_bytes(
 }
 
 /// Bytes of one key of `dims[0]` and one value of `dims[1]` elements of `dtype`, int8's
-/// scales included (one per vector); `None` past `usize`.
+/// float32 scales included (one per [`int8_scale_unit`] elements); `None` past `usize`.
 pub fn kv_pair_bytes(dims: [usize; 2], dtype: DType) -> Option<usize> {
-    let scales = if dtype == DType::I8 { 8 } else { 0 };
-    dims[0]
-        .checked_add(dims[1])?
-        .checked_mul(dtype.size())?
-        .checked_add(scales)
+    let elems = dims[0].checked_add(dims[1])?;
+    let scales = if dtype == DType::I8 {
+        elems.checked_div(int8_scale_unit(dims))?.checked_mul(4)?
+    } else {
+        0
+    };
+    elems.checked_mul(dtype.size())?.checked_add(scales)
 }
 
-/// Fails unless int8 storage (one scale per head vector, addressed by element offset /
-/// `head_dim`) gets keys and values of one head size.
-pub fn check_int8_dims(dims: [usize; 2], dtype: DType) -> Result<()> {
-    if dtype == DType::I8 && dims[0] != dims[1] {
-        return Err(KvError::InvalidArgument {
-            name: "v_head_dim",
-            value: dims[1].to_string(),
-            reason: format!(
-                "int8 storage keeps one scale per head vector and needs v_head_dim == \
-                 head_dim={}; store K and V of different sizes (an MLA latent) as fp8_e4m3, \
-                 bfloat16 or float16",
-                dims[0]
-            ),
-        });
+/// Elements per int8 scale for keys of `dims[0]` and values of `dims[1]` elements: their
+/// greatest common divisor, so that every key and every value is a whole number of
+/// scaled chunks and an element offset divided by the unit addresses its scale. For one
+/// head size this is one scale per head vector; for an MLA latent (512 and 64) one per
+/// 64 elements. 0 only when both sizes are 0.
+pub fn int8_scale_unit(dims: [usize; 2]) -> usize {
+    let (mut a, mut b) = (dims[0], dims[1]);
+    while b != 0 {
+        (a, b) = (b, a % b);
     }
-    Ok(())
+    a
 }
 
 /// A vector of `n` copies of `value`, allocated fallibly: [`KvError::OutOfMemory`]
@@ -147,10 +143,12 @@ mod tests {
         assert_eq!(kv_bytes("c", &sizes, [4, 4], DType::I8).unwrap(), 2 * 6 * 8);
         // Different head sizes: 6 x (12 + 4) elements; int8 keeps a scale per 4.
         assert_eq!(kv_bytes("c", &sizes, [12, 4], DType::F16).unwrap(), 6 * 32);
-        let e = kv_bytes("c", &sizes, [12, 4], DType::I8)
-            .unwrap_err()
-            .to_string();
-        assert!(e.starts_with("v_head_dim=4: int8 storage"), "{e}");
+        assert_eq!(
+            kv_bytes("c", &sizes, [12, 4], DType::I8).unwrap(),
+            6 * (16 + 4 * 4)
+        );
+        // An MLA latent: 512 + 64 codes and 9 scales of 64 elements.
+        assert_eq!(kv_pair_bytes([512, 64], DType::I8), Some(576 + 36));
         // head_dim * 4 overflows before any product.
         let e = kv_bytes("c", &[("num_kv_heads", 1)], [1 << 62, 1 << 62], DType::F32).unwrap_err();
         assert!(
@@ -158,6 +156,15 @@ mod tests {
             "{e}"
         );
         assert!(kv_bytes("c", &[("num_blocks", 1 << 61)], [2, 2], DType::F32).is_err());
+    }
+
+    #[test]
+    fn the_int8_scale_unit_divides_both_head_sizes() {
+        assert_eq!(int8_scale_unit([128, 128]), 128);
+        assert_eq!(int8_scale_unit([512, 64]), 64);
+        assert_eq!(int8_scale_unit([192, 128]), 64);
+        assert_eq!(int8_scale_unit([12, 8]), 4);
+        assert_eq!(int8_scale_unit([7, 5]), 1);
     }
 
     #[test]

@@ -3,7 +3,10 @@
 //! and a property test runs random pool operations on a host pool and a device pool of
 //! the same 8-bit dtype side by side. After every step both hold the same codes and
 //! scales, bit for bit, read back through every path (device gathers, host reads,
-//! dequantized floats), and attention over them agrees.
+//! dequantized floats), and attention over them agrees. Pools of keys and values of
+//! different head sizes (an MLA latent) run the same operations through the region
+//! copies, with int8's scale per gcd(head_dim, v_head_dim) elements; their attention is
+//! refused on the device (`NotSupported`).
 #![cfg(feature = "cuda-sim")]
 
 use kvrs::attention::AttnOptions;
@@ -21,6 +24,8 @@ use proptest::prelude::*;
 const L: usize = 2;
 const H: usize = 2;
 const D: usize = 4;
+/// The value head size of the pools of two head sizes (the scale unit of int8: 2).
+const DV: usize = 6;
 const BS: usize = 4;
 const BLOCKS: usize = 24;
 const CUDA: Device = Device::Cuda(0);
@@ -229,15 +234,17 @@ struct Twins {
     pools: [PoolCore; 2],
     live: Vec<[SeqId; 2]>,
     dtype: DType,
+    /// Elements per value head vector (keys have `D`).
+    dv: usize,
 }
 
 impl Twins {
-    fn new(dtype: DType, layout: KvLayout) -> Self {
+    fn new(dtype: DType, layout: KvLayout, dv: usize) -> Self {
         let shape = PagedShape {
             num_layers: L,
             num_kv_heads: H,
             head_dim: D,
-            v_head_dim: D,
+            v_head_dim: dv,
             block_size: BS,
             num_blocks: BLOCKS,
             layout,
@@ -271,6 +278,7 @@ impl Twins {
             pools,
             live: Vec::new(),
             dtype,
+            dv,
         }
     }
 
@@ -325,7 +333,8 @@ impl Twins {
             } => {
                 let Some(i) = self.pick(*seq) else { return };
                 let ids = self.live[i];
-                let (k, v) = (values(*seed, n * H * D), values(seed ^ 0xabcd, n * H * D));
+                let dv = self.dv;
+                let (k, v) = (values(*seed, n * H * D), values(seed ^ 0xabcd, n * H * dv));
                 let dev = |j: usize| {
                     if j == 1 && *device_input {
                         CUDA
@@ -338,7 +347,7 @@ impl Twins {
                         ids[j],
                         *layer as i64,
                         &tensor(&k, &[*n, H, D], dev(j)),
-                        &tensor(&v, &[*n, H, D], dev(j)),
+                        &tensor(&v, &[*n, H, dv], dev(j)),
                     )
                 });
             }
@@ -391,29 +400,45 @@ impl Twins {
             .iter()
             .map(|x| x.clamp(-3.0, 3.0))
             .collect::<Vec<f32>>();
+        let dv = self.dv;
         for layer in 0..L {
             let k = values(seed.wrapping_add(layer as u32), n * H * D);
-            let v = values(seed ^ 0x7777 ^ layer as u32, n * H * D);
-            let mut outs = [vec![0u8; 4 * n * hq * D], vec![0u8; 4 * n * hq * D]];
+            let v = values(seed ^ 0x7777 ^ layer as u32, n * H * dv);
+            let mut outs = [vec![0u8; 4 * n * hq * dv], vec![0u8; 4 * n * hq * dv]];
+            let mut attended = true;
             for j in 0..2 {
                 let p = &mut self.pools[j];
                 let g = p.group_for(Some(layer as i64)).unwrap();
                 p.write(
                     layer as i64,
                     &tensor(&k, &[n, H, D], devs[j]),
-                    &tensor(&v, &[n, H, D], devs[j]),
+                    &tensor(&v, &[n, H, dv], devs[j]),
                     plans[j].group_slots(g),
                 )
                 .unwrap();
-                let mut out = tensor_mut(&mut outs[j], DType::F32, &[n, hq, D], devs[j]);
-                p.forward_attention(
+                let mut out = tensor_mut(&mut outs[j], DType::F32, &[n, hq, dv], devs[j]);
+                let r = p.forward_attention(
                     &plans[j],
                     layer as i64,
                     &tensor(&q, &[n, hq, D], devs[j]),
                     &mut out,
                     &AttnOptions::default(),
-                )
-                .unwrap();
+                );
+                if j == 1 && dv != D {
+                    // The device's attention kernels take one head size.
+                    let e = r.unwrap_err();
+                    assert!(
+                        matches!(e, kvrs::KvError::NotSupported(_))
+                            && e.to_string().contains("v_head_dim=6 beside head_dim=4"),
+                        "{e}"
+                    );
+                    attended = false;
+                } else {
+                    r.unwrap();
+                }
+            }
+            if !attended {
+                continue;
             }
             let f = |b: &[u8]| -> Vec<f32> {
                 b.chunks(4)
@@ -507,7 +532,9 @@ impl Twins {
     /// Both pools hold the same codes, scales and dequantized values for every live
     /// sequence and layer, read through every path.
     fn check(&self) {
+        let dv = self.dv;
         let size = |n: usize| H * n.max(1) * D;
+        let vsize = |n: usize| H * n.max(1) * dv;
         for ids in &self.live {
             for layer in 0..L {
                 // Raw codes: the host pool; the device pool into device and host buffers.
@@ -515,21 +542,22 @@ impl Twins {
                 for (j, dev) in [(0, Device::Cpu), (1, CUDA), (1, Device::Cpu)] {
                     let p = &self.pools[j];
                     let cap = p.seq(ids[j]).unwrap().layer_len[layer].max(1);
-                    let (mut k, mut v) = (vec![0u8; size(cap)], vec![0u8; size(cap)]);
+                    let es = self.dtype.size();
+                    let (mut k, mut v) = (vec![0u8; es * size(cap)], vec![0u8; es * vsize(cap)]);
                     let got = p
                         .gather(
                             ids[j],
                             layer as i64,
                             &mut tensor_mut(&mut k, self.dtype, &[H, cap, D], dev),
-                            &mut tensor_mut(&mut v, self.dtype, &[H, cap, D], dev),
+                            &mut tensor_mut(&mut v, self.dtype, &[H, cap, dv], dev),
                         )
                         .unwrap();
-                    let (mut kf, mut vf) = (vec![0u8; 4 * size(cap)], vec![0u8; 4 * size(cap)]);
+                    let (mut kf, mut vf) = (vec![0u8; 4 * size(cap)], vec![0u8; 4 * vsize(cap)]);
                     p.gather(
                         ids[j],
                         layer as i64,
                         &mut tensor_mut(&mut kf, DType::F32, &[H, cap, D], dev),
-                        &mut tensor_mut(&mut vf, DType::F32, &[H, cap, D], dev),
+                        &mut tensor_mut(&mut vf, DType::F32, &[H, cap, dv], dev),
                     )
                     .unwrap();
                     let scales = (self.dtype == DType::I8)
@@ -564,7 +592,11 @@ impl Twins {
 }
 
 fn run(dtype: DType, layout: KvLayout, ops: &[Op]) {
-    let mut t = Twins::new(dtype, layout);
+    run_dims(dtype, layout, D, ops);
+}
+
+fn run_dims(dtype: DType, layout: KvLayout, dv: usize, ops: &[Op]) {
+    let mut t = Twins::new(dtype, layout, dv);
     for op in ops {
         t.apply(op);
         t.check();
@@ -593,20 +625,50 @@ proptest! {
     fn int8_hnd_pool_on_cuda_equals_the_host(ops in prop::collection::vec(op(), 1..40)) {
         run(DType::I8, KvLayout::Hnd, &ops);
     }
+
+    #[test]
+    fn int8_nhd_pool_of_two_head_sizes_on_cuda_equals_the_host(ops in prop::collection::vec(op(), 1..40)) {
+        run_dims(DType::I8, KvLayout::Nhd, DV, &ops);
+    }
+
+    #[test]
+    fn int8_hnd_pool_of_two_head_sizes_on_cuda_equals_the_host(ops in prop::collection::vec(op(), 1..40)) {
+        run_dims(DType::I8, KvLayout::Hnd, DV, &ops);
+    }
+
+    #[test]
+    fn e4m3_pool_of_two_head_sizes_on_cuda_equals_the_host(ops in prop::collection::vec(op(), 1..40)) {
+        run_dims(DType::F8E4M3, KvLayout::Hnd, DV, &ops);
+    }
+
+    #[test]
+    fn float_pools_of_two_head_sizes_on_cuda_equal_the_host(
+        ops in prop::collection::vec(op(), 1..40),
+        dtype in prop_oneof![Just(DType::F32), Just(DType::BF16), Just(DType::F16)],
+        hnd in any::<bool>(),
+    ) {
+        let layout = if hnd { KvLayout::Hnd } else { KvLayout::Nhd };
+        run_dims(dtype, layout, DV, &ops);
+    }
 }
 
 /// A contiguous fp8 cache with per-head scales: appends from device and host tensors and
-/// dequantized reads into device and host tensors equal the host cache's, bit for bit.
+/// dequantized reads into device and host tensors equal the host cache's, bit for bit;
+/// for keys and values of one head size and of two (int8 then keeps a scale per
+/// gcd(head_dim, v_head_dim) elements, and the captured append is refused on the device).
 #[test]
 fn contiguous_fp8_cache_with_scales_equals_the_host() {
-    let shape = CacheShape {
-        num_layers: 2,
-        num_kv_heads: H,
-        head_dim: D,
-        v_head_dim: D,
-        max_seq_len: 12,
-    };
-    for dtype in [DType::F8E4M3, DType::F8E5M2, DType::I8] {
+    for (dtype, dv) in [DType::F8E4M3, DType::F8E5M2, DType::I8, DType::BF16]
+        .into_iter()
+        .flat_map(|d| [(d, D), (d, DV)])
+    {
+        let shape = CacheShape {
+            num_layers: 2,
+            num_kv_heads: H,
+            head_dim: D,
+            v_head_dim: dv,
+            max_seq_len: 12,
+        };
         let scales = || {
             let k: Vec<f32> = (0..2 * H).map(|i| 0.25 + i as f32).collect();
             KvScales::new(2, H, &k, &[3.0]).unwrap()
@@ -618,17 +680,17 @@ fn contiguous_fp8_cache_with_scales_equals_the_host() {
             (CUDA, Device::Cpu),
         ] {
             let mut c = CacheCore::new(shape, dtype, dev).unwrap();
-            if dtype != DType::I8 {
+            if dtype.fp8().is_some() {
                 c = c.with_scales(scales()).unwrap();
             }
             for (step, n) in [5usize, 1, 3].into_iter().enumerate() {
                 for layer in 0..2 {
                     let k = values(step as u32 * 10 + layer, n * H * D);
-                    let v = values(step as u32 * 10 + layer + 5, n * H * D);
+                    let v = values(step as u32 * 10 + layer + 5, n * H * dv);
                     c.append(
                         layer as i64,
                         &tensor(&k, &[n, H, D], input),
-                        &tensor(&v, &[n, H, D], input),
+                        &tensor(&v, &[n, H, dv], input),
                     )
                     .unwrap();
                 }
@@ -636,22 +698,38 @@ fn contiguous_fp8_cache_with_scales_equals_the_host() {
             }
             let mut got = Vec::new();
             for layer in 0..2 {
-                let (mut k, mut v) = (vec![0u8; 4 * H * 9 * D], vec![0u8; 4 * H * 9 * D]);
+                let (mut k, mut v) = (vec![0u8; 4 * H * 9 * D], vec![0u8; 4 * H * 9 * dv]);
                 c.extract_block(
                     layer,
                     0,
                     9,
                     &mut tensor_mut(&mut k, DType::F32, &[H, 9, D], dev),
-                    &mut tensor_mut(&mut v, DType::F32, &[H, 9, D], dev),
+                    &mut tensor_mut(&mut v, DType::F32, &[H, 9, dv], dev),
                 )
                 .unwrap();
                 got.push((k, v));
             }
+            if dev == CUDA && dv != D {
+                let (k, v) = (values(1, H * D), values(2, H * dv));
+                let e = c
+                    .append_at_counter(
+                        0,
+                        &tensor(&k, &[1, H, D], CUDA),
+                        &tensor(&v, &[1, H, dv], CUDA),
+                    )
+                    .unwrap_err();
+                assert!(
+                    matches!(e, kvrs::KvError::NotSupported(_))
+                        && e.to_string().contains("append_at_counter"),
+                    "{e}"
+                );
+            }
             outs.push(got);
         }
         assert!(outs[0].iter().any(|(k, _)| k.iter().any(|&b| b != 0)));
-        assert_eq!(outs[0], outs[1], "{dtype}: device inputs");
-        assert_eq!(outs[0], outs[2], "{dtype}: host inputs");
+        assert!(outs[0].iter().any(|(_, v)| v.iter().any(|&b| b != 0)));
+        assert_eq!(outs[0], outs[1], "{dtype} dv={dv}: device inputs");
+        assert_eq!(outs[0], outs[2], "{dtype} dv={dv}: host inputs");
     }
 }
 
@@ -665,15 +743,6 @@ fn cuda_pools_swap_blocks_through_a_host_tier() {
     use kvrs::tier::{HostTier, Tier};
     use std::sync::Arc;
 
-    let shape = PagedShape {
-        num_layers: L,
-        num_kv_heads: H,
-        head_dim: D,
-        v_head_dim: D,
-        block_size: BS,
-        num_blocks: 8,
-        layout: KvLayout::Hnd,
-    };
     let prefix = || {
         Some(PrefixConfig {
             hash: HashKind::Blake3,
@@ -682,7 +751,22 @@ fn cuda_pools_swap_blocks_through_a_host_tier() {
             events: false,
         })
     };
-    for dtype in [DType::F16, DType::F8E4M3, DType::I8] {
+    for (dtype, dv) in [
+        (DType::F16, D),
+        (DType::F8E4M3, D),
+        (DType::I8, D),
+        (DType::F16, DV),
+        (DType::I8, DV),
+    ] {
+        let shape = PagedShape {
+            num_layers: L,
+            num_kv_heads: H,
+            head_dim: D,
+            v_head_dim: dv,
+            block_size: BS,
+            num_blocks: 8,
+            layout: KvLayout::Hnd,
+        };
         let host = Arc::new(HostTier::new(1 << 20));
         let make = |dev: Device| {
             PoolCore::new(shape, dtype, dev, prefix())
@@ -702,12 +786,12 @@ fn cuda_pools_swap_blocks_through_a_host_tier() {
         let id = src.new_sequence_with(&tokens, b"", b"");
         for layer in 0..L {
             let k = values(layer as u32, 13 * H * D);
-            let v = values(layer as u32 + 9, 13 * H * D);
+            let v = values(layer as u32 + 9, 13 * H * dv);
             src.append(
                 id,
                 layer as i64,
                 &tensor(&k, &[13, H, D], CUDA),
-                &tensor(&v, &[13, H, D], CUDA),
+                &tensor(&v, &[13, H, dv], CUDA),
             )
             .unwrap();
         }
@@ -716,20 +800,20 @@ fn cuda_pools_swap_blocks_through_a_host_tier() {
         let read = |p: &PoolCore, id: SeqId, dev: Device| {
             let mut out = Vec::new();
             for layer in 0..L {
-                let (mut k, mut v) = (vec![0u8; 4 * H * 13 * D], vec![0u8; 4 * H * 13 * D]);
+                let (mut k, mut v) = (vec![0u8; 4 * H * 13 * D], vec![0u8; 4 * H * 13 * dv]);
                 p.gather(
                     id,
                     layer as i64,
                     &mut tensor_mut(&mut k, DType::F32, &[H, 13, D], dev),
-                    &mut tensor_mut(&mut v, DType::F32, &[H, 13, D], dev),
+                    &mut tensor_mut(&mut v, DType::F32, &[H, 13, dv], dev),
                 )
                 .unwrap();
-                let first12 = |x: &[u8]| -> Vec<u8> {
-                    x.chunks(4 * 13 * D)
-                        .flat_map(|head| head[..4 * 12 * D].to_vec())
+                let first12 = |x: &[u8], d: usize| -> Vec<u8> {
+                    x.chunks(4 * 13 * d)
+                        .flat_map(|head| head[..4 * 12 * d].to_vec())
                         .collect()
                 };
-                out.push((first12(&k), first12(&v)));
+                out.push((first12(&k, D), first12(&v, dv)));
             }
             out
         };
@@ -752,7 +836,7 @@ fn cuda_pools_swap_blocks_through_a_host_tier() {
                 (12, &[12][..]),
                 "{dtype} {dev}"
             );
-            assert_eq!(read(&dst, again, dev), want, "{dtype} on {dev}");
+            assert_eq!(read(&dst, again, dev), want, "{dtype} dv={dv} on {dev}");
         }
     }
 }

@@ -638,3 +638,118 @@ proptest! {
         }
     }
 }
+
+/// Elements per int8 scale of keys of `d` and values of `dv` elements.
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// Fails unless `got` is `want` quantized to int8 with a scale per `unit` elements
+/// (`amax / 127` of each chunk): within half a step of each chunk's scale.
+fn within_int8(got: &[f32], want: &[f32], unit: usize) -> Result<(), TestCaseError> {
+    prop_assert_eq!(got.len(), want.len());
+    for (g, w) in got.chunks(unit).zip(want.chunks(unit)) {
+        let step = w.iter().fold(0f32, |m, x| m.max(x.abs())) / 127.0;
+        for (a, b) in g.iter().zip(w) {
+            prop_assert!(
+                (a - b).abs() <= step / 2.0 + 1e-6,
+                "{} vs {} (step {})",
+                a,
+                b,
+                step
+            );
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// An int8 pool of keys and values of different head sizes (a scale per
+    /// gcd(head_dim, v_head_dim) elements): reads are the writes within int8 error,
+    /// forks keep their blocks through copy-on-write, and attention (plain and latent)
+    /// equals attention in f32 over the values the pool holds.
+    #[test]
+    fn int8_pools_of_two_head_sizes_match_a_float_reference(
+        dims in prop_oneof![Just((8usize, 4usize)), Just((4, 8)), Just((12, 8)), Just((6, 4)), Just((3, 2)), Just((8, 8))],
+        heads in 1usize..3,
+        lens in proptest::collection::vec(1usize..6, 1..4),
+        q_heads in 1usize..3,
+        seed in 0u32..1000,
+    ) {
+        let (d, dv) = dims;
+        let unit = gcd(d, dv);
+        let config = PoolConfig::new(1, heads, d, 3, 32).v_head_dim(dv).storage(kvrs::DType::I8);
+        let mut pool = BlockPool::<f32>::new(config).unwrap();
+        prop_assert_eq!(pool.bytes_per_block(), 3 * heads * (d + dv + 4 * (d + dv) / unit));
+        let seq = pool.new_sequence();
+        let val = |i: usize| ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 29) as f32 / 7.0 - 2.0;
+        // Token-major [n, heads, dim] inputs; `read` gives [heads, n, dim].
+        let (mut ks, mut vs) = (Vec::new(), Vec::new());
+        let mut forked = None;
+        for (step, &n) in lens.iter().enumerate() {
+            let k: Vec<f32> = (0..n * heads * d).map(|i| val(ks.len() + i)).collect();
+            let v: Vec<f32> = (0..n * heads * dv).map(|i| val(7000 + vs.len() + i)).collect();
+            pool.append(seq, 0, &k, &v).unwrap();
+            pool.advance(seq, n).unwrap();
+            ks.extend(k);
+            vs.extend(v);
+            if step == 0 {
+                let f = pool.fork(seq).unwrap();
+                forked = Some((f, pool.read(f, 0).unwrap()));
+            }
+        }
+        let t = ks.len() / (heads * d);
+        let to_heads = |x: &[f32], dim: usize| -> Vec<f32> {
+            (0..heads)
+                .flat_map(|h| (0..t).flat_map(move |p| x[(p * heads + h) * dim..][..dim].to_vec()))
+                .collect()
+        };
+        let (keys, values) = pool.read(seq, 0).unwrap();
+        within_int8(&keys, &to_heads(&ks, d), unit)?;
+        within_int8(&values, &to_heads(&vs, dv), unit)?;
+        // The fork still holds what it held (copy-on-write of the shared last block),
+        // and writing to it leaves the original alone.
+        let (f, before) = forked.unwrap();
+        prop_assert_eq!(&pool.read(f, 0).unwrap(), &before);
+        let fk: Vec<f32> = (0..heads * d).map(|i| val(90000 + i) * 3.0).collect();
+        let fv: Vec<f32> = (0..heads * dv).map(|i| val(95000 + i) * 3.0).collect();
+        pool.append(f, 0, &fk, &fv).unwrap();
+        pool.advance(f, 1).unwrap();
+        prop_assert_eq!(&pool.read(seq, 0).unwrap(), &(keys.clone(), values.clone()));
+        // The twin in f32 of what the int8 pool holds, token-major again.
+        let to_tokens = |x: &[f32], dim: usize| -> Vec<f32> {
+            (0..t)
+                .flat_map(|p| (0..heads).flat_map(move |h| x[(h * t + p) * dim..][..dim].to_vec()))
+                .collect()
+        };
+        let mut exact = BlockPool::<f32>::new(PoolConfig::new(1, heads, d, 3, 32).v_head_dim(dv)).unwrap();
+        let twin = exact.new_sequence();
+        exact.append(twin, 0, &to_tokens(&keys, d), &to_tokens(&values, dv)).unwrap();
+        exact.advance(twin, t).unwrap();
+        let qh = heads * q_heads;
+        let q: Vec<f32> = (0..qh * d).map(|i| val(50000 + i)).collect();
+        let (mut a, mut b) = (vec![0f32; qh * dv], vec![0f32; qh * dv]);
+        pool.attention(seq, 0, qh, &q, &mut a).unwrap();
+        exact.attention(twin, 0, qh, &q, &mut b).unwrap();
+        for (x, y) in a.iter().zip(&b) {
+            prop_assert!((x - y).abs() < 1e-4, "{} vs {}", x, y);
+        }
+        if heads == 1 {
+            // Latent attention: queries of d + dv, outputs of d.
+            let q: Vec<f32> = (0..q_heads * (d + dv)).map(|i| val(60000 + i)).collect();
+            let (mut a, mut b) = (vec![0f32; q_heads * d], vec![0f32; q_heads * d]);
+            let opts = kvrs::AttnOptions { scale: Some(0.5), latent: true, ..Default::default() };
+            pool.attention_with(seq, 0, q_heads, &q, &mut a, &opts).unwrap();
+            exact.attention_with(twin, 0, q_heads, &q, &mut b, &opts).unwrap();
+            for (x, y) in a.iter().zip(&b) {
+                prop_assert!((x - y).abs() < 1e-4, "{} vs {}", x, y);
+            }
+        }
+    }
+}

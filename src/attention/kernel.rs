@@ -155,7 +155,8 @@ unsafe fn run_item_with<const SIMD: bool>(
     // Otherwise, with AVX2, rows score and accumulate straight from the stored codes
     // (keys and values of one head size, a scale per vector).
     let latent = p.opts.latent;
-    let fused = !transposed && !latent && kv.uniform() && fuses::<SIMD>(d);
+    let fused =
+        !transposed && !latent && kv.uniform() && kv.scale_chunk(d) == d && fuses::<SIMD>(d);
     let mut pos = it.lo;
     while pos < it.hi {
         let n = (kv.block_size - pos % kv.block_size)
@@ -385,7 +386,9 @@ unsafe fn prefetch_run(
 }
 
 /// Reads the stored vector of `dst.len()` elements at element offset `at` (of KV head
-/// `head`; a value when `value`) into `dst` as f32, times its scale.
+/// `head`; a value when `value`) into `dst` as f32, times its scales: one for the whole
+/// vector, or one per chunk of [`super::KvPages::scale_chunk`] elements (int8 storage of
+/// keys and values of different head sizes).
 #[inline(always)]
 unsafe fn load_vector<const SIMD: bool>(
     kv: &super::KvPages<'_>,
@@ -394,8 +397,17 @@ unsafe fn load_vector<const SIMD: bool>(
     value: bool,
     dst: &mut [f32],
 ) {
-    let ptr = kv.data.add(at * kv.dtype.size());
-    load_row::<SIMD>(dst, ptr, kv.dtype, kv.scale(at, head, value));
+    let size = kv.dtype.size();
+    let chunk = kv.scale_chunk(dst.len());
+    for (i, part) in dst.chunks_mut(chunk).enumerate() {
+        let at = at + i * chunk;
+        load_row::<SIMD>(
+            part,
+            kv.data.add(at * size),
+            kv.dtype,
+            kv.scale(at, head, value),
+        );
+    }
 }
 
 /// Reads the key of position `pos`, KV head `head` (`dst`: `head_dim` elements; for

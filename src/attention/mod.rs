@@ -89,7 +89,8 @@ pub struct KvPages<'a> {
 }
 
 /// What multiplies the stored K/V elements: nothing (float storage), one scale per KV
-/// head for K and for V (fp8), or one scale per stored head vector (int8).
+/// head for K and for V (fp8), or one scale per stored chunk of `row_len` elements
+/// (int8: a head vector, or a `gcd(head_dim, v_head_dim)` part of one).
 #[derive(Clone, Copy, Debug)]
 pub enum Scales<'a> {
     /// Elements are their own values.
@@ -101,8 +102,9 @@ pub enum Scales<'a> {
         /// Value scales, one per KV head.
         v: &'a [f32],
     },
-    /// The vector at element offset `at` has its scale at `ptr[at / row_len]` (host
-    /// memory laid out like the storage, valid for the whole call).
+    /// The element at offset `at` has its scale at `ptr[at / row_len]` (host memory laid
+    /// out like the storage, valid for the whole call); `row_len` divides every stored
+    /// vector's length and offset.
     PerRow {
         /// Scale 0.
         ptr: *const f32,
@@ -162,6 +164,17 @@ impl KvPages<'_> {
             (dims[1], dims[0] - dims[1])
         } else {
             (dims[0], dims[1])
+        }
+    }
+
+    /// Elements of a stored vector of `len` elements that share one scale: `len`, or
+    /// fewer for int8 storage whose scales cover chunks of the vectors (keys and values
+    /// of different head sizes, a scale per `gcd(head_dim, v_head_dim)` elements).
+    #[inline(always)]
+    fn scale_chunk(&self, len: usize) -> usize {
+        match self.scales {
+            Scales::PerRow { row_len, .. } if row_len < len => row_len,
+            _ => len.max(1),
         }
     }
 

@@ -155,6 +155,11 @@ impl PoolCore {
                     .into(),
             ));
         }
+        crate::storage::check_kernel_dims(
+            "attention",
+            self.storage.device(),
+            [self.shape.head_dim, self.shape.v_head_dim],
+        )?;
         let (_, scale) = attention::validate(q, out, self.kv_heads(), opts)?;
         let mut tables: Vec<u32> = Vec::new();
         let mut device_rows: Vec<DeviceRow> = Vec::with_capacity(rows.len());

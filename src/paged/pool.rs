@@ -150,7 +150,6 @@ impl PoolCore {
         let scales = KvScales::unit(shape.num_layers, shape.num_kv_heads)?;
         // The bytes fit, so the element count does.
         let numel = groups.per_block * shape.num_blocks * shape.block_elems();
-        crate::storage::check_device_dims(device, [shape.head_dim, shape.v_head_dim])?;
         let storage = allocate(device, dtype, numel, shape.scale_unit())?;
         Ok(PoolCore {
             shape,

@@ -81,7 +81,8 @@ impl PoolCore {
     }
 
     /// The per-token scales of the positions sequence `id`'s `layer` holds (int8 pools):
-    /// `(first, n, k, v)` with `k` and `v` row-major `[heads, n]`.
+    /// `(first, n, k, v)` with `k` and `v` row-major `[heads, n, chunks]`, `chunks` the
+    /// scales per vector (`dim / scale_unit`: 1 when K and V have one head size).
     pub fn gather_scales(
         &self,
         id: SeqId,
@@ -99,19 +100,22 @@ impl PoolCore {
         let (n, h, bs) = (end - first, sh.num_kv_heads, sh.block_size);
         let blocks = &self.seq(id)?.tables[self.groups.group_of[layer]].blocks;
         let tensor = self.tensor_of(layer);
-        let mut out = [vec![0f32; h * n], vec![0f32; h * n]];
-        // One block's run of positions at a time, [positions, heads], transposed into
-        // the [heads, n] outputs (the scales may live on a device).
-        let mut run = vec![0f32; bs * h];
-        for (kv, dst) in [Kv::Key, Kv::Value].into_iter().zip(&mut out) {
+        let chunks = [Kv::Key, Kv::Value].map(|kv| sh.dim(kv) / sh.scale_unit());
+        let mut out = chunks.map(|c| vec![0f32; h * n * c]);
+        // One block's run of positions at a time, [positions, heads, chunks], transposed
+        // into the [heads, n, chunks] outputs (the scales may live on a device).
+        let mut run = vec![0f32; bs * h * chunks[0].max(chunks[1])];
+        for ((kv, dst), c) in [Kv::Key, Kv::Value].into_iter().zip(&mut out).zip(chunks) {
             let mut p = first;
             while p < end {
                 let len = (bs - p % bs).min(end - p);
                 let r = sh.positions(tensor, kv, blocks[p / bs], p % bs, len);
-                self.storage.read_row_scales(r, &mut run[..len * h])?;
-                for (i, row) in run[..len * h].chunks_exact(h).enumerate() {
-                    for (head, &x) in row.iter().enumerate() {
-                        dst[head * n + p - first + i] = x;
+                let run = &mut run[..len * h * c];
+                self.storage.read_row_scales(r, run)?;
+                for (i, row) in run.chunks_exact(h * c).enumerate() {
+                    for (head, x) in row.chunks_exact(c).enumerate() {
+                        let at = (head * n + p - first + i) * c;
+                        dst[at..at + c].copy_from_slice(x);
                     }
                 }
                 p += len;

@@ -399,6 +399,22 @@ impl PyBlockPool {
         let me = slf.get();
         let sh = me.shape;
         let layer = crate::error::check_index("layer", layer, sh.num_layers)?;
+        if sh.v_head_dim != sh.head_dim {
+            return Err(KvError::InvalidArgument {
+                name: "layer",
+                value: layer.to_string(),
+                reason: format!(
+                    "scale_cache is one [num_blocks, 2, ...] tensor of a scale per head \
+                     vector, which needs head_dim == v_head_dim; this pool has {} and {} and \
+                     keeps a scale per {} elements: read them per sequence with \
+                     Sequence.scales(layer)",
+                    sh.head_dim,
+                    sh.v_head_dim,
+                    sh.scale_unit()
+                ),
+            }
+            .into());
+        }
         let (tensor, rows) = me.core.read(slf.py(), |c| {
             (c.tensor_of(layer), c.row_scales().map(|r| r.ptr as usize))
         });
@@ -417,7 +433,7 @@ impl PyBlockPool {
             strides[i] = strides[i + 1] * dims[i + 1] as isize;
         }
         let bytes: Vec<isize> = strides.iter().map(|s| s * 4).collect();
-        let at = sh.block_offset(tensor, 0) / sh.head_dim;
+        let at = sh.block_offset(tensor, 0) / sh.scale_unit();
         // SAFETY: the scales are allocated with the pool's storage, never moved, and live
         // as long as the pool, the array's base.
         unsafe {

@@ -144,7 +144,8 @@ pub fn dequantized_pair<'py>(
 /// per-token scales of an int8 cache (zero-copy views are made of them), or the fp8 /
 /// unit scales per head.
 pub enum LayerScales {
-    /// int8: K's scales at `at` (V's follow after `num_kv_heads * max_seq_len`).
+    /// int8: K's scales at `at` (V's follow after `num_kv_heads * max_seq_len` of K's
+    /// vectors, each `head_dim / scale_unit` scales).
     Rows {
         /// Address of K's scale of head 0, position 0.
         at: usize,
@@ -165,7 +166,8 @@ impl LayerScales {
         match cache.row_scales() {
             Some(r) => {
                 let s = cache.shape();
-                let at = layer * 2 * s.num_kv_heads * s.max_seq_len;
+                let at = layer * s.num_kv_heads * s.max_seq_len * (s.head_dim + s.v_head_dim)
+                    / s.scale_unit();
                 LayerScales::Rows {
                     // The address only; the views are built after the lock is released.
                     at: r.ptr.wrapping_add(at) as usize,
@@ -180,8 +182,9 @@ impl LayerScales {
 }
 
 /// The scales (K, V) of a contiguous cache's layer, owned by `owner` (the Python cache
-/// object): int8, zero-copy read-only views `[heads, length]` of the per-token scales;
-/// fp8, `[heads, 1]`; float dtypes, ones.
+/// object): int8, zero-copy read-only views `[heads, length]` of the per-token scales
+/// (`[heads, length, chunks]` when K and V have different head sizes: a scale per
+/// `gcd(head_dim, v_head_dim)` elements); fp8, `[heads, 1]`; float dtypes, ones.
 pub fn layer_scales<'py>(
     owner: &Bound<'py, PyAny>,
     scales: LayerScales,
@@ -195,20 +198,37 @@ pub fn layer_scales<'py>(
             len,
         } => {
             let one = |kv: Kv| {
-                let ptr =
-                    (at as *mut f32).wrapping_add(kv as usize * s.num_kv_heads * s.max_seq_len);
+                // Chunks (scales) per vector: 1 when K and V have one head size.
+                let c = s.dim(kv) / s.scale_unit();
+                let k_chunks = s.head_dim / s.scale_unit();
+                let ptr = (at as *mut f32)
+                    .wrapping_add(kv as usize * s.num_kv_heads * s.max_seq_len * k_chunks);
+                let (h, m) = (s.num_kv_heads, s.max_seq_len as isize);
+                let c4 = 4 * c as isize;
                 // SAFETY: the scales are allocated with the storage, never moved, and
                 // live as long as `owner`, the array's base.
                 unsafe {
-                    borrowed_view(
-                        owner,
-                        device,
-                        ptr as *mut u8,
-                        DType::F32,
-                        &[s.num_kv_heads, len],
-                        &[4 * s.max_seq_len as isize, 4],
-                        false,
-                    )
+                    if c == 1 {
+                        borrowed_view(
+                            owner,
+                            device,
+                            ptr as *mut u8,
+                            DType::F32,
+                            &[h, len],
+                            &[4 * m, 4],
+                            false,
+                        )
+                    } else {
+                        borrowed_view(
+                            owner,
+                            device,
+                            ptr as *mut u8,
+                            DType::F32,
+                            &[h, len, c],
+                            &[m * c4, c4, 4],
+                            false,
+                        )
+                    }
                 }
             };
             [one(Kv::Key)?, one(Kv::Value)?]

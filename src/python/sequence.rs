@@ -396,7 +396,9 @@ impl PySequence {
     }
 
     /// The scales (K, V) that multiply `get(layer)`'s codes: int8, float32 copies
-    /// [num_kv_heads, length] (one per token and head); fp8, [num_kv_heads, 1] (one per
+    /// [num_kv_heads, length] (one per token and head; [num_kv_heads, length, chunks]
+    /// when K and V have different head sizes, one per gcd(head_dim, v_head_dim)
+    /// elements); fp8, [num_kv_heads, 1] (one per
     /// head); float dtypes, ones [num_kv_heads, 1].
     fn scales<'py>(&self, py: Python<'py>, layer: i64) -> PyResult<Bound<'py, PyTuple>> {
         let pool = self.pool_ref();
@@ -421,11 +423,20 @@ impl PySequence {
                 )
             }
         };
-        let h = pool.shape.num_kv_heads;
-        let arr = |x: Vec<f32>| -> PyResult<Bound<'py, PyAny>> {
-            Ok(PyArray1::from_vec(py, x).reshape([h, n])?.into_any())
+        let sh = pool.shape;
+        let h = sh.num_kv_heads;
+        // [heads, n], or [heads, n, chunks] where a vector has several scales (int8 K and V
+        // of different head sizes: one per gcd(head_dim, v_head_dim) elements).
+        let arr = |x: Vec<f32>, kv: Kv| -> PyResult<Bound<'py, PyAny>> {
+            let c = sh.dim(kv) / sh.scale_unit();
+            let a = PyArray1::from_vec(py, x);
+            Ok(if c == 1 {
+                a.reshape([h, n])?.into_any()
+            } else {
+                a.reshape([h, n, c])?.into_any()
+            })
         };
-        PyTuple::new(py, [arr(k)?, arr(v)?])
+        PyTuple::new(py, [arr(k, Kv::Key)?, arr(v, Kv::Value)?])
     }
 
     /// Zero-copy read-only per-block views of the layer: a list of (start, length, K, V),

@@ -1,14 +1,18 @@
-//! Host storage of int8 keys and values with one float32 scale per head vector.
+//! Host storage of int8 keys and values with one float32 scale per chunk of `unit`
+//! elements.
 //!
-//! Codes and scales are two allocations addressed by the same regions: element `i` of
-//! the codes has its scale at `i / head_dim` of the scales. Every region the caches
-//! build keeps whole head vectors (the last axis is contiguous and a multiple of
-//! `head_dim` long, and every offset and stride is a multiple of `head_dim`), so a
-//! region of codes maps to a region of scales by dividing it by `head_dim`, and every
-//! copy of a block (copy-on-write, forks, shifts) carries its scales with it.
+//! The unit is `gcd(head_dim, v_head_dim)` ([`crate::sizes::int8_scale_unit`]): one
+//! scale per head vector when keys and values have one head size, and several per vector
+//! otherwise (an MLA latent of 512 keys and 64 values: one per 64 elements). Codes and
+//! scales are two allocations addressed by the same regions: element `i` of the codes
+//! has its scale at `i / unit` of the scales. Every region the caches build keeps whole
+//! head vectors (the last axis is contiguous and a multiple of `unit` long, and every
+//! offset and stride is a multiple of `unit`), so a region of codes maps to a region of
+//! scales by dividing it by `unit`, and every copy of a block (copy-on-write, forks,
+//! shifts) carries its scales with it.
 //!
-//! A write quantizes each head vector on its own ([`quantize_row_i8`]); a read into a
-//! float tensor dequantizes, and a read into an int8 tensor returns the raw codes.
+//! A write quantizes each chunk on its own ([`quantize_row_i8`]); a read into a float
+//! tensor dequantizes, and a read into an int8 tensor returns the raw codes.
 
 use std::cell::RefCell;
 
@@ -24,9 +28,9 @@ thread_local! {
     static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-/// The region of scales that belongs to the region `r` of int8 codes, for head vectors of
-/// `d` elements (one scale each). Panics on a region that splits head vectors (see the
-/// module docs): that is a bug in the cache that built it.
+/// The region of scales that belongs to the region `r` of int8 codes, for chunks of `d`
+/// elements (one scale each). Panics on a region that splits chunks (see the module
+/// docs): that is a bug in the cache that built it.
 pub(crate) fn scale_region(r: &Region, d: usize) -> Region {
     assert!(
         r.offset.is_multiple_of(d)
@@ -42,34 +46,36 @@ pub(crate) fn scale_region(r: &Region, d: usize) -> Region {
     }
 }
 
-/// int8 codes and their per-vector scales in host memory.
+/// int8 codes and their per-chunk scales in host memory.
 #[derive(Debug)]
 pub struct Int8Storage {
     codes: HostStorage,
     scales: HostStorage,
-    head_dim: usize,
+    /// Elements per scale.
+    unit: usize,
 }
 
 impl Int8Storage {
-    /// Allocates `numel` zero codes (and `numel / head_dim` zero scales).
-    pub fn zeroed(numel: usize, head_dim: usize) -> Result<Self> {
-        if head_dim == 0 || !numel.is_multiple_of(head_dim) {
+    /// Allocates `numel` zero codes (and `numel / unit` zero scales, one per `unit`
+    /// elements: [`crate::sizes::int8_scale_unit`] of the head sizes).
+    pub fn zeroed(numel: usize, unit: usize) -> Result<Self> {
+        if unit == 0 || !numel.is_multiple_of(unit) {
             return Err(KvError::InvalidArgument {
-                name: "head_dim",
-                value: head_dim.to_string(),
+                name: "scale_unit",
+                value: unit.to_string(),
                 reason: format!("must divide the storage's {numel} elements"),
             });
         }
         Ok(Int8Storage {
             codes: HostStorage::zeroed(DType::I8, numel)?,
-            scales: HostStorage::zeroed(DType::F32, numel / head_dim)?,
-            head_dim,
+            scales: HostStorage::zeroed(DType::F32, numel / unit)?,
+            unit,
         })
     }
 
     /// The region of scales that belongs to the region `r` of codes.
     fn scale_region(&self, r: &Region) -> Region {
-        scale_region(r, self.head_dim)
+        scale_region(r, self.unit)
     }
 
     /// Calls `f` with the row-major f32 scratch of `n` elements.
@@ -83,10 +89,10 @@ impl Int8Storage {
         })
     }
 
-    /// Each head vector of `r`, in row-major order of the region: (element offset of
+    /// Each scaled chunk of `r`, in row-major order of the region: (element offset of
     /// its codes, index of its scale).
     fn vectors(&self, r: &Region) -> impl Iterator<Item = (usize, usize)> + '_ {
-        let d = self.head_dim;
+        let d = self.unit;
         let [a, b, c] = r.shape;
         let (offset, strides) = (r.offset, r.strides);
         (0..a).flat_map(move |i| {
@@ -132,7 +138,7 @@ impl Storage for Int8Storage {
             )));
         }
         let n = dst.numel();
-        let d = self.head_dim;
+        let d = self.unit;
         let codes = self.codes.data_ptr() as *mut i8;
         let scales = self.scales.data_ptr() as *mut f32;
         Self::with_scratch(n, |rows| {
@@ -174,7 +180,7 @@ impl Storage for Int8Storage {
                 dst.device()
             )));
         }
-        let d = self.head_dim;
+        let d = self.unit;
         let codes = self.codes.data_ptr() as *const i8;
         let scales = self.scales.data_ptr() as *const f32;
         Self::with_scratch(src.numel(), |rows| {
@@ -235,7 +241,7 @@ impl Storage for Int8Storage {
     fn row_scales(&self) -> Option<RowScales> {
         Some(RowScales {
             ptr: self.scales.data_ptr() as *mut f32,
-            row_len: self.head_dim,
+            row_len: self.unit,
             len: self.scales.numel(),
         })
     }
@@ -324,6 +330,29 @@ mod tests {
         s.read(at(0), &mut out(&mut back, &[1, 1, 8])).unwrap();
         assert_eq!(back, [0.0; 8]);
         assert_eq!(s.nbytes(), 16 + 4 * 4);
+    }
+
+    #[test]
+    fn vectors_longer_than_the_unit_keep_a_scale_per_chunk() {
+        // A key of 8 and a value of 4 (unit 4): the key's halves quantize on their own.
+        let mut s = Int8Storage::zeroed(24, 4).unwrap();
+        let key = Region {
+            offset: 0,
+            shape: [1, 1, 8],
+            strides: [0, 0, 1],
+        };
+        let x = [0.01, -0.02, 0.03, 0.04, 100.0, 0.0, -50.0, 25.0];
+        s.write(key, &tensor(&x, &[1, 1, 8])).unwrap();
+        let mut scales = [0f32; 2];
+        s.read_row_scales(key, &mut scales).unwrap();
+        assert_eq!(scales, [0.04 / I8_MAX, 100.0 / I8_MAX]);
+        let mut back = [0f32; 8];
+        s.read(key, &mut out(&mut back, &[1, 1, 8])).unwrap();
+        for (i, (a, b)) in x.iter().zip(back).enumerate() {
+            assert!((a - b).abs() <= scales[i / 4] / 2.0 + 1e-9, "{a} vs {b}");
+        }
+        assert!(s.read_row_scales(key, &mut [0f32; 1]).is_err());
+        assert_eq!(s.row_scales().unwrap().row_len, 4);
     }
 
     #[test]

@@ -140,21 +140,22 @@ pub trait Storage: Send + Sync + fmt::Debug {
         paged_ops::write_blocks(self, shape, tensors, blocks, data)
     }
 
-    /// Reads the scales of `src`'s head vectors, row-major, into `dst` (int8 storages;
-    /// the others hold none and fail).
+    /// Reads the scales of `src`'s scaled chunks (one per [`RowScales::row_len`]
+    /// elements: a head vector's when K and V have one size), row-major, into `dst` (int8
+    /// storages; the others hold none and fail).
     fn read_row_scales(&self, src: Region, dst: &mut [f32]) -> Result<()> {
         let _ = (src, dst);
         Err(no_row_scales(self.dtype()))
     }
 
-    /// Sets the scales of `dst`'s head vectors from `src`, row-major (int8 storages,
+    /// Sets the scales of `dst`'s scaled chunks from `src`, row-major (int8 storages,
     /// whose writes of int8 codes store them as they are).
     fn write_row_scales(&mut self, dst: Region, src: &[f32]) -> Result<()> {
         let _ = (dst, src);
         Err(no_row_scales(self.dtype()))
     }
 
-    /// The per-vector scales of an int8 storage (on its device); `None` for the others.
+    /// The per-chunk scales of an int8 storage (on its device); `None` for the others.
     fn row_scales(&self) -> Option<RowScales> {
         None
     }
@@ -217,38 +218,43 @@ fn no_row_scales(dtype: DType) -> KvError {
 pub struct RowScales {
     /// Scale 0 (on the storage's device, valid while the storage lives).
     pub ptr: *mut f32,
-    /// Elements per scale (the head dimension).
+    /// Elements per scale: `gcd(head_dim, v_head_dim)`, the head dimension when K and V
+    /// have one size.
     pub row_len: usize,
     /// Number of scales.
     pub len: usize,
 }
 
-/// Fails unless `device` can hold keys of `dims[0]` and values of `dims[1]` elements:
-/// the CUDA kernels take one head size for both.
-pub fn check_device_dims(device: Device, dims: [usize; 2]) -> Result<()> {
+/// Fails unless the CUDA kernel behind `what` (attention, the captured append) can run
+/// on `device` over keys of `dims[0]` and values of `dims[1]` elements: those kernels
+/// take one head size for both. Storage of two head sizes on a device (writes, reads,
+/// copies, forks, swaps) goes through the region copies and needs no check.
+pub fn check_kernel_dims(what: &str, device: Device, dims: [usize; 2]) -> Result<()> {
     if device != Device::Cpu && dims[0] != dims[1] {
         return Err(KvError::NotSupported(format!(
-            "v_head_dim={} beside head_dim={} on {device}: the CUDA kernels take one head size \
-             for K and V; keep this cache on the host (device='cpu')",
+            "{what} on {device} with v_head_dim={} beside head_dim={}: the CUDA kernels of \
+             {what} take one head size for K and V; keep this cache on the host \
+             (device='cpu') to {what}",
             dims[1], dims[0]
         )));
     }
     Ok(())
 }
 
-/// Allocates zero-filled storage of `numel` elements of `dtype` on `device`, for head
-/// vectors of `head_dim` elements (int8 keeps a scale per vector).
+/// Allocates zero-filled storage of `numel` elements of `dtype` on `device`; int8 keeps
+/// a scale per `scale_unit` elements (`gcd(head_dim, v_head_dim)`, see
+/// [`crate::sizes::int8_scale_unit`]).
 pub fn allocate(
     device: Device,
     dtype: DType,
     numel: usize,
-    head_dim: usize,
+    scale_unit: usize,
 ) -> Result<Box<dyn Storage>> {
     match device {
-        Device::Cpu if dtype == DType::I8 => Ok(Box::new(Int8Storage::zeroed(numel, head_dim)?)),
+        Device::Cpu if dtype == DType::I8 => Ok(Box::new(Int8Storage::zeroed(numel, scale_unit)?)),
         Device::Cpu => Ok(Box::new(HostStorage::zeroed(dtype, numel)?)),
         Device::Cuda(ordinal) => Ok(Box::new(cuda::CudaStorage::zeroed(
-            ordinal, dtype, numel, head_dim,
+            ordinal, dtype, numel, scale_unit,
         )?)),
     }
 }

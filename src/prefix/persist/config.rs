@@ -39,7 +39,8 @@ pub struct FileConfig {
     pub(super) block_size: usize,
     /// Elements of one block of one storage tensor (K then V).
     pub(super) block_elems: usize,
-    /// Head vectors of one block of one storage tensor (int8: one scale each).
+    /// int8 scales of one block of one storage tensor: one per `scale_unit` elements
+    /// (per head vector when K and V have one head size).
     pub(super) vectors: usize,
     /// The storage dtype.
     pub(super) dtype: DType,

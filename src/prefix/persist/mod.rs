@@ -6,7 +6,8 @@
 //! distinct keys: `extras`, u8 `[total]`, split by `extra_offsets`, u64 `[k + 1]`),
 //! `kv.{tensor}` (`[n, block_elems]` of the storage dtype: K then V of each block in each
 //! storage tensor, in the pool's layout; fp8 and int8 as their codes) and, for int8,
-//! `scales.{tensor}` (f32 `[n, block_elems / head_dim]`: the scale of each head vector).
+//! `scales.{tensor}` (f32 `[n, block_elems / scale_unit]`: the scale of each chunk of
+//! `gcd(head_dim, v_head_dim)` elements, each head vector's when K and V have one size).
 //! Blocks are stored least recently used first.
 //!
 //! The metadata records the pool's configuration (fp8 pools their scales too, so a pool

@@ -79,11 +79,18 @@ pub(crate) struct ScatterLayer<'a> {
 }
 
 impl CudaStorage {
-    /// Whether the scatter kernel can write `k`, `v`: both on this device, of one dtype,
-    /// with `head_dim` contiguous (otherwise the region copies do it).
-    pub(super) fn scatters(&self, k: &TensorRef, v: &TensorRef) -> Result<bool> {
+    /// Whether the scatter kernel can write `k`, `v` into blocks of `shape`: both on this
+    /// device, of one dtype, with `head_dim` contiguous, K and V of one head size
+    /// (otherwise the region copies do it).
+    pub(super) fn scatters(
+        &self,
+        shape: &PagedShape,
+        k: &TensorRef,
+        v: &TensorRef,
+    ) -> Result<bool> {
         let local = self.is_local("k", k.device())? && self.is_local("v", v.device())?;
         Ok(local
+            && super::storage::one_head_size(shape)
             && k.strides3()[2] == 1
             && v.strides3()[2] == 1
             && k.dtype() == v.dtype()

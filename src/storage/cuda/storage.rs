@@ -33,8 +33,8 @@ pub struct CudaStorage {
     pub(super) staging: Mutex<Staging>,
     /// The device-resident position counter of a contiguous cache, made on first use.
     pub(super) counter: Mutex<Option<DevicePtr>>,
-    /// int8: the float32 scale of every head vector (`numel / head_dim`, addressed by
-    /// the codes' regions divided by `head_dim`, as on the host).
+    /// int8: the float32 scale of every chunk of `head_dim` elements (`numel / head_dim`,
+    /// addressed by the codes' regions divided by `head_dim`, as on the host).
     pub(super) scales: Option<Box<CudaStorage>>,
     /// Elements per scale (int8); 1 otherwise.
     pub(super) head_dim: usize,
@@ -48,14 +48,15 @@ pub struct CudaStorage {
 }
 
 impl CudaStorage {
-    /// `numel` zeroed elements of `dtype` on CUDA device `ordinal`, in head vectors of
-    /// `head_dim` (int8 keeps a scale per vector; other dtypes ignore it).
+    /// `numel` zeroed elements of `dtype` on CUDA device `ordinal`; int8 keeps a scale per
+    /// `head_dim` elements (the scale unit, `gcd(head_dim, v_head_dim)` of the cache:
+    /// one per head vector for one head size); other dtypes ignore it.
     pub fn zeroed(ordinal: usize, dtype: DType, numel: usize, head_dim: usize) -> Result<Self> {
         Self::on(super::gpu_for(ordinal)?, dtype, numel, head_dim)
     }
 
-    /// `numel` zeroed elements of `dtype` on `gpu`, in head vectors of `head_dim` (int8
-    /// keeps a scale per vector; other dtypes ignore it).
+    /// `numel` zeroed elements of `dtype` on `gpu`; int8 keeps a scale per `head_dim`
+    /// elements (the scale unit, as in [`CudaStorage::zeroed`]); other dtypes ignore it.
     pub fn on(gpu: Arc<dyn Gpu>, dtype: DType, numel: usize, head_dim: usize) -> Result<Self> {
         let scales = if dtype == DType::I8 {
             if head_dim == 0 || !numel.is_multiple_of(head_dim) {
@@ -159,8 +160,8 @@ impl CudaStorage {
     }
 
     /// Panics unless cache tensors `0..tensors` of `shape` lie in this storage (with
-    /// their sizes in the kernels' 32-bit arguments, and int8's vectors of its
-    /// `head_dim`) and each of `blocks` is one of their blocks. The paged kernels
+    /// their sizes in the kernels' 32-bit arguments, and int8's scales of its unit,
+    /// `shape.scale_unit()`) and each of `blocks` is one of their blocks. The paged kernels
     /// address blocks themselves where the host path checks each region; as in
     /// [`CudaStorage::check`], a block past the allocation is a bug in kvrs, and stopping
     /// beats corrupting device memory.
@@ -175,11 +176,12 @@ impl CudaStorage {
             && small(shape.block_size)
             && shape
                 .num_kv_heads
-                .checked_mul(shape.head_dim)
+                .checked_mul(shape.head_dim.max(shape.v_head_dim))
                 .is_some_and(small)
-            && (self.scales.is_none() || shape.head_dim == self.head_dim)
-            && (2 * shape.block_size)
-                .checked_mul(shape.num_kv_heads * shape.head_dim)
+            && (self.scales.is_none() || shape.scale_unit() == self.head_dim)
+            && shape
+                .block_size
+                .checked_mul(shape.num_kv_heads * (shape.head_dim + shape.v_head_dim))
                 .and_then(|b| b.checked_mul(shape.num_blocks))
                 .and_then(|l| l.checked_mul(tensors))
                 .is_some_and(|end| end <= self.numel);
@@ -318,7 +320,7 @@ impl CudaStorage {
         let Some(first) = layers.first() else {
             return Ok(None);
         };
-        if !self.scatters(&first.k, &first.v)? {
+        if !self.scatters(&first.tensor.shape, &first.k, &first.v)? {
             return Ok(None);
         }
         let size = first.k.dtype().size() as isize;
@@ -346,6 +348,13 @@ impl CudaStorage {
     pub(super) fn row_threads(elems: usize) -> u32 {
         (elems.div_ceil(32) * 32).clamp(32, THREADS as usize) as u32
     }
+}
+
+/// Whether the paged kernels (scatter, gather) can address `shape`'s blocks: they take
+/// one head size for K and V. Pools of two head sizes (an MLA latent) go through the
+/// region copies, one run of positions at a time.
+pub(super) fn one_head_size(shape: &PagedShape) -> bool {
+    shape.head_dim == shape.v_head_dim
 }
 
 /// C-order element strides of `shape`.
@@ -561,7 +570,7 @@ impl Storage for CudaStorage {
         v: &TensorRef,
     ) -> Result<()> {
         paged_ops::check_rows(&t, Some(slots.len()), k, v)?;
-        if !self.scatters(k, v)? {
+        if !self.scatters(&t.shape, k, v)? {
             return paged_ops::write_slots(self, t, slots, k, v);
         }
         self.check_slots(&t, slots);
@@ -602,6 +611,10 @@ impl Storage for CudaStorage {
         if n == 0 {
             return Ok(());
         }
+        if !one_head_size(&sh) {
+            // The scatter kernel takes one head size; the region copies zero each run.
+            return paged_ops::zero_slots(self, t, slots);
+        }
         self.check_slots(&t, slots);
         let row = self.zero_row(sh.num_kv_heads * sh.head_dim)?;
         // SAFETY: `row` holds num_kv_heads * head_dim float32 zeros on this device for
@@ -632,7 +645,7 @@ impl Storage for CudaStorage {
         v: &TensorRef,
     ) -> Result<()> {
         let n = paged_ops::check_rows(&t, None, k, v)?;
-        if !self.scatters(k, v)? {
+        if !self.scatters(&t.shape, k, v)? {
             return paged_ops::write_positions(self, t, blocks, start, k, v);
         }
         self.check_positions(&t, blocks, start, n);
@@ -660,7 +673,12 @@ impl Storage for CudaStorage {
         let local =
             self.is_local("k_out", k_out.device())? && self.is_local("v_out", v_out.device())?;
         let same_dtype = k_out.dtype() == self.dtype && v_out.dtype() == self.dtype;
-        if !local || !same_dtype || k_out.strides3()[2] != 1 || v_out.strides3()[2] != 1 {
+        if !local
+            || !same_dtype
+            || k_out.strides3()[2] != 1
+            || v_out.strides3()[2] != 1
+            || !one_head_size(&t.shape)
+        {
             return paged_ops::read_positions(self, t, blocks, start, n, k_out, v_out);
         }
         self.check_positions(&t, blocks, start, n);
