@@ -161,8 +161,6 @@ def test_shapes_are_checked_against_each_head_size():
         seq.attention(0, np.ones((1, 2, 8), np.float32), latent=True)  # needs 8 + 4
     with pytest.raises(ValueError, match="kv_cache_parts"):
         pool.kv_cache(0)
-    with pytest.raises(ValueError, match="int8 storage keeps one scale per head vector"):
-        kvrs.BlockPool(1, 1, 8, v_head_dim=4, num_blocks=8, dtype="int8")
     with pytest.raises(ValueError, match="v_head_dim"):
         kvrs.KVCache(1, 1, 8, 8, v_head_dim=0)
     # One head size: kv_cache is FlashInfer's single tensor, kv_cache_parts its two halves.
