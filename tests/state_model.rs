@@ -39,7 +39,7 @@ fn op() -> impl Strategy<Value = Op> {
 /// Each live sequence's states: [layer][state] -> values.
 type Reference = BTreeMap<SeqId, Vec<Vec<Vec<f32>>>>;
 
-fn pool() -> PoolCore {
+fn pool(device: Device) -> PoolCore {
     let shape = PagedShape {
         num_layers: 1,
         num_kv_heads: 1,
@@ -61,7 +61,7 @@ fn pool() -> PoolCore {
             })
             .collect(),
     };
-    PoolCore::new(shape, DType::F32, Device::Cpu, None)
+    PoolCore::new(shape, DType::F32, device, None)
         .unwrap()
         .with_states(config)
         .unwrap()
@@ -83,8 +83,8 @@ fn pick(live: &Reference, i: usize) -> Option<SeqId> {
     (!live.is_empty()).then(|| *live.keys().nth(i % live.len()).unwrap())
 }
 
-fn run(ops: &[Op]) {
-    let mut pool = pool();
+fn run(device: Device, ops: &[Op]) {
+    let mut pool = pool(device);
     let mut live: Reference = BTreeMap::new();
     for op in ops {
         match op {
@@ -185,7 +185,19 @@ proptest! {
 
     #[test]
     fn state_slots_match_reference(ops in prop::collection::vec(op(), 1..60)) {
-        run(&ops);
+        run(Device::Cpu, &ops);
+    }
+}
+
+// The same on the simulated CUDA device (`--features cuda-sim`): the states live in CUDA
+// storages, zeroed, copied and moved by its kernels and copies.
+#[cfg(feature = "cuda-sim")]
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 60, ..ProptestConfig::default() })]
+
+    #[test]
+    fn state_slots_on_cuda_match_reference(ops in prop::collection::vec(op(), 1..40)) {
+        run(Device::Cuda(0), &ops);
     }
 }
 
@@ -238,6 +250,14 @@ fn state_pools_refuse_prefix_caching_and_rollbacks() {
     ));
     assert!(matches!(
         pool.set_seq_len(id, 0),
+        Err(KvError::NotSupported(_))
+    ));
+    assert!(matches!(
+        pool.shift(id, 1, None, -1),
+        Err(KvError::NotSupported(_))
+    ));
+    assert!(matches!(
+        pool.remove(id, 0, Some(1)),
         Err(KvError::NotSupported(_))
     ));
     assert_eq!(pool.seq(id).unwrap().seq_len, 2);

@@ -199,6 +199,9 @@ unsafe fn run_item_with<const SIMD: bool>(
                     continue;
                 }
                 let mut sb = [[0f32; RUN]; BLOCK_ROWS];
+                // The block's softmax weights over the run, 0 where a row sees nothing
+                // (the unfused path accumulates them together: `accumulate`).
+                let mut wb = [[0f32; RUN]; BLOCK_ROWS];
                 if transposed {
                     scores::<SIMD>(&q[r0 * d..(r0 + nb) * d], nb, d, k, n, &mut sb);
                 } else if fused {
@@ -247,9 +250,12 @@ unsafe fn run_item_with<const SIMD: bool>(
                         *x = exp(*x - mr);
                     }
                     l[r] += sr.iter().sum::<f32>();
-                    for (&w, kp) in sr.iter().zip(a - pos..b - pos).filter(|_| !fused) {
-                        axpy::<SIMD>(or, w, &v[kp * dv..(kp + 1) * dv]);
+                    if !fused {
+                        wb[rb][a - pos..b - pos].copy_from_slice(sr);
                     }
+                }
+                if !fused {
+                    accumulate::<SIMD>(&wb, nb, n, v, dv, &mut o[r0 * dv..(r0 + nb) * dv]);
                 }
                 #[cfg(target_arch = "x86_64")]
                 if fused {
@@ -291,6 +297,47 @@ unsafe fn run_item_with<const SIMD: bool>(
                     }
                 }
             }
+        }
+    }
+}
+
+/// `o[r] += sum_j w[r][j] * v[j]` for the `nb` rows of a block over the `n` values of a
+/// run (`v[j * dv..]`): each value element is loaded once for the block, and each output
+/// element loaded and stored once per run rather than once per position.
+#[inline(always)]
+fn accumulate<const SIMD: bool>(
+    w: &[[f32; RUN]; BLOCK_ROWS],
+    nb: usize,
+    n: usize,
+    v: &[f32],
+    dv: usize,
+    o: &mut [f32],
+) {
+    let full = dv / CHUNK * CHUNK;
+    for c in (0..full).step_by(CHUNK) {
+        let mut acc = [[0f32; CHUNK]; BLOCK_ROWS];
+        for j in 0..n {
+            let vr: &[f32; CHUNK] = v[j * dv + c..j * dv + c + CHUNK]
+                .try_into()
+                .expect("a value row holds dv elements");
+            for r in 0..BLOCK_ROWS {
+                axpy::<SIMD>(&mut acc[r], w[r][j], vr);
+            }
+        }
+        for (r, acc) in acc.iter().enumerate().take(nb) {
+            for (y, x) in o[r * dv + c..r * dv + c + CHUNK].iter_mut().zip(acc) {
+                *y += x;
+            }
+        }
+    }
+    // The last dv % CHUNK elements, row by row.
+    for (r, wr) in w.iter().enumerate().take(nb) {
+        for (j, &x) in wr.iter().enumerate().take(n) {
+            axpy::<SIMD>(
+                &mut o[r * dv + full..(r + 1) * dv],
+                x,
+                &v[j * dv + full..(j + 1) * dv],
+            );
         }
     }
 }

@@ -52,7 +52,9 @@ impl PoolCore {
     /// Starts a sequence whose token ids begin with `tokens` (the prompt). With prefix
     /// caching on, the longest cached prefix is attached (no copy for whole blocks; a
     /// fresh copy of the matching beginning of a block for a partial hit) and reported
-    /// as `num_cached_tokens`; at least one prompt token is always left to compute.
+    /// as `num_cached_tokens`; at least one prompt token is always left to compute. In a
+    /// pool with state layers, call [`Self::check_state_room`] first (see
+    /// [`Self::new_sequence`]).
     pub fn new_sequence_with(&mut self, tokens: &[u32], namespace: &[u8], extra: &[u8]) -> SeqId {
         self.new_sequence_owning(tokens.to_vec(), namespace, extra)
     }

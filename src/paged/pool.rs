@@ -470,7 +470,9 @@ impl PoolCore {
         id
     }
 
-    /// Starts an empty sequence that tracks no tokens.
+    /// Starts an empty sequence that tracks no tokens. In a pool with state layers it
+    /// takes a state slot: call [`Self::check_state_room`] first (a sequence started with
+    /// every slot held has none, and its state cannot be read or written).
     pub fn new_sequence(&mut self) -> SeqId {
         let root = self.prefix().map_or(0, |p| p.root(b""));
         let s = self.empty_state(root, std::sync::Arc::from(&[][..]));

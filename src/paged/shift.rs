@@ -64,6 +64,7 @@ impl PoolCore {
         }
         let down = delta.unsigned_abs() as usize;
         let (begin, end) = (p0.saturating_sub(down), p0.max(down));
+        self.check_state_kept(id, begin, "shift")?;
         if end >= held {
             self.cut_to(id, begin, true);
             return Ok(());

@@ -118,8 +118,13 @@ impl StateConfig {
         });
         if total.is_none_or(|t| t > isize::MAX as usize) {
             return Err(bad(
-                "state_slots",
-                self.slots.to_string(),
+                "state_shapes",
+                format!(
+                    "{} states x {} layers x {} slots",
+                    self.specs.len(),
+                    self.layers,
+                    self.slots
+                ),
                 "the states' bytes exceed the address space",
             ));
         }
@@ -227,12 +232,23 @@ impl StateArena {
         let usable = |s: u32| self.free.contains(&s) || mine.contains(&s);
         let first = (0..=self.config.slots.saturating_sub(n) as u32)
             .find(|&f| (f..f + n as u32).all(usable))
-            .ok_or_else(|| KvError::CacheFull {
-                what: format!("placing the states of {n} sequences in consecutive slots"),
-                needed: n,
-                free: self.free.len() + n,
-                capacity: self.config.slots,
-                unit: Unit::StateSlots,
+            .ok_or_else(|| {
+                // The longest run of slots that are free or the sequences' own.
+                let (mut best, mut run) = (0, 0);
+                for s in 0..self.config.slots as u32 {
+                    run = if usable(s) { run + 1 } else { 0 };
+                    best = best.max(run);
+                }
+                KvError::CacheFull {
+                    what: format!(
+                        "placing the states of {n} sequences in consecutive slots (other \
+                         sequences' slots split the rest: the longest run is {best})"
+                    ),
+                    needed: n,
+                    free: best,
+                    capacity: self.config.slots,
+                    unit: Unit::StateSlots,
+                }
             })?;
         let targets: Vec<u32> = (first..first + n as u32).collect();
         if targets.as_slice() == held {

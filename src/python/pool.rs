@@ -161,7 +161,7 @@ impl PyBlockPool {
         tier_key: Option<&Bound<'_, PyAny>>,
         tier_queue_bytes: Option<&Bound<'_, PyAny>>,
         state_layers: i64,
-        state_shapes: Option<&Bound<'_, PyDict>>,
+        state_shapes: Option<&Bound<'_, PyAny>>,
         state_slots: Option<i64>,
         state_dtype: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {

@@ -164,9 +164,16 @@ impl PySequence {
         self.with(py, |s, _| s.layer_len[layer])
     }
 
-    /// Bytes of the blocks this sequence holds (shared blocks count in full).
+    /// Bytes of the blocks this sequence holds (shared blocks count in full), and of its
+    /// state slot in a pool with state layers.
     fn memory_bytes(&self, py: Python<'_>) -> PyResult<usize> {
-        self.with(py, |s, p| s.all_blocks().count() * p.bytes_per_block())
+        self.with(py, |s, p| {
+            let slot = p
+                .states()
+                .filter(|_| s.state_slot.is_some())
+                .map_or(0, |a| a.config().slot_bytes());
+            s.all_blocks().count() * p.bytes_per_block() + slot
+        })
     }
 
     /// Appends k, v [n_tokens, num_kv_heads, head_dim] at the layer's next free

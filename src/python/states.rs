@@ -94,7 +94,7 @@ impl StateLayout {
 /// dtype or a dict of one per name (float32 by default).
 pub fn parse_config(
     state_layers: i64,
-    state_shapes: Option<&Bound<'_, PyDict>>,
+    state_shapes: Option<&Bound<'_, PyAny>>,
     state_slots: Option<i64>,
     state_dtype: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Option<StateConfig>> {
@@ -114,16 +114,26 @@ pub fn parse_config(
         ));
     }
     if state_layers == 0 {
-        if state_shapes.is_some() || state_slots.is_some() {
+        if state_shapes.is_some() || state_slots.is_some() || state_dtype.is_some() {
             return Err(bad(
                 "state_layers",
                 "0".into(),
-                "state_shapes and state_slots need state_layers >= 1",
+                "state_shapes, state_slots and state_dtype need state_layers >= 1",
             ));
         }
         return Ok(None);
     }
-    let shapes = state_shapes.ok_or_else(|| {
+    let shapes = state_shapes.map(|s| {
+        s.cast::<PyDict>().map_err(|_| {
+            pyo3::exceptions::PyTypeError::new_err(format!(
+                "state_shapes must be a dict {{name: shape}}, got {}",
+                s.get_type()
+                    .name()
+                    .map_or_else(|_| "?".into(), |n| n.to_string())
+            ))
+        })
+    });
+    let shapes = shapes.transpose()?.ok_or_else(|| {
         bad(
             "state_shapes",
             "None".into(),
@@ -138,18 +148,38 @@ pub fn parse_config(
             "state layers need state_slots: how many sequences hold a state at once",
         )
     })?;
+    let parse = |x: &Bound<'_, PyAny>| -> PyResult<DType> {
+        parse_dtype(x).map_err(|_| {
+            bad(
+                "state_dtype",
+                x.repr().map_or_else(|_| "?".into(), |r| r.to_string()),
+                "states are float32, float16 or bfloat16",
+            )
+        })
+    };
     let dtype_of = |name: &str| -> PyResult<DType> {
         match state_dtype {
             None => Ok(DType::F32),
             Some(d) => match d.cast::<PyDict>() {
                 Ok(map) => match map.get_item(name)? {
-                    Some(x) => parse_dtype(&x),
+                    Some(x) => parse(&x),
                     None => Ok(DType::F32),
                 },
-                Err(_) => parse_dtype(d),
+                Err(_) => parse(d),
             },
         }
     };
+    if let Some(map) = state_dtype.and_then(|d| d.cast::<PyDict>().ok()) {
+        for k in map.keys() {
+            if !shapes.contains(&k)? {
+                return Err(bad(
+                    "state_dtype",
+                    k.repr().map_or_else(|_| "?".into(), |r| r.to_string()),
+                    "names no state of state_shapes",
+                ));
+            }
+        }
+    }
     let mut specs = Vec::with_capacity(shapes.len());
     for (k, v) in shapes.iter() {
         let name: String = k.extract().map_err(|_| {

@@ -60,6 +60,7 @@ def test_slots_are_counted_and_a_full_pool_refuses_with_the_cache_unchanged():
     assert before["state_bytes"] == 2 * slot_bytes == before["state_bytes_used"]
     assert before["bytes_total"] == pool.num_blocks * pool.bytes_per_block + 2 * slot_bytes
     assert (pool.state_slots, pool.free_state_slots, pool.state_layers) == (2, 0, 2)
+    assert a.memory_bytes() == slot_bytes  # no blocks yet: its state slot
     assert pool.state_shapes == {"conv": ([6, 4], "float32"), "recurrent": ([2, 3, 5], "float32")}
 
 
@@ -90,7 +91,7 @@ def test_rollbacks_and_prefix_caching_are_refused():
     for layer in range(2):
         seq.append(layer, kv, kv)
     seq.advance(3)
-    for edit in (lambda: seq.truncate(1), lambda: seq.remove(0, 1)):
+    for edit in (lambda: seq.truncate(1), lambda: seq.remove(0, 1), lambda: seq.shift(2, None, -6)):
         with pytest.raises(kvrs.NotSupportedError, match="recurrent state"):
             edit()
     assert seq.seq_len == 3
@@ -117,6 +118,15 @@ def test_rollbacks_and_prefix_caching_are_refused():
         ({"state_shapes": {}}, ValueError, "at least one state"),
         ({"state_dtype": "int8"}, ValueError, "float32, float16 or bfloat16"),
         ({"state_layers": -1}, ValueError, "state_layers=-1"),
+        ({"state_dtype": "float64"}, ValueError, "state_dtype='float64'"),
+        ({"state_dtype": {"cnov": "float16"}}, ValueError, "names no state"),
+        ({"state_shapes": [(6, 4)]}, TypeError, "state_shapes must be a dict"),
+        ({"state_shapes": {"conv": (2**40, 2**40)}}, ValueError, "address space"),
+        (
+            {"state_layers": 0, "state_shapes": None, "state_slots": None, "state_dtype": "float16"},
+            ValueError,
+            "need state_layers",
+        ),
     ],
 )
 def test_bad_state_arguments_name_the_argument(kwargs, error, match):
@@ -141,6 +151,14 @@ def test_views_and_packing_check_their_arguments():
     assert pool.pack_states([b, a]) == 0
     assert (b.state_slot, a.state_slot) == (0, 1)
     assert (a.state(0)["conv"] == 7).all() and not b.state(0)["conv"].any()
+    # No run of 2 free-or-own slots: refused, nothing moved.
+    c = pool.new_sequence()  # slot 2
+    b.free()
+    d = pool.new_sequence()  # slot 0, beside a's slot 1
+    before = (a.state_slot, c.state_slot, d.state_slot)
+    with pytest.raises(kvrs.CacheFullError, match="the longest run is 1"):
+        pool.pack_states([c, d])
+    assert (a.state_slot, c.state_slot, d.state_slot) == before == (1, 2, 0)
 
 
 class StateSlots(RuleBasedStateMachine):
@@ -364,3 +382,27 @@ def test_ragged_batches_and_chunked_prefill_match_one_sequence_at_a_time(hybrid_
     with torch.no_grad():
         whole = model(torch.tensor([prompts[2]])).logits[0, -1]
     torch.testing.assert_close(chunked, whole, rtol=1e-4, atol=1e-4)
+
+
+def test_rows_that_cannot_take_consecutive_slots_leave_other_states_alone(hybrid_model):
+    from kvrs.integrations.layout import block_pool_from_config, layer_plan
+    from kvrs.integrations.transformers import KvrsPagedCache
+
+    cfg, model = hybrid_model
+    pool = block_pool_from_config(cfg, num_blocks=32, block_size=4, state_slots=5)
+    held = [pool.new_sequence() for _ in range(5)]
+    for seq in held[1], held[3], held[4]:
+        for layer in range(pool.state_layers):
+            for view in seq.state(layer).values():
+                view[...] = 42
+    held[0].free()
+    held[2].free()  # free slots 0 and 2: no two consecutive
+    cache = KvrsPagedCache(pool, layer_plan(cfg))
+    ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), pytest.raises(kvrs.CacheFullError, match="consecutive"):
+        model(ids, past_key_values=cache)
+    assert cache.rows == [] and pool.free_state_slots == 2
+    pool.check_invariants()
+    for seq in held[1], held[3], held[4]:
+        for layer in range(pool.state_layers):
+            assert all((np.asarray(v, np.float32) == 42).all() for v in seq.state(layer).values())

@@ -236,6 +236,11 @@ def _run(
                 running.append((r, seq))
             if not running:
                 r = waiting[0]
+                if pool.state_layers and pool.free_state_slots == 0:
+                    raise kvrs.CacheFullError(
+                        f"cache full: inputs[{r.index}] needs 1 more state slots but 0 of "
+                        f"{pool.state_slots} state slots are free (other sequences hold them)"
+                    )
                 raise kvrs.CacheFullError(
                     f"cache full: inputs[{r.index}] needs "
                     f"{_blocks(len(r.prompt) + r.max_new_tokens, bs)} more blocks but {pool.free_blocks} "

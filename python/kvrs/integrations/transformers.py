@@ -496,6 +496,7 @@ class KvrsPagedCache(Cache):
         # The rows' states of each state layer, as [batch, ...] torch views (the rows'
         # slots are consecutive: see _rows_changed).
         self._state_views: dict[int, dict[str, torch.Tensor]] = {}
+        self._state_first: int | None = None  # the rows' first slot
         layers: list[Any] = [None] * plan.num_layers
         for i, kv in plan.kv_of.items():
             layers[i] = self.paged_layers[kv]
@@ -598,12 +599,13 @@ class KvrsPagedCache(Cache):
             try:
                 for _ in range(batch):
                     rows.append(self.pool.new_sequence())
+                self.rows = rows
+                self._rows_changed()
             except BaseException:
                 for seq in rows:
                     seq.free()
+                self.rows = []
                 raise
-            self.rows = rows
-            self._rows_changed()
         if batch != len(self.rows):
             raise ValueError(f"{what} has batch {batch}; this cache holds {len(self.rows)} rows")
 
@@ -611,6 +613,7 @@ class KvrsPagedCache(Cache):
         """After the rows changed: their state slots are made consecutive, so that each
         state layer's states of the batch are one [batch, ...] view."""
         self._state_views = {}
+        self._state_first = None
         if self.state_layers and self.rows:
             self._state_first = self.pool.pack_states(self.rows)
 
@@ -618,7 +621,10 @@ class KvrsPagedCache(Cache):
         """State `name` of state layer `layer` for every row: [batch, *dims], in place."""
         views = self._state_views.get(layer)
         if views is None:
+            if self._state_first is None:
+                self._rows_changed()  # an earlier packing failed: again (CacheFullError)
             first, n = self._state_first, len(self.rows)
+            assert first is not None and [seq.state_slot for seq in self.rows] == list(range(first, first + n))
             views = {k: as_torch(v)[first : first + n] for k, v in self.pool.state_cache(layer).items()}
             self._state_views[layer] = views
         return views[name]
