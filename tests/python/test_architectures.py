@@ -162,7 +162,7 @@ def test_shapes_are_checked_against_each_head_size():
     with pytest.raises(ValueError, match="kv_cache_parts"):
         pool.kv_cache(0)
     int8 = kvrs.BlockPool(1, 1, 8, v_head_dim=4, num_blocks=8, dtype="int8")
-    with pytest.raises(ValueError, match="scale_cache.*Sequence.scales"):
+    with pytest.raises(ValueError, match=r"scale_cache.*Sequence\.scales"):
         int8.scale_cache(0)
     with pytest.raises(ValueError, match="v_head_dim"):
         kvrs.KVCache(1, 1, 8, 8, v_head_dim=0)
@@ -286,7 +286,7 @@ def test_int8_pool_with_other_value_heads_matches_a_reference(
         for layer in range(2):
             other.append(layer, big, np.full((1, heads, dv), -50.0, np.float32))
         other.advance(1)
-        for a, b in zip(before, (seq.get(0, dequantize=True), seq.scales(0))):
+        for a, b in zip(before, (seq.get(0, dequantize=True), seq.scales(0)), strict=True):
             np.testing.assert_array_equal(a[0], b[0])
             np.testing.assert_array_equal(a[1], b[1])
         fk, fv = other.get(0, dequantize=True)
@@ -367,9 +367,9 @@ def test_int8_latent_pools_persist_their_chunk_scales(tmp_path):
     again.load_prefix_cache(path)
     hit = again.new_sequence(tokens)
     assert hit.seq_len == 8
-    for a, b in zip(hit.get(1, dequantize=True), seq.get(1, dequantize=True)):
+    for a, b in zip(hit.get(1, dequantize=True), seq.get(1, dequantize=True), strict=True):
         np.testing.assert_array_equal(a, b[:, :8])
-    for a, b in zip(hit.scales(1), seq.scales(1)):
+    for a, b in zip(hit.scales(1), seq.scales(1), strict=True):
         np.testing.assert_array_equal(a, b[:, :8])
     # The small chunk keeps its own scale (a step of about 0.03 / 127, where one scale
     # for the whole key would step by about 300 / 127).
