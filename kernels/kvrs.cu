@@ -645,6 +645,13 @@ __device__ void scale3(T* dst, int64_t d0, int64_t d1, int64_t d2, const S* src,
 // decoded in registers and its scale applied once per score and once per output (fp8:
 // per KV head, k_scales[kvh]; int8: per row, k_scales[element offset / head_dim], V's
 // likewise), never per element; float storage has no scale at all.
+//
+// Values may have their own head size (v_head_dim; an MLA latent's K and V): then only
+// the generic kernel (HD 0) runs (the host picks it), a block holds bs * heads * head_dim
+// keys followed by bs * heads * v_head_dim values, V rows have offsets of their own
+// (voffs), and outputs have v_head_dim elements. The fixed-HD kernels take
+// v_head_dim == head_dim. int8's scales of such caches cover chunks of a row, not rows,
+// and the host refuses them.
 
 // log2(e): scores are kept in base 2 (exp2 of log2(e)-scaled scores).
 constexpr float KVRS_LOG2E = 1.4426950408889634f;
@@ -790,8 +797,8 @@ template <typename Q, typename C, int HD>
 __device__ void paged_attention(const Q* q, TokenStrides qs, Q* out, const C* cache, const int32_t* tables,
                                 const int64_t* rows, const int64_t* items, int q_heads, int group, float scale,
                                 float softcap, const float* sinks, const float* alibi, float* part_o,
-                                float* part_ml, int bs, int heads, int head_dim, int hnd, const float* k_scales,
-                                const float* v_scales, int tile_rows, int hsb, int wpr) {
+                                float* part_ml, int bs, int heads, int head_dim, int v_head_dim, int hnd,
+                                const float* k_scales, const float* v_scales, int tile_rows, int hsb, int wpr) {
     using S = AttnShape<C, HD>;
     using V = Vec16<C>;
     constexpr bool INT8 = same<C, int8_t>::value;
@@ -802,6 +809,7 @@ __device__ void paged_attention(const Q* q, TokenStrides qs, Q* out, const C* ca
 
     __shared__ __align__(16) unsigned char stage[2][KVRS_STAGE_BYTES];
     __shared__ int64_t offs[3][TILE];                 // K row offsets of a tile's positions (-1: none)
+    __shared__ int64_t voffs[3][S::GENERIC ? TILE : 1];  // generic: their V row offsets
     __shared__ float row_scales[3][2][INT8 ? TILE : 1];  // int8: the rows' K and V scales
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nthreads = blockDim.x;
@@ -812,6 +820,7 @@ __device__ void paged_attention(const Q* q, TokenStrides qs, Q* out, const C* ca
     const int kvh = blockIdx.y / head_chunks;
     const int32_t* table = tables + rows[5 * (int64_t)row0 + 1];
     const int64_t v_off = (int64_t)bs * heads * head_dim;  // from a block's K rows to its V rows
+    const int64_t block_elems = (int64_t)bs * heads * (head_dim + v_head_dim);
 
     // This warp's row slot: query token t of the item, heads j0 .. j0 + nh of the group.
     const int slot = warp / wpr, part = warp % wpr;
@@ -856,13 +865,28 @@ __device__ void paged_attention(const Q* q, TokenStrides qs, Q* out, const C* ca
     };
     auto offset_of = [&](int64_t ti, int i, int64_t block) -> int64_t {
         const int64_t p = kb + ti * TILE + i;
+        if (S::GENERIC) {
+            const int64_t r = hnd ? (int64_t)kvh * bs + p % bs : (p % bs) * heads + kvh;
+            return block < 0 ? -1 : block * block_elems + r * head_dim;
+        }
         return block < 0 ? -1 : paged_offset(block, 0, p % bs, kvh, 0, bs, heads, head_dim, hnd);
+    };
+    // Generic: the V row of the position whose K row is at o (-1: none).
+    auto voffset_of = [&](int64_t ti, int i, int64_t block) -> int64_t {
+        const int64_t p = kb + ti * TILE + i;
+        const int64_t r = hnd ? (int64_t)kvh * bs + p % bs : (p % bs) * heads + kvh;
+        return block < 0 ? -1 : block * block_elems + v_off + r * v_head_dim;
+    };
+    // Where tile ti's row i keeps its V (stage slot ti % 3).
+    auto v_at = [&](int64_t ti, int i) -> int64_t {
+        if constexpr (S::GENERIC) return voffs[ti % 3][i];
+        else return offs[ti % 3][i] + v_off;
     };
     auto load_scales = [&](int64_t ti) {  // int8: tile ti's row scales, into registers
         float ks = 0.0f, vs = 0.0f;
         if (INT8 && tid < TILE) {
             const int64_t o = offs[ti % 3][tid];
-            if (o >= 0) ks = k_scales[o / head_dim], vs = v_scales[(o + v_off) / head_dim];
+            if (o >= 0) ks = k_scales[o / head_dim], vs = v_scales[v_at(ti, tid) / head_dim];
         }
         return kvrs_u4{f32_bits(ks), f32_bits(vs), 0, 0};
     };
@@ -874,32 +898,33 @@ __device__ void paged_attention(const Q* q, TokenStrides qs, Q* out, const C* ca
         if (ti < ntiles) {
             unsigned char* dst = stage[ti & 1];
             const int64_t* o = offs[ti % 3];
-            const int row_bytes = head_dim * (int)sizeof(C);
-            if (!S::GENERIC || row_bytes % 16 == 0) {
-                const int cpr = S::GENERIC ? row_bytes / 16 : S::CPR;
+            const int row_bytes = head_dim * (int)sizeof(C), v_row_bytes = v_head_dim * (int)sizeof(C);
+            if (!S::GENERIC || (row_bytes % 16 == 0 && v_row_bytes % 16 == 0)) {
+                const int cpr = S::GENERIC ? (row_bytes > v_row_bytes ? row_bytes : v_row_bytes) / 16 : S::CPR;
                 for (int c = tid; c < 2 * TILE * cpr; c += nthreads) {
                     const int kv = c / (TILE * cpr), r = c % (TILE * cpr), i = r / cpr, piece = r % cpr;
-                    if (o[i] >= 0)
+                    if (o[i] >= 0 && (!S::GENERIC || piece * 16 < (kv ? v_row_bytes : row_bytes)))
                         kvrs_cp_async16(dst + kv * TILE * RB + i * RB + piece * 16,
-                                        cache + o[i] + kv * v_off + piece * S::VEC);
+                                        cache + (kv ? v_at(ti, i) : o[i]) + piece * S::VEC);
                 }
             } else {
                 C* d = reinterpret_cast<C*>(dst);
-                for (int c = tid; c < 2 * TILE * head_dim; c += nthreads) {
-                    const int kv = c / (TILE * head_dim), r = c % (TILE * head_dim), i = r / head_dim,
-                              e = r % head_dim;
-                    if (o[i] >= 0) d[(kv * TILE * RB + i * RB) / (int)sizeof(C) + e] = cache[o[i] + kv * v_off + e];
+                const int maxd = head_dim > v_head_dim ? head_dim : v_head_dim;
+                for (int c = tid; c < 2 * TILE * maxd; c += nthreads) {
+                    const int kv = c / (TILE * maxd), r = c % (TILE * maxd), i = r / maxd, e = r % maxd;
+                    if (o[i] >= 0 && e < (kv ? v_head_dim : head_dim))
+                        d[(kv * TILE * RB + i * RB) / (int)sizeof(C) + e] = cache[(kv ? v_at(ti, i) : o[i]) + e];
                 }
             }
         }
         kvrs_cp_async_commit();
     };
-    // This lane's part of a row in shared memory, as floats (times 1 / UNIT).
-    auto load_row = [&](const unsigned char* row, float (&x)[E]) {
+    // This lane's part of a row of n elements in shared memory, as floats (times 1 / UNIT).
+    auto load_row = [&](const unsigned char* row, float (&x)[E], int n) {
         if (S::GENERIC) {
             const C* r = reinterpret_cast<const C*>(row);
 #pragma unroll
-            for (int e = 0; e < E; ++e) x[e] = dim(e) < head_dim ? to_f32(r[dim(e)]) : 0.0f;
+            for (int e = 0; e < E; ++e) x[e] = dim(e) < n ? to_f32(r[dim(e)]) : 0.0f;
         } else {
 #pragma unroll
             for (int i = 0; i < S::NV; ++i)
@@ -909,7 +934,11 @@ __device__ void paged_attention(const Q* q, TokenStrides qs, Q* out, const C* ca
 
     // Prologue: offsets of tiles 0..2, scales of tiles 0 and 1, tiles 0 and 1 in flight.
     for (int ti = 0; ti < 3; ++ti)
-        for (int i = tid; i < TILE; i += nthreads) offs[ti][i] = offset_of(ti, i, block_of(ti, i));
+        for (int i = tid; i < TILE; i += nthreads) {
+            const int64_t block = block_of(ti, i);
+            offs[ti][i] = offset_of(ti, i, block);
+            if constexpr (S::GENERIC) voffs[ti][i] = voffset_of(ti, i, block);
+        }
     __syncthreads();
     for (int ti = 0; ti < 2; ++ti) store_scales(ti, load_scales(ti));
     issue(0);
@@ -936,7 +965,7 @@ __device__ void paged_attention(const Q* q, TokenStrides qs, Q* out, const C* ca
                     const int64_t p = p0 + at[u];
                     valid[u] = p >= wlo && p < whi;
                     float kf[E];
-                    load_row(ks + at[u] * RB, kf);
+                    load_row(ks + at[u] * RB, kf, head_dim);
 #pragma unroll
                     for (int j = 0; j < HPT; ++j) {
                         float d = 0.0f;
@@ -984,7 +1013,7 @@ __device__ void paged_attention(const Q* q, TokenStrides qs, Q* out, const C* ca
                 for (int u = 0; u < KVRS_STEP; ++u) {
                     if (!valid[u]) continue;  // an invisible row is never read (it may hold anything)
                     float vf[E];
-                    load_row(vs + at[u] * RB, vf);
+                    load_row(vs + at[u] * RB, vf, v_head_dim);
                     const float vsc = INT8 ? row_scales[ti % 3][1][at[u]] : 1.0f;
 #pragma unroll
                     for (int j = 0; j < HPT; ++j) {
@@ -995,7 +1024,10 @@ __device__ void paged_attention(const Q* q, TokenStrides qs, Q* out, const C* ca
                 }
             }
         }
-        if (tid < TILE) offs[(ti + 3) % 3][tid] = offset_of(ti + 3, tid, next_block);
+        if (tid < TILE) {
+            offs[(ti + 3) % 3][tid] = offset_of(ti + 3, tid, next_block);
+            if constexpr (S::GENERIC) voffs[(ti + 3) % 3][tid] = voffset_of(ti + 3, tid, next_block);
+        }
         store_scales(ti + 2, next_scales);
         __syncthreads();
         issue(ti + 2);
@@ -1053,16 +1085,16 @@ __device__ void paged_attention(const Q* q, TokenStrides qs, Q* out, const C* ca
         const int h = kvh * group + j0 + j;
         if (pbase < 0) {
             const float f = finish_factor(m[j], l[j], sinks, h) * v_fold;
-            Q* o = out + (token * q_heads + h) * head_dim;
+            Q* o = out + (token * q_heads + h) * v_head_dim;
 #pragma unroll
             for (int e = 0; e < E; ++e)
-                if (!S::GENERIC || dim(e) < head_dim) o[dim(e)] = from_f32<Q>(acc[j][e] * f);
+                if (!S::GENERIC || dim(e) < v_head_dim) o[dim(e)] = from_f32<Q>(acc[j][e] * f);
         } else {
             const int64_t entry = (pbase + t) * q_heads + h;
-            float* o = part_o + entry * head_dim;
+            float* o = part_o + entry * v_head_dim;
 #pragma unroll
             for (int e = 0; e < E; ++e)
-                if (!S::GENERIC || dim(e) < head_dim) o[dim(e)] = acc[j][e] * v_fold;
+                if (!S::GENERIC || dim(e) < v_head_dim) o[dim(e)] = acc[j][e] * v_fold;
             if (tx == 0) part_ml[2 * entry] = m[j], part_ml[2 * entry + 1] = l[j];
         }
     }
@@ -1245,10 +1277,10 @@ extern "C" __global__ void kvrs_advance_counter(int64_t* position, int64_t n) {
         const Q* q, int64_t q_tok, int64_t q_head, Q* out, const C* cache, const int32_t* tables,              \
         const int64_t* rows, const int64_t* items, int q_heads, int group, float scale, float softcap,         \
         const float* sinks, const float* alibi, float* part_o, float* part_ml, int bs, int heads, int head_dim, \
-        int hnd, const float* k_scales, const float* v_scales, int tile_rows, int hsb, int wpr) {              \
+        int v_head_dim, int hnd, const float* k_scales, const float* v_scales, int tile_rows, int hsb, int wpr) { \
         paged_attention<Q, C, HD>(q, {q_tok, q_head}, out, cache, tables, rows, items, q_heads, group, scale,  \
-                                  softcap, sinks, alibi, part_o, part_ml, bs, heads, head_dim, hnd, k_scales,   \
-                                  v_scales, tile_rows, hsb, wpr);                                              \
+                                  softcap, sinks, alibi, part_o, part_ml, bs, heads, head_dim, v_head_dim, hnd, \
+                                  k_scales, v_scales, tile_rows, hsb, wpr);                                    \
     }
 #define KVRS_ATTENTION(NAME, Q, C)                \
     KVRS_ATTENTION_HD(NAME, Q, C, 64, d64, 2)     \

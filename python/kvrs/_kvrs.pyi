@@ -203,7 +203,8 @@ class KVCache(Generic[_View_co]):
     def v_scale(self) -> npt.NDArray[np.float32] | None:
         """The fp8 value scales, [num_layers, num_kv_heads] (None for other dtypes)."""
     def scales(self, layer: int) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
-        """(K, V) scales of get(layer)'s codes: int8 [num_kv_heads, length] views, else [num_kv_heads, 1]."""
+        """(K, V) scales of get(layer)'s codes: int8 [num_kv_heads, length] views ([..., chunks] when
+        v_head_dim != head_dim: a scale per gcd(head_dim, v_head_dim) elements), else [num_kv_heads, 1]."""
     def layer_len(self, layer: int) -> int:
         """Positions written into `layer` (committed and appended)."""
     def store_key(self, layer: int, head: int, pos: int, key: _ArrayLike) -> None:
@@ -522,7 +523,8 @@ class BlockPool(Generic[_View_co]):
     def v_scale(self) -> npt.NDArray[np.float32] | None:
         """The fp8 value scales, [num_layers, num_kv_heads] (None for other dtypes)."""
     def scale_cache(self, layer: int) -> npt.NDArray[np.float32]:
-        """Zero-copy writable view of an int8 pool's per-token scales: kv_cache's shape minus head_dim."""
+        """Zero-copy writable view of an int8 pool's per-token scales: kv_cache's shape minus head_dim
+        (one head size; ValueError for v_head_dim != head_dim, whose scales Sequence.scales gives)."""
     def kv_cache(self, layer: int) -> _View_co:
         """Zero-copy writable view of one layer's cache tensor, FlashInfer's paged layout (one head size)."""
     @property
@@ -688,7 +690,8 @@ class Sequence(Generic[_View_co]):
     ) -> tuple[_View_co, _View_co]:
         """The layer's K and V gathered into contiguous [num_kv_heads, length, head_dim] arrays."""
     def scales(self, layer: int) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
-        """(K, V) scales of get(layer)'s codes: int8 [num_kv_heads, length], else [num_kv_heads, 1]."""
+        """(K, V) scales of get(layer)'s codes: int8 [num_kv_heads, length] ([..., chunks] when
+        v_head_dim != head_dim: a scale per gcd(head_dim, v_head_dim) elements), else [num_kv_heads, 1]."""
     def attention(
         self,
         layer: int,
@@ -897,7 +900,8 @@ class EncoderCache(Generic[_View_co]):
     def get(self, layer: int, *, dequantize: bool = False) -> tuple[_View_co, _View_co]:
         """Zero-copy read-only views (K, V) [num_kv_heads, length, head_dim] of a set layer."""
     def scales(self, layer: int) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
-        """(K, V) scales of get(layer)'s codes: int8 [num_kv_heads, length] views, else [num_kv_heads, 1]."""
+        """(K, V) scales of get(layer)'s codes: int8 [num_kv_heads, length] views ([..., chunks] when
+        v_head_dim != head_dim: a scale per gcd(head_dim, v_head_dim) elements), else [num_kv_heads, 1]."""
     def attention(
         self,
         layer: int,

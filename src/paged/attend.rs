@@ -150,16 +150,12 @@ impl PoolCore {
         };
         if opts.latent {
             return Err(KvError::NotSupported(
-                "latent (MLA) attention on a CUDA pool: the CUDA kernels attend over K and V \
-                 of one head size; keep an MLA pool on the host (device='cpu')"
+                "latent (MLA) attention on a CUDA pool: the CUDA kernels score q against the \
+                 keys and sum the values, not the absorbed [c, r] scores over the latents; \
+                 keep an MLA pool on the host (device='cpu') for latent=True"
                     .into(),
             ));
         }
-        crate::storage::check_kernel_dims(
-            "attention",
-            self.storage.device(),
-            [self.shape.head_dim, self.shape.v_head_dim],
-        )?;
         let (_, scale) = attention::validate(q, out, self.kv_heads(), opts)?;
         let mut tables: Vec<u32> = Vec::new();
         let mut device_rows: Vec<DeviceRow> = Vec::with_capacity(rows.len());

@@ -395,6 +395,8 @@ impl PyBlockPool {
     /// Zero-copy writable view of the per-token scales of one layer's cache tensor (int8
     /// pools): kv_cache(layer)'s shape without head_dim, [num_blocks, 2, block_size,
     /// num_kv_heads] (NHD) or [num_blocks, 2, num_kv_heads, block_size] (HND), float32.
+    /// Pools of two head sizes (a scale per gcd(head_dim, v_head_dim) elements) have no
+    /// such tensor: ValueError, naming Sequence.scales.
     fn scale_cache<'py>(slf: &Bound<'py, Self>, layer: i64) -> PyResult<Bound<'py, PyAny>> {
         let me = slf.get();
         let sh = me.shape;

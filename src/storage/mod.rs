@@ -225,10 +225,11 @@ pub struct RowScales {
     pub len: usize,
 }
 
-/// Fails unless the CUDA kernel behind `what` (attention, the captured append) can run
-/// on `device` over keys of `dims[0]` and values of `dims[1]` elements: those kernels
-/// take one head size for both. Storage of two head sizes on a device (writes, reads,
-/// copies, forks, swaps) goes through the region copies and needs no check.
+/// Fails unless the CUDA kernel behind `what` (the captured append) can run on `device`
+/// over keys of `dims[0]` and values of `dims[1]` elements: it takes one head size for
+/// both. Storage of two head sizes on a device (writes, reads, copies, forks, swaps)
+/// goes through the region copies, and attention through the generic kernel, so those
+/// need no check.
 pub fn check_kernel_dims(what: &str, device: Device, dims: [usize; 2]) -> Result<()> {
     if device != Device::Cpu && dims[0] != dims[1] {
         return Err(KvError::NotSupported(format!(

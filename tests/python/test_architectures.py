@@ -161,6 +161,9 @@ def test_shapes_are_checked_against_each_head_size():
         seq.attention(0, np.ones((1, 2, 8), np.float32), latent=True)  # needs 8 + 4
     with pytest.raises(ValueError, match="kv_cache_parts"):
         pool.kv_cache(0)
+    int8 = kvrs.BlockPool(1, 1, 8, v_head_dim=4, num_blocks=8, dtype="int8")
+    with pytest.raises(ValueError, match=r"scale_cache.*Sequence\.scales"):
+        int8.scale_cache(0)
     with pytest.raises(ValueError, match="v_head_dim"):
         kvrs.KVCache(1, 1, 8, 8, v_head_dim=0)
     # One head size: kv_cache is FlashInfer's single tensor, kv_cache_parts its two halves.
@@ -198,6 +201,181 @@ def test_latent_pools_persist_with_their_value_size(tmp_path):
     )
     with pytest.raises(ValueError, match="v_head_dim"):
         make(8).load_prefix_cache(path)
+
+
+# --- int8 storage of K and V of different head sizes ----------------------------------
+
+
+def int8_chunks_close(got, want, unit):
+    """Fails unless `got` is `want` quantized with a scale per `unit` elements of the last
+    axis: within half a step (max |x| / 127 of the chunk) of each element."""
+    g = np.asarray(got, np.float64).reshape(*got.shape[:-1], -1, unit)
+    w = np.asarray(want, np.float64).reshape(g.shape)
+    step = np.abs(w).max(-1, keepdims=True) / 127
+    assert (np.abs(g - w) <= step / 2 + 1e-6).all(), np.abs(g - w).max()
+
+
+def dequantized(codes, scales, unit):
+    """Codes [..., dim] times their scales [...] or [..., dim / unit]."""
+    c = np.asarray(codes, np.float32)
+    s = np.asarray(scales, np.float32)
+    if s.ndim == c.ndim - 1:
+        s = s[..., None]
+    return (c.reshape(*c.shape[:-1], s.shape[-1], -1) * s[..., None]).reshape(c.shape)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    dims=st.sampled_from([(8, 4), (4, 12), (16, 8), (12, 8), (8, 8)]),
+    heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 3]),
+    layout=st.sampled_from(["NHD", "HND"]),
+    block_size=st.sampled_from([1, 4, 5]),
+    lens=st.lists(st.integers(1, 9), min_size=1, max_size=4),
+    fork_at=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_int8_pool_with_other_value_heads_matches_a_reference(
+    dims, heads, group, layout, block_size, lens, fork_at, seed
+):
+    """int8 keeps a scale per gcd(head_dim, v_head_dim) elements: reads are the writes
+    within int8's error, codes times scales are the dequantized reads, forks keep their
+    blocks through copy-on-write, and attention (plain and latent) matches a float64
+    reference over the stored values."""
+    d, dv = dims
+    unit = int(np.gcd(d, dv))
+    rng = np.random.default_rng(seed)
+    pool = kvrs.BlockPool(
+        2, heads, d, v_head_dim=dv, block_size=block_size, num_blocks=64, dtype="int8", layout=layout
+    )
+    assert pool.bytes_per_block == 2 * block_size * heads * (d + dv + 4 * (d + dv) // unit)
+    seq = pool.new_sequence()
+    ks, vs = [], []
+    other = None
+    for step, n in enumerate(lens):
+        if step == fork_at:
+            other = seq.fork()
+        k = (rng.standard_normal((n, heads, d)) * rng.uniform(0.01, 10, (1, 1, d))).astype(np.float32)
+        v = rng.standard_normal((n, heads, dv)).astype(np.float32)
+        for layer in range(2):
+            seq.append(layer, k, v)
+        seq.advance(n)
+        ks.append(k)
+        vs.append(v)
+    k_all, v_all = np.concatenate(ks), np.concatenate(vs)
+    t = k_all.shape[0]
+    got_k, got_v = seq.get(1, dequantize=True)
+    assert got_k.shape == (heads, t, d) and got_v.shape == (heads, t, dv)
+    int8_chunks_close(got_k.transpose(1, 0, 2), k_all, unit)
+    int8_chunks_close(got_v.transpose(1, 0, 2), v_all, unit)
+    codes_k, codes_v = seq.get(1)
+    sk, sv = seq.scales(1)
+    assert sk.shape == ((heads, t) if d == unit else (heads, t, d // unit))
+    assert sv.shape == ((heads, t) if dv == unit else (heads, t, dv // unit))
+    np.testing.assert_array_equal(dequantized(codes_k, sk, unit), got_k)
+    np.testing.assert_array_equal(dequantized(codes_v, sv, unit), got_v)
+    k_ref, v_ref = got_k.transpose(1, 0, 2), got_v.transpose(1, 0, 2)
+    if other is not None:
+        kept = sum(lens[:fork_at])
+        ok, ov = other.get(0, dequantize=True)
+        np.testing.assert_array_equal(ok.transpose(1, 0, 2), k_ref[:kept])
+        np.testing.assert_array_equal(ov.transpose(1, 0, 2), v_ref[:kept])
+        # Writing to the fork copies the shared block; the original keeps its values.
+        before = seq.get(0, dequantize=True), seq.scales(0)
+        big = np.full((1, heads, d), 50.0, np.float32)
+        for layer in range(2):
+            other.append(layer, big, np.full((1, heads, dv), -50.0, np.float32))
+        other.advance(1)
+        for a, b in zip(before, (seq.get(0, dequantize=True), seq.scales(0)), strict=True):
+            np.testing.assert_array_equal(a[0], b[0])
+            np.testing.assert_array_equal(a[1], b[1])
+        fk, fv = other.get(0, dequantize=True)
+        np.testing.assert_array_equal(fk[:, kept], 50.0)
+        np.testing.assert_array_equal(fv[:, kept], -50.0)
+    kb, vb = seq.extract_block(1, 0, t)
+    np.testing.assert_array_equal(kb, got_k)
+    np.testing.assert_array_equal(vb, got_v)
+    n = lens[-1]
+    q = rng.standard_normal((n, heads * group, d)).astype(np.float32)
+    out = seq.attention(1, q, scale=0.3)
+    assert out.shape == (n, heads * group, dv)
+    ref = softmax_attention(q, k_ref, v_ref, 0.3, [(0, t - n + i + 1) for i in range(n)])
+    np.testing.assert_allclose(out, ref, atol=2e-4 * (1 + abs(ref).max()), rtol=1e-3)
+    if heads == 1:
+        ql = rng.standard_normal((n, 4, d + dv)).astype(np.float32)
+        out = seq.attention(1, ql, latent=True, scale=0.2)
+        assert out.shape == (n, 4, d)
+        ref = latent_reference(ql, k_ref[:, 0], v_ref[:, 0], 0.2)
+        np.testing.assert_allclose(out, ref, atol=2e-4 * (1 + abs(ref).max()), rtol=1e-3)
+
+
+@pytest.mark.parametrize("dims", [(8, 4), (4, 12), (512, 64)])
+def test_int8_contiguous_cache_with_other_value_heads(dims):
+    """An int8 KVCache of two head sizes (an MLA latent of 512 and 64 among them): round
+    trip, zero-copy scales that dequantize the codes, attention and latent attention
+    against a float reference over the stored values."""
+    d, dv = dims
+    unit = int(np.gcd(d, dv))
+    rng = np.random.default_rng(d + dv)
+    heads, n = (1, 7) if d == 512 else (2, 9)
+    cache = kvrs.KVCache(2, heads, d, 16, v_head_dim=dv, dtype="int8")
+    k = rng.standard_normal((n, heads, d)).astype(np.float32)
+    v = rng.standard_normal((n, heads, dv)).astype(np.float32) * 3
+    for layer in range(2):
+        cache.append(layer, k * (layer + 1), v)
+    cache.advance(n)
+    gk, gv = cache.get(1, dequantize=True)
+    assert gk.shape == (heads, n, d) and gv.shape == (heads, n, dv)
+    int8_chunks_close(gk.transpose(1, 0, 2), 2 * k, unit)
+    int8_chunks_close(gv.transpose(1, 0, 2), v, unit)
+    ck, cv = cache.get(1)
+    sk, sv = cache.scales(1)
+    assert sk.shape == ((heads, n) if d == unit else (heads, n, d // unit))
+    np.testing.assert_array_equal(dequantized(ck, sk, unit), gk)
+    np.testing.assert_array_equal(dequantized(cv, sv, unit), gv)
+    # Layer 0's scales are their own (half of layer 1's keys').
+    sk0, _ = cache.scales(0)
+    np.testing.assert_allclose(np.asarray(sk0) * 2, np.asarray(sk), rtol=1e-6)
+    k_ref, v_ref = gk.transpose(1, 0, 2), gv.transpose(1, 0, 2)
+    q = rng.standard_normal((1, 2 * heads, d)).astype(np.float32)
+    out = cache.attention(1, q)
+    ref = softmax_attention(q, k_ref, v_ref, d**-0.5, [(0, n)])
+    np.testing.assert_allclose(out, ref, atol=2e-4 * (1 + abs(ref).max()), rtol=1e-3)
+    if heads == 1:
+        ql = rng.standard_normal((2, 3, d + dv)).astype(np.float32) * 0.1
+        out = cache.attention(1, ql, latent=True, scale=0.05)
+        ref = latent_reference(ql, k_ref[:, 0], v_ref[:, 0], 0.05)
+        np.testing.assert_allclose(out, ref, atol=2e-4 * (1 + abs(ref).max()), rtol=1e-3)
+
+
+def test_int8_latent_pools_persist_their_chunk_scales(tmp_path):
+    def make():
+        return kvrs.BlockPool(2, 1, 12, v_head_dim=8, block_size=4, num_blocks=16, dtype="int8", seed=3)
+
+    pool = make()
+    tokens = list(range(9))
+    seq = pool.new_sequence(tokens)
+    rng = np.random.default_rng(1)
+    k = (rng.standard_normal((9, 1, 12)) * np.array([0.01] * 4 + [1] * 4 + [100] * 4)).astype(np.float32)
+    v = rng.standard_normal((9, 1, 8)).astype(np.float32)
+    for layer in range(2):
+        seq.append(layer, k, v)
+    seq.advance(9, tokens=tokens)
+    path = str(tmp_path / "int8-latent.safetensors")
+    pool.save_prefix_cache(path)
+    again = make()
+    again.load_prefix_cache(path)
+    hit = again.new_sequence(tokens)
+    assert hit.seq_len == 8
+    for a, b in zip(hit.get(1, dequantize=True), seq.get(1, dequantize=True), strict=True):
+        np.testing.assert_array_equal(a, b[:, :8])
+    for a, b in zip(hit.scales(1), seq.scales(1), strict=True):
+        np.testing.assert_array_equal(a, b[:, :8])
+    # The small chunk keeps its own scale (a step of about 0.03 / 127, where one scale
+    # for the whole key would step by about 300 / 127).
+    got = hit.get(1, dequantize=True)[0][0]
+    int8_chunks_close(got, k[:8, 0], 4)
+    assert np.abs(got[:, :4] - k[:8, 0, :4]).max() < 1e-3
 
 
 # --- DeepSeek-V3 (MLA) through transformers -------------------------------------------

@@ -624,7 +624,9 @@ class KvrsPagedCache(Cache):
             if self._state_first is None:
                 self._rows_changed()  # an earlier packing failed: again (CacheFullError)
             first, n = self._state_first, len(self.rows)
-            assert first is not None and [seq.state_slot for seq in self.rows] == list(range(first, first + n))
+            assert first is not None and [seq.state_slot for seq in self.rows] == list(
+                range(first, first + n)
+            )
             views = {k: as_torch(v)[first : first + n] for k, v in self.pool.state_cache(layer).items()}
             self._state_views[layer] = views
         return views[name]

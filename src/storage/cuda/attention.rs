@@ -33,7 +33,7 @@ fn pack(w: &mut Vec<u64>, words: impl IntoIterator<Item = u32>) {
 impl CudaStorage {
     /// Attention of `q` (`[tokens, q_heads, head_dim]` on this device, head_dim
     /// contiguous; the storage's dtype, or any float dtype over 8-bit storage) into `out`
-    /// (q's shape and dtype, C-contiguous, on this device) over cache tensor `t`: each of
+    /// (`[tokens, q_heads, v_head_dim]`, q's dtype, C-contiguous, on this device) over cache tensor `t`: each of
     /// `rows` reads its sequence's block table at its offset in `tables`; the rows of one
     /// sequence are consecutive. An fp8 storage multiplies its codes by `head_scales`
     /// (K's and V's, one per KV head); int8 by its own per-vector scales. `scale` and
@@ -76,7 +76,19 @@ impl CudaStorage {
             }
         }
         let sh = t.shape;
-        let name = attention_kernel(q.dtype(), self.dtype(), sh.head_dim)?;
+        if self.scales.is_some() && sh.head_dim != sh.v_head_dim {
+            return Err(KvError::NotSupported(format!(
+                "attention over int8 storage on {} with v_head_dim={} beside head_dim={}: its \
+                 scales cover {}-element chunks of a row, and the CUDA kernel applies one scale \
+                 per row; store the cache as fp8_e4m3, bfloat16 or float16, or attend on the \
+                 host (device='cpu')",
+                self.device(),
+                sh.v_head_dim,
+                sh.head_dim,
+                sh.scale_unit()
+            )));
+        }
+        let name = attention_kernel(q.dtype(), self.dtype(), [sh.head_dim, sh.v_head_dim])?;
         if rows.is_empty() {
             return Ok(());
         }
@@ -86,6 +98,7 @@ impl CudaStorage {
             q_heads,
             kv_heads: sh.num_kv_heads,
             head_dim: sh.head_dim,
+            v_head_dim: sh.v_head_dim,
             elem_size: self.dtype().size(),
             sm_count: self.gpu().sm_count(),
         };
@@ -117,9 +130,9 @@ impl CudaStorage {
         let vector_scales = self
             .scales
             .as_ref()
-            .map(|sc| sc.device_addr(sh.block_offset(t.index, 0) / sh.head_dim));
+            .map(|sc| sc.device_addr(sh.block_offset(t.index, 0) / sh.scale_unit()));
         let cache = self.device_addr(sh.block_offset(t.index, 0));
-        let o_bytes = p.partial_rows * q_heads * sh.head_dim * 4;
+        let o_bytes = p.partial_rows * q_heads * sh.v_head_dim * 4;
         self.with_upload_and_scratch(fill, p.workspace(&shape), |base, partial| {
             let at = |words: usize| base + 8 * words as u64;
             let sinks = opts.sinks.map_or(0, |_| at(sinks_at));
@@ -152,6 +165,7 @@ impl CudaStorage {
                 .i32(sh.block_size as i32)
                 .i32(sh.num_kv_heads as i32)
                 .i32(sh.head_dim as i32)
+                .i32(sh.v_head_dim as i32)
                 .i32(i32::from(sh.layout == KvLayout::Hnd))
                 .u64(k_scales)
                 .u64(v_scales)
@@ -182,10 +196,10 @@ impl CudaStorage {
                 .u64(out.as_mut_ptr() as u64)
                 .i32(q_heads as i32)
                 .u64(sinks)
-                .i32(sh.head_dim as i32);
+                .i32(sh.v_head_dim as i32);
             let heads_per_block = (MERGE_THREADS / 32) as usize;
             // SAFETY: the first launch wrote every split's results (stream order); out
-            // holds the rows' tokens x q_heads x head_dim.
+            // holds the rows' tokens x q_heads x v_head_dim.
             unsafe {
                 self.gpu().launch(
                     attention_merge_kernel(q.dtype()),

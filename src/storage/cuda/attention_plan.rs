@@ -41,8 +41,10 @@ pub struct PlanShape {
     pub q_heads: usize,
     /// KV heads (the query heads' groups).
     pub kv_heads: usize,
-    /// Elements per head.
+    /// Elements per key head vector.
     pub head_dim: usize,
+    /// Elements per value head vector (and per output row).
+    pub v_head_dim: usize,
     /// Bytes per stored element.
     pub elem_size: usize,
     /// The device's streaming multiprocessors.
@@ -57,7 +59,7 @@ pub struct AttentionPlan {
     pub items: Vec<[i64; 4]>,
     /// Rows the merge combines: `(row, first partial row, splits, stride)`.
     pub merges: Vec<[i32; 4]>,
-    /// Partial rows (each `q_heads` states of `head_dim + 2` floats).
+    /// Partial rows (each `q_heads` states of `v_head_dim + 2` floats).
     pub partial_rows: usize,
     /// Query rows per item at most (the block's row slots are `tile_rows * hsb`).
     pub tile_rows: usize,
@@ -83,14 +85,15 @@ impl AttentionPlan {
 
     /// Bytes of split results: the outputs, then the (max, denominator) pairs.
     pub fn workspace(&self, shape: &PlanShape) -> usize {
-        self.partial_rows * shape.q_heads * (shape.head_dim + 2) * 4
+        self.partial_rows * shape.q_heads * (shape.v_head_dim + 2) * 4
     }
 }
 
-/// Query heads one thread holds (`AttnShape::HPT` in `kernels/kvrs.cu`): 32 floats of q
-/// and as many of accumulator per thread.
-pub fn heads_per_thread(head_dim: usize, elem_size: usize) -> usize {
-    let per_lane = if ATTENTION_HEAD_DIMS.contains(&head_dim) {
+/// Query heads one thread holds (`AttnShape::HPT` in `kernels/kvrs.cu`) in the kernel for
+/// keys of `head_dim` and values of `v_head_dim` elements: 32 floats of q and as many of
+/// accumulator per thread.
+pub fn heads_per_thread(head_dim: usize, v_head_dim: usize, elem_size: usize) -> usize {
+    let per_lane = if head_dim == v_head_dim && ATTENTION_HEAD_DIMS.contains(&head_dim) {
         let pieces = head_dim * elem_size / 16;
         head_dim / pieces.min(32)
     } else {
@@ -107,7 +110,11 @@ pub fn heads_per_thread(head_dim: usize, elem_size: usize) -> usize {
 /// offset).
 pub fn plan(rows: &[DeviceRow], shape: &PlanShape) -> AttentionPlan {
     let group = shape.q_heads / shape.kv_heads.max(1);
-    let head_slots = group.div_ceil(heads_per_thread(shape.head_dim, shape.elem_size));
+    let head_slots = group.div_ceil(heads_per_thread(
+        shape.head_dim,
+        shape.v_head_dim,
+        shape.elem_size,
+    ));
     let hsb = head_slots.clamp(1, MAX_SLOTS);
     let head_chunks = head_slots.div_ceil(hsb).max(1);
     let extend = rows.windows(2).any(|w| w[0][1] == w[1][1]);
@@ -150,7 +157,7 @@ pub fn plan(rows: &[DeviceRow], shape: &PlanShape) -> AttentionPlan {
             })
             .sum()
     };
-    while partial_rows(chunk) * shape.q_heads * (shape.head_dim + 2) * 4 > MAX_WORKSPACE {
+    while partial_rows(chunk) * shape.q_heads * (shape.v_head_dim + 2) * 4 > MAX_WORKSPACE {
         chunk *= 2;
     }
     let mut items = Vec::with_capacity(tiles.len());
@@ -193,6 +200,7 @@ mod tests {
         q_heads: 32,
         kv_heads: 8,
         head_dim: 128,
+        v_head_dim: 128,
         elem_size: 2,
         sm_count: 132,
     };
@@ -205,12 +213,14 @@ mod tests {
 
     #[test]
     fn heads_per_thread_mirrors_the_kernel() {
-        assert_eq!(heads_per_thread(128, 2), 4);
-        assert_eq!(heads_per_thread(128, 4), 4);
-        assert_eq!(heads_per_thread(256, 4), 4);
-        assert_eq!(heads_per_thread(128, 1), 2);
-        assert_eq!(heads_per_thread(64, 1), 2);
-        assert_eq!(heads_per_thread(80, 2), 4);
+        assert_eq!(heads_per_thread(128, 128, 2), 4);
+        assert_eq!(heads_per_thread(128, 128, 4), 4);
+        assert_eq!(heads_per_thread(256, 256, 4), 4);
+        assert_eq!(heads_per_thread(128, 128, 1), 2);
+        assert_eq!(heads_per_thread(64, 64, 1), 2);
+        assert_eq!(heads_per_thread(80, 80, 2), 4);
+        // Two head sizes take the generic kernel.
+        assert_eq!(heads_per_thread(128, 64, 1), 4);
     }
 
     #[test]

@@ -179,10 +179,12 @@ pub const ATTENTION_HEAD_DIMS: [usize; 3] = [64, 128, 256];
 /// Largest head_dim the attention kernels take.
 pub const MAX_HEAD_DIM: usize = 256;
 
-/// The attention kernel for queries of `q` over storage of `c` with rows of `head_dim`
-/// (at most [`MAX_HEAD_DIM`]): `kvrs_paged_attention_{q}[_{c}]_d{64,128,256,n}`. Float
-/// storage takes queries of its own dtype, 8-bit storage any float queries.
-pub fn attention_kernel(q: DType, c: DType, head_dim: usize) -> Result<&'static str> {
+/// The attention kernel for queries of `q` over storage of `c` with keys of `dims[0]` and
+/// values of `dims[1]` elements (each at most [`MAX_HEAD_DIM`]):
+/// `kvrs_paged_attention_{q}[_{c}]_d{64,128,256,n}`, the generic `dn` for two head sizes.
+/// Float storage takes queries of its own dtype, 8-bit storage any float queries.
+pub fn attention_kernel(q: DType, c: DType, dims: [usize; 2]) -> Result<&'static str> {
+    let [head_dim, v_head_dim] = dims;
     const VARIANTS: usize = ATTENTION_HEAD_DIMS.len() + 1;
     static TABLE: OnceLock<Vec<Option<&'static str>>> = OnceLock::new();
     let index = |a: usize, b: usize, v: usize| (a * DTYPES.len() + b) * VARIANTS + v;
@@ -207,10 +209,13 @@ pub fn attention_kernel(q: DType, c: DType, head_dim: usize) -> Result<&'static 
     let at = |d: DType| DTYPES.iter().position(|&x| x == d).expect("every dtype");
     let variant = ATTENTION_HEAD_DIMS
         .iter()
-        .position(|&d| d == head_dim)
+        .position(|&d| d == head_dim && d == v_head_dim)
         .unwrap_or(ATTENTION_HEAD_DIMS.len());
     match table[index(at(q), at(c), variant)] {
-        Some(name) if head_dim <= MAX_HEAD_DIM => Ok(name),
+        Some(name) if head_dim.max(v_head_dim) <= MAX_HEAD_DIM => Ok(name),
+        Some(_) if v_head_dim > MAX_HEAD_DIM => Err(KvError::NotSupported(format!(
+            "attention on a CUDA pool with v_head_dim={v_head_dim} (at most {MAX_HEAD_DIM})"
+        ))),
         Some(_) => Err(KvError::NotSupported(format!(
             "attention on a CUDA pool with head_dim={head_dim} (at most {MAX_HEAD_DIM})"
         ))),
@@ -323,7 +328,7 @@ mod tests {
         for q in DTYPES {
             for c in DTYPES {
                 for d in [64, 128, 256, 4, 80] {
-                    if let Ok(name) = attention_kernel(q, c, d) {
+                    if let Ok(name) = attention_kernel(q, c, [d, d]) {
                         named += 1;
                         let entry = format!(".visible .entry {name}(");
                         assert!(ptx.contains(&entry), "{name} is not in kernels/kvrs.ptx");
@@ -333,12 +338,19 @@ mod tests {
         }
         assert!(named >= 135, "{named}");
         assert!(kernel(Kernel::Copy3, DType::I8, DType::F32).is_err());
-        assert!(attention_kernel(DType::I8, DType::F16, 128).is_err());
-        assert!(attention_kernel(DType::F16, DType::F32, 128).is_err());
-        assert!(attention_kernel(DType::F16, DType::F16, 512).is_err());
+        assert!(attention_kernel(DType::I8, DType::F16, [128, 128]).is_err());
+        assert!(attention_kernel(DType::F16, DType::F32, [128, 128]).is_err());
+        assert!(attention_kernel(DType::F16, DType::F16, [512, 512]).is_err());
         assert_eq!(
-            attention_kernel(DType::BF16, DType::F8E4M3, 96).unwrap(),
+            attention_kernel(DType::BF16, DType::F8E4M3, [96, 96]).unwrap(),
             "kvrs_paged_attention_bf16_e4m3_dn"
         );
+        // Two head sizes, even two with kernels of their own, take the generic kernel.
+        assert_eq!(
+            attention_kernel(DType::F16, DType::F16, [128, 64]).unwrap(),
+            "kvrs_paged_attention_f16_dn"
+        );
+        let e = attention_kernel(DType::F16, DType::F16, [128, 512]).unwrap_err();
+        assert!(e.to_string().contains("v_head_dim=512"), "{e}");
     }
 }
