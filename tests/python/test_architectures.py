@@ -35,6 +35,25 @@ def latent_reference(q, ckv, kpe, scale):
     return softmax_attention(q, keys, ckv[:, None], scale, [(0, t - n + i + 1) for i in range(n)])
 
 
+def check_attention(seq, rng, k_ref, v_ref, n, group, layers):
+    """Attention of the newest `n` tokens (causal) over `seq`'s layer `layers[0]`, and with
+    one KV head latent attention over `layers[1]` (keys [stored K, stored V], values the
+    stored K), against the float64 references of the stored `k_ref`, `v_ref`."""
+    t, heads, d = k_ref.shape
+    dv = v_ref.shape[-1]
+    q = rng.standard_normal((n, heads * group, d)).astype(np.float32)
+    out = seq.attention(layers[0], q, scale=0.3)
+    assert out.shape == (n, heads * group, dv)
+    ref = softmax_attention(q, k_ref, v_ref, 0.3, [(0, t - n + i + 1) for i in range(n)])
+    np.testing.assert_allclose(out, ref, atol=2e-4 * (1 + abs(ref).max()), rtol=1e-3)
+    if heads == 1:
+        ql = rng.standard_normal((n, 4, d + dv)).astype(np.float32)
+        out = seq.attention(layers[1], ql, latent=True, scale=0.2)
+        assert out.shape == (n, 4, d)
+        ref = latent_reference(ql, k_ref[:, 0], v_ref[:, 0], 0.2)
+        np.testing.assert_allclose(out, ref, atol=2e-4 * (1 + abs(ref).max()), rtol=1e-3)
+
+
 def tol(dtype):
     return {"float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3, "fp8_e4m3": 0.2}[dtype]
 
@@ -95,20 +114,7 @@ def test_pool_with_other_value_heads_matches_a_reference(
     assert kp.shape[-1] == d and vp.shape[-1] == dv and kp.shape[0] == pool.num_blocks
     for _start, _n, kview, vview in seq.views(0):
         assert kview.shape[-1] == d and vview.shape[-1] == dv
-    # Plain attention: the newest n tokens, causal.
-    n = lens[-1]
-    q = rng.standard_normal((n, heads * group, d)).astype(np.float32)
-    out = seq.attention(0, q, scale=0.3)
-    assert out.shape == (n, heads * group, dv)
-    ref = softmax_attention(q, k_ref, v_ref, 0.3, [(0, t - n + i + 1) for i in range(n)])
-    np.testing.assert_allclose(out, ref, atol=2e-4 * (1 + abs(ref).max()), rtol=1e-3)
-    # Latent attention: keys [stored K, stored V], values the stored K.
-    if heads == 1:
-        ql = rng.standard_normal((n, 4, d + dv)).astype(np.float32)
-        out = seq.attention(1, ql, latent=True, scale=0.2)
-        assert out.shape == (n, 4, d)
-        ref = latent_reference(ql, k_ref[:, 0], v_ref[:, 0], 0.2)
-        np.testing.assert_allclose(out, ref[:, :, :], atol=2e-4 * (1 + abs(ref).max()), rtol=1e-3)
+    check_attention(seq, rng, k_ref, v_ref, lens[-1], group, layers=(0, 1))
 
 
 @settings(max_examples=15, deadline=None)
@@ -295,18 +301,7 @@ def test_int8_pool_with_other_value_heads_matches_a_reference(
     kb, vb = seq.extract_block(1, 0, t)
     np.testing.assert_array_equal(kb, got_k)
     np.testing.assert_array_equal(vb, got_v)
-    n = lens[-1]
-    q = rng.standard_normal((n, heads * group, d)).astype(np.float32)
-    out = seq.attention(1, q, scale=0.3)
-    assert out.shape == (n, heads * group, dv)
-    ref = softmax_attention(q, k_ref, v_ref, 0.3, [(0, t - n + i + 1) for i in range(n)])
-    np.testing.assert_allclose(out, ref, atol=2e-4 * (1 + abs(ref).max()), rtol=1e-3)
-    if heads == 1:
-        ql = rng.standard_normal((n, 4, d + dv)).astype(np.float32)
-        out = seq.attention(1, ql, latent=True, scale=0.2)
-        assert out.shape == (n, 4, d)
-        ref = latent_reference(ql, k_ref[:, 0], v_ref[:, 0], 0.2)
-        np.testing.assert_allclose(out, ref, atol=2e-4 * (1 + abs(ref).max()), rtol=1e-3)
+    check_attention(seq, rng, k_ref, v_ref, lens[-1], group, layers=(1, 1))
 
 
 @pytest.mark.parametrize("dims", [(8, 4), (4, 12), (512, 64)])

@@ -267,7 +267,23 @@ def bamba():
     return cfg, BambaForCausalLM(cfg).eval()
 
 
-@pytest.fixture(scope="module", params=[qwen3_next, bamba], ids=["qwen3_next", "bamba"])
+def granite_hybrid():
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    torch.manual_seed(0)
+    cfg = GraniteMoeHybridConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, layer_types=["mamba", "attention"] * 2,
+        mamba_n_heads=8, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+        mamba_chunk_size=16, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=32,
+        max_position_embeddings=128,
+    )  # fmt: skip
+    return cfg, GraniteMoeHybridForCausalLM(cfg).eval()
+
+
+@pytest.fixture(
+    scope="module", params=[qwen3_next, bamba, granite_hybrid], ids=["qwen3_next", "bamba", "granite_hybrid"]
+)
 def hybrid_model(request):
     return request.param()
 
@@ -289,7 +305,7 @@ def test_the_pool_holds_each_linear_layer_as_a_state_layer(hybrid_model):
     plan = layer_plan(cfg)
     cache = KvrsPagedCache.from_config(cfg, max_seq_len=32, max_batch_size=2)
     pool = cache.pool
-    linear = [i for i, t in enumerate(cfg.layer_types) if t == "linear_attention"]
+    linear = [i for i, t in enumerate(cfg.layer_types) if t in ("linear_attention", "mamba")]
     assert sorted(plan.state_of) == linear and pool.state_layers == len(linear)
     assert pool.num_layers == len(plan.kv_of) == cfg.num_hidden_layers - len(linear)
     # The config's shapes are the ones the model's own cache allocates.
@@ -406,3 +422,30 @@ def test_rows_that_cannot_take_consecutive_slots_leave_other_states_alone(hybrid
     for seq in held[1], held[3], held[4]:
         for layer in range(pool.state_layers):
             assert all((np.asarray(v, np.float32) == 42).all() for v in seq.state(layer).values())
+
+
+def test_jamba_runs_on_kvrs_cache_and_the_pool_names_what_it_lacks():
+    """Jamba's Mamba-1 layers: KvrsCache keeps their states in transformers' own layers;
+    a pool cannot shape them yet, and FalconH1's attention-and-Mamba layers neither."""
+    from transformers import DynamicCache, FalconH1Config, JambaConfig, JambaForCausalLM
+
+    from kvrs.integrations.transformers import KvrsCache, KvrsPagedCache
+
+    torch.manual_seed(0)
+    cfg = JambaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+        expert_layer_offset=1, num_experts=2, mamba_d_state=8, use_mamba_kernels=False,
+    )  # fmt: skip
+    model = JambaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    ref = _generate(model, ids, DynamicCache(config=cfg))
+    assert torch.equal(_generate(model, ids, KvrsCache.from_config(cfg, max_seq_len=64)), ref)
+    with pytest.raises(kvrs.NotSupportedError, match="Mamba-2"):
+        KvrsPagedCache.from_config(cfg, max_seq_len=64)
+    falcon = FalconH1Config(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, mamba_n_heads=4, mamba_d_ssm=32,
+    )  # fmt: skip
+    with pytest.raises(kvrs.NotSupportedError, match="'hybrid'"):
+        KvrsPagedCache.from_config(falcon, max_seq_len=64)

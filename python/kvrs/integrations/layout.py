@@ -49,7 +49,7 @@ class LayerPlan:
 
 def layer_types(config: Any) -> list[str]:
     """The config's per-layer types as transformers names them (`layer_types`, or
-    `layers_block_type`), or None for a model of attention layers only."""
+    `layers_block_type`), or [] when the config names none."""
     text = text_config(config)
     types = getattr(text, "layer_types", None) or getattr(text, "layers_block_type", None)
     return list(types) if types is not None else []
@@ -57,9 +57,9 @@ def layer_types(config: Any) -> list[str]:
 
 def state_shapes(config: Any) -> dict[str, tuple[int, ...]]:
     """The per-sequence states of one linear layer of `config`'s model: a gated
-    delta-net (Qwen3-Next) or a Mamba-2 mixer (Bamba, GraniteMoeHybrid, FalconH1)
-    keeps a convolution window ``conv`` [conv_dim, kernel] and a ``recurrent`` matrix
-    ([value heads, key dim, value dim], or [heads, head dim, state size])."""
+    delta-net (Qwen3-Next) or a Mamba-2 mixer (Bamba, GraniteMoeHybrid) keeps a
+    convolution window ``conv`` [conv_dim, kernel] and a ``recurrent`` matrix ([value
+    heads, key dim, value dim], or [heads, head dim, state size])."""
     text = text_config(config)
     if hasattr(text, "linear_num_value_heads"):
         keys = text.linear_num_key_heads * text.linear_key_head_dim
@@ -68,24 +68,30 @@ def state_shapes(config: Any) -> dict[str, tuple[int, ...]]:
             "conv": (2 * keys + values, text.linear_conv_kernel_dim),
             "recurrent": (text.linear_num_value_heads, text.linear_key_head_dim, text.linear_value_head_dim),
         }
-    if hasattr(text, "mamba_d_state"):
+    if all(hasattr(text, a) for a in ("mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state")):
         heads, head_dim = text.mamba_n_heads, text.mamba_d_head
         conv = heads * head_dim + 2 * text.mamba_n_groups * text.mamba_d_state
         return {"conv": (conv, text.mamba_d_conv), "recurrent": (heads, head_dim, text.mamba_d_state)}
     raise kvrs.NotSupportedError(
         f"{type(text).__name__} has linear layers whose states kvrs does not know: it serves "
-        "gated delta-net (Qwen3-Next) and Mamba-2 (Bamba, GraniteMoeHybrid, FalconH1) layers"
+        "gated delta-net (Qwen3-Next) and Mamba-2 (Bamba, GraniteMoeHybrid) layers"
     )
 
 
-def layer_plan(config: Any) -> LayerPlan:
-    """Splits `config`'s layers into the pool's K/V layers and state layers."""
+def layer_plan(config: Any, with_shapes: bool = True) -> LayerPlan:
+    """Splits `config`'s layers into the pool's K/V layers and state layers, with the
+    states' shapes (`with_shapes`; NotSupportedError for linear layers kvrs cannot hold)."""
     text = text_config(config)
     types = layer_types(config) or ["full_attention"] * text.num_hidden_layers
     kv_of: dict[int, int] = {}
     state_of: dict[int, int] = {}
     kinds: list[str] = []
     for i, t in enumerate(types[: text.num_hidden_layers]):
+        if t in ("hybrid", "hybrid_sliding"):
+            raise kvrs.NotSupportedError(
+                f"{type(text).__name__} layer {i} is {t!r}: attention and a linear mixer in one "
+                "layer, which kvrs does not serve yet (use transformers' DynamicCache)"
+            )
         if t in LINEAR_TYPES:
             state_of[i] = len(state_of)
         else:
@@ -95,7 +101,7 @@ def layer_plan(config: Any) -> LayerPlan:
         raise kvrs.NotSupportedError(
             "a model of linear layers only has no K/V: kvrs pools hold K/V beside the state"
         )
-    return LayerPlan(kv_of, state_of, kinds, state_shapes(config) if state_of else {})
+    return LayerPlan(kv_of, state_of, kinds, state_shapes(config) if state_of and with_shapes else {})
 
 
 def is_hybrid(config: Any) -> bool:

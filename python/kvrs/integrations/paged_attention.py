@@ -128,7 +128,7 @@ def use_paged_attention(model: Any) -> Any:
     layers run each sequence of a ForwardBatch against its state slot
     (:mod:`kvrs.integrations.hybrid`)."""
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    plan = layer_plan(model.config)
+    plan = layer_plan(model.config, with_shapes=False)
     for module in model.modules():
         if mla.is_mla(module):
             mla.wrap_forward(module)

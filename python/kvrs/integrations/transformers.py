@@ -328,7 +328,7 @@ class KvrsCache(Cache):
         layers = text_config(config).num_hidden_layers
         dtype = resolve_dtype(dtype, m_dtype if isinstance(model_or_config, torch.nn.Module) else None)
         device = resolve_device(device, m_device)
-        linear = layer_plan(config).state_of
+        linear = layer_plan(config, with_shapes=False).state_of  # transformers' layers hold them
         return cls(layers, max_seq_len, dtype, device, k_scale=k_scale, v_scale=v_scale, linear_layers=linear)
 
 
