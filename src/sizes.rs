@@ -60,7 +60,11 @@ pub fn kv_pair_bytes(dims: [usize; 2], dtype: DType) -> Option<usize> {
 /// head size this is one scale per head vector; for an MLA latent (512 and 64) one per
 /// 64 elements. 0 only when both sizes are 0.
 pub fn int8_scale_unit(dims: [usize; 2]) -> usize {
-    let (mut a, mut b) = (dims[0], dims[1]);
+    gcd(dims[0], dims[1])
+}
+
+/// The greatest common divisor of `a` and `b` (`gcd(a, 0) = a`).
+pub fn gcd(mut a: usize, mut b: usize) -> usize {
     while b != 0 {
         (a, b) = (b, a % b);
     }

@@ -180,7 +180,7 @@ impl LayerGroups {
             .iter()
             .map(|&k| of_kind(k).len())
             .filter(|&n| n > 0)
-            .fold(0, gcd);
+            .fold(0, crate::sizes::gcd);
         let mut groups = Vec::new();
         let mut group_of = vec![0; attention.kinds.len()];
         let mut tensor_of = vec![0; attention.kinds.len()];
@@ -213,14 +213,6 @@ impl LayerGroups {
     /// Whether every layer is full (one group, the plain paged layout).
     pub fn all_full(&self) -> bool {
         self.groups.len() == 1 && self.groups[0].kind == LayerKind::Full
-    }
-}
-
-fn gcd(a: usize, b: usize) -> usize {
-    if b == 0 {
-        a
-    } else {
-        gcd(b, a % b)
     }
 }
 

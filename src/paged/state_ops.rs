@@ -45,9 +45,18 @@ impl PoolCore {
             .map_or(Ok(()), |a| a.check_room(n, what))
     }
 
-    /// Moves the states of `ids` (distinct live sequences) to consecutive slots in their
-    /// order (see [`StateArena::pack`]); returns the first.
+    /// Moves the states of `ids` (distinct live sequences; a repeat is an error) to
+    /// consecutive slots in their order (see [`StateArena::pack`]); returns the first.
+    /// Nothing moves on an error.
     pub fn pack_states(&mut self, ids: &[SeqId]) -> Result<u32> {
+        let mut seen = rustc_hash::FxHashSet::default();
+        if let Some(dup) = ids.iter().find(|&&id| !seen.insert(id)) {
+            return Err(KvError::InvalidArgument {
+                name: "seqs",
+                value: format!("sequence {dup} twice"),
+                reason: "each sequence has one state slot: list each once".into(),
+            });
+        }
         let slots = ids
             .iter()
             .map(|&id| {
@@ -56,10 +65,7 @@ impl PoolCore {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let arena = self
-            .states
-            .as_mut()
-            .ok_or_else(|| KvError::NotSupported("this pool has no state layers".into()))?;
+        let arena = self.states.as_mut().ok_or_else(no_states)?;
         let (first, moved) = arena.pack(&slots)?;
         for (&id, slot) in ids.iter().zip(moved) {
             self.seq_mut(id).state_slot = Some(slot);
@@ -84,10 +90,7 @@ impl PoolCore {
 
     /// Sequence `id`'s slot, checked.
     fn state_slot(&self, id: SeqId) -> Result<(&StateArena, u32)> {
-        let arena = self
-            .states
-            .as_ref()
-            .ok_or_else(|| KvError::NotSupported("this pool has no state layers".into()))?;
+        let arena = self.states.as_ref().ok_or_else(no_states)?;
         let slot = self
             .seq(id)?
             .state_slot
@@ -117,4 +120,9 @@ impl PoolCore {
         let (s, layer) = arena.locate(layer, name)?;
         arena.write(s, layer, slot, src)
     }
+}
+
+/// The error of a state operation on a pool without state layers.
+fn no_states() -> KvError {
+    KvError::NotSupported("this pool has no state layers".into())
 }

@@ -58,6 +58,11 @@ impl StateConfig {
             .sum()
     }
 
+    /// Bytes of every slot.
+    pub fn total_bytes(&self) -> usize {
+        self.slot_bytes() * self.slots
+    }
+
     /// Checks sizes, names and dtypes; fails with the argument's name.
     pub fn validate(&self) -> Result<()> {
         let bad = |name, value: String, reason: &str| KvError::InvalidArgument {
@@ -166,11 +171,6 @@ impl StateArena {
     /// Slots no sequence holds.
     pub fn free_slots(&self) -> usize {
         self.free.len()
-    }
-
-    /// Bytes of every slot.
-    pub fn nbytes(&self) -> usize {
-        self.config.slot_bytes() * self.config.slots
     }
 
     /// Whether `n` more sequences can take a slot; the error says how many are free.
@@ -327,7 +327,7 @@ impl StateArena {
     }
 
     /// Index of the state named `name`; the error lists the names.
-    pub fn find(&self, name: &str) -> Result<usize> {
+    fn find(&self, name: &str) -> Result<usize> {
         self.config
             .specs
             .iter()

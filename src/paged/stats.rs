@@ -73,6 +73,18 @@ pub struct StateStats {
     pub slot_bytes: usize,
 }
 
+impl StateStats {
+    /// Bytes of every slot.
+    pub fn bytes_total(&self) -> usize {
+        self.slots * self.slot_bytes
+    }
+
+    /// Bytes of the slots sequences hold.
+    pub fn bytes_used(&self) -> usize {
+        (self.slots - self.free_slots) * self.slot_bytes
+    }
+}
+
 impl PoolCore {
     /// Occupancy: blocks, bytes, exact token counts, prefix-cache counters, and the
     /// blocks each layer kind holds.
@@ -128,12 +140,9 @@ impl PoolCore {
             free_slots: a.free_slots(),
             slot_bytes: a.config().slot_bytes(),
         });
-        let (state_total, state_used) = states.as_ref().map_or((0, 0), |s| {
-            (
-                s.slots * s.slot_bytes,
-                (s.slots - s.free_slots) * s.slot_bytes,
-            )
-        });
+        let (state_total, state_used) = states
+            .as_ref()
+            .map_or((0, 0), |s| (s.bytes_total(), s.bytes_used()));
         PoolStats {
             num_blocks: self.shape.num_blocks,
             free_blocks: free,

@@ -22,7 +22,7 @@ use super::views::borrowed_view;
 use crate::dtype::DType;
 use crate::error::{check_size, KvError};
 use crate::layout::Kv;
-use crate::paged::{KvLayout, LayerGroups, PagedShape, PoolCore, SeqId};
+use crate::paged::{KvLayout, LayerGroups, PagedShape, PoolCore, SeqId, StateConfig};
 use crate::storage::Device;
 
 /// A pool of fixed-size KV blocks for every layer, allocated once and shared by many
@@ -128,7 +128,7 @@ impl PyBlockPool {
     #[new]
     #[pyo3(signature = (num_layers, num_kv_heads, head_dim, *, v_head_dim = None, block_size = 16, num_blocks = None, memory_bytes = None, dtype = None, device = None, layout = "NHD", prefix_caching = None, hash = "blake3", seed = None, partial_hits = true, events = false, rope = None, layer_types = None, sliding_window = None, chunk_size = None, swa_memory = 0, k_scale = None, v_scale = None, tiers = None, model_id = "", tier_queue = 1024, tier_write = "first", tier_key = None, tier_queue_bytes = None, state_layers = 0, state_shapes = None, state_slots = None, state_dtype = None))]
     #[pyo3(
-        text_signature = "(num_layers, num_kv_heads, head_dim, *, v_head_dim=None, block_size=16, num_blocks=None, memory_bytes=None, dtype='float16', device='cpu', layout='NHD', prefix_caching=None, hash='blake3', seed=None, partial_hits=True, events=False, rope=None, layer_types=None, sliding_window=None, chunk_size=None, swa_memory=0, k_scale=None, v_scale=None, tiers=None, model_id='', tier_queue=1024, tier_write='first', tier_key=None, tier_queue_bytes='256MiB', state_layers=0, state_shapes=None, state_slots=None, state_dtype='float32')"
+        text_signature = "(num_layers, num_kv_heads, head_dim, *, v_head_dim=None, block_size=16, num_blocks=None, memory_bytes=None, dtype='float16', device='cpu', layout='NHD', prefix_caching=None, hash='blake3', seed=None, partial_hits=True, events=False, rope=None, layer_types=None, sliding_window=None, chunk_size=None, swa_memory=0, k_scale=None, v_scale=None, tiers=None, model_id='', tier_queue=1024, tier_write='first', tier_key=None, tier_queue_bytes='256MiB', state_layers=0, state_shapes=None, state_slots=None, state_dtype=None)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -212,7 +212,7 @@ impl PyBlockPool {
         )?;
         let per_block =
             pool_args::block_bytes(LayerGroups::new(attention.clone()).per_block, &shape, dtype)?;
-        let reserved = states.as_ref().map_or(0, |c| c.slot_bytes() * c.slots);
+        let reserved = states.as_ref().map_or(0, StateConfig::total_bytes);
         shape.num_blocks = pool_args::num_blocks(num_blocks, memory_bytes, per_block, reserved)?;
         let prefix = pool_args::prefix(prefix_caching, hash, seed, partial_hits, events)?;
         let mut pool = PoolCore::with_attention(shape, attention, dtype, device, prefix)?
@@ -505,15 +505,6 @@ impl PyBlockPool {
     fn pack_states(slf: &Bound<'_, Self>, seqs: &Bound<'_, PyAny>) -> PyResult<u32> {
         slf.get().state_layout()?;
         let ids = Self::ids(slf, seqs, "seqs")?;
-        let mut seen = rustc_hash::FxHashSet::default();
-        if let Some(dup) = ids.iter().find(|&&id| !seen.insert(id)) {
-            return Err(KvError::InvalidArgument {
-                name: "seqs",
-                value: format!("sequence {dup} twice"),
-                reason: "each sequence has one state slot: list each once".into(),
-            }
-            .into());
-        }
         if ids.is_empty() {
             return Ok(0);
         }

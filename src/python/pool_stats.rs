@@ -52,11 +52,8 @@ pub fn stats_dict<'py>(
     if let Some(st) = &s.states {
         d.set_item("state_slots", st.slots)?;
         d.set_item("free_state_slots", st.free_slots)?;
-        d.set_item("state_bytes", st.slots * st.slot_bytes)?;
-        d.set_item(
-            "state_bytes_used",
-            (st.slots - st.free_slots) * st.slot_bytes,
-        )?;
+        d.set_item("state_bytes", st.bytes_total())?;
+        d.set_item("state_bytes_used", st.bytes_used())?;
     }
     if let Some(t) = tiers {
         super::tiers::tier_stats(py, t, &d)?;

@@ -35,6 +35,36 @@ def latent_reference(q, ckv, kpe, scale):
     return softmax_attention(q, keys, ckv[:, None], scale, [(0, t - n + i + 1) for i in range(n)])
 
 
+def fill(pool, rng, lens, fork_at, key_spread=False):
+    """Appends random K/V to both layers of a new sequence of `pool` in steps of `lens`
+    tokens, forking it before step `fork_at`; returns the sequence, the fork (or None) and
+    every K and V written. `key_spread`: key elements of magnitudes from 0.01 to 10."""
+    heads, d, dv = pool.num_kv_heads, pool.head_dim, pool.v_head_dim
+    seq = pool.new_sequence()
+    ks, vs = [], []
+    other = None
+    for step, n in enumerate(lens):
+        if step == fork_at:
+            other = seq.fork()
+        k = rng.standard_normal((n, heads, d))
+        if key_spread:
+            k = k * rng.uniform(0.01, 10, (1, 1, d))
+        v = rng.standard_normal((n, heads, dv)).astype(np.float32)
+        for layer in range(2):
+            seq.append(layer, k.astype(np.float32), v)
+        seq.advance(n)
+        ks.append(k.astype(np.float32))
+        vs.append(v)
+    return seq, other, np.concatenate(ks), np.concatenate(vs)
+
+
+def check_fork(other, k_ref, v_ref, kept):
+    """The fork `other` still holds the first `kept` stored K/V of its source."""
+    ok, ov = other.get(0, dequantize=True)
+    np.testing.assert_array_equal(ok.transpose(1, 0, 2), k_ref[:kept])
+    np.testing.assert_array_equal(ov.transpose(1, 0, 2), v_ref[:kept])
+
+
 def check_attention(seq, rng, k_ref, v_ref, n, group, layers):
     """Attention of the newest `n` tokens (causal) over `seq`'s layer `layers[0]`, and with
     one KV head latent attention over `layers[1]` (keys [stored K, stored V], values the
@@ -82,20 +112,7 @@ def test_pool_with_other_value_heads_matches_a_reference(
         2, heads, d, v_head_dim=dv, block_size=block_size, num_blocks=64, dtype=dtype, layout=layout
     )
     assert (pool.head_dim, pool.v_head_dim) == (d, dv)
-    seq = pool.new_sequence()
-    ks, vs = [], []
-    other = None
-    for step, n in enumerate(lens):
-        if step == fork_at:
-            other = seq.fork()
-        k = rng.standard_normal((n, heads, d)).astype(np.float32)
-        v = rng.standard_normal((n, heads, dv)).astype(np.float32)
-        for layer in range(2):
-            seq.append(layer, k, v)
-        seq.advance(n)
-        ks.append(k)
-        vs.append(v)
-    k_all, v_all = np.concatenate(ks), np.concatenate(vs)
+    seq, other, k_all, v_all = fill(pool, rng, lens, fork_at)
     t = k_all.shape[0]
     got_k, got_v = seq.get(1, dequantize=True)
     assert got_k.shape == (heads, t, d) and got_v.shape == (heads, t, dv)
@@ -104,10 +121,7 @@ def test_pool_with_other_value_heads_matches_a_reference(
     # The stored values (rounded to the dtype) are the reference from here on.
     k_ref, v_ref = got_k.transpose(1, 0, 2), got_v.transpose(1, 0, 2)
     if other is not None:
-        kept = sum(lens[:fork_at])
-        ok, ov = other.get(0, dequantize=True)
-        np.testing.assert_array_equal(ok.transpose(1, 0, 2), k_ref[:kept])
-        np.testing.assert_array_equal(ov.transpose(1, 0, 2), v_ref[:kept])
+        check_fork(other, k_ref, v_ref, sum(lens[:fork_at]))
     kb, vb = seq.extract_block(0, 0, t)
     assert kb.shape == (heads, t, d) and vb.shape == (heads, t, dv)
     kp, vp = pool.kv_cache_parts(0)
@@ -255,20 +269,7 @@ def test_int8_pool_with_other_value_heads_matches_a_reference(
         2, heads, d, v_head_dim=dv, block_size=block_size, num_blocks=64, dtype="int8", layout=layout
     )
     assert pool.bytes_per_block == 2 * block_size * heads * (d + dv + 4 * (d + dv) // unit)
-    seq = pool.new_sequence()
-    ks, vs = [], []
-    other = None
-    for step, n in enumerate(lens):
-        if step == fork_at:
-            other = seq.fork()
-        k = (rng.standard_normal((n, heads, d)) * rng.uniform(0.01, 10, (1, 1, d))).astype(np.float32)
-        v = rng.standard_normal((n, heads, dv)).astype(np.float32)
-        for layer in range(2):
-            seq.append(layer, k, v)
-        seq.advance(n)
-        ks.append(k)
-        vs.append(v)
-    k_all, v_all = np.concatenate(ks), np.concatenate(vs)
+    seq, other, k_all, v_all = fill(pool, rng, lens, fork_at, key_spread=True)
     t = k_all.shape[0]
     got_k, got_v = seq.get(1, dequantize=True)
     assert got_k.shape == (heads, t, d) and got_v.shape == (heads, t, dv)
@@ -283,9 +284,7 @@ def test_int8_pool_with_other_value_heads_matches_a_reference(
     k_ref, v_ref = got_k.transpose(1, 0, 2), got_v.transpose(1, 0, 2)
     if other is not None:
         kept = sum(lens[:fork_at])
-        ok, ov = other.get(0, dequantize=True)
-        np.testing.assert_array_equal(ok.transpose(1, 0, 2), k_ref[:kept])
-        np.testing.assert_array_equal(ov.transpose(1, 0, 2), v_ref[:kept])
+        check_fork(other, k_ref, v_ref, kept)
         # Writing to the fork copies the shared block; the original keeps its values.
         before = seq.get(0, dequantize=True), seq.scales(0)
         big = np.full((1, heads, d), 50.0, np.float32)

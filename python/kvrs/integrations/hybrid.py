@@ -34,10 +34,10 @@ def conv_window(view: torch.Tensor, new: torch.Tensor, has_previous: bool, kerne
 
 
 def check_state(name: str, view: torch.Tensor, got: torch.Tensor, layer: int) -> None:
-    """The model's state must have the pool's shape (the config's, per row)."""
-    if tuple(got.shape[1:]) != tuple(view.shape[1:]) and not (
-        name == "conv" and got.shape[1] == view.shape[1]
-    ):
+    """The model's state must have the pool's shape per row (the config's): all of it for
+    the recurrent state, the channels for the convolution's new inputs (any length)."""
+    dims = 1 if name == "conv" else view.ndim - 1
+    if tuple(got.shape[1 : 1 + dims]) != tuple(view.shape[1 : 1 + dims]) or got.ndim != view.ndim:
         raise ValueError(
             f"layer {layer}'s {name} state has shape {tuple(got.shape)}; the pool holds "
             f"{tuple(view.shape)} per batch: the pool was made for another config"

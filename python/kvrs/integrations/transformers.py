@@ -624,9 +624,11 @@ class KvrsPagedCache(Cache):
             if self._state_first is None:
                 self._rows_changed()  # an earlier packing failed: again (CacheFullError)
             first, n = self._state_first, len(self.rows)
-            assert first is not None and [seq.state_slot for seq in self.rows] == list(
-                range(first, first + n)
-            )
+            if first is None or [seq.state_slot for seq in self.rows] != list(range(first, first + n)):
+                # Never a view over slots the rows do not hold (another sequence's state).
+                raise RuntimeError(
+                    f"the cache's {n} rows do not hold the consecutive state slots from {first}"
+                )
             views = {k: as_torch(v)[first : first + n] for k, v in self.pool.state_cache(layer).items()}
             self._state_views[layer] = views
         return views[name]
@@ -654,12 +656,14 @@ class KvrsPagedCache(Cache):
                 seq.free()
         new: list[kvrs.Sequence] = []
         forks: list[kvrs.Sequence] = []
+        kept: set[int] = set()
         try:
             for i in sources:
-                if any(seq is self.rows[i] for seq in new):
+                if i in kept:
                     forks.append(self.rows[i].fork())
                     new.append(forks[-1])
                 else:
+                    kept.add(i)
                     new.append(self.rows[i])
         except BaseException:
             for seq in forks:
