@@ -228,6 +228,24 @@ impl CacheCore {
         }
     }
 
+    /// Copies positions `0..len` of one layer's K or V as stored (8-bit dtypes: the
+    /// codes) into `dst`: every head (`[heads, len, dim]`) or one (`[len, dim]`).
+    pub fn read_stored(
+        &self,
+        layer: usize,
+        kv: Kv,
+        head: Option<usize>,
+        len: usize,
+        dst: &mut TensorMut,
+    ) -> Result<()> {
+        let mut region = self.region(layer, kv, 0, len.min(self.shape.max_seq_len));
+        if let Some(h) = head {
+            region.offset = self.offset(layer, kv, h, 0);
+            region.shape[0] = 1;
+        }
+        self.storage.read(region, dst)
+    }
+
     /// A host tensor over positions `0..len` of one layer's K or V (`[heads, len,
     /// head_dim]`), for transfers between caches; it borrows the cache, so no write can
     /// change it while it lives. Host storage of a float dtype only.

@@ -417,6 +417,29 @@ fn bad_sizes_and_shapes_are_errors_not_panics() {
 }
 
 #[test]
+fn a_handle_of_another_pool_is_refused_everywhere() {
+    let mut p = BlockPool::<f32>::new(PoolConfig::new(1, 1, 2, 4, 4)).unwrap();
+    let mut q = BlockPool::<f32>::new(PoolConfig::new(1, 1, 2, 4, 4)).unwrap();
+    let mine = p.new_sequence();
+    let theirs = q.new_sequence();
+    // Both are sequence 0 of their pool; p must not take q's handle for its own.
+    assert_eq!((mine.number(), theirs.number()), (0, 0));
+    assert_ne!(mine, theirs);
+    let another = |e: KvError| {
+        assert!(
+            matches!(&e, KvError::InvalidArgument { name: "seq", reason, .. } if reason.contains("another pool")),
+            "{e}"
+        )
+    };
+    another(p.append(theirs, 0, &[1.0; 2], &[1.0; 2]).unwrap_err());
+    another(p.seq_len(theirs).unwrap_err());
+    another(p.fork(theirs).unwrap_err());
+    another(p.free(theirs).unwrap_err());
+    assert_eq!(p.seq_len(mine).unwrap(), 0);
+    assert_eq!(q.layer_span(theirs, 0).unwrap(), 0..0);
+}
+
+#[test]
 fn huge_sizes_are_errors_not_aborts_or_panics() {
     let invalid = |r: Result<(), KvError>, arg: &str| match r {
         Err(KvError::InvalidArgument { name, .. }) if name == arg => {}

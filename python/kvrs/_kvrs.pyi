@@ -225,10 +225,14 @@ class KVCache(Generic[_View_co]):
         """Adds n to the device counter, on the device."""
     def sync_counter_from_gpu(self) -> int:
         """Reads the device counter back into seq_len and every layer's length; returns it."""
-    def get(self, layer: int, *, dequantize: bool = False) -> tuple[_View_co, _View_co]:
+    def get(
+        self, layer: int, *, dequantize: bool = False, copy: bool = False
+    ) -> tuple[_View_co, _View_co]:
         """Zero-copy read-only views (K, V) [num_kv_heads, length, head_dim] (8-bit: codes).
 
-        With dequantize=True: float32 copies of the values."""
+        The views are the cache's memory: torch ignores their read-only flag, so a tensor
+        made from one with torch.from_dlpack writes the cache. With copy=True: copies the
+        caller owns. With dequantize=True: float32 copies of the values."""
     def attention(
         self,
         layer: int,
@@ -243,10 +247,10 @@ class KVCache(Generic[_View_co]):
         latent: bool = False,
     ) -> _View_co:
         """Causal attention of the layer's last n positions (q [n, num_q_heads, head_dim]), read in place."""
-    def keys_for(self, layer: int, head: int, seq_len: int | None = None) -> _View_co:
-        """Zero-copy read-only view [seq_len, head_dim] of one head's keys."""
-    def values_for(self, layer: int, head: int, seq_len: int | None = None) -> _View_co:
-        """Zero-copy read-only view [seq_len, head_dim] of one head's values."""
+    def keys_for(self, layer: int, head: int, seq_len: int | None = None, *, copy: bool = False) -> _View_co:
+        """Zero-copy read-only view [seq_len, head_dim] of one head's keys (a copy with copy=True)."""
+    def values_for(self, layer: int, head: int, seq_len: int | None = None, *, copy: bool = False) -> _View_co:
+        """Zero-copy read-only view [seq_len, head_dim] of one head's values (a copy with copy=True)."""
     def truncate(self, n: int) -> None:
         """Drops positions >= n from every layer; a no-op when n >= seq_len."""
     def clear(self) -> None:
@@ -705,8 +709,8 @@ class Sequence(Generic[_View_co]):
         latent: bool = False,
     ) -> _View_co:
         """Attention of the newest n positions (q [n, num_q_heads, head_dim]) over the layer, in place."""
-    def views(self, layer: int) -> list[tuple[int, int, _View_co, _View_co]]:
-        """Zero-copy read-only per-block views: a list of (start, length, K, V)."""
+    def views(self, layer: int, *, copy: bool = False) -> list[tuple[int, int, _View_co, _View_co]]:
+        """Zero-copy read-only per-block views: a list of (start, length, K, V) (copies with copy=True)."""
     @property
     def state_slot(self) -> int | None:
         """Its recurrent-state slot in a pool with state layers, else None."""
@@ -897,8 +901,10 @@ class EncoderCache(Generic[_View_co]):
         """Whether `layer` holds its K/V."""
     def set(self, layer: int, k: _ArrayLike, v: _ArrayLike) -> None:
         """Writes `layer`'s K and V ([n, num_kv_heads, head_dim], the same n for every layer)."""
-    def get(self, layer: int, *, dequantize: bool = False) -> tuple[_View_co, _View_co]:
-        """Zero-copy read-only views (K, V) [num_kv_heads, length, head_dim] of a set layer."""
+    def get(
+        self, layer: int, *, dequantize: bool = False, copy: bool = False
+    ) -> tuple[_View_co, _View_co]:
+        """Zero-copy read-only views (K, V) [num_kv_heads, length, head_dim] of a set layer (copies with copy=True)."""
     def scales(self, layer: int) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
         """(K, V) scales of get(layer)'s codes: int8 [num_kv_heads, length] views ([..., chunks] when
         v_head_dim != head_dim: a scale per gcd(head_dim, v_head_dim) elements), else [num_kv_heads, 1]."""

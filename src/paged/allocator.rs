@@ -20,7 +20,7 @@ use crate::sizes;
 #[derive(Debug, Clone)]
 pub struct BlockAllocator {
     refcount: Vec<u32>,
-    generation: Vec<u32>,
+    generation: Vec<u64>,
     free: Vec<BlockId>,
 }
 
@@ -40,14 +40,18 @@ impl BlockAllocator {
     }
 
     /// The generation of `block`: it changes whenever the block's references do.
-    pub fn generation(&self, block: BlockId) -> u32 {
+    ///
+    /// 64 bits never wrap: a block changing holder every nanosecond would take 584
+    /// years to come back to a generation a plan recorded, so equal generations mean
+    /// no change of holder.
+    pub fn generation(&self, block: BlockId) -> u64 {
         self.generation[block as usize]
     }
 
     /// Moves `block`'s generation on (its holders or its cached state changed).
     pub fn bump(&mut self, block: BlockId) {
         let g = &mut self.generation[block as usize];
-        *g = g.wrapping_add(1);
+        *g += 1;
     }
 
     /// Total blocks.
@@ -179,6 +183,20 @@ mod tests {
         assert_ne!(g2, g);
         assert_eq!(a.allocate(), Some(b));
         assert_ne!(a.generation(b), g2);
+    }
+
+    #[test]
+    fn generations_do_not_wrap_into_a_recorded_one() {
+        // A block that changed holder 2^32 times (a long-running server's hot block)
+        // must not come back to the generation a stale plan recorded.
+        let mut a = BlockAllocator::new(1).unwrap();
+        let b = a.allocate().unwrap();
+        let recorded = a.generation(b);
+        for _ in 0..1u64 << 32 {
+            a.bump(b);
+        }
+        assert_ne!(a.generation(b), recorded);
+        assert_eq!(a.generation(b), recorded + (1 << 32));
     }
 
     #[test]

@@ -101,10 +101,10 @@ impl PoolCore {
             self.hold_block(src);
             if self.num_free_blocks() > 0 {
                 let b = self.take_block();
-                self.copy_block(src, b);
                 // Past its first n rows the copy holds the cached prompt's continuation,
-                // K/V of another token prefix: zeroed before this sequence claims them.
-                self.blocks.mark_stale(b);
+                // K/V of another token prefix: the ledger has it zeroed before this
+                // sequence claims them (the copy's written end is the source's).
+                self.copy_block(src, b);
                 s.tables[0].blocks.push(b);
                 cached += n;
             }

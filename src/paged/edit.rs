@@ -202,6 +202,12 @@ impl PoolCore {
             self.scales.heads(layer, Kv::Key),
             self.scales.heads(layer, Kv::Value),
         );
+        let (bs, end) = (self.shape.block_size, start + k.shape()[0]);
+        for i in start / bs..end.div_ceil(bs) {
+            if let Some(&b) = blocks.get(i).filter(|&&b| b != NO_BLOCK) {
+                self.blocks.wrote(b, end.min((i + 1) * bs) - i * bs);
+            }
+        }
         let before = self.storage.saturated();
         let storage = &mut self.storage;
         let written = with_divided(storage.scaler(), [(k, ks), (v, vs)], 1, |[k, v]| {
@@ -301,21 +307,6 @@ impl PoolCore {
         }
         for g in 0..self.groups.groups.len() {
             self.normalize_table(id, g);
-        }
-        self.mark_cut_tails(id);
-    }
-
-    /// Flags the block holding each group's new end of sequence `id` as stale: the
-    /// positions past the end still hold what was cut (see [`super::BlockLedger`]).
-    pub(crate) fn mark_cut_tails(&mut self, id: SeqId) {
-        let bs = self.shape.block_size;
-        for g in 0..self.groups.groups.len() {
-            let s = self.seq(id).expect("a live sequence");
-            let end = s.held_by(&self.groups.groups[g].layers);
-            let b = s.tables[g].blocks.get(end / bs).copied();
-            if let Some(b) = b.filter(|&b| !end.is_multiple_of(bs) && b != NO_BLOCK) {
-                self.blocks.mark_stale(b);
-            }
         }
     }
 

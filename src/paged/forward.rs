@@ -41,9 +41,9 @@ pub struct ForwardPlan {
     /// sequence already knows at that position (its prompt), else `None`.
     pub token_ids: Vec<Option<u32>>,
     /// The blocks the slots lie in, each once, with their generations at placement.
-    blocks: Vec<(BlockId, u32)>,
+    blocks: Vec<(BlockId, u64)>,
     /// Each sequence's edit count at placement, in `seqs` order.
-    edits: Vec<u32>,
+    edits: Vec<u64>,
     /// Which layers `forward_write` wrote.
     layers_put: Vec<AtomicBool>,
 }
@@ -252,6 +252,10 @@ impl PoolCore {
             value: format!("a batch of {} tokens", plan.num_tokens()),
             reason: format!("is stale: {what} since start_forward; start a new batch"),
         };
+        for &(id, _, _) in &plan.seqs {
+            // A plan of another pool names sequences this pool never had.
+            self.check_owner(id)?;
+        }
         if let Some(&(id, _, _)) = plan.seqs.iter().find(|&&(id, _, _)| !self.is_live(id)) {
             return Err(stale(format!("its sequence {id} was freed")));
         }

@@ -34,51 +34,67 @@ pub struct Evicted {
 }
 
 /// Reference counts, generations, the prefix index and pins of a pool's blocks, and
-/// which blocks may hold stale K/V past their holder's positions.
+/// how far each block may hold K/V.
 ///
-/// Invariant (stale tails): a block whose stale flag is clear holds zeros at every
-/// position past those its holders hold in it. A block is flagged when it is taken for
-/// a new holder (it holds whatever its previous holder left) and when a holder cuts
-/// positions out of it; the pool clears the flag by zeroing the block from the first
-/// position it claims without a write, so claims in clean blocks cost nothing.
+/// Invariant (written ends): positions at or past `written_end(b)` of block `b` hold
+/// zeros in every layer of its group. The end moves up with every write and every claim
+/// of positions ([`BlockLedger::wrote`], [`BlockLedger::claim`]), travels with the
+/// contents when a block is copied ([`BlockLedger::copied`]) and never moves down when
+/// positions are cut or a block changes holder: the K/V left there are still there. A
+/// claim of positions below the end is told to zero from the claim to the end first, so
+/// what a holder claims without writing reads as zeros, never as K/V of another holder
+/// or another token prefix, whatever path (a fork, a partial hit, `copy_prefix`, a
+/// rollback, a load) put the block in its hands.
 #[derive(Debug)]
 pub struct BlockLedger {
     alloc: BlockAllocator,
     prefix: Option<PrefixIndex>,
     pins: FxHashMap<BlockId, u32>,
-    stale: Vec<bool>,
+    written_end: Vec<u32>,
+    block_size: u32,
 }
 
 impl BlockLedger {
-    /// `num_blocks` free blocks; caches prefixes in `prefix` when given. Fails
-    /// ([`crate::KvError::OutOfMemory`]) when the host cannot hold the bookkeeping.
-    pub fn new(num_blocks: usize, prefix: Option<PrefixIndex>) -> Result<Self> {
-        // A device's fresh memory is not known to be zero: every block starts flagged.
-        let stale = crate::sizes::filled("the pool's stale-block flags", num_blocks, true)?;
+    /// `num_blocks` free blocks of `block_size` positions; caches prefixes in `prefix`
+    /// when given. Fails ([`crate::KvError::OutOfMemory`]) when the host cannot hold the
+    /// bookkeeping.
+    pub fn new(num_blocks: usize, block_size: usize, prefix: Option<PrefixIndex>) -> Result<Self> {
+        let block_size = u32::try_from(block_size).expect("slots fit in int32");
+        // A device's fresh memory is not known to be zero: every block may hold anything.
+        let written_end = crate::sizes::filled("the blocks' written ends", num_blocks, block_size)?;
         Ok(BlockLedger {
             alloc: BlockAllocator::new(num_blocks)?,
             prefix,
             pins: FxHashMap::default(),
-            stale,
+            written_end,
+            block_size,
         })
     }
 
-    /// Flags `b` as possibly holding stale K/V past its holders' positions.
-    pub fn mark_stale(&mut self, b: BlockId) {
-        self.stale[b as usize] = true;
+    /// Positions of `b` at or past this hold zeros in every layer (see the invariant).
+    pub fn written_end(&self, b: BlockId) -> usize {
+        self.written_end[b as usize] as usize
     }
 
-    /// Gives `dst` the flag of `src`, whose whole contents were just copied onto it: a
-    /// clean block's copy is clean (zeros past the positions the copy's holder keeps,
-    /// which are at most those of `src`'s holders).
-    pub fn copy_stale(&mut self, src: BlockId, dst: BlockId) {
-        self.stale[dst as usize] = self.stale[src as usize];
+    /// Records that positions below `end` of `b` were written.
+    pub fn wrote(&mut self, b: BlockId, end: usize) {
+        let e = &mut self.written_end[b as usize];
+        *e = (*e).max(end.min(self.block_size as usize) as u32);
     }
 
-    /// Clears `b`'s stale flag; returns whether it was set (the caller then zeroes the
-    /// block past the positions its holder keeps).
-    pub fn take_stale(&mut self, b: BlockId) -> bool {
-        std::mem::replace(&mut self.stale[b as usize], false)
+    /// Records that the holder of `b` claims positions `from..to` in every layer (they
+    /// read as zeros until written); returns the positions the caller must zero now in
+    /// every layer, `from..written_end`, when the claim starts below the written end.
+    #[must_use = "the returned positions must be zeroed"]
+    pub fn claim(&mut self, b: BlockId, from: usize, to: usize) -> Option<std::ops::Range<usize>> {
+        let end = self.written_end(b);
+        self.written_end[b as usize] = to.min(self.block_size as usize) as u32;
+        (from < end).then_some(from..end)
+    }
+
+    /// Gives `dst` the written end of `src`, whose contents were just copied onto it.
+    pub fn copied(&mut self, src: BlockId, dst: BlockId) {
+        self.written_end[dst as usize] = self.written_end[src as usize];
     }
 
     /// Total blocks.
@@ -107,7 +123,7 @@ impl BlockLedger {
     }
 
     /// The generation of `block` (see the module's invariants).
-    pub fn generation(&self, block: BlockId) -> u32 {
+    pub fn generation(&self, block: BlockId) -> u64 {
         self.alloc.generation(block)
     }
 
@@ -140,12 +156,10 @@ impl BlockLedger {
     /// true, for the offload tiers). `None` when no block is available.
     pub fn take(&mut self, tokens: bool) -> Option<(BlockId, Option<Evicted>)> {
         if let Some(b) = self.alloc.allocate() {
-            self.stale[b as usize] = true;
             return Some((b, None));
         }
         let e = self.pop_evictable(tokens)?;
         self.alloc.revive(e.block);
-        self.stale[e.block as usize] = true;
         Some((e.block, Some(e)))
     }
 
@@ -216,11 +230,12 @@ impl BlockLedger {
         registered
     }
 
-    /// Takes a free block (never an evictable one) to load a cached block into; it stays
-    /// parked until [`BlockLedger::adopt_loaded`] or [`BlockLedger::discard`].
+    /// Takes a free block (never an evictable one) to load a whole cached block into; it
+    /// stays parked until [`BlockLedger::adopt_loaded`] or [`BlockLedger::discard`].
     pub fn take_for_loading(&mut self) -> Option<BlockId> {
         let b = self.alloc.allocate()?;
         assert!(self.alloc.release(b), "a fresh block has one reference");
+        self.wrote(b, self.block_size as usize);
         Some(b)
     }
 
@@ -334,7 +349,7 @@ mod tests {
 
     fn ledger(n: usize) -> BlockLedger {
         let index = PrefixIndex::new(HashKind::Xxh3, 0, false, false, n, 2).unwrap();
-        BlockLedger::new(n, Some(index)).unwrap()
+        BlockLedger::new(n, 2, Some(index)).unwrap()
     }
 
     fn meta(hash: u128) -> CachedBlock {
@@ -373,6 +388,28 @@ mod tests {
         l.hold(a);
         assert_ne!(l.generation(a), g);
         assert!(!l.is_private(a));
+    }
+
+    #[test]
+    fn claims_below_the_written_end_zero_up_to_it() {
+        let mut l = ledger(2);
+        let (a, _) = l.take(false).unwrap();
+        // Fresh memory may hold anything.
+        assert_eq!(l.claim(a, 0, 1), Some(0..2));
+        assert_eq!(l.claim(a, 1, 2), None);
+        // A copy holds what its source holds, whoever holds it next.
+        let (b, _) = l.take(false).unwrap();
+        assert_eq!(l.claim(b, 0, 0), Some(0..2));
+        assert_eq!(l.written_end(b), 0);
+        l.copied(a, b);
+        assert_eq!(l.claim(b, 1, 2), Some(1..2));
+        // Cut positions keep their K/V until claimed again.
+        l.release(b);
+        let (c, _) = l.take(false).unwrap();
+        assert_eq!(c, b);
+        assert_eq!(l.claim(c, 0, 1), Some(0..2));
+        l.wrote(c, 2);
+        assert_eq!(l.written_end(c), 2);
     }
 
     #[test]

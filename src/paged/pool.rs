@@ -25,8 +25,34 @@ use crate::scales::{check_dtype, KvScales};
 use crate::sizes;
 use crate::storage::{allocate, Device, RowScales, Storage};
 
-/// Handle of a sequence in a pool (never reused within one pool).
-pub type SeqId = u64;
+/// Handle of a sequence in one pool.
+///
+/// A handle names its pool as well as its sequence: every operation of a pool checks
+/// that the handles it is given were made by that pool, so a handle of another pool is
+/// refused ([`KvError::InvalidArgument`] naming it) rather than taken for the sequence
+/// of the same number. A sequence's number is never reused within its pool, so a handle
+/// of a freed sequence is refused too. Handles are `Copy` and keep nothing alive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqId {
+    pool: u64,
+    number: u64,
+}
+
+impl SeqId {
+    /// The sequence's number in its pool: 0, 1, 2, ... in order of creation.
+    pub fn number(self) -> u64 {
+        self.number
+    }
+}
+
+impl std::fmt::Display for SeqId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.number)
+    }
+}
+
+/// Identities of pools, one per [`PoolCore`] made in this process.
+static NEXT_POOL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 /// How a pool caches prefixes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -54,7 +80,10 @@ pub struct PoolCore {
     pub(crate) blocks: BlockLedger,
     pub(crate) rope: Option<Rope>,
     pub(crate) seqs: FxHashMap<SeqId, SeqState>,
-    next_id: SeqId,
+    /// This pool's identity, carried by its [`SeqId`]s.
+    uid: u64,
+    /// Number of the next sequence.
+    next_id: u64,
     /// Offload tiers below the prefix cache ([`super::tiering`]).
     pub(crate) tiers: Option<super::tiering::TierSet>,
     /// The model whose K/V the blocks hold ([`PoolCore::with_model_id`]).
@@ -146,7 +175,7 @@ impl PoolCore {
                 )
             })
             .transpose()?;
-        let blocks = BlockLedger::new(shape.num_blocks, prefix)?;
+        let blocks = BlockLedger::new(shape.num_blocks, shape.block_size, prefix)?;
         let scales = KvScales::unit(shape.num_layers, shape.num_kv_heads)?;
         // The bytes fit, so the element count does.
         let numel = groups.per_block * shape.num_blocks * shape.block_elems();
@@ -159,6 +188,7 @@ impl PoolCore {
             blocks,
             rope: None,
             seqs: FxHashMap::default(),
+            uid: NEXT_POOL.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             next_id: 0,
             tiers: None,
             model_id: String::new(),
@@ -371,7 +401,7 @@ impl PoolCore {
     /// Copies block `src` onto block `dst` in every storage tensor: at once, or with the
     /// other copies of the operation in progress ([`Self::batch_copies`]).
     pub(crate) fn copy_block(&mut self, src: BlockId, dst: BlockId) {
-        self.blocks.copy_stale(src, dst);
+        self.blocks.copied(src, dst);
         match &mut self.pending_copies {
             Some(pending) => {
                 // Copies of one batch run together: a block copied onto earlier in the
@@ -464,7 +494,10 @@ impl PoolCore {
         if let Some(a) = &mut self.states {
             s.state_slot = a.take();
         }
-        let id = self.next_id;
+        let id = SeqId {
+            pool: self.uid,
+            number: self.next_id,
+        };
         self.next_id += 1;
         self.seqs.insert(id, s);
         id
@@ -481,7 +514,20 @@ impl PoolCore {
 
     /// The state of a live sequence.
     pub fn seq(&self, id: SeqId) -> Result<&SeqState> {
+        self.check_owner(id)?;
         self.seqs.get(&id).ok_or_else(|| freed(id))
+    }
+
+    /// Fails unless `id` was made by this pool.
+    pub(crate) fn check_owner(&self, id: SeqId) -> Result<()> {
+        if id.pool != self.uid {
+            return Err(KvError::InvalidArgument {
+                name: "seq",
+                value: format!("sequence {id}"),
+                reason: "belongs to another pool; give each pool the handles it returned".into(),
+            });
+        }
+        Ok(())
     }
 
     pub(crate) fn seq_mut(&mut self, id: SeqId) -> &mut SeqState {
@@ -500,6 +546,7 @@ impl PoolCore {
 
     /// Releases a sequence's blocks (last first) and forgets it.
     pub fn free_sequence(&mut self, id: SeqId) -> Result<()> {
+        self.check_owner(id)?;
         let s = self.seqs.remove(&id).ok_or_else(|| freed(id))?;
         for t in &s.tables {
             self.release_all(t.blocks.iter().copied());
@@ -593,7 +640,7 @@ impl PoolCore {
         // dst keeps its identity (namespace, extra key) and its edit count, moved on.
         copy.root = d.root;
         copy.extra = d.extra.clone();
-        copy.edits = d.edits.wrapping_add(1);
+        copy.edits = d.edits + 1;
         copy.hashes.truncate(n / bs);
         copy.tokens.truncate(n);
         copy.layer_len.fill(n);
@@ -713,7 +760,7 @@ pub(crate) fn freed(id: SeqId) -> KvError {
     KvError::InvalidArgument {
         name: "seq",
         value: format!("sequence {id}"),
-        reason: "was freed (or belongs to no pool)".into(),
+        reason: "was freed".into(),
     }
 }
 

@@ -69,7 +69,7 @@ pub struct SeqState {
     pub cache_limit: usize,
     /// Counts the edits other than growth (cuts, removals, replacements): a
     /// [`super::ForwardPlan`] placed before one is stale.
-    pub edits: u32,
+    pub edits: u64,
     /// Its recurrent-state slot in a pool with state layers ([`super::states`]).
     pub state_slot: Option<u32>,
 }
@@ -93,7 +93,7 @@ impl SeqState {
 
     /// Records an edit other than growth (see [`SeqState::edits`]).
     pub fn edited(&mut self) {
-        self.edits = self.edits.wrapping_add(1);
+        self.edits += 1;
     }
 
     /// Every block held, all groups.

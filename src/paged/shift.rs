@@ -157,7 +157,6 @@ impl PoolCore {
             self.seq_mut(id).tables[g].start = new_start;
             self.normalize_table(id, g);
         }
-        self.mark_cut_tails(id);
         Ok(())
     }
 }

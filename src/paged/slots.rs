@@ -77,22 +77,23 @@ impl PoolCore {
                 at += c;
             }
         });
-        // Zero what the claimed blocks may hold past the holders' positions: from the
-        // first claimed position of each stale block to its end (see BlockLedger).
-        let mut stale: Vec<Vec<i64>> = vec![Vec::new(); ng];
+        // Zero what the claimed positions may still hold (see BlockLedger: from the first
+        // claimed position of each block to the end of what the block may hold).
+        let mut zero: Vec<Vec<i64>> = vec![Vec::new(); ng];
         for (g, run) in slots.chunks_exact(total.max(1)).enumerate() {
-            for &slot in run {
-                let (b, off) = (slot as usize / bs, slot as usize % bs);
-                if self.blocks.take_stale(b as BlockId) {
-                    stale[g].extend((off..bs).map(|o| (b * bs + o) as i64));
+            for claim in run.chunk_by(|a, b| a / bs as i64 == b / bs as i64) {
+                let (first, last) = (claim[0] as usize, claim[claim.len() - 1] as usize);
+                let b = first / bs;
+                if let Some(r) = self.blocks.claim(b as BlockId, first % bs, last % bs + 1) {
+                    zero[g].extend(r.map(|o| (b * bs + o) as i64));
                 }
             }
         }
         for layer in 0..self.shape.num_layers {
             let g = self.groups.group_of[layer];
-            if !stale[g].is_empty() {
+            if !zero[g].is_empty() {
                 let t = self.paged_tensor(layer);
-                self.storage.zero_slots(t, &stale[g])?;
+                self.storage.zero_slots(t, &zero[g])?;
             }
         }
         Ok(slots)
@@ -119,7 +120,19 @@ impl PoolCore {
             })
             .collect();
         let tensor = self.paged_tensor(layer);
-        self.storage.zero_slots(tensor, &slots)
+        self.storage.zero_slots(tensor, &slots)?;
+        // The positions are the holder's now: what it writes there later is K/V.
+        self.note_written(&slots);
+        Ok(())
+    }
+
+    /// Records in the ledger that `slots` (`-1`: none) may hold K/V from now on.
+    pub(crate) fn note_written(&mut self, slots: &[i64]) {
+        let bs = self.shape.block_size;
+        for &slot in slots.iter().filter(|&&s| s >= 0) {
+            let slot = slot as usize;
+            self.blocks.wrote((slot / bs) as BlockId, slot % bs + 1);
+        }
     }
 
     /// Scatters `k`, `v` (`[n_tokens, heads, head_dim]`) into `slots` of `layer`'s group
@@ -140,6 +153,7 @@ impl PoolCore {
             });
         }
         self.check_write_slots(slots)?;
+        self.note_written(slots);
         let t = self.paged_tensor(layer);
         let (ks, vs) = (
             self.scales.heads(layer, Kv::Key),
@@ -208,6 +222,7 @@ impl PoolCore {
             }
         };
         self.check_write_slots(slots)?;
+        self.note_written(slots);
         let row = |layer: usize| {
             let g = if rows == 1 {
                 0

@@ -193,6 +193,13 @@ impl PoolCore {
                             "sequence {id} group {g} entry {i} is {b} but covers held positions: {covers}"
                         ));
                     }
+                    let end = ((i + 1) * bs).min(held) - i * bs;
+                    if covers && end > self.blocks.written_end(b) {
+                        return Err(format!(
+                            "sequence {id} holds {end} positions of block {b}, whose written end is {}",
+                            self.blocks.written_end(b)
+                        ));
+                    }
                 }
             }
             if s.layer_len.iter().any(|&l| l < s.seq_len) {

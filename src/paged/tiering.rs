@@ -256,6 +256,9 @@ impl PoolCore {
         let sh = self.shape;
         let kv = kv_span(shape);
         let data: Vec<&[u8]> = payloads.iter().map(|p| &p[kv.clone()]).collect();
+        for &b in blocks {
+            self.blocks.wrote(b, sh.block_size);
+        }
         self.storage
             .write_blocks(sh, shape.tensors, blocks, &data)?;
         if shape.scale_bytes > 0 {

@@ -7,7 +7,7 @@ use pyo3::types::PyTuple;
 use super::args::{parse_device, parse_dtype};
 use super::guarded::Guarded;
 use super::input::{read_tensor, Target};
-use super::kv_cache::layer_view;
+use super::kv_cache::{layer_view, Copied};
 use super::quant::{dequantized_pair, layer_scales, parse_scales, scale_property, LayerScales};
 use crate::dtype::DType;
 use crate::encoder_cache::EncoderCache;
@@ -201,13 +201,14 @@ impl PyEncoderCache {
     }
 
     /// Zero-copy read-only views (K, V) [num_kv_heads, length, head_dim] of a set layer
-    /// (the raw codes for 8-bit dtypes); float32 copies of the values with
-    /// `dequantize=True`.
-    #[pyo3(signature = (layer, *, dequantize = false))]
+    /// (the raw codes for 8-bit dtypes); copies the caller owns with `copy=True`; float32
+    /// copies of the values with `dequantize=True`.
+    #[pyo3(signature = (layer, *, dequantize = false, copy = false))]
     fn get<'py>(
         slf: &Bound<'py, Self>,
         layer: i64,
         dequantize: bool,
+        copy: bool,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let me = slf.get();
         let py = slf.py();
@@ -222,6 +223,23 @@ impl PyEncoderCache {
             }
             Ok((l, c.cache().layer_len(l)))
         })?;
+        if copy && !dequantize {
+            let what = Copied {
+                device: me.device,
+                dtype: me.dtype,
+                shape: me.shape,
+                layer,
+                head: None,
+            };
+            let pair = what.read(
+                py,
+                &me.core,
+                |c| c.cache(),
+                &[Kv::Key, Kv::Value],
+                |c| c.layer_len(layer),
+            )?;
+            return PyTuple::new(py, pair);
+        }
         if dequantize {
             let dims = [me.shape.head_dim, me.shape.v_head_dim];
             return dequantized_pair(

@@ -7,7 +7,7 @@ use pyo3::types::PyTuple;
 use super::args::{parse_device, parse_dtype};
 use super::guarded::Guarded;
 use super::input::{read_tensor, Target};
-use super::output::new_output;
+use super::output::{new_output, Output};
 use super::quant::{
     dequantized_pair, layer_scales, parse_scales, read_dtype, scale_property, LayerScales,
 };
@@ -65,6 +65,61 @@ pub(crate) unsafe fn layer_view<'py>(
     }
 }
 
+/// Copies of one layer's K and/or V as stored (8-bit dtypes: the codes), every head
+/// (`[heads, len, dim]`) or one (`[len, dim]`): what `copy=True` reads return.
+pub(crate) struct Copied {
+    pub device: Device,
+    pub dtype: DType,
+    pub shape: CacheShape,
+    pub layer: usize,
+    pub head: Option<usize>,
+}
+
+impl Copied {
+    /// Reads `kvs` of the cache that `cache_of` finds in `core`, at the length `len_now`
+    /// gives, all under one lock; the outputs are arrays (or device tensors) the caller
+    /// owns, apart from the cache.
+    pub fn read<'py, T: Send + Sync>(
+        &self,
+        py: Python<'py>,
+        core: &Guarded<T>,
+        cache_of: impl Fn(&T) -> &CacheCore + Sync,
+        kvs: &[Kv],
+        len_now: impl Fn(&CacheCore) -> usize + Sync,
+    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let mut len = core.read(py, |c| len_now(cache_of(c)));
+        loop {
+            let mut outs = Vec::with_capacity(kvs.len());
+            for &kv in kvs {
+                let d = self.shape.dim(kv);
+                let shape = match self.head {
+                    None => vec![self.shape.num_kv_heads, len, d],
+                    Some(_) => vec![len, d],
+                };
+                outs.push(new_output(py, self.device, self.dtype, &shape)?);
+            }
+            let mut tensors: Vec<_> = outs.iter_mut().map(|o| o.tensor()).collect();
+            let bytes = tensors.iter().map(|t| t.nbytes()).sum();
+            let read = core.read_moving(py, bytes, |c| {
+                let c = cache_of(c);
+                let now = len_now(c);
+                if now != len {
+                    return Ok(Err(now));
+                }
+                for (t, &kv) in tensors.iter_mut().zip(kvs) {
+                    c.read_stored(self.layer, kv, self.head, len, t)?;
+                }
+                Ok::<_, KvError>(Ok(()))
+            })?;
+            drop(tensors);
+            match read {
+                Ok(()) => return Ok(outs.into_iter().map(Output::into_object).collect()),
+                Err(now) => len = now,
+            }
+        }
+    }
+}
+
 /// A contiguous KV cache for one sequence, preallocated for `max_seq_len` positions.
 #[pyclass(frozen, name = "KVCache", module = "kvrs")]
 pub struct PyKVCache {
@@ -111,12 +166,14 @@ impl PyKVCache {
         }
     }
 
-    fn head_view<'py>(
+    /// One head's `[seq_len, dim]` of a layer's K or V: a view, or with `copy`, a copy.
+    fn head_read<'py>(
         slf: &Bound<'py, Self>,
         kv: Kv,
         layer: i64,
         head: i64,
         seq_len: Option<i64>,
+        copy: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         let me = slf.get();
         let (layer, committed) = me
@@ -135,6 +192,30 @@ impl PyKVCache {
             }
             Some(n) => n as usize,
         };
+        if copy {
+            let fixed = seq_len.is_some();
+            let what = Copied {
+                device: me.device,
+                dtype: me.dtype,
+                shape: me.shape,
+                layer,
+                head: Some(head),
+            };
+            let mut read = what.read(
+                slf.py(),
+                &me.core,
+                |c| c,
+                &[kv],
+                |c| {
+                    if fixed {
+                        len
+                    } else {
+                        c.seq_len()
+                    }
+                },
+            )?;
+            return Ok(read.remove(0));
+        }
         Self::view(slf, layer, kv, Some(head), len)
     }
 
@@ -431,18 +512,37 @@ impl PyKVCache {
 
     /// Zero-copy read-only views (K, V) of shape [num_kv_heads, length, head_dim], where
     /// length is what the layer holds (committed and appended): the raw codes for 8-bit
-    /// dtypes. With `dequantize=True`, float32 copies of the values instead.
-    #[pyo3(signature = (layer, *, dequantize = false))]
+    /// dtypes. With `copy=True`, copies the caller owns (writing them never changes the
+    /// cache); with `dequantize=True`, float32 copies of the values.
+    #[pyo3(signature = (layer, *, dequantize = false, copy = false))]
     fn get<'py>(
         slf: &Bound<'py, Self>,
         layer: i64,
         dequantize: bool,
+        copy: bool,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let me = slf.get();
         let py = slf.py();
         let (l, len) = me
             .core
             .read(py, |c| c.check_layer(layer).map(|l| (l, c.layer_len(l))))?;
+        if copy && !dequantize {
+            let what = Copied {
+                device: me.device,
+                dtype: me.dtype,
+                shape: me.shape,
+                layer: l,
+                head: None,
+            };
+            let pair = what.read(
+                py,
+                &me.core,
+                |c| c,
+                &[Kv::Key, Kv::Value],
+                |c| c.layer_len(l),
+            )?;
+            return PyTuple::new(py, pair);
+        }
         if dequantize {
             let dims = [me.shape.head_dim, me.shape.v_head_dim];
             return dequantized_pair(
@@ -470,27 +570,29 @@ impl PyKVCache {
     }
 
     /// Zero-copy read-only view [seq_len, head_dim] of one head's keys (default: the
-    /// committed length).
-    #[pyo3(signature = (layer, head, seq_len = None))]
+    /// committed length); with `copy=True`, a copy the caller owns.
+    #[pyo3(signature = (layer, head, seq_len = None, *, copy = false))]
     fn keys_for<'py>(
         slf: &Bound<'py, Self>,
         layer: i64,
         head: i64,
         seq_len: Option<i64>,
+        copy: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
-        Self::head_view(slf, Kv::Key, layer, head, seq_len)
+        Self::head_read(slf, Kv::Key, layer, head, seq_len, copy)
     }
 
     /// Zero-copy read-only view [seq_len, head_dim] of one head's values (default: the
-    /// committed length).
-    #[pyo3(signature = (layer, head, seq_len = None))]
+    /// committed length); with `copy=True`, a copy the caller owns.
+    #[pyo3(signature = (layer, head, seq_len = None, *, copy = false))]
     fn values_for<'py>(
         slf: &Bound<'py, Self>,
         layer: i64,
         head: i64,
         seq_len: Option<i64>,
+        copy: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
-        Self::head_view(slf, Kv::Value, layer, head, seq_len)
+        Self::head_read(slf, Kv::Value, layer, head, seq_len, copy)
     }
 
     /// Drops positions >= n from every layer; a no-op when n >= seq_len.

@@ -10,11 +10,13 @@ use pyo3::types::{PyList, PyTuple};
 use super::attention::{self, AttnArgs};
 use super::input::{read_tensor, read_token_ids};
 use super::kv_cache::PyKVCache;
-use super::output::{new_output, writable};
+use super::output::{new_output, writable, Output};
 use super::quant::{head_scales, read_dtype};
 use super::shared_pool::{i32_array, SharedPool};
 use crate::dtype::DType;
+use crate::error::KvError;
 use crate::kv_cache::Kv;
+use crate::layout::Region;
 use crate::paged::{KvLayout, PoolCore, SeqId, NO_BLOCK};
 
 /// One sequence's view of a pool: its block table and lengths.
@@ -447,43 +449,88 @@ impl PySequence {
     }
 
     /// Zero-copy read-only per-block views of the layer: a list of (start, length, K, V),
-    /// K and V in the pool's layout ([length, heads, dim] for NHD, [heads, length, dim] for HND).
-    fn views<'py>(&self, py: Python<'py>, layer: i64) -> PyResult<Bound<'py, PyList>> {
-        let pool_obj = self.pool.bind(py);
+    /// K and V in the pool's layout ([length, heads, dim] for NHD, [heads, length, dim] for
+    /// HND). With `copy=True`, copies the caller owns, all read under one lock.
+    #[pyo3(signature = (layer, *, copy = false))]
+    fn views<'py>(&self, py: Python<'py>, layer: i64, copy: bool) -> PyResult<Bound<'py, PyList>> {
         let sh = self.pool_ref().shape;
         let layer = crate::error::check_index("layer", layer, sh.num_layers)?;
-        let (blocks, first, len, tensor) = self.with(py, |s, p| {
-            let t = &s.tables[p.groups().group_of[layer]];
-            (
-                t.blocks.clone(),
-                t.start,
-                s.layer_len[layer],
-                p.tensor_of(layer),
-            )
-        })?;
-        let out = PyList::empty(py);
-        let (h, bs) = (sh.num_kv_heads, sh.block_size);
-        for (i, &b) in blocks.iter().enumerate() {
-            let start = (i * bs).max(first);
-            if start >= len {
-                break;
-            }
-            if b == NO_BLOCK {
-                continue;
-            }
-            let n = ((i + 1) * bs).min(len) - start;
-            let part = |kv: Kv| {
-                let d = sh.dim(kv);
-                let (shape, strides) = match sh.layout {
-                    KvLayout::Nhd => ([n, h, d], [h * d, d, 1]),
-                    KvLayout::Hnd => ([h, n, d], [bs * d, d, 1]),
-                };
-                let at = sh.positions(tensor, kv, b, start % bs, 1).offset;
-                self.core.view(pool_obj, at, &shape, &strides, false)
+        let parts =
+            |s: &crate::paged::SeqState, p: &PoolCore| -> Vec<(usize, usize, [Region; 2])> {
+                let t = &s.tables[p.groups().group_of[layer]];
+                let (len, bs, tensor) = (s.layer_len[layer], sh.block_size, p.tensor_of(layer));
+                let mut parts = Vec::new();
+                for (i, &b) in t.blocks.iter().enumerate() {
+                    let start = (i * bs).max(t.start);
+                    if start >= len {
+                        break;
+                    }
+                    if b == NO_BLOCK {
+                        continue;
+                    }
+                    let n = ((i + 1) * bs).min(len) - start;
+                    let region = |kv: Kv| {
+                        let mut r = sh.positions(tensor, kv, b, start % bs, n);
+                        if sh.layout == KvLayout::Hnd {
+                            // [heads, length, dim], as the pool stores it.
+                            r.shape.swap(0, 1);
+                            r.strides.swap(0, 1);
+                        }
+                        r
+                    };
+                    parts.push((start, n, [region(Kv::Key), region(Kv::Value)]));
+                }
+                parts
             };
-            out.append((start, n, part(Kv::Key)?, part(Kv::Value)?))?;
+        let mut snapshot = self.with(py, parts)?;
+        let out = PyList::empty(py);
+        if !copy {
+            let pool_obj = self.pool.bind(py);
+            for (start, n, [k, v]) in snapshot {
+                let view = |r: Region| {
+                    let strides = r.strides;
+                    self.core
+                        .view(pool_obj, r.offset, &r.shape, &strides, false)
+                };
+                out.append((start, n, view(k)?, view(v)?))?;
+            }
+            return Ok(out);
         }
-        Ok(out)
+        let pool = self.pool_ref();
+        let id = self.id;
+        loop {
+            let mut outs = Vec::with_capacity(2 * snapshot.len());
+            for (_, _, regions) in &snapshot {
+                for r in regions {
+                    outs.push(new_output(py, pool.device, pool.dtype, &r.shape)?);
+                }
+            }
+            let mut tensors: Vec<_> = outs.iter_mut().map(|o| o.tensor()).collect();
+            let bytes = tensors.iter().map(|t| t.nbytes()).sum();
+            let read = pool.read_moving(py, bytes, |c| {
+                let now = parts(c.seq(id)?, c);
+                if now != snapshot {
+                    return Ok(Err(now));
+                }
+                let regions = snapshot.iter().flat_map(|(_, _, r)| r);
+                for (t, r) in tensors.iter_mut().zip(regions) {
+                    c.storage().read(*r, t)?;
+                }
+                Ok::<_, KvError>(Ok(()))
+            })?;
+            drop(tensors);
+            match read {
+                Ok(()) => {
+                    let mut objs = outs.into_iter().map(Output::into_object);
+                    for (start, n, _) in snapshot {
+                        let (k, v) = (objs.next().expect("a key"), objs.next().expect("a value"));
+                        out.append((start, n, k, v))?;
+                    }
+                    return Ok(out);
+                }
+                Err(now) => snapshot = now,
+            }
+        }
     }
 
     /// Its recurrent-state slot in a pool with state layers (its row of

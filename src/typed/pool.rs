@@ -167,6 +167,10 @@ impl PoolConfig {
 /// the first write to a shared block); with prefix caching on, committed whole blocks
 /// are indexed by the hash of their token prefix and found again by later sequences.
 ///
+/// A [`SeqId`] is a handle, not an index: it names the pool that made it as well as the
+/// sequence, so every method refuses a handle of another pool or of a freed sequence
+/// with [`crate::KvError::InvalidArgument`] instead of touching another sequence.
+///
 /// ```
 /// use kvrs::{BlockPool, PoolConfig};
 ///

@@ -8,7 +8,8 @@ defects.md): each failed on main at 7029241.
 - Torn reads: Sequence.get returns a length and data read together.
 - Overlapping input: a view of the cache handed back in is read as it was before the write.
 - Another holder's K/V: positions claimed without a write read as zeros, in every path
-  (set_seq_len, reserve, start_forward), and unwritten blocks are never cached.
+  (set_seq_len, reserve, start_forward, after copy_prefix inside a block), and unwritten
+  blocks are never cached.
 """
 
 from __future__ import annotations
@@ -401,6 +402,29 @@ def test_a_partial_hit_reads_zeros_past_the_rows_it_matched():
     pool.reserve([b], [2])
     k, v = b.get(0)
     assert (k[:, :6] == 5).all() and not k[:, 6:].any() and not v[:, 6:].any()
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("claim", ["reserve", "start_forward"])
+def test_copy_prefix_inside_a_block_reads_zeros_where_the_copy_claims(claim):
+    # The review's case (issue 37): src filled through reserve + put, copied inside a
+    # block; the positions dst then claims held src's K/V (the shared block and its
+    # copy-on-write copy were not flagged).
+    pool = kvrs.BlockPool(1, 1, 4, block_size=4, num_blocks=4, dtype="float32")
+    src = pool.new_sequence()
+    with pool.start_forward([src] * 3) as batch:
+        batch.put(0, *kv(7, 3))
+    dst = pool.new_sequence()
+    pool.copy_prefix(src, dst, 1)
+    if claim == "reserve":
+        pool.reserve([dst], [2])
+        k, v = dst.get(0)
+    else:
+        batch = pool.start_forward([dst] * 2)
+        k, v, _ = batch.get(0)
+        batch.cancel()
+    assert (k[:, :1] == 7).all() and not k[:, 1:].any() and not v[:, 1:].any(), k
+    assert (src.get(0)[0] == 7).all()
     pool.check_invariants()
 
 
