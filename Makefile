@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 SOURCES := Cargo.toml Cargo.lock pyproject.toml $(shell find src python -type f \( -name '*.rs' -o -name '*.py' -o -name '*.pyi' \) 2>/dev/null)
 
 .DEFAULT_GOAL := help
-.PHONY: help redis demo test test-rust test-python test-wheel stubtest check-ptx ptx lint miri fmt bench bench-rust install wheel clean
+.PHONY: help redis demo docs test test-rust test-python test-wheel stubtest check-ptx ptx lint miri fmt bench bench-rust install wheel clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "} {printf "  make %-12s %s\n", $$1, $$2}'
@@ -20,25 +20,28 @@ $(VENV)/bin/activate:
 .stamp-install: $(VENV)/bin/activate $(SOURCES)
 	$(PIP) install --quiet maturin==1.16.0
 	rm -f python/kvrs/_kvrs.cpython-*.so  # a pre-abi3 build would shadow the abi3 one
-	$(PIP) install --quiet --no-build-isolation -e '.[test,demo]'
+	$(PIP) install --quiet --no-build-isolation -e '.[test,demo,docs]'
 	@touch $@
 
-install: .stamp-install ## build the extension (release) into .venv with the test and demo (torch, transformers, matplotlib, tqdm) extras
+install: .stamp-install ## build the extension (release) into .venv with the test, demo (torch, transformers, matplotlib, tqdm) and docs (mkdocs) extras
 
 demo: .stamp-install ## run the main job: python -m kvrs demo (chat serving on a transformers model, plot in kvrs-demo.png)
 	$(PY) -m kvrs demo
 
-test: test-rust test-python test-wheel stubtest check-ptx ## build and run every test (Rust, Python, the wheel, stub and typing checks, PTX check)
+test: test-rust test-python test-wheel stubtest check-ptx docs ## build and run every test (Rust, Python, the wheel, stub and typing checks, PTX check, the manual's strict build)
 
-test-rust: ## cargo test (the core without Python, doc examples, the README's Rust), the examples, the CUDA backend on the simulated device (the kernel tests again with threads resumed in reverse order)
+test-rust: ## cargo test (the core without Python, doc examples, the Rust programs of the README and docs/), the examples, the CUDA backend on the simulated device (the kernel tests again with threads resumed in reverse order)
 	cargo test --release --quiet --features cuda
 	cargo run --release --quiet --features cuda --example decode_loop
 	cargo run --release --quiet --features cuda --example paged_batch
 	cargo test --release --quiet --features cuda-sim --test cuda_sim --test cuda_sim_fibers --test cuda_sim_quantized --test cuda_sim_attention --test cuda_sim_copies --test cuda_sim_swaps --test kv_cache_model --test paged_model --test soundness --test state_model
 	KVRS_SIM_ORDER=reverse cargo test --release --quiet --features cuda-sim --test cuda_sim --test cuda_sim_fibers --test cuda_sim_quantized --test cuda_sim_attention
 
-test-python: .stamp-install redis ## pytest (hypothesis state machines, errors, interop; a real Redis server for the tier tests)
+test-python: .stamp-install redis ## pytest (hypothesis state machines, errors, interop, every Python example of the README and docs/; a real Redis server for the tier tests)
 	$(PY) -m pytest
+
+docs: .stamp-install ## build the manual (docs/, API reference from the stubs) into site/ with mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 wheel: $(VENV)/bin/activate ## build the abi3 wheel (one for every CPython >= 3.10) and the sdist into dist/
 	$(PIP) install --quiet maturin==1.16.0
@@ -100,4 +103,4 @@ bench-rust: ## criterion benchmarks of the core
 
 clean: ## remove build outputs and the virtual environment
 	cargo clean
-	rm -rf $(VENV) .stamp-install python/kvrs/*.so
+	rm -rf $(VENV) .stamp-install python/kvrs/*.so site

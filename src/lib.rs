@@ -53,10 +53,43 @@ pub mod typed;
 #[cfg(feature = "python")]
 mod python;
 
-/// The README's Rust examples, compiled and run by `cargo test --doc`.
+/// The README's and the manual's (`docs/`) Rust examples, compiled and run by `cargo test --doc`:
+/// each is a complete program, as a reader pastes it.
 #[cfg(doctest)]
-#[doc = include_str!("../README.md")]
-pub struct ReadmeDoctests;
+mod manual {
+    #[doc = include_str!("../README.md")]
+    pub struct Readme;
+    #[doc = include_str!("../docs/index.md")]
+    pub struct Index;
+    #[doc = include_str!("../docs/caches.md")]
+    pub struct Caches;
+    #[doc = include_str!("../docs/pools.md")]
+    pub struct Pools;
+    #[doc = include_str!("../docs/prefix-caching.md")]
+    pub struct PrefixCaching;
+    #[doc = include_str!("../docs/tiers.md")]
+    pub struct Tiers;
+    #[doc = include_str!("../docs/attention.md")]
+    pub struct Attention;
+    #[doc = include_str!("../docs/quantized.md")]
+    pub struct Quantized;
+    #[doc = include_str!("../docs/transformers.md")]
+    pub struct Transformers;
+    #[doc = include_str!("../docs/architectures.md")]
+    pub struct Architectures;
+    #[doc = include_str!("../docs/gpu.md")]
+    pub struct Gpu;
+    #[doc = include_str!("../docs/guarantees.md")]
+    pub struct Guarantees;
+    #[doc = include_str!("../docs/rust.md")]
+    pub struct Rust;
+    #[doc = include_str!("../docs/benchmarks.md")]
+    pub struct Benchmarks;
+    #[doc = include_str!("../docs/development.md")]
+    pub struct Development;
+    #[doc = include_str!("../docs/api.md")]
+    pub struct Api;
+}
 
 pub use attention::AttnOptions;
 pub use dtype::DType;
