@@ -146,8 +146,11 @@ class KvrsLayer(CacheLayerMixin):
         b, h, q, d = x.shape
         return x.detach().permute(2, 0, 1, 3).reshape(q, b * h, d)
 
-    def _tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = self.store.get(0, dequantize=self.store.dtype in QUANTIZED_DTYPES)
+    def _tensors(self, copy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V as [batch, heads, len, dim] tensors in the model's dtype:
+        views of the cache (what attention reads), or with `copy`, tensors of their own."""
+        dequantize = self.store.dtype in QUANTIZED_DTYPES
+        keys, values = self.store.get(0, dequantize=dequantize, copy=copy and not dequantize)
         out = []
         for view, dim in ((keys, self.head_dim), (values, self.v_head_dim)):
             t = as_torch(view).view(self.batch, self.heads, view.shape[1], dim)
@@ -210,8 +213,8 @@ class KvrsLayer(CacheLayerMixin):
         self.keys, self.values = self._tensors()
 
     def _rewrite(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Replaces the content with `keys`, `values` ([batch, heads, len, head_dim])."""
-        keys, values = keys.contiguous(), values.contiguous()  # copies: the sources alias the cache
+        """Replaces the content with `keys`, `values` ([batch, heads, len, head_dim]), which
+        must not alias the cache (read them with ``_tensors(copy=True)``)."""
         self._allocate(keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3])
         if keys.shape[2]:
             self.store.append(0, self._rows(keys), self._rows(values))
@@ -223,7 +226,7 @@ class KvrsLayer(CacheLayerMixin):
         copy = KvrsLayer(self.max_seq_len, self.storage_dtype, self.storage_device, self.scales)
         if self.is_initialized:
             copy.dtype, copy.device, copy.is_initialized = self.dtype, self.device, True
-            copy._rewrite(*self._tensors())
+            copy._rewrite(*self._tensors(copy=True))
         return copy
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
