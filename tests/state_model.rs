@@ -52,6 +52,7 @@ fn pool(device: Device) -> PoolCore {
     let config = StateConfig {
         layers: LAYERS,
         slots: SLOTS,
+        checkpoints: 0,
         specs: SPECS
             .iter()
             .map(|&(name, n, dtype)| StateSpec {
@@ -202,7 +203,7 @@ proptest! {
 }
 
 #[test]
-fn state_pools_refuse_prefix_caching_and_rollbacks() {
+fn state_pools_without_checkpoints_refuse_rollbacks_but_to_zero() {
     let shape = PagedShape {
         num_layers: 1,
         num_kv_heads: 1,
@@ -215,6 +216,7 @@ fn state_pools_refuse_prefix_caching_and_rollbacks() {
     let config = StateConfig {
         layers: 1,
         slots: 1,
+        checkpoints: 0,
         specs: vec![StateSpec {
             name: "s".into(),
             dims: vec![3],
@@ -231,7 +233,7 @@ fn state_pools_refuse_prefix_caching_and_rollbacks() {
     assert!(matches!(
         cached.with_states(config.clone()),
         Err(KvError::InvalidArgument {
-            name: "prefix_caching",
+            name: "state_checkpoints",
             ..
         })
     ));
@@ -249,7 +251,7 @@ fn state_pools_refuse_prefix_caching_and_rollbacks() {
         Err(KvError::NotSupported(_))
     ));
     assert!(matches!(
-        pool.set_seq_len(id, 0),
+        pool.set_seq_len(id, 1),
         Err(KvError::NotSupported(_))
     ));
     assert!(matches!(
@@ -271,5 +273,23 @@ fn state_pools_refuse_prefix_caching_and_rollbacks() {
             ..
         })
     ));
+    // Back to position 0 the state is known: zeros.
+    pool.write_state(
+        id,
+        0,
+        "s",
+        &TensorRef::from_f32(&[5.0; 3], &[3, 1, 1]).unwrap(),
+    )
+    .unwrap();
+    pool.truncate(id, 0).unwrap();
+    let mut st = [1f32; 3];
+    pool.read_state(
+        id,
+        0,
+        "s",
+        &mut TensorMut::from_f32_mut(&mut st, &[3, 1, 1]).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(st, [0.0; 3]);
     pool.check_invariants().unwrap();
 }

@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use super::checkpoints::CheckpointSlot;
 use super::groups::LayerKind;
 use super::pool::{PoolCore, SeqId};
 use super::seq::{Table, NO_BLOCK};
@@ -88,10 +89,11 @@ impl PoolCore {
         let limit = prompt_limit(tokens);
         // What the pool lacked of the prompt's prefix, the tiers may have held.
         let tier_tokens = fetched.map_or_else(TierTokens::new, |f| self.commit_tier_lookup(f));
-        let hit = self.match_blocks(root, tokens, extra, limit);
+        let (hit, checkpoint, kv_len) = self.prompt_hit(root, tokens, extra, limit);
         for b in hit.blocks().collect::<Vec<_>>() {
             self.hold_block(b);
         }
+        let hit_len = hit.tokens(self.shape.block_size);
         let mut cached = hit.hashes.len() * self.shape.block_size;
         s.tables = hit.tables;
         s.hashes = hit.hashes;
@@ -110,9 +112,25 @@ impl PoolCore {
             }
             self.release_block(src);
         }
+        let want = hit_len;
+        if checkpoint.is_some() && cached != want {
+            // No block was free for the partial copy: the state checkpoint's position is
+            // not reached, so the hit goes (a state pool hits exactly a checkpoint).
+            for t in &s.tables {
+                self.release_all(t.blocks.iter().copied());
+            }
+            s.tables = smallvec::smallvec![Table::default(); s.tables.len()];
+            s.hashes.clear();
+            cached = 0;
+        }
+        let checkpoint = checkpoint.filter(|_| cached == want);
         s.layer_len.fill(cached);
         s.seq_len = cached;
         s.num_cached_tokens = cached;
+        s.prompt_len = s.tokens.len();
+        if self.checkpoints.is_some() && kv_len > cached {
+            s.branch = Some(kv_len);
+        }
         // Tiers' blocks are the hit's last ones: what the hit covers past the pool's own.
         let mut from_tiers = tier_tokens.iter().sum::<usize>().min(cached);
         s.tier_tokens = tier_tokens
@@ -125,8 +143,40 @@ impl PoolCore {
             .collect();
         self.blocks.count_query(s.tokens.len(), cached);
         let id = self.insert(s);
+        if let Some(c) = checkpoint {
+            self.restore_hit(id, c);
+        }
         self.trim(id);
         id
+    }
+
+    /// The hit of a prompt (at most `limit` tokens): what [`Self::match_blocks`] finds,
+    /// and in a pool with state layers that caches prefixes, cut to the longest position
+    /// with a cached state checkpoint, with that checkpoint. Also the length of the K/V
+    /// the cache holds for the prompt (0 without checkpoints).
+    pub(crate) fn prompt_hit(
+        &self,
+        root: BlockHash,
+        tokens: &[u32],
+        extra: &[u8],
+        limit: usize,
+    ) -> (Hit, Option<CheckpointSlot>, usize) {
+        let hit = self.match_blocks(root, tokens, extra, limit);
+        if self.checkpoints.is_none() {
+            return (hit, None, 0);
+        }
+        let bs = self.shape.block_size;
+        let kv_len = hit.tokens(bs);
+        let partial = self.prefix().is_some_and(|p| p.partial_hits);
+        let (p, c) = self.checkpoint_hit(root, &hit.hashes, tokens, extra, kv_len, partial);
+        if p == kv_len {
+            return (hit, c, kv_len);
+        }
+        let cut = self.match_blocks(root, tokens, extra, p);
+        if cut.tokens(bs) == p {
+            return (cut, c, kv_len);
+        }
+        (self.match_blocks(root, tokens, extra, 0), None, kv_len)
     }
 
     /// What `tokens` from `root` find cached, covering at most `limit` tokens. Full groups
@@ -228,13 +278,9 @@ impl PoolCore {
         let Some(p) = self.prefix() else {
             return 0;
         };
-        self.match_blocks(
-            p.root(namespace),
-            tokens,
-            extra,
-            tokens.len().saturating_sub(1),
-        )
-        .tokens(self.shape.block_size)
+        self.prompt_hit(p.root(namespace), tokens, extra, prompt_limit(tokens))
+            .0
+            .tokens(self.shape.block_size)
     }
 
     /// Caches every full, committed block of `id` whose token ids are known, in every
@@ -319,6 +365,7 @@ impl PoolCore {
     pub fn evict_all(&mut self) -> usize {
         let mut n = 0;
         while let Some(e) = self.blocks.evict_one(self.tiers.is_some()) {
+            self.drop_checkpoints_at(e.meta.hash);
             if self.tiers.is_some() {
                 // Freed, but not reused before this returns: its K/V are still there.
                 self.write_back(e.block, &e.meta, &e.tokens);

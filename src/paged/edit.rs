@@ -286,6 +286,7 @@ impl PoolCore {
         self.seq_mut(id).seq_len = target;
         self.register_blocks(id);
         self.trim(id);
+        self.checkpoint_commit(id, start);
         Ok(())
     }
 
@@ -314,8 +315,9 @@ impl PoolCore {
     pub fn truncate(&mut self, id: SeqId, n: i64) -> Result<()> {
         let n = check_count("n", n)?;
         if n < self.seq(id)?.seq_len {
-            self.check_state_kept(id, n, "truncate")?;
+            let restore = self.restore_for(id, n, "truncate")?;
             self.cut_to(id, n, true);
+            self.apply_restore(id, restore);
         }
         Ok(())
     }
@@ -327,7 +329,7 @@ impl PoolCore {
     /// lie in are never cached: only K/V a holder wrote joins the prefix cache.
     pub fn set_seq_len(&mut self, id: SeqId, n: i64) -> Result<()> {
         let n = check_count("n", n)?;
-        self.check_state_kept(id, n, "set_seq_len")?;
+        let restore = self.restore_for(id, n, "set_seq_len")?;
         let s = self.seq(id)?;
         // Positions some layer gains: from its shortest layer's end (after a cut to n).
         let low = s.layer_len.iter().copied().min().unwrap_or(0).min(n);
@@ -355,6 +357,7 @@ impl PoolCore {
         s.layer_len.fill(n);
         s.seq_len = n;
         s.hashes.truncate(n / bs);
+        self.apply_restore(id, restore);
         self.register_blocks(id);
         self.trim(id);
         Ok(())

@@ -3,11 +3,14 @@
 //! ([`ledger`]), layer kinds and groups ([`groups`]), sequences'
 //! block tables ([`seq`]), where blocks live in storage ([`crate::layout`]), prefix caching on
 //! the pool ([`caching`]), slots and page tables for kernels ([`slots`]), position edits
-//! ([`shift`]) and ollama-style batched forwards ([`forward`]), and hybrid models' recurrent state slots ([`states`]).
+//! ([`shift`]) and ollama-style batched forwards ([`forward`]), and hybrid models' recurrent state slots ([`states`])
+//! and their checkpoints ([`checkpoints`], [`checkpointing`]).
 
 pub mod allocator;
 pub mod attend;
 pub mod caching;
+pub mod checkpointing;
+pub mod checkpoints;
 pub mod edit;
 pub mod forward;
 pub mod groups;

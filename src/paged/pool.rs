@@ -10,6 +10,7 @@
 //! [`super::shift`] and [`super::attend`].
 
 use rustc_hash::{FxHashMap, FxHashSet};
+use smallvec::SmallVec;
 
 use super::groups::{Attention, LayerGroups, LayerKind};
 use super::ledger::BlockLedger;
@@ -98,6 +99,11 @@ pub struct PoolCore {
     /// Hybrid models' recurrent state slots ([`PoolCore::with_states`]); `None` for a
     /// pool of attention layers only.
     pub(crate) states: Option<StateArena>,
+    /// The state checkpoints of a pool with state layers that caches prefixes
+    /// ([`super::checkpointing`]).
+    pub(crate) checkpoints: Option<super::checkpoints::CheckpointIndex>,
+    /// Decode commits that cross a multiple of this take a checkpoint (0: none).
+    pub(crate) checkpoint_interval: usize,
 }
 
 impl PoolCore {
@@ -195,6 +201,8 @@ impl PoolCore {
             pending_copies: None,
             saturated: vec![0; shape.num_layers],
             states: None,
+            checkpoints: None,
+            checkpoint_interval: 0,
         })
     }
 
@@ -370,6 +378,9 @@ impl PoolCore {
             // A batched copy still reads the block its caller will overwrite.
             self.flush_copies();
         }
+        if let Some(e) = &evicted {
+            self.drop_checkpoints_at(e.meta.hash);
+        }
         if let Some(e) = evicted.filter(|_| self.tiers.is_some()) {
             // The block leaves the pool: its payload goes to the tiers (read before the
             // caller overwrites it).
@@ -485,6 +496,9 @@ impl PoolCore {
             cache_limit: usize::MAX,
             edits: 0,
             state_slot: None,
+            prompt_len: 0,
+            checkpoints: SmallVec::new(),
+            branch: None,
         }
     }
 
@@ -551,6 +565,7 @@ impl PoolCore {
         for t in &s.tables {
             self.release_all(t.blocks.iter().copied());
         }
+        self.release_checkpoints(&s.checkpoints);
         if let (Some(a), Some(slot)) = (&mut self.states, s.state_slot) {
             a.release(slot);
         }
@@ -585,6 +600,8 @@ impl PoolCore {
         for b in s.all_blocks().collect::<Vec<_>>() {
             self.hold_block(b);
         }
+        let held = s.checkpoints.clone();
+        self.hold_checkpoints(&held);
         let new = self.insert(s);
         if let (Some(a), Some(src), Some(dst)) = (
             &mut self.states,
@@ -626,13 +643,9 @@ impl PoolCore {
                 ),
             });
         }
-        if self.states.is_some() && n != s.seq_len {
-            return Err(KvError::NotSupported(format!(
-                "copy_prefix(n={n}): sequence {src} has recurrent state, which is known only \
-                 after all its {} committed positions; copy all of them (n={})",
-                s.seq_len, s.seq_len
-            )));
-        }
+        // The state at n: src's own, or a checkpoint's (refused when n has none).
+        let restore = self.restore_for(src, n, "copy_prefix")?;
+        let (s, d) = (self.seq(src)?, self.seq(dst)?);
         let (src_slot, dst_slot) = (s.state_slot, d.state_slot);
         let bs = self.shape.block_size;
         let mut copy = s.clone();
@@ -647,6 +660,8 @@ impl PoolCore {
         copy.seq_len = n;
         copy.num_cached_tokens = 0;
         copy.tier_tokens.clear();
+        copy.checkpoints.retain(|&mut (p, _)| p <= n);
+        copy.branch = None;
         for t in &mut copy.tables {
             t.start = t.start.min(n);
             let start = t.start;
@@ -655,13 +670,17 @@ impl PoolCore {
         for b in copy.all_blocks().collect::<Vec<_>>() {
             self.hold_block(b);
         }
+        let held = copy.checkpoints.clone();
+        self.hold_checkpoints(&held);
         let old = std::mem::replace(self.seq_mut(dst), copy);
         for t in &old.tables {
             self.release_all(t.blocks.iter().copied());
         }
+        self.release_checkpoints(&old.checkpoints);
         if let (Some(a), Some(from), Some(to)) = (&mut self.states, src_slot, dst_slot) {
             a.copy(from, to);
         }
+        self.apply_restore(dst, restore);
         self.trim(dst);
         Ok(())
     }

@@ -72,6 +72,15 @@ pub struct SeqState {
     pub edits: u64,
     /// Its recurrent-state slot in a pool with state layers ([`super::states`]).
     pub state_slot: Option<u32>,
+    /// Token ids it started with (its prompt): commits up to there are prefill chunks,
+    /// each ending in a state checkpoint ([`super::checkpointing`]).
+    pub prompt_len: usize,
+    /// The state checkpoints it holds, by position (each holds one reference).
+    pub checkpoints: SmallVec<[(usize, super::checkpoints::CheckpointSlot); 2]>,
+    /// Where its prompt leaves the K/V the cache holds, past its state hit: a prefill
+    /// chunk should end there, so that a checkpoint lets the next request with this
+    /// prefix hit all of it.
+    pub branch: Option<usize>,
 }
 
 impl SeqState {

@@ -21,8 +21,8 @@ impl PoolCore {
         if begin >= end || begin >= held {
             return Ok(());
         }
-        self.check_state_kept(id, begin, "remove")?;
         if end < held {
+            self.check_state_kept(id, begin, "remove")?;
             let rope = self.rope_for(|| {
                 format!(
                     "removing positions [{begin}, {end}) from the middle of a sequence of {held}"
@@ -30,7 +30,9 @@ impl PoolCore {
             })?;
             return self.remove_span(id, begin, end, rope);
         }
+        let restore = self.restore_for(id, begin, "remove")?;
         self.cut_to(id, begin, true);
+        self.apply_restore(id, restore);
         Ok(())
     }
 

@@ -10,16 +10,17 @@ use crate::tensor::{TensorMut, TensorRef};
 impl PoolCore {
     /// Gives the pool `config.layers` state layers beside its K/V layers: one state slot
     /// per sequence (of `config.slots`), taken zeroed when a sequence starts, copied by
-    /// `fork`, freed with the sequence. Refused for a pool that caches prefixes: a hit
-    /// would attach K/V without the state of the hit's length.
+    /// `fork`, freed with the sequence. A pool that caches prefixes also keeps
+    /// `config.checkpoints` state checkpoints (at least one), so that a prefix hit
+    /// restores the state of exactly its length ([`super::checkpointing`]).
     pub fn with_states(mut self, config: StateConfig) -> Result<Self> {
-        if self.prefix().is_some() {
+        if self.prefix().is_some() && config.checkpoints == 0 {
             return Err(KvError::InvalidArgument {
-                name: "prefix_caching",
-                value: "True".into(),
-                reason: "a pool with state layers does not cache prefixes: a hit would restore \
-                         K/V but not the recurrent state after the hit's tokens; pass \
-                         prefix_caching=False"
+                name: "state_checkpoints",
+                value: "0".into(),
+                reason: "a pool with state layers that caches prefixes needs checkpoint slots: \
+                         a hit restores the recurrent state from a checkpoint at its length \
+                         (give state_checkpoints >= 1, or prefix_caching=False)"
                     .into(),
             });
         }
@@ -28,7 +29,31 @@ impl PoolCore {
                 "state layers are given before the pool's first sequence".into(),
             ));
         }
+        if self.prefix().is_some() {
+            self.checkpoints = Some(super::checkpoints::CheckpointIndex::new(
+                config.checkpoints,
+            )?);
+        }
         self.states = Some(StateArena::new(config, self.device())?);
+        Ok(self)
+    }
+
+    /// Takes a state checkpoint whenever a decode commit reaches a multiple of
+    /// `interval` positions (a multiple of the block size; 0: never), beside those of
+    /// prefill chunks ([`super::checkpointing`]).
+    pub fn with_checkpoint_interval(mut self, interval: usize) -> Result<Self> {
+        if !interval.is_multiple_of(self.shape.block_size) {
+            return Err(KvError::InvalidArgument {
+                name: "checkpoint_interval",
+                value: interval.to_string(),
+                reason: format!(
+                    "must be a multiple of block_size ({}): checkpoints sit at block boundaries \
+                     during decode",
+                    self.shape.block_size
+                ),
+            });
+        }
+        self.checkpoint_interval = interval;
         Ok(self)
     }
 
@@ -74,14 +99,16 @@ impl PoolCore {
     }
 
     /// Fails when sequence `id` has a recurrent state that an edit of its committed
-    /// positions from `n` on would leave out of step with its K/V.
+    /// positions from `n` on, other than a cut (a middle removal, a shift), would leave
+    /// out of step with its K/V.
     pub(crate) fn check_state_kept(&self, id: SeqId, n: usize, what: &str) -> Result<()> {
         let s = self.seq(id)?;
         if self.states.is_some() && n < s.seq_len {
             return Err(KvError::NotSupported(format!(
                 "{what}: sequence {id} has recurrent state, which holds all its {} committed \
-                 positions and cannot be rolled back to {n}; fork the sequence before tokens \
-                 you may reject (a fork copies the state)",
+                 positions in order and cannot drop or move positions from {n}: only a cut \
+                 of the tail (truncate, remove(begin) with end=None) to a position with a \
+                 state checkpoint",
                 s.seq_len
             )));
         }

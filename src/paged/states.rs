@@ -45,6 +45,9 @@ pub struct StateConfig {
     pub layers: usize,
     /// Sequences that can hold a state at once.
     pub slots: usize,
+    /// Checkpoint slots: copies of a sequence's state at a token position, kept for
+    /// prefix hits and rollbacks ([`super::checkpoints`]); 0 for none.
+    pub checkpoints: usize,
     /// The states every state layer keeps.
     pub specs: Vec<StateSpec>,
 }
@@ -58,9 +61,9 @@ impl StateConfig {
             .sum()
     }
 
-    /// Bytes of every slot.
+    /// Bytes of every slot, checkpoint slots included.
     pub fn total_bytes(&self) -> usize {
-        self.slot_bytes() * self.slots
+        self.slot_bytes() * (self.slots + self.checkpoints)
     }
 
     /// Checks sizes, names and dtypes; fails with the argument's name.
@@ -80,6 +83,13 @@ impl StateConfig {
             return Err(bad(
                 "state_slots",
                 self.slots.to_string(),
+                "must be below 2^32",
+            ));
+        }
+        if self.checkpoints > u32::MAX as usize {
+            return Err(bad(
+                "state_checkpoints",
+                self.checkpoints.to_string(),
                 "must be below 2^32",
             ));
         }
@@ -118,7 +128,7 @@ impl StateConfig {
                 .iter()
                 .try_fold(s.dtype.size(), |a, &d| a.checked_mul(d))
                 .and_then(|b| b.checked_mul(self.layers))
-                .and_then(|b| b.checked_mul(self.slots))
+                .and_then(|b| b.checked_mul(self.slots.checked_add(self.checkpoints)?))
                 .and_then(|b| acc.checked_add(b))
         });
         if total.is_none_or(|t| t > isize::MAX as usize) {
@@ -153,7 +163,10 @@ impl StateArena {
         let storages = config
             .specs
             .iter()
-            .map(|s| allocate(device, s.dtype, s.numel() * config.layers * config.slots, 1))
+            .map(|s| {
+                let slots = config.slots + config.checkpoints;
+                allocate(device, s.dtype, s.numel() * config.layers * slots, 1)
+            })
             .collect::<Result<Vec<_>>>()?;
         let free = (0..config.slots as u32).collect();
         Ok(StateArena {
@@ -190,6 +203,12 @@ impl StateArena {
     /// Takes the lowest free slot and zeroes it; `None` when every slot is held.
     pub fn take(&mut self) -> Option<u32> {
         let slot = self.free.pop_first()?;
+        self.zero(slot);
+        Some(slot)
+    }
+
+    /// Zeroes every state of `slot`: the state before any token.
+    pub fn zero(&mut self, slot: u32) {
         for s in 0..self.storages.len() {
             for layer in 0..self.config.layers {
                 let r = self.region(s, layer, slot, 1);
@@ -198,7 +217,70 @@ impl StateArena {
                     .expect("zeroing a state slot within its storage: the device failed");
             }
         }
-        Some(slot)
+    }
+
+    /// Copies every state of slot `slot` into checkpoint slot `ck` (`save`), or back
+    /// (`!save`): one copy within each state's storage per layer.
+    pub fn checkpoint_copy(&mut self, slot: u32, ck: u32, save: bool) {
+        for s in 0..self.storages.len() {
+            for layer in 0..self.config.layers {
+                let (live, kept) = (
+                    self.region(s, layer, slot, 1),
+                    self.checkpoint_region(s, layer, ck),
+                );
+                let (src, dst) = if save { (live, kept) } else { (kept, live) };
+                self.storages[s]
+                    .copy_within(src, dst)
+                    .expect("copying a state checkpoint within its storage: the device failed");
+            }
+        }
+    }
+
+    /// Every state of checkpoint slot `ck`, states in order, each layer by layer, as
+    /// stored (what tiers and files carry: [`StateConfig::slot_bytes`] bytes).
+    pub fn read_checkpoint(&self, ck: u32, out: &mut [u8]) -> Result<()> {
+        let mut at = 0;
+        for (s, spec) in self.config.specs.iter().enumerate() {
+            let bytes = spec.numel() * spec.dtype.size();
+            for layer in 0..self.config.layers {
+                let mut t = TensorMut::from_bytes_mut(
+                    &mut out[at..at + bytes],
+                    spec.dtype,
+                    &[spec.numel(), 1, 1],
+                )?;
+                self.storages[s].read(self.checkpoint_region(s, layer, ck), &mut t)?;
+                at += bytes;
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes checkpoint slot `ck` from bytes [`Self::read_checkpoint`] produced.
+    pub fn write_checkpoint(&mut self, ck: u32, bytes: &[u8]) -> Result<()> {
+        let mut at = 0;
+        for (s, spec) in self.config.specs.iter().enumerate() {
+            let n = spec.numel() * spec.dtype.size();
+            for layer in 0..self.config.layers {
+                let t =
+                    TensorRef::from_bytes(&bytes[at..at + n], spec.dtype, &[spec.numel(), 1, 1])?;
+                let r = self.checkpoint_region(s, layer, ck);
+                self.storages[s].write(r, &t)?;
+                at += n;
+            }
+        }
+        Ok(())
+    }
+
+    /// The flat region of state `s` of `layer` in checkpoint slot `ck`: after every
+    /// layer's live slots, `[layers, checkpoints, numel]`.
+    fn checkpoint_region(&self, s: usize, layer: usize, ck: u32) -> Region {
+        let c = &self.config;
+        let numel = c.specs[s].numel();
+        Region {
+            offset: (c.layers * c.slots + layer * c.checkpoints + ck as usize) * numel,
+            shape: [numel, 1, 1],
+            strides: [1, 1, 1],
+        }
     }
 
     /// Returns `slot` to the free slots.

@@ -71,17 +71,25 @@ pub struct StateStats {
     pub free_slots: usize,
     /// Bytes of one slot (every state of every state layer).
     pub slot_bytes: usize,
+    /// Checkpoint slots in all (0 without prefix caching).
+    pub checkpoints: usize,
+    /// Checkpoint slots in use: held by sequences, or cached.
+    pub checkpoints_used: usize,
+    /// Checkpoints cached (found by prefix hits).
+    pub checkpoints_cached: usize,
+    /// Checkpoints taken, skipped (every slot held), restored by hits, evicted.
+    pub counters: super::checkpoints::CheckpointCounters,
 }
 
 impl StateStats {
-    /// Bytes of every slot.
+    /// Bytes of every slot, checkpoint slots included (each as big as a state slot).
     pub fn bytes_total(&self) -> usize {
-        self.slots * self.slot_bytes
+        (self.slots + self.checkpoints) * self.slot_bytes
     }
 
-    /// Bytes of the slots sequences hold.
+    /// Bytes of the slots sequences hold and the checkpoint slots in use.
     pub fn bytes_used(&self) -> usize {
-        (self.slots - self.free_slots) * self.slot_bytes
+        (self.slots - self.free_slots + self.checkpoints_used) * self.slot_bytes
     }
 }
 
@@ -134,11 +142,16 @@ impl PoolCore {
                 }
             })
             .collect();
+        let ck = self.checkpoints.as_ref();
         let states = self.states.as_ref().map(|a| StateStats {
             layers: a.config().layers,
             slots: a.config().slots,
             free_slots: a.free_slots(),
             slot_bytes: a.config().slot_bytes(),
+            checkpoints: ck.map_or(0, |i| i.capacity()),
+            checkpoints_used: ck.map_or(0, |i| i.capacity() - i.num_free()),
+            checkpoints_cached: ck.map_or(0, |i| i.num_published()),
+            counters: ck.map(|i| i.counters).unwrap_or_default(),
         });
         let (state_total, state_used) = states
             .as_ref()
@@ -216,6 +229,20 @@ impl PoolCore {
                 return Err("a live sequence of a pool with state layers has no state slot".into());
             }
             a.check(&held)?;
+        }
+        if let Some(index) = &self.checkpoints {
+            index.check(&self.checkpoint_holders())?;
+            for (id, s) in &self.seqs {
+                for &(p, c) in &s.checkpoints {
+                    let at = index.entry(c).map(|e| e.position);
+                    if at != Some(p) || p > s.seq_len {
+                        return Err(format!(
+                            "sequence {id} of {} positions holds checkpoint slot {c} at {p}, which holds {at:?}",
+                            s.seq_len
+                        ));
+                    }
+                }
+            }
         }
         self.blocks.check(&refs)
     }

@@ -126,9 +126,9 @@ impl PyBlockPool {
     }
 
     #[new]
-    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, *, v_head_dim = None, block_size = 16, num_blocks = None, memory_bytes = None, dtype = None, device = None, layout = "NHD", prefix_caching = None, hash = "blake3", seed = None, partial_hits = true, events = false, rope = None, layer_types = None, sliding_window = None, chunk_size = None, swa_memory = 0, k_scale = None, v_scale = None, tiers = None, model_id = "", tier_queue = 1024, tier_write = "first", tier_key = None, tier_queue_bytes = None, state_layers = 0, state_shapes = None, state_slots = None, state_dtype = None))]
+    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, *, v_head_dim = None, block_size = 16, num_blocks = None, memory_bytes = None, dtype = None, device = None, layout = "NHD", prefix_caching = None, hash = "blake3", seed = None, partial_hits = true, events = false, rope = None, layer_types = None, sliding_window = None, chunk_size = None, swa_memory = 0, k_scale = None, v_scale = None, tiers = None, model_id = "", tier_queue = 1024, tier_write = "first", tier_key = None, tier_queue_bytes = None, state_layers = 0, state_shapes = None, state_slots = None, state_dtype = None, state_checkpoints = None, checkpoint_interval = None))]
     #[pyo3(
-        text_signature = "(num_layers, num_kv_heads, head_dim, *, v_head_dim=None, block_size=16, num_blocks=None, memory_bytes=None, dtype='float16', device='cpu', layout='NHD', prefix_caching=None, hash='blake3', seed=None, partial_hits=True, events=False, rope=None, layer_types=None, sliding_window=None, chunk_size=None, swa_memory=0, k_scale=None, v_scale=None, tiers=None, model_id='', tier_queue=1024, tier_write='first', tier_key=None, tier_queue_bytes='256MiB', state_layers=0, state_shapes=None, state_slots=None, state_dtype=None)"
+        text_signature = "(num_layers, num_kv_heads, head_dim, *, v_head_dim=None, block_size=16, num_blocks=None, memory_bytes=None, dtype='float16', device='cpu', layout='NHD', prefix_caching=None, hash='blake3', seed=None, partial_hits=True, events=False, rope=None, layer_types=None, sliding_window=None, chunk_size=None, swa_memory=0, k_scale=None, v_scale=None, tiers=None, model_id='', tier_queue=1024, tier_write='first', tier_key=None, tier_queue_bytes='256MiB', state_layers=0, state_shapes=None, state_slots=None, state_dtype=None, state_checkpoints=None, checkpoint_interval=None)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -164,11 +164,20 @@ impl PyBlockPool {
         state_shapes: Option<&Bound<'_, PyAny>>,
         state_slots: Option<i64>,
         state_dtype: Option<&Bound<'_, PyAny>>,
+        state_checkpoints: Option<i64>,
+        checkpoint_interval: Option<i64>,
     ) -> PyResult<Self> {
-        let states =
+        let prefix_caching = prefix_caching.unwrap_or(true);
+        let mut states =
             super::states::parse_config(state_layers, state_shapes, state_slots, state_dtype)?;
-        // Pools with state layers do not cache prefixes (see PoolCore::with_states).
-        let prefix_caching = prefix_caching.unwrap_or(states.is_none());
+        let block = check_size("block_size", block_size)?;
+        let interval = super::states::checkpoint_policy(
+            states.as_mut(),
+            prefix_caching,
+            state_checkpoints,
+            checkpoint_interval,
+            block,
+        )?;
         let tier_options = crate::paged::tiering::TierOptions {
             secret: tier_key.map(super::tiers::secret).transpose()?,
             queue: tier_queue,
@@ -230,7 +239,9 @@ impl PyBlockPool {
             pool = pool.with_tiers(tiers, model_id, &tier_options)?;
         }
         if let Some(config) = states {
-            pool = pool.with_states(config)?;
+            pool = pool
+                .with_states(config)?
+                .with_checkpoint_interval(interval)?;
         }
         Ok(PyBlockPool {
             core: Arc::new(SharedPool::new(pool)),

@@ -54,6 +54,14 @@ pub fn stats_dict<'py>(
         d.set_item("free_state_slots", st.free_slots)?;
         d.set_item("state_bytes", st.bytes_total())?;
         d.set_item("state_bytes_used", st.bytes_used())?;
+        // Checkpoints (prefix caching of hybrid models): slots, use, counters.
+        d.set_item("state_checkpoints", st.checkpoints)?;
+        d.set_item("state_checkpoints_used", st.checkpoints_used)?;
+        d.set_item("state_checkpoints_cached", st.checkpoints_cached)?;
+        d.set_item("checkpoints_taken", st.counters.taken)?;
+        d.set_item("checkpoints_skipped", st.counters.skipped)?;
+        d.set_item("checkpoint_hits", st.counters.hits)?;
+        d.set_item("checkpoint_evictions", st.counters.evictions)?;
     }
     if let Some(t) = tiers {
         super::tiers::tier_stats(py, t, &d)?;

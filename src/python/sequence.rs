@@ -533,6 +533,35 @@ impl PySequence {
         }
     }
 
+    /// Takes a checkpoint of this sequence's recurrent state at its committed length
+    /// (pools with state layers that cache prefixes): the state the model wrote for its
+    /// seq_len tokens. Returns whether it holds one there (False when its token ids
+    /// there are unknown, or every checkpoint slot is held). Commits take them by
+    /// themselves at prefill chunk ends, branch points and every checkpoint_interval
+    /// tokens; a rollback (truncate) can return to any position with one.
+    fn checkpoint(&self, py: Python<'_>) -> PyResult<bool> {
+        let id = self.id;
+        Ok(self.core.write(py, |c| c.checkpoint(id))?)
+    }
+
+    /// Positions of the state checkpoints this sequence holds (ascending).
+    #[getter]
+    fn checkpoints(&self, py: Python<'_>) -> PyResult<Vec<usize>> {
+        self.with(py, |s, _| {
+            let mut at: Vec<usize> = s.checkpoints.iter().map(|&(p, _)| p).collect();
+            at.sort_unstable();
+            at
+        })
+    }
+
+    /// Where a prefill chunk should end for the state there to be checkpointed: the
+    /// position where this sequence's prompt leaves the K/V the cache held when it
+    /// started (past its state hit), until a commit reaches it; else None.
+    #[getter]
+    fn checkpoint_due(&self, py: Python<'_>) -> PyResult<Option<usize>> {
+        self.with(py, |s, _| s.branch.filter(|&b| b > s.seq_len))
+    }
+
     /// Its recurrent-state slot in a pool with state layers (its row of
     /// `pool.state_cache(layer)`), else None.
     #[getter]

@@ -215,8 +215,62 @@ pub fn parse_config(
     let config = StateConfig {
         layers: check_size("state_layers", state_layers)?,
         slots: check_size("state_slots", slots)?,
+        checkpoints: 0,
         specs,
     };
     config.validate()?;
     Ok(Some(config))
+}
+
+/// Default checkpoint slots per state slot of a pool with state layers that caches
+/// prefixes.
+pub const CHECKPOINTS_PER_SLOT: usize = 2;
+
+/// Default decode checkpoint interval in tokens (rounded up to whole blocks).
+pub const CHECKPOINT_TOKENS: usize = 256;
+
+/// Sets `config`'s checkpoint slots from `state_checkpoints` (default: none without
+/// prefix caching, else [`CHECKPOINTS_PER_SLOT`] per state slot) and returns the decode
+/// checkpoint interval (default [`CHECKPOINT_TOKENS`] rounded up to a multiple of
+/// `block_size`; 0 without checkpoints).
+pub fn checkpoint_policy(
+    config: Option<&mut StateConfig>,
+    prefix_caching: bool,
+    state_checkpoints: Option<i64>,
+    checkpoint_interval: Option<i64>,
+    block_size: usize,
+) -> PyResult<usize> {
+    let Some(config) = config else {
+        if state_checkpoints.is_some() || checkpoint_interval.is_some() {
+            return Err(KvError::InvalidArgument {
+                name: "state_checkpoints",
+                value: "given".into(),
+                reason: "state_checkpoints and checkpoint_interval need state_layers >= 1".into(),
+            }
+            .into());
+        }
+        return Ok(0);
+    };
+    if !prefix_caching && state_checkpoints.is_some_and(|c| c > 0) {
+        return Err(KvError::InvalidArgument {
+            name: "state_checkpoints",
+            value: state_checkpoints.unwrap_or(0).to_string(),
+            reason: "checkpoints are keyed by the prefix cache's hash chains: pass \
+                     prefix_caching=True (or leave state_checkpoints out)"
+                .into(),
+        }
+        .into());
+    }
+    config.checkpoints = match state_checkpoints {
+        Some(c) => crate::error::check_count("state_checkpoints", c)?,
+        None if prefix_caching => config.slots.saturating_mul(CHECKPOINTS_PER_SLOT),
+        None => 0,
+    };
+    if config.checkpoints == 0 {
+        return Ok(0);
+    }
+    Ok(match checkpoint_interval {
+        Some(n) => crate::error::check_count("checkpoint_interval", n)?,
+        None => CHECKPOINT_TOKENS.div_ceil(block_size) * block_size,
+    })
 }
