@@ -225,9 +225,7 @@ class KVCache(Generic[_View_co]):
         """Adds n to the device counter, on the device."""
     def sync_counter_from_gpu(self) -> int:
         """Reads the device counter back into seq_len and every layer's length; returns it."""
-    def get(
-        self, layer: int, *, dequantize: bool = False, copy: bool = False
-    ) -> tuple[_View_co, _View_co]:
+    def get(self, layer: int, *, dequantize: bool = False, copy: bool = False) -> tuple[_View_co, _View_co]:
         """Zero-copy read-only views (K, V) [num_kv_heads, length, head_dim] (8-bit: codes).
 
         The views are the cache's memory: torch ignores their read-only flag, so a tensor
@@ -249,7 +247,9 @@ class KVCache(Generic[_View_co]):
         """Causal attention of the layer's last n positions (q [n, num_q_heads, head_dim]), read in place."""
     def keys_for(self, layer: int, head: int, seq_len: int | None = None, *, copy: bool = False) -> _View_co:
         """Zero-copy read-only view [seq_len, head_dim] of one head's keys (a copy with copy=True)."""
-    def values_for(self, layer: int, head: int, seq_len: int | None = None, *, copy: bool = False) -> _View_co:
+    def values_for(
+        self, layer: int, head: int, seq_len: int | None = None, *, copy: bool = False
+    ) -> _View_co:
         """Zero-copy read-only view [seq_len, head_dim] of one head's values (a copy with copy=True)."""
     def truncate(self, n: int) -> None:
         """Drops positions >= n from every layer; a no-op when n >= seq_len."""
@@ -901,9 +901,7 @@ class EncoderCache(Generic[_View_co]):
         """Whether `layer` holds its K/V."""
     def set(self, layer: int, k: _ArrayLike, v: _ArrayLike) -> None:
         """Writes `layer`'s K and V ([n, num_kv_heads, head_dim], the same n for every layer)."""
-    def get(
-        self, layer: int, *, dequantize: bool = False, copy: bool = False
-    ) -> tuple[_View_co, _View_co]:
+    def get(self, layer: int, *, dequantize: bool = False, copy: bool = False) -> tuple[_View_co, _View_co]:
         """Zero-copy read-only views (K, V) [num_kv_heads, length, head_dim] of a set layer (copies with copy=True)."""
     def scales(self, layer: int) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
         """(K, V) scales of get(layer)'s codes: int8 [num_kv_heads, length] views ([..., chunks] when

@@ -57,8 +57,10 @@ def test_slots_are_counted_and_a_full_pool_refuses_with_the_cache_unchanged():
         a.fork()
     assert pool.stats() == before
     slot_bytes = 2 * (6 * 4 + 2 * 3 * 5) * 4
-    assert before["state_bytes"] == 2 * slot_bytes == before["state_bytes_used"]
-    assert before["bytes_total"] == pool.num_blocks * pool.bytes_per_block + 2 * slot_bytes
+    # Two state slots and, with prefix caching, two checkpoint slots per state slot.
+    assert before["state_bytes"] == 6 * slot_bytes and before["state_checkpoints"] == 4
+    assert before["state_bytes_used"] == 2 * slot_bytes
+    assert before["bytes_total"] == pool.num_blocks * pool.bytes_per_block + 6 * slot_bytes
     assert (pool.state_slots, pool.free_state_slots, pool.state_layers) == (2, 0, 2)
     assert a.memory_bytes() == slot_bytes  # no blocks yet: its state slot
     assert pool.state_shapes == {"conv": ([6, 4], "float32"), "recurrent": ([2, 3, 5], "float32")}
@@ -67,7 +69,7 @@ def test_slots_are_counted_and_a_full_pool_refuses_with_the_cache_unchanged():
 def test_memory_bytes_pays_for_the_states_first():
     plain = kvrs.BlockPool(2, 1, 4, block_size=4, memory_bytes=4096, dtype="float32")
     hybrid = state_pool(slots=2, num_blocks=None, memory_bytes=4096)
-    states = 2 * 2 * (6 * 4 + 2 * 3 * 5) * 4
+    states = (2 + 4) * 2 * (6 * 4 + 2 * 3 * 5) * 4  # state and checkpoint slots
     assert hybrid.num_blocks == (4096 - states) // plain.bytes_per_block < plain.num_blocks
     with pytest.raises(ValueError, match=r"after the \d+ bytes of the state slots"):
         state_pool(slots=2, num_blocks=None, memory_bytes=states)
@@ -84,8 +86,10 @@ def test_states_take_their_dtypes_and_export_to_torch_without_a_copy():
     assert pool.state_shapes["recurrent"][1] == "float32"
 
 
-def test_rollbacks_and_prefix_caching_are_refused():
-    pool = state_pool()
+def test_rollbacks_need_a_checkpoint():
+    # Without prefix caching there are no checkpoints: only a rollback to 0 (zeros) is known.
+    pool = state_pool(prefix_caching=False)
+    assert pool.stats()["state_checkpoints"] == 0
     seq = pool.new_sequence()
     kv = np.ones((3, 1, 4), np.float32)
     for layer in range(2):
@@ -97,14 +101,15 @@ def test_rollbacks_and_prefix_caching_are_refused():
     assert seq.seq_len == 3
     seq.truncate(3)  # a no-op
     other = pool.new_sequence()
-    with pytest.raises(kvrs.NotSupportedError, match="copy all of them"):
+    with pytest.raises(kvrs.NotSupportedError, match="state checkpoint"):
         pool.copy_prefix(seq, other, 2)
     seq.state(0)["conv"][...] = 2
     pool.copy_prefix(seq, other, 3)
     np.testing.assert_array_equal(other.state(0)["conv"], seq.state(0)["conv"])
-    assert not pool.prefix_caching
-    with pytest.raises(ValueError, match="prefix_caching=True: a pool with state layers"):
-        state_pool(prefix_caching=True)
+    seq.truncate(0)
+    assert seq.seq_len == 0 and not seq.state(0)["conv"].any()
+    with pytest.raises(ValueError, match="state_checkpoints"):
+        state_pool(prefix_caching=False, state_checkpoints=4)
 
 
 @pytest.mark.parametrize(
@@ -239,46 +244,7 @@ TestStateSlots.settings = settings(max_examples=40, stateful_step_count=25, dead
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-
-def qwen3_next():
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3NextConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
-        shared_expert_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4,
-        num_experts_per_tok=2, max_position_embeddings=128,
-    )  # fmt: skip
-    return cfg, Qwen3NextForCausalLM(cfg).eval()
-
-
-def bamba():
-    from transformers import BambaConfig, BambaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = BambaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1, 3], mamba_n_heads=8,
-        mamba_d_head="auto", mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
-        mamba_chunk_size=16, max_position_embeddings=128,
-    )  # fmt: skip
-    return cfg, BambaForCausalLM(cfg).eval()
-
-
-def granite_hybrid():
-    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
-
-    torch.manual_seed(0)
-    cfg = GraniteMoeHybridConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, layer_types=["mamba", "attention"] * 2,
-        mamba_n_heads=8, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
-        mamba_chunk_size=16, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=32,
-        max_position_embeddings=128,
-    )  # fmt: skip
-    return cfg, GraniteMoeHybridForCausalLM(cfg).eval()
+from hybrid_models import bamba, granite_hybrid, qwen3_next  # noqa: E402  (after the skips)
 
 
 @pytest.fixture(

@@ -57,6 +57,39 @@ def _blocks(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    """Tokens two prompts share at their beginning."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _branch_points(prompts: list[list[int]]) -> list[list[int]]:
+    """For each prompt, the lengths of the prefixes it shares with the others (where it
+    branches off them), ascending: a hybrid model's prefill chunks end there, so that
+    the state there is checkpointed and every later request sharing it hits it whole.
+
+    The prefixes a prompt shares with the others are the running minima of the common
+    beginnings of neighbours in sorted order, walking away from it on either side."""
+    order = sorted(range(len(prompts)), key=lambda i: prompts[i])
+    adj = [_common(prompts[a], prompts[b]) for a, b in zip(order, order[1:])]
+    points: list[list[int]] = [[] for _ in prompts]
+    for rank, i in enumerate(order):
+        found = set()
+        for side in (reversed(adj[:rank]), adj[rank:]):
+            low = None
+            for c in side:
+                low = c if low is None else min(low, c)
+                if low == 0:
+                    break
+                found.add(low)
+        points[i] = sorted(p for p in found if 0 < p < len(prompts[i]))
+    return points
+
+
 def _per_request(value: int | Sequence[int], n: int, name: str) -> list[int]:
     values = [value] * n if isinstance(value, int) else [int(v) for v in value]
     if len(values) != n:
@@ -208,6 +241,11 @@ def _run(
     bs = pool.block_size
     waiting = sorted((r for r in states if r.max_new_tokens > 0), key=lambda r: r.arrival)
     running: list[tuple[RequestState, kvrs.Sequence]] = []
+    # A hybrid model's pool restores a recurrent state only at a checkpoint: prefill
+    # chunks end where prompts branch off each other (and where the pool asks), so the
+    # state there is checkpointed once and hit by every later request sharing it.
+    hybrid = bool(pool.state_layers) and pool.stats().get("state_checkpoints", 0) > 0
+    branches = _branch_points([r.prompt for r in states]) if hybrid else [[] for _ in states]
 
     def growth(rs: list[tuple[RequestState, kvrs.Sequence]]) -> int:
         return sum(_blocks(len(r.prompt) + r.max_new_tokens, bs) - s.num_blocks for r, s in rs)
@@ -223,6 +261,13 @@ def _run(
                 head = tuple(r.prompt[:bs])
                 if head in computing and pool.match_prefix(r.prompt) < bs:
                     break  # next step it attaches the block the other request computes now
+                if hybrid:
+                    # Another request still prefilling a prefix it shares checkpoints the
+                    # state there: it waits to hit all of it instead of computing it again.
+                    hit = pool.match_prefix(r.prompt)
+                    busy = (q.prompt for q, s in running if s.seq_len < len(q.prompt))
+                    if any(_common(r.prompt, q) > hit for q in busy):
+                        break
                 try:
                     seq = pool.new_sequence(tokens=r.prompt)
                 except kvrs.CacheFullError:
@@ -248,18 +293,29 @@ def _run(
                 )
             seqs: list[kvrs.Sequence] = []
             ids: list[int] = []
+            prefilling: list[bool] = []
             for r, seq in running:
-                todo = (r.prompt + r.generated)[seq.seq_len :]
+                done = seq.seq_len
+                todo = (r.prompt + r.generated)[done:]
+                if hybrid:
+                    due = seq.checkpoint_due
+                    ends = [p for p in branches[r.index] if p > done] + ([due] if due else [])
+                    if ends:
+                        todo = todo[: min(ends) - done]
                 seqs += [seq] * len(todo)
                 ids += todo
+                # A chunk that stops short of the prompt's end samples nothing.
+                prefilling.append(done + len(todo) < len(r.prompt))
             with torch.no_grad(), pool.start_forward(seqs, tokens=ids) as batch:
                 logits = forward_batch(model, batch, logits_to_keep="last")
+            sampled = [(r, s) for (r, s), p in zip(running, prefilling, strict=True) if not p]
+            rows = [i for i, p in enumerate(prefilling) if not p]
             if sampling:
-                gens = [r.generator for r, _ in running]
-                chosen = _sample(logits, temperature, top_k, top_p, gens)
+                gens = [r.generator for r, _ in sampled]
+                chosen = _sample(logits[rows], temperature, top_k, top_p, gens)
             else:
-                chosen = logits.argmax(-1).tolist()
-            for (r, _), token in zip(running, chosen, strict=True):
+                chosen = logits[rows].argmax(-1).tolist()
+            for (r, _), token in zip(sampled, chosen, strict=True):
                 r.generated.append(int(token))
                 r.stopped = int(token) in stops
             for r, seq in [(r, s) for r, s in running if r.done]:
