@@ -902,7 +902,8 @@ class EncoderCache(Generic[_View_co]):
     def set(self, layer: int, k: _ArrayLike, v: _ArrayLike) -> None:
         """Writes `layer`'s K and V ([n, num_kv_heads, head_dim], the same n for every layer)."""
     def get(self, layer: int, *, dequantize: bool = False, copy: bool = False) -> tuple[_View_co, _View_co]:
-        """Zero-copy read-only views (K, V) [num_kv_heads, length, head_dim] of a set layer (copies with copy=True)."""
+        """Zero-copy read-only views (K, V) [num_kv_heads, length, head_dim] of a set layer
+        (copies with copy=True)."""
     def scales(self, layer: int) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
         """(K, V) scales of get(layer)'s codes: int8 [num_kv_heads, length] views ([..., chunks] when
         v_head_dim != head_dim: a scale per gcd(head_dim, v_head_dim) elements), else [num_kv_heads, 1]."""

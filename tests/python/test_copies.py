@@ -62,7 +62,7 @@ def reads(copy):
 
 @pytest.mark.parametrize("i", range(5))
 def test_copies_equal_the_views_and_are_apart_from_the_cache(i):
-    copies, keep = reads(copy=True)
+    copies, _keep = reads(copy=True)
     name, arrays, again = copies[i]
     before = [a.copy() for a in again()]
     for a, b in zip(arrays, before, strict=True):
@@ -76,7 +76,7 @@ def test_copies_equal_the_views_and_are_apart_from_the_cache(i):
 @pytest.mark.parametrize("i", range(5))
 def test_views_are_the_cache_itself_even_through_torch(i):
     torch = pytest.importorskip("torch")
-    views, keep = reads(copy=False)
+    views, _keep = reads(copy=False)
     name, arrays, again = views[i]
     for a in arrays:
         assert not a.flags.writeable, name
@@ -86,7 +86,7 @@ def test_views_are_the_cache_itself_even_through_torch(i):
     before = again()[0].copy()
     torch.from_dlpack(arrays[0]).add_(1000)
     np.testing.assert_array_equal(again()[0], before + 1000, err_msg=f"{name}: the tensor is the cache")
-    copies, keep2 = reads(copy=True)
+    copies, _keep2 = reads(copy=True)
     name, arrays, again = copies[i]
     before = again()[0].copy()
     torch.from_dlpack(arrays[0]).add_(1000)

@@ -13,6 +13,7 @@ A finished request frees its sequence; its blocks stay cached for the requests a
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,7 +61,7 @@ def _blocks(tokens: int, block_size: int) -> int:
 def _common(a: Sequence[int], b: Sequence[int]) -> int:
     """Tokens two prompts share at their beginning."""
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1
@@ -75,7 +76,7 @@ def _branch_points(prompts: list[list[int]]) -> list[list[int]]:
     The prefixes a prompt shares with the others are the running minima of the common
     beginnings of neighbours in sorted order, walking away from it on either side."""
     order = sorted(range(len(prompts)), key=lambda i: prompts[i])
-    adj = [_common(prompts[a], prompts[b]) for a, b in zip(order, order[1:])]
+    adj = [_common(prompts[a], prompts[b]) for a, b in itertools.pairwise(order)]
     points: list[list[int]] = [[] for _ in prompts]
     for rank, i in enumerate(order):
         found = set()

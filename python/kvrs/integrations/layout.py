@@ -172,8 +172,9 @@ def block_pool_from_config(
     (and their kinds), KV heads and head sizes (an MLA model's latent: see
     :func:`cache_heads`), and for a hybrid model its linear layers as state layers
     (:func:`layer_plan`) with `state_slots` slots (default 8: sequences that can run at
-    once) and, with prefix caching (the default), ``state_checkpoints`` checkpoint slots
-    (default two per state slot) so that prefix hits restore the recurrent state. `dtype` 'auto' (or None) is the model's: its parameters'
+    once) and, with prefix caching (the default), ``state_checkpoints`` checkpoint
+    slots (default two per state slot) so that prefix hits restore the recurrent
+    state. `dtype` 'auto' (or None) is the model's: its parameters'
     dtype for a model, the config's `dtype` for a config (float32 when it records none);
     else a kvrs name or a torch dtype. `device` None is the model's (the host for a
     config). Give `num_blocks` or `memory_bytes` (the states' bytes come out of it);
