@@ -30,12 +30,18 @@ demo: .stamp-install ## run the main job: python -m kvrs demo (chat serving on a
 
 test: test-rust test-python test-wheel stubtest check-ptx ## build and run every test (Rust, Python, the wheel, stub and typing checks, PTX check)
 
-test-rust: ## cargo test (the core without Python, doc examples, the README's Rust), the examples, the CUDA backend on the simulated device (the kernel tests again with threads resumed in reverse order)
-	cargo test --release --quiet --features cuda
-	cargo run --release --quiet --features cuda --example decode_loop
-	cargo run --release --quiet --features cuda --example paged_batch
-	cargo test --release --quiet --features cuda-sim --test cuda_sim --test cuda_sim_fibers --test cuda_sim_quantized --test cuda_sim_attention --test cuda_sim_copies --test cuda_sim_swaps --test kv_cache_model --test paged_model --test soundness --test state_model
-	KVRS_SIM_ORDER=reverse cargo test --release --quiet --features cuda-sim --test cuda_sim --test cuda_sim_fibers --test cuda_sim_quantized --test cuda_sim_attention
+# The Rust crate's default build (no feature: no Redis client, no TLS, no C compiler) is
+# checked on its own, warnings denied; the tests run with every optional stack, and the
+# simulated device's build has the Redis tier without TLS (its `rediss://` refusal).
+RUST_FULL := cuda,redis-tls
+
+test-rust: ## cargo test (the core without Python, doc examples, the README's Rust), the examples, the CUDA backend on the simulated device (the kernel tests again with threads resumed in reverse order), the default build (no features) checked
+	cargo rustc --quiet --lib --profile check -- -D warnings
+	cargo test --release --quiet --features $(RUST_FULL)
+	cargo run --release --quiet --features $(RUST_FULL) --example decode_loop
+	cargo run --release --quiet --features $(RUST_FULL) --example paged_batch
+	cargo test --release --quiet --features cuda-sim,redis --test cuda_sim --test cuda_sim_fibers --test cuda_sim_quantized --test cuda_sim_attention --test cuda_sim_copies --test cuda_sim_swaps --test kv_cache_model --test paged_model --test soundness --test state_model
+	KVRS_SIM_ORDER=reverse cargo test --release --quiet --features cuda-sim,redis --test cuda_sim --test cuda_sim_fibers --test cuda_sim_quantized --test cuda_sim_attention
 
 test-python: .stamp-install redis ## pytest (hypothesis state machines, errors, interop; a real Redis server for the tier tests)
 	$(PY) -m pytest
@@ -64,7 +70,7 @@ ptx: $(VENV)/bin/activate ## regenerate kernels/kvrs.ptx with the pinned nvcc fr
 
 lint: .stamp-install ## cargo fmt --check, clippy -D warnings, ruff, mypy on the package
 	cargo fmt --all -- --check
-	cargo clippy --all-targets --features python,cuda -- -D warnings
+	cargo clippy --all-targets --features python,cuda,redis-tls -- -D warnings
 	$(VENV)/bin/ruff check python tests benches
 	$(VENV)/bin/ruff format --check python tests benches
 	$(PY) -m mypy python/kvrs

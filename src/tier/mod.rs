@@ -4,7 +4,8 @@
 //! - [`payload`]: the block's binary payload (MACed under keys derived from the pools' shared secret) and its key;
 //! - [`host`]: [`HostTier`], this process's memory (LRU), the tier below a CUDA pool;
 //! - [`disk`]: [`DiskTier`], a size-bounded directory (LRU by last use);
-//! - [`redis`]: [`RedisTier`], a Redis (or Valkey) server shared by many processes;
+//! - `redis`: `RedisTier`, a Redis (or Valkey) server shared by many processes (cargo
+//!   feature `redis`; `rediss://` needs `redis-tls`);
 //! - [`writer`]: the background thread that writes evicted blocks, off the caller's path;
 //! - [`fetcher`]: the background thread that fetches a prefix ahead of its lookup.
 //!
@@ -16,13 +17,15 @@ pub mod disk;
 pub mod fetcher;
 pub mod host;
 pub mod payload;
+#[cfg(feature = "redis")]
 pub mod redis;
 pub mod writer;
 
 pub use disk::DiskTier;
 pub use host::HostTier;
 pub use payload::Fingerprint;
-pub use redis::RedisTier;
+#[cfg(feature = "redis")]
+pub use redis::{RedisTier, TlsOptions};
 
 use std::fmt;
 use std::ops::RangeInclusive;
