@@ -4,10 +4,9 @@
 //! forked block of a step in one launch.
 #![cfg(feature = "cuda-sim")]
 
-use kvrs::paged::{Attention, KvLayout, LayerKind, PagedShape, PoolCore, SeqId};
-use kvrs::storage::cuda::sim_launches;
-use kvrs::tensor::{TensorMut, TensorRef};
-use kvrs::{DType, Device};
+use kvrs::unstable::cuda::sim_launches;
+use kvrs::unstable::{PoolCore, TensorMut, TensorRef};
+use kvrs::{Attention, DType, Device, KvLayout, LayerKind, PagedShape, SeqId};
 use proptest::prelude::*;
 
 const CUDA: Device = Device::Cuda(0);

@@ -81,11 +81,6 @@ impl BlockLedger {
         std::mem::replace(&mut self.stale[b as usize], false)
     }
 
-    /// Total blocks.
-    pub fn num_blocks(&self) -> usize {
-        self.alloc.num_blocks()
-    }
-
     /// Blocks in the free list (not counting evictable cached ones).
     pub fn num_free(&self) -> usize {
         self.alloc.num_free()

@@ -15,7 +15,8 @@ use super::quant::{head_scales, read_dtype};
 use super::shared_pool::{i32_array, SharedPool};
 use crate::dtype::DType;
 use crate::kv_cache::Kv;
-use crate::paged::{KvLayout, PoolCore, SeqId, NO_BLOCK};
+use crate::layout::KvLayout;
+use crate::paged::{PoolCore, SeqId, NO_BLOCK};
 
 /// One sequence's view of a pool: its block table and lengths.
 #[pyclass(frozen, name = "Sequence", module = "kvrs")]
