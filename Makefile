@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 SOURCES := Cargo.toml Cargo.lock pyproject.toml $(shell find src python -type f \( -name '*.rs' -o -name '*.py' -o -name '*.pyi' \) 2>/dev/null)
 
 .DEFAULT_GOAL := help
-.PHONY: help redis demo test test-rust test-python test-wheel stubtest check-ptx ptx lint miri fmt bench bench-rust install wheel clean
+.PHONY: help redis demo test test-rust test-python test-wheel stubtest check-ptx ptx lint miri fmt bench bench-peers bench-rust install wheel clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "} {printf "  make %-12s %s\n", $$1, $$2}'
@@ -30,7 +30,7 @@ demo: .stamp-install ## run the main job: python -m kvrs demo (chat serving on a
 
 test: test-rust test-python test-wheel stubtest check-ptx ## build and run every test (Rust, Python, the wheel, stub and typing checks, PTX check)
 
-# The Rust crate's default build (no feature: no Redis client, no TLS, no C compiler) is
+# The Rust crate's default build (no feature: no Redis client, no TLS stack) is
 # checked on its own, warnings denied; the tests run with every optional stack, and the
 # simulated device's build has the Redis tier without TLS (its `rediss://` refusal).
 RUST_FULL := cuda,redis-tls
@@ -100,6 +100,11 @@ bench: .stamp-install redis ## kvrs against its peers: benches/compare.py (table
 	$(PY) benches/bench_attention.py
 	$(PY) benches/bench_quantized.py
 	$(PY) benches/bench_tiers.py
+
+bench-peers: .stamp-install ## kvrs against the real vLLM KVCacheManager and SGLang RadixCache (downloads their wheels into benches/.peers/: benches/peers.py)
+	$(PIP) install --quiet -r benches/requirements.txt
+	$(PY) benches/peers.py
+	$(PY) benches/bench_peers.py
 
 bench-rust: ## criterion benchmarks of the core
 	cargo bench

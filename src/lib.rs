@@ -44,8 +44,8 @@
 //! # Cargo features
 //!
 //! None is on by default: the default build is the core alone (caches, pools, prefix
-//! caching, attention, the host and disk tiers), with no C compiler and no network
-//! client.
+//! caching, attention, the host and disk tiers): about half the dependencies of the
+//! full build, and no network client or TLS stack.
 //!
 //! - `redis`: `tier::RedisTier`, the Redis (or Valkey) tier shared by many
 //!   processes, on single servers and Redis Cluster (the `redis` crate; pure Rust);
