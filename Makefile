@@ -40,7 +40,7 @@ test-rust: ## cargo test (the core without Python, doc examples, the README's Ru
 	cargo test --release --quiet --features $(RUST_FULL)
 	cargo run --release --quiet --features $(RUST_FULL) --example decode_loop
 	cargo run --release --quiet --features $(RUST_FULL) --example paged_batch
-	cargo test --release --quiet --features cuda-sim,redis --test cuda_sim --test cuda_sim_fibers --test cuda_sim_quantized --test cuda_sim_attention --test cuda_sim_copies --test cuda_sim_swaps --test kv_cache_model --test paged_model --test soundness --test state_model
+	cargo test --release --quiet --features cuda-sim,redis --test cuda_sim --test cuda_sim_fibers --test cuda_sim_quantized --test cuda_sim_attention --test cuda_sim_copies --test cuda_sim_swaps --test kv_cache_model --test paged_model --test soundness --test state_model --test redis_features
 	KVRS_SIM_ORDER=reverse cargo test --release --quiet --features cuda-sim,redis --test cuda_sim --test cuda_sim_fibers --test cuda_sim_quantized --test cuda_sim_attention
 
 test-python: .stamp-install redis ## pytest (hypothesis state machines, errors, interop; a real Redis server for the tier tests)
