@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 SOURCES := Cargo.toml Cargo.lock pyproject.toml $(shell find src python -type f \( -name '*.rs' -o -name '*.py' -o -name '*.pyi' \) 2>/dev/null)
 
 .DEFAULT_GOAL := help
-.PHONY: help redis demo docs test test-rust test-python test-wheel stubtest check-ptx ptx lint miri fmt bench bench-rust install wheel clean
+.PHONY: help redis demo docs test test-rust test-python test-wheel stubtest check-ptx ptx lint miri fmt bench bench-peers bench-rust install wheel clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "} {printf "  make %-12s %s\n", $$1, $$2}'
@@ -30,12 +30,18 @@ demo: .stamp-install ## run the main job: python -m kvrs demo (chat serving on a
 
 test: test-rust test-python test-wheel stubtest check-ptx docs ## build and run every test (Rust, Python, the wheel, stub and typing checks, PTX check, the manual's strict build)
 
-test-rust: ## cargo test (the core without Python, doc examples, the Rust programs of the README and docs/), the examples, the CUDA backend on the simulated device (the kernel tests again with threads resumed in reverse order)
-	cargo test --release --quiet --features cuda
-	cargo run --release --quiet --features cuda --example decode_loop
-	cargo run --release --quiet --features cuda --example paged_batch
-	cargo test --release --quiet --features cuda-sim --test cuda_sim --test cuda_sim_fibers --test cuda_sim_quantized --test cuda_sim_attention --test cuda_sim_copies --test cuda_sim_swaps --test kv_cache_model --test paged_model --test soundness --test state_model
-	KVRS_SIM_ORDER=reverse cargo test --release --quiet --features cuda-sim --test cuda_sim --test cuda_sim_fibers --test cuda_sim_quantized --test cuda_sim_attention
+# The Rust crate's default build (no feature: no Redis client, no TLS stack) is
+# checked on its own, warnings denied; the tests run with every optional stack, and the
+# simulated device's build has the Redis tier without TLS (its `rediss://` refusal).
+RUST_FULL := cuda,redis-tls
+
+test-rust: ## cargo test (the core without Python, doc examples, the Rust programs of the README and docs/), the examples, the CUDA backend on the simulated device (the kernel tests again with threads resumed in reverse order), the default build (no features) checked
+	cargo rustc --quiet --lib --profile check -- -D warnings
+	cargo test --release --quiet --features $(RUST_FULL)
+	cargo run --release --quiet --features $(RUST_FULL) --example decode_loop
+	cargo run --release --quiet --features $(RUST_FULL) --example paged_batch
+	cargo test --release --quiet --features cuda-sim,redis --test cuda_sim --test cuda_sim_fibers --test cuda_sim_quantized --test cuda_sim_attention --test cuda_sim_copies --test cuda_sim_swaps --test kv_cache_model --test paged_model --test soundness --test state_model --test redis_features
+	KVRS_SIM_ORDER=reverse cargo test --release --quiet --features cuda-sim,redis --test cuda_sim --test cuda_sim_fibers --test cuda_sim_quantized --test cuda_sim_attention
 
 test-python: .stamp-install redis ## pytest (hypothesis state machines, errors, interop, every Python example of the README and docs/; a real Redis server for the tier tests)
 	$(PY) -m pytest
@@ -67,7 +73,7 @@ ptx: $(VENV)/bin/activate ## regenerate kernels/kvrs.ptx with the pinned nvcc fr
 
 lint: .stamp-install ## cargo fmt --check, clippy -D warnings, ruff, mypy on the package
 	cargo fmt --all -- --check
-	cargo clippy --all-targets --features python,cuda -- -D warnings
+	cargo clippy --all-targets --features python,cuda,redis-tls -- -D warnings
 	$(VENV)/bin/ruff check python tests benches
 	$(VENV)/bin/ruff format --check python tests benches
 	$(PY) -m mypy python/kvrs
@@ -97,6 +103,11 @@ bench: .stamp-install redis ## kvrs against its peers: benches/compare.py (table
 	$(PY) benches/bench_attention.py
 	$(PY) benches/bench_quantized.py
 	$(PY) benches/bench_tiers.py
+
+bench-peers: .stamp-install ## kvrs against the real vLLM KVCacheManager and SGLang RadixCache (downloads their wheels into benches/.peers/: benches/peers.py)
+	$(PIP) install --quiet -r benches/requirements.txt
+	$(PY) benches/peers.py
+	$(PY) benches/bench_peers.py
 
 bench-rust: ## criterion benchmarks of the core
 	cargo bench

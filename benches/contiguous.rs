@@ -2,8 +2,7 @@
 //! (prefill, with and without dtype conversion) and block reads.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use kvrs::kv_cache::{CacheCore, CacheShape};
-use kvrs::tensor::{TensorMut, TensorRef};
+use kvrs::unstable::{CacheCore, CacheShape, TensorMut, TensorRef};
 use kvrs::{DType, Device};
 
 const HEADS: usize = 8;

@@ -2,8 +2,8 @@
 //! scheduling step for 256 sequences (reserve one token each, then the page table).
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use kvrs::paged::{BlockAllocator, KvLayout, PagedShape, PoolCore};
-use kvrs::{DType, Device};
+use kvrs::unstable::{BlockAllocator, PoolCore};
+use kvrs::{DType, Device, KvLayout, PagedShape};
 
 fn alloc_free(c: &mut Criterion) {
     let mut a = BlockAllocator::new(1 << 20).unwrap();

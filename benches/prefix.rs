@@ -4,9 +4,8 @@
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use kvrs::paged::{KvLayout, PagedShape, PoolCore, PrefixConfig};
-use kvrs::prefix::HashKind;
-use kvrs::{DType, Device};
+use kvrs::unstable::PoolCore;
+use kvrs::{DType, Device, HashKind, KvLayout, PagedShape, PrefixConfig};
 
 const BS: usize = 16;
 
@@ -122,7 +121,7 @@ fn partial_matching(c: &mut Criterion) {
 /// of `benches/bench_tiers.py`'s model: 16 tokens x 8 layers x 2 KV heads x 32, float32
 /// K and V (64 KiB), and for a 1 MiB block.
 fn payload_mac(c: &mut Criterion) {
-    use kvrs::tier::payload::{self, BlockMeta, PayloadShape, TierKey};
+    use kvrs::unstable::payload::{self, BlockMeta, PayloadShape, TierKey};
     let mut group = c.benchmark_group("tier_payload_mac");
     for (name, tensor_bytes) in [("64KiB", 16 * 2 * 2 * 32 * 4), ("1MiB", 1 << 17)] {
         let shape = PayloadShape {

@@ -56,7 +56,8 @@ impl DType {
         matches!(self, DType::F8E4M3 | DType::F8E5M2 | DType::I8)
     }
 
-    /// The fp8 format of an fp8 dtype.
+    /// The fp8 format of an fp8 dtype (unstable: `Fp8` is internal).
+    #[doc(hidden)]
     pub const fn fp8(self) -> Option<Fp8> {
         match self {
             DType::F8E4M3 => Some(Fp8::E4M3),

@@ -251,7 +251,8 @@ impl CacheCore {
     /// change it while it lives. Host storage of a float dtype only.
     ///
     /// ```
-    /// use kvrs::kv_cache::{CacheCore, CacheShape, Kv};
+    /// use kvrs::unstable::{CacheCore, CacheShape};
+    /// use kvrs::Kv;
     /// use kvrs::{DType, Device};
     ///
     /// let shape = CacheShape::uniform(1, 1, 4, 8);
@@ -265,7 +266,8 @@ impl CacheCore {
     /// cache (both fail to compile).
     ///
     /// ```compile_fail
-    /// # use kvrs::kv_cache::{CacheCore, CacheShape, Kv};
+    /// # use kvrs::unstable::{CacheCore, CacheShape};
+    /// # use kvrs::Kv;
     /// # use kvrs::{DType, Device};
     /// # let shape = CacheShape::uniform(1, 1, 4, 8);
     /// let (a, b) = (CacheCore::new(shape, DType::F32, Device::Cpu)?, CacheCore::new(shape, DType::F32, Device::Cpu)?);
@@ -275,7 +277,8 @@ impl CacheCore {
     /// ```
     ///
     /// ```compile_fail
-    /// # use kvrs::kv_cache::{CacheCore, CacheShape, Kv};
+    /// # use kvrs::unstable::{CacheCore, CacheShape};
+    /// # use kvrs::Kv;
     /// # use kvrs::{DType, Device};
     /// # let shape = CacheShape::uniform(1, 1, 4, 8);
     /// let t = {

@@ -142,7 +142,7 @@ impl fmt::Display for KvLayout {
 
 /// The sizes of a paged pool; storage is `[tensors][num_blocks][K|V][...]`, each tensor
 /// one contiguous FlashInfer cache tensor (a layer's, or shared by one layer of each
-/// layer group: see [`crate::paged::groups`]).
+/// layer group: see `paged::groups`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PagedShape {
     /// Transformer layers.
@@ -177,7 +177,7 @@ impl PagedShape {
     }
 
     /// Elements per int8 scale: `gcd(head_dim, v_head_dim)`
-    /// ([`crate::sizes::int8_scale_unit`]), one scale per head vector when K and V have
+    /// (`sizes::int8_scale_unit`), one scale per head vector when K and V have
     /// one head size.
     pub fn scale_unit(&self) -> usize {
         crate::sizes::int8_scale_unit([self.head_dim, self.v_head_dim])

@@ -3,7 +3,7 @@
 //! Rust programs start at the crate root: [`KvCache`] (one sequence, contiguous, the
 //! seed's surface) and [`BlockPool`] (a paged pool shared by many sequences, with forks
 //! and prefix caching), typed over `f32`, [`half::f16`] or [`half::bf16`] slices with
-//! `usize` indices ([`typed`]). Python programs use the same core through the `kvrs`
+//! `usize` indices. Python programs use the same core through the `kvrs`
 //! package.
 //!
 //! ```
@@ -19,36 +19,70 @@
 //! # Ok::<(), kvrs::KvError>(())
 //! ```
 //!
-//! The core (this crate without the `python` feature) knows nothing of Python:
-//! [`layout`] (the shared vocabulary: devices, regions, paged shapes), [`dtype`]
-//! (element types and conversion), [`tensor`] (borrowed strided tensors and the
-//! strided copy), [`storage`] (the device-independent storage interface and its host
-//! backend), [`kv_cache`] (the contiguous cache's core, `CacheCore`), [`paged`] (the
-//! block pool's core, `PoolCore`), [`prefix`] (prefix caching), [`attention`] (attention
-//! over cached K/V in place), [`quant`] (8-bit codecs), [`scales`] (fp8 scales), [`sizes`] (checked sizes, fallible
-//! bookkeeping allocations) and [`error`] (the one error type). [`typed`] wraps the cores for Rust callers.
+//! # The API
+//!
+//! The supported API is what the crate root re-exports, and the [`tier`] module:
+//!
+//! - the caches: [`KvCache`] and [`BlockPool`], over an [`Element`] type;
+//! - their configuration: [`PoolConfig`] (with [`PagedShape`], [`KvLayout`],
+//!   [`Attention`] and [`LayerKind`] for sliding-window and full layers, [`PrefixConfig`]
+//!   and [`HashKind`] for prefix caching, [`DType`] for 8-bit storage and [`KvScales`] for
+//!   its fp8 scales), [`TierConfig`], [`TierOptions`] and [`WritePolicy`] for offload
+//!   tiers, and [`AttnOptions`] for attention;
+//! - what they hand back: [`SeqId`] (a sequence of a pool), [`PoolStats`] (with
+//!   [`KindStats`], [`StateStats`], [`PrefixCounters`]), [`Kv`] and [`Device`];
+//! - errors: [`KvError`], [`Result`] and [`Unit`];
+//! - offload tiers ([`tier`]): [`tier::HostTier`], [`tier::DiskTier`] and, with the
+//!   `redis` feature, `tier::RedisTier`, all behind the [`tier::Tier`] trait (a program
+//!   may implement its own).
+//!
+//! Everything else is internal. The dtype-erased cores that the Python bindings use (raw
+//! strided tensors of any dtype, CUDA devices, slot mappings, page tables, batched
+//! forwards) are re-exported, for this crate's tests, benches and tools, by a hidden
+//! `unstable` module that carries no stability promise: any release may change it.
+//!
+//! # Cargo features
+//!
+//! None is on by default: the default build is the core alone (caches, pools, prefix
+//! caching, attention, the host and disk tiers): about half the dependencies of the
+//! full build, and no network client or TLS stack.
+//!
+//! - `redis`: `tier::RedisTier`, the Redis (or Valkey) tier shared by many
+//!   processes, on single servers and Redis Cluster (the `redis` crate; pure Rust);
+//! - `redis-tls`: `redis`, plus `rediss://` URLs (rustls with its `ring` provider, which
+//!   needs a C compiler, and the system's trust roots); without it a `rediss://` URL is
+//!   [`KvError::NotSupported`];
+//! - `cuda`: the CUDA backend (the driver and NVRTC are loaded at run time, so it builds
+//!   without a toolkit); reached through the Python package;
+//! - `python`: the PyO3 bindings, built by maturin; the wheel is built with `python`,
+//!   `cuda` and `redis-tls` (`pyproject.toml`), so the Python package has every tier;
+//! - `cuda-sim`: tests only, the CUDA backend on a simulated device.
 
 #![warn(missing_docs)]
 
-pub mod attention;
-pub mod bytes;
-pub mod dtype;
-pub mod encoder_cache;
-pub mod error;
-pub mod kv_cache;
-pub mod layout;
-pub mod paged;
-pub mod parallel;
-pub mod per_process;
-pub mod prefix;
-pub mod quant;
-pub mod rope;
-pub mod scales;
-pub mod sizes;
-pub mod storage;
-pub mod tensor;
+// The core's modules are crate-private: the supported API is what this root re-exports
+// and `tier`; `unstable` re-exports the internals that tests, benches and tools use.
+mod attention;
+mod bytes;
+mod dtype;
+mod encoder_cache;
+mod error;
+mod kv_cache;
+mod layout;
+mod paged;
+mod parallel;
+mod per_process;
+mod prefix;
+mod quant;
+mod rope;
+mod scales;
+mod sizes;
+mod storage;
+mod tensor;
 pub mod tier;
-pub mod typed;
+mod typed;
+#[doc(hidden)]
+pub mod unstable;
 
 #[cfg(feature = "python")]
 mod python;
@@ -94,7 +128,10 @@ mod manual {
 pub use attention::AttnOptions;
 pub use dtype::DType;
 pub use error::{KvError, Result, Unit};
-pub use kv_cache::Kv;
-pub use layout::{Device, KvLayout, PagedShape};
-pub use paged::{Attention, LayerKind, PoolStats, SeqId};
+pub use layout::{Device, Kv, KvLayout, PagedShape};
+pub use paged::checkpoints::CheckpointCounters;
+pub use paged::{Attention, KindStats, LayerKind, PoolStats, PrefixConfig, SeqId, StateStats};
+pub use prefix::{HashKind, PrefixCounters};
+pub use scales::KvScales;
+pub use tier::writer::WritePolicy;
 pub use typed::{BlockPool, Element, KvCache, PoolConfig, TierConfig, TierOptions};

@@ -359,7 +359,7 @@ impl<'a> TensorRef<'a> {
 /// Two threads cannot write one tensor through a shared reference:
 ///
 /// ```compile_fail
-/// use kvrs::tensor::TensorMut;
+/// use kvrs::unstable::TensorMut;
 /// let mut buf = [1f32; 16];
 /// let t = TensorMut::from_f32_mut(&mut buf, &[16]).unwrap();
 /// let shared = &t;
@@ -372,7 +372,7 @@ impl<'a> TensorRef<'a> {
 /// and two sub-views of one tensor cannot be alive at once:
 ///
 /// ```compile_fail
-/// use kvrs::tensor::TensorMut;
+/// use kvrs::unstable::TensorMut;
 /// let mut buf = [1f32; 16];
 /// let mut t = TensorMut::from_f32_mut(&mut buf, &[16]).unwrap();
 /// let mut a = t.slice(2, 0, 1);

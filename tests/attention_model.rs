@@ -3,10 +3,8 @@
 //! dtype, soft-capping and sinks) against a plain f64 reference over the K/V the pool
 //! gathers for each sequence.
 
-use kvrs::attention::AttnOptions;
-use kvrs::paged::{Attention, KvLayout, LayerKind, PagedShape, PoolCore};
-use kvrs::tensor::{TensorMut, TensorRef};
-use kvrs::{DType, Device};
+use kvrs::unstable::{PoolCore, TensorMut, TensorRef};
+use kvrs::{Attention, AttnOptions, DType, Device, KvLayout, LayerKind, PagedShape};
 use proptest::prelude::*;
 
 const D: usize = 16;

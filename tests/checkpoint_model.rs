@@ -10,10 +10,8 @@
 //! and a rollback the state at its new length. Reference counts, the checkpoint slots
 //! and every pool invariant are checked too.
 
-use kvrs::paged::{KvLayout, PagedShape, PoolCore, PrefixConfig, SeqId, StateConfig, StateSpec};
-use kvrs::prefix::HashKind;
-use kvrs::tensor::{TensorMut, TensorRef};
-use kvrs::{DType, Device, KvError};
+use kvrs::unstable::{PoolCore, StateConfig, StateSpec, TensorMut, TensorRef};
+use kvrs::{DType, Device, HashKind, KvError, KvLayout, PagedShape, PrefixConfig, SeqId};
 use proptest::prelude::*;
 
 const D: usize = 2;

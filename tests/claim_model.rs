@@ -11,12 +11,11 @@
 
 use std::sync::Arc;
 
-use kvrs::paged::tiering::TierOptions;
-use kvrs::paged::{KvLayout, PagedShape, PoolCore, PrefixConfig, SeqId};
-use kvrs::prefix::HashKind;
-use kvrs::tensor::{TensorMut, TensorRef};
 use kvrs::tier::{HostTier, Tier};
-use kvrs::{DType, Device, KvError};
+use kvrs::unstable::{PoolCore, TensorMut, TensorRef};
+use kvrs::{
+    DType, Device, HashKind, KvError, KvLayout, PagedShape, PrefixConfig, SeqId, TierOptions,
+};
 use proptest::prelude::*;
 
 const L: usize = 2;

@@ -2,10 +2,8 @@
 //! kernels compiled for the host, driven by the same storage code that drives a GPU.
 #![cfg(feature = "cuda-sim")]
 
-use kvrs::kv_cache::{CacheCore, CacheShape};
-use kvrs::storage::cuda::gpu::Args;
-use kvrs::storage::cuda::gpu_for;
-use kvrs::tensor::{TensorMut, TensorRef};
+use kvrs::unstable::cuda::{gpu_for, Args};
+use kvrs::unstable::{CacheCore, CacheShape, TensorMut, TensorRef};
 use kvrs::{DType, Device, KvError};
 
 fn values(seed: usize, n: usize) -> Vec<f32> {
@@ -200,8 +198,8 @@ fn a_refused_store_changes_nothing() {
 #[test]
 fn paged_attention_kernel_equals_the_cpu_core() {
     use half::{bf16, f16};
-    use kvrs::attention::AttnOptions;
-    use kvrs::paged::{Attention, KvLayout, LayerKind, PagedShape, PoolCore};
+    use kvrs::unstable::PoolCore;
+    use kvrs::{Attention, AttnOptions, KvLayout, LayerKind, PagedShape};
 
     let (h, hq, d) = (2, 8, 16);
     for dtype in [DType::F32, DType::F16, DType::BF16] {
@@ -261,7 +259,7 @@ fn paged_attention_kernel_equals_the_cpu_core() {
                 let mut q_bytes = vec![0u8; n * hq * d * dtype.size()];
                 let mut out_bytes = vec![0u8; n * hq * d * dtype.size()];
                 unsafe {
-                    kvrs::dtype::convert_contiguous(
+                    kvrs::unstable::convert_contiguous(
                         q_bytes.as_mut_ptr(),
                         dtype,
                         q32.as_ptr() as *const u8,
@@ -335,7 +333,10 @@ fn paged_attention_kernel_equals_the_cpu_core() {
 }
 
 /// A small paged shape on the simulated device, and a storage for one cache tensor of it.
-fn paged_storage() -> (kvrs::storage::PagedTensor, Box<dyn kvrs::storage::Storage>) {
+fn paged_storage() -> (
+    kvrs::unstable::PagedTensor,
+    Box<dyn kvrs::unstable::Storage>,
+) {
     let shape = kvrs::PagedShape {
         num_layers: 1,
         num_kv_heads: 2,
@@ -345,8 +346,8 @@ fn paged_storage() -> (kvrs::storage::PagedTensor, Box<dyn kvrs::storage::Storag
         num_blocks: 2,
         layout: kvrs::KvLayout::Nhd,
     };
-    let s = kvrs::storage::allocate(Device::Cuda(0), DType::F32, shape.layer_elems(), 4).unwrap();
-    (kvrs::storage::PagedTensor { shape, index: 0 }, s)
+    let s = kvrs::unstable::allocate(Device::Cuda(0), DType::F32, shape.layer_elems(), 4).unwrap();
+    (kvrs::unstable::PagedTensor { shape, index: 0 }, s)
 }
 
 #[test]

@@ -8,11 +8,8 @@
 #![cfg(feature = "cuda-sim")]
 
 use half::{bf16, f16};
-use kvrs::attention::AttnOptions;
-use kvrs::paged::{Attention, KvLayout, LayerKind, PagedShape, PoolCore};
-use kvrs::scales::KvScales;
-use kvrs::tensor::{TensorMut, TensorRef};
-use kvrs::{DType, Device};
+use kvrs::unstable::{PoolCore, TensorMut, TensorRef};
+use kvrs::{Attention, AttnOptions, DType, Device, KvLayout, KvScales, LayerKind, PagedShape};
 use proptest::prelude::*;
 
 const CUDA: Device = Device::Cuda(0);
@@ -139,7 +136,7 @@ fn run(c: &Case) -> [Vec<Vec<f32>>; 2] {
             (vec![0u8; n * hq * d * size], vec![0u8; n * hq * dv * size]);
         // SAFETY: q_bytes holds n * hq * d elements of q's dtype.
         unsafe {
-            kvrs::dtype::convert_contiguous(
+            kvrs::unstable::convert_contiguous(
                 q_bytes.as_mut_ptr(),
                 c.q_dtype,
                 q32.as_ptr() as *const u8,

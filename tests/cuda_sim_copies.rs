@@ -4,10 +4,9 @@
 //! forked block of a step in one launch.
 #![cfg(feature = "cuda-sim")]
 
-use kvrs::paged::{Attention, KvLayout, LayerKind, PagedShape, PoolCore, SeqId};
-use kvrs::storage::cuda::sim_launches;
-use kvrs::tensor::{TensorMut, TensorRef};
-use kvrs::{DType, Device};
+use kvrs::unstable::cuda::sim_launches;
+use kvrs::unstable::{PoolCore, TensorMut, TensorRef};
+use kvrs::{Attention, DType, Device, KvLayout, LayerKind, PagedShape, SeqId};
 use proptest::prelude::*;
 
 const CUDA: Device = Device::Cuda(0);
@@ -85,15 +84,17 @@ fn write_both(
     input: DType,
     pad: usize,
     skip: &[bool],
-) {
+) -> SeqId {
     let sh = a.shape();
     let (h, d) = (sh.num_kv_heads, sh.head_dim);
     let layer = n * h * d + pad;
     let keys = encode(&values(1, sh.num_layers * layer), input);
     let vals = encode(&values(2, sh.num_layers * layer), input);
     let mut slot_sets = Vec::new();
+    let mut ids = Vec::new();
     for p in [&mut *a, &mut *b] {
         let id: SeqId = p.new_sequence();
+        ids.push(id);
         let mut slots = p.reserve(&[id], &[n as i64]).unwrap();
         let groups = slots.len() / n.max(1);
         for g in 0..groups {
@@ -140,6 +141,7 @@ fn write_both(
         b.write(l as i64, &kb[l], &vb[l], &slot_sets[1][g * n..(g + 1) * n])
             .unwrap();
     }
+    ids[0]
 }
 
 fn layout() -> impl Strategy<Value = KvLayout> {
@@ -188,17 +190,16 @@ fn launch_words_past_the_parameter_limit_go_through_a_pointer() {
     let before = sim_launches(0, "kvrs_scatter_f32_f16");
     let mut dev = pool(sh, DType::F16, CUDA, false);
     let mut dev_per_layer = pool(sh, DType::F16, CUDA, false);
-    write_both(&mut dev, &mut dev_per_layer, n, DType::F32, 1, &[]);
+    let dev_id = write_both(&mut dev, &mut dev_per_layer, n, DType::F32, 1, &[]);
     let mut host = pool(sh, DType::F16, Device::Cpu, false);
     let mut host_per_layer = pool(sh, DType::F16, Device::Cpu, false);
-    write_both(&mut host, &mut host_per_layer, n, DType::F32, 1, &[]);
+    let host_id = write_both(&mut host, &mut host_per_layer, n, DType::F32, 1, &[]);
     assert!(storage_bytes(&dev) == storage_bytes(&host));
     assert!(storage_bytes(&dev_per_layer) == storage_bytes(&host));
     // Launched: reserve zeroes 3 layers per pool (the float32 zero row), write_layers
     // once, the per-layer writes 3 times (other tests may launch it too).
     assert!(sim_launches(0, "kvrs_scatter_f32_f16") - before >= 2 * 3 + 1 + 3);
     // Gathered back through the device's gather (a block table of 1,026 entries).
-    let id = 0;
     let mut k = vec![0u8; 2 * n * 2 * 8];
     let mut v = vec![0u8; 2 * n * 2 * 8];
     let mut tk = TensorMut::from_bytes_mut(&mut k, DType::F16, &[2, n, 8])
@@ -207,12 +208,12 @@ fn launch_words_past_the_parameter_limit_go_through_a_pointer() {
     let mut tv = TensorMut::from_bytes_mut(&mut v, DType::F16, &[2, n, 8])
         .unwrap()
         .on(CUDA);
-    dev.gather(id, 2, &mut tk, &mut tv).unwrap();
+    dev.gather(dev_id, 2, &mut tk, &mut tv).unwrap();
     let mut hk = vec![0u8; 2 * n * 2 * 8];
     let mut hv = vec![0u8; 2 * n * 2 * 8];
     let mut tk = TensorMut::from_bytes_mut(&mut hk, DType::F16, &[2, n, 8]).unwrap();
     let mut tv = TensorMut::from_bytes_mut(&mut hv, DType::F16, &[2, n, 8]).unwrap();
-    host.gather(id, 2, &mut tk, &mut tv).unwrap();
+    host.gather(host_id, 2, &mut tk, &mut tv).unwrap();
     assert!((k, v) == (hk, hv));
 }
 
@@ -237,11 +238,11 @@ fn forks_copy_on_write_in_one_launch() {
             }
             p.advance(parent, 6, None).unwrap();
             // Eight children share the parent's partial second block.
-            children = (0..8).map(|_| p.fork(parent).unwrap()).collect::<Vec<_>>();
+            children.push((0..8).map(|_| p.fork(parent).unwrap()).collect::<Vec<_>>());
         }
         let before = sim_launches(0, "kvrs_copy_blocks");
-        for p in &mut pools {
-            let plan = p.start_forward(&children, None, None).unwrap();
+        for (p, children) in pools.iter_mut().zip(&children) {
+            let plan = p.start_forward(children, None, None).unwrap();
             p.cancel_forward(&plan);
         }
         // One launch for the codes (int8: one more for their scales).

@@ -9,8 +9,7 @@ use std::ffi::c_int;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use kvrs::storage::cuda::gpu::{Args, DevicePtr, Gpu};
-use kvrs::storage::cuda::gpu_for;
+use kvrs::unstable::cuda::{gpu_for, Args, DevicePtr, Gpu};
 use kvrs::Result;
 use proptest::prelude::*;
 

@@ -10,16 +10,11 @@
 //! (`NotSupported`).
 #![cfg(feature = "cuda-sim")]
 
-use kvrs::attention::AttnOptions;
-use kvrs::kv_cache::{CacheCore, CacheShape};
-use kvrs::paged::{Attention, KvLayout, LayerKind, PagedShape, PoolCore, SeqId};
-use kvrs::quant::Fp8;
-use kvrs::rope::{Rope, RopeStyle};
-use kvrs::scales::KvScales;
-use kvrs::storage::cuda::gpu::Args;
-use kvrs::storage::cuda::gpu_for;
-use kvrs::tensor::{TensorMut, TensorRef};
-use kvrs::{DType, Device};
+use kvrs::unstable::cuda::{gpu_for, Args};
+use kvrs::unstable::{CacheCore, CacheShape, Fp8, PoolCore, Rope, RopeStyle, TensorMut, TensorRef};
+use kvrs::{
+    Attention, AttnOptions, DType, Device, KvLayout, KvScales, LayerKind, PagedShape, SeqId,
+};
 use proptest::prelude::*;
 
 const L: usize = 2;
@@ -747,10 +742,8 @@ fn contiguous_fp8_cache_with_scales_equals_the_host() {
 /// pool (and a host pool) with the same codes, scales and values, for every storage dtype.
 #[test]
 fn cuda_pools_swap_blocks_through_a_host_tier() {
-    use kvrs::paged::tiering::TierOptions;
-    use kvrs::paged::PrefixConfig;
-    use kvrs::prefix::HashKind;
     use kvrs::tier::{HostTier, Tier};
+    use kvrs::{HashKind, PrefixConfig, TierOptions};
     use std::sync::Arc;
 
     let prefix = || {

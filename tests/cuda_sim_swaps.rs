@@ -4,11 +4,9 @@
 //! of the page-locked buffer, which stays bounded.
 #![cfg(feature = "cuda-sim")]
 
-use kvrs::layout::{BlockId, KvLayout, PagedShape};
-use kvrs::storage::cuda::SWAP_CHUNK;
-use kvrs::storage::{allocate, Storage};
-use kvrs::tensor::TensorMut;
-use kvrs::{DType, Device};
+use kvrs::unstable::cuda::SWAP_CHUNK;
+use kvrs::unstable::{allocate, BlockId, Storage, TensorMut};
+use kvrs::{DType, Device, KvLayout, PagedShape};
 use proptest::prelude::*;
 
 /// Raw bytes of `blocks`' cache tensors `0..tensors`, read region by region.

@@ -3,8 +3,7 @@
 //! Values are multiples of 1/4 in [-8, 8], exact in every storage dtype, so the model
 //! compares exactly for float32, float16 and bfloat16 storage alike.
 
-use kvrs::kv_cache::{CacheCore, CacheShape};
-use kvrs::tensor::{TensorMut, TensorRef};
+use kvrs::unstable::{CacheCore, CacheShape, TensorMut, TensorRef};
 use kvrs::{DType, Device, Kv, KvError};
 use proptest::prelude::*;
 

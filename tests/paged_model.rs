@@ -14,10 +14,8 @@
 
 use std::collections::HashSet;
 
-use kvrs::paged::{Attention, KvLayout, LayerKind, PagedShape, PoolCore, SeqId, Table, NO_BLOCK};
-use kvrs::rope::{Rope, RopeStyle};
-use kvrs::tensor::{TensorMut, TensorRef};
-use kvrs::{DType, Device, KvError};
+use kvrs::unstable::{PoolCore, Rope, RopeStyle, Table, TensorMut, TensorRef, NO_BLOCK};
+use kvrs::{Attention, DType, Device, KvError, KvLayout, LayerKind, PagedShape, SeqId};
 use proptest::prelude::*;
 
 const L: usize = 2;

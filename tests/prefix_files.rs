@@ -1,11 +1,8 @@
 //! Prefix-cache files record the saving pool's model id: a pool of another model (same
 //! seed, same shape) refuses them, before and after checking, and its cache is unchanged.
 
-use kvrs::paged::{KvLayout, PagedShape, PoolCore, PrefixConfig};
-use kvrs::prefix::persist::read_file;
-use kvrs::prefix::HashKind;
-use kvrs::tensor::TensorRef;
-use kvrs::{DType, Device, KvError};
+use kvrs::unstable::{read_file, PoolCore, TensorRef};
+use kvrs::{DType, Device, HashKind, KvError, KvLayout, PagedShape, PrefixConfig};
 
 const BS: usize = 4;
 

@@ -8,10 +8,8 @@
 //! from the cache, copied for a partial hit or evicted. Invariants (reference counts,
 //! free list, LRU order, index) are checked after every step too.
 
-use kvrs::paged::{KvLayout, PagedShape, PoolCore, PrefixConfig, SeqId};
-use kvrs::prefix::HashKind;
-use kvrs::tensor::{TensorMut, TensorRef};
-use kvrs::{DType, Device, KvError};
+use kvrs::unstable::{PoolCore, TensorMut, TensorRef};
+use kvrs::{DType, Device, HashKind, KvError, KvLayout, PagedShape, PrefixConfig, SeqId};
 use proptest::prelude::*;
 
 const L: usize = 2;

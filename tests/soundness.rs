@@ -3,12 +3,10 @@
 //! tensor's own shape (a heap overflow in release builds), and destinations written
 //! through shared references (a data race). Every storage must refuse a mismatched
 //! tensor with a shape error before it copies anything; the compile-time half of the
-//! second hole is the `compile_fail` examples on [`kvrs::tensor::TensorMut`]. Runs on
+//! second hole is the `compile_fail` examples on [`kvrs::unstable::TensorMut`]. Runs on
 //! the host storages, and on the simulated CUDA device with `--features cuda-sim`.
 
-use kvrs::paged::PoolCore;
-use kvrs::storage::{allocate, PagedTensor, Region};
-use kvrs::tensor::{TensorMut, TensorRef};
+use kvrs::unstable::{allocate, PagedTensor, PoolCore, Region, TensorMut, TensorRef};
 use kvrs::{DType, Device, KvError, KvLayout, PagedShape};
 
 /// The storages' devices under test.

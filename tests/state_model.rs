@@ -4,9 +4,8 @@
 
 use std::collections::BTreeMap;
 
-use kvrs::paged::{KvLayout, PagedShape, PoolCore, SeqId, StateConfig, StateSpec};
-use kvrs::tensor::{TensorMut, TensorRef};
-use kvrs::{DType, Device, KvError};
+use kvrs::unstable::{PoolCore, StateConfig, StateSpec, TensorMut, TensorRef};
+use kvrs::{DType, Device, KvError, KvLayout, PagedShape, SeqId};
 use proptest::prelude::*;
 
 const LAYERS: usize = 2;
@@ -223,8 +222,8 @@ fn state_pools_without_checkpoints_refuse_rollbacks_but_to_zero() {
             dtype: DType::F32,
         }],
     };
-    let prefix = kvrs::paged::PrefixConfig {
-        hash: kvrs::prefix::HashKind::Blake3,
+    let prefix = kvrs::PrefixConfig {
+        hash: kvrs::HashKind::Blake3,
         seed: 1,
         partial_hits: true,
         events: false,

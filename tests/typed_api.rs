@@ -463,7 +463,7 @@ fn huge_sizes_are_errors_not_aborts_or_panics() {
         "max_seq_len",
     );
     let tier: std::sync::Arc<dyn kvrs::tier::Tier> =
-        std::sync::Arc::new(kvrs::tier::host::HostTier::new(1 << 20));
+        std::sync::Arc::new(kvrs::tier::HostTier::new(1 << 20));
     for queue in [0, (1 << 20) + 1, 1 << 62] {
         let mut config = PoolConfig::new(1, 1, 4, 4, 4)
             .prefix_caching(1)
@@ -524,7 +524,7 @@ fn allocations_the_host_refuses_are_errors_not_aborts() {
 /// What a pool storing `dtype` returns for `x` (rows of `d`): int8 rows quantized with
 /// their own scale, fp8 elements divided by `scale`, rounded, multiplied back.
 fn stored(x: &[f32], d: usize, dtype: kvrs::DType, scale: f32) -> Vec<f32> {
-    use kvrs::quant::{dequantize_row_i8, quantize_row_i8};
+    use kvrs::unstable::{dequantize_row_i8, quantize_row_i8};
     let mut out = vec![0f32; x.len()];
     for (row, o) in x.chunks(d).zip(out.chunks_mut(d)) {
         match dtype.fp8() {
@@ -545,8 +545,7 @@ fn stored(x: &[f32], d: usize, dtype: kvrs::DType, scale: f32) -> Vec<f32> {
 
 #[test]
 fn eight_bit_pools_take_and_return_floats_and_attend_over_what_they_hold() {
-    use kvrs::scales::KvScales;
-    use kvrs::DType;
+    use kvrs::{DType, KvScales};
     let (heads, dim, n) = (2, 8, 11);
     let x: Vec<f32> = (0..n * heads * dim)
         .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.13)

@@ -25,7 +25,8 @@
 use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
 
-use crate::prefix::{BlockHash, Lru};
+use crate::prefix::lru::Lru;
+use crate::prefix::BlockHash;
 
 /// A checkpoint slot (0-based among the checkpoint slots).
 pub type CheckpointSlot = u32;

@@ -97,11 +97,6 @@ impl BlockLedger {
         self.written_end[dst as usize] = self.written_end[src as usize];
     }
 
-    /// Total blocks.
-    pub fn num_blocks(&self) -> usize {
-        self.alloc.num_blocks()
-    }
-
     /// Blocks in the free list (not counting evictable cached ones).
     pub fn num_free(&self) -> usize {
         self.alloc.num_free()

@@ -26,12 +26,11 @@ pub mod stats;
 pub mod tier_lookup;
 pub mod tiering;
 
-pub use crate::layout::{BlockId, KvLayout, PagedShape};
+pub use crate::layout::BlockId;
 pub use allocator::BlockAllocator;
 pub use forward::ForwardPlan;
 pub use groups::{Attention, LayerGroups, LayerKind};
-pub use ledger::BlockLedger;
 pub use pool::{PoolCore, PrefixConfig, SeqId};
 pub use seq::{SeqState, Table, NO_BLOCK};
-pub use states::{StateArena, StateConfig, StateSpec};
+pub use states::{StateConfig, StateSpec};
 pub use stats::{KindStats, PoolStats, StateStats};

@@ -70,7 +70,7 @@ pub struct SeqState {
     /// Counts the edits other than growth (cuts, removals, replacements): a
     /// [`super::ForwardPlan`] placed before one is stale.
     pub edits: u64,
-    /// Its recurrent-state slot in a pool with state layers ([`super::states`]).
+    /// Its recurrent-state slot in a pool with state layers (`paged::states`).
     pub state_slot: Option<u32>,
     /// Token ids it started with (its prompt): commits up to there are prefill chunks,
     /// each ending in a state checkpoint ([`super::checkpointing`]).

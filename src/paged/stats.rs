@@ -60,7 +60,7 @@ pub struct PoolStats {
     pub states: Option<StateStats>,
 }
 
-/// Recurrent state slots of a pool with state layers (see [`super::states`]).
+/// Recurrent state slots of a pool with state layers (see `paged::states`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StateStats {
     /// State layers.

@@ -58,7 +58,7 @@ pub struct TierSet {
 #[derive(Clone, PartialEq, Eq)]
 pub struct TierOptions {
     /// The secret shared by the processes whose pools share the tiers (at least
-    /// [`payload::MIN_SECRET`] bytes): payloads are MACed under keys derived from it.
+    /// 16 bytes, `payload::MIN_SECRET`): payloads are MACed under keys derived from it.
     /// `None`: the keys are public, and whoever can write to a tier is trusted.
     pub secret: Option<Vec<u8>>,
     /// Most payloads in the write-back queue.

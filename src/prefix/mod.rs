@@ -12,5 +12,3 @@ mod siblings;
 
 pub use hash::{BlockHash, HashKind};
 pub use index::{CachedBlock, PrefixCounters, PrefixEvent, PrefixIndex};
-pub use lru::Lru;
-pub use persist::LoadReport;

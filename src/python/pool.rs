@@ -21,8 +21,8 @@ use super::shared_pool::{i32_array, slot_array, SharedPool};
 use super::views::borrowed_view;
 use crate::dtype::DType;
 use crate::error::{check_size, KvError};
-use crate::layout::Kv;
-use crate::paged::{KvLayout, LayerGroups, PagedShape, PoolCore, SeqId, StateConfig};
+use crate::layout::{Kv, KvLayout, PagedShape};
+use crate::paged::{LayerGroups, PoolCore, SeqId, StateConfig};
 use crate::storage::Device;
 
 /// A pool of fixed-size KV blocks for every layer, allocated once and shared by many

@@ -10,7 +10,8 @@ use super::input::read_token_ids;
 use crate::bytes::parse_size;
 use crate::dtype::DType;
 use crate::error::{check_count, check_size, KvError};
-use crate::paged::{Attention, LayerKind, PagedShape, PrefixConfig};
+use crate::layout::PagedShape;
+use crate::paged::{Attention, LayerKind, PrefixConfig};
 use crate::prefix::HashKind;
 use crate::sizes;
 

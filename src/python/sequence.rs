@@ -16,8 +16,8 @@ use super::shared_pool::{i32_array, SharedPool};
 use crate::dtype::DType;
 use crate::error::KvError;
 use crate::kv_cache::Kv;
-use crate::layout::Region;
-use crate::paged::{KvLayout, PoolCore, SeqId, NO_BLOCK};
+use crate::layout::{KvLayout, Region};
+use crate::paged::{PoolCore, SeqId, NO_BLOCK};
 
 /// One sequence's view of a pool: its block table and lengths.
 #[pyclass(frozen, name = "Sequence", module = "kvrs")]

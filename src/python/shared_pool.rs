@@ -14,7 +14,8 @@ use super::input::Target;
 use super::states::StateLayout;
 use super::views::borrowed_view;
 use crate::dtype::DType;
-use crate::paged::{PagedShape, PoolCore, SeqId};
+use crate::layout::PagedShape;
+use crate::paged::{PoolCore, SeqId};
 use crate::storage::Device;
 
 /// A pool's state behind `kvrs.BlockPool`, its `Sequence`s and its `ForwardBatch`es.

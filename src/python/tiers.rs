@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
+#[cfg(feature = "redis")]
 use std::time::Duration;
 
 use pyo3::prelude::*;
@@ -11,8 +12,9 @@ use pyo3::types::{PyDict, PyList};
 use crate::bytes::parse_size;
 use crate::error::KvError;
 use crate::paged::PoolCore;
-use crate::tier::redis::TlsOptions;
-use crate::tier::{DiskTier, HostTier, RedisTier, Tier};
+use crate::tier::{DiskTier, HostTier, Tier};
+#[cfg(feature = "redis")]
+use crate::tier::{RedisTier, TlsOptions};
 
 /// `max_bytes` (an int or a size such as "8GiB") as a positive byte count.
 fn byte_bound(max_bytes: &Bound<'_, PyAny>) -> PyResult<u64> {
@@ -182,12 +184,14 @@ impl PyDiskTier {
 /// `rediss://` URL (one server) is TLS, the server verified against the system's trust
 /// roots and `tls_ca` (a PEM file of CAs), with a client certificate (`tls_cert`,
 /// `tls_key`: PEM files) for `tls-auth-clients yes`.
+#[cfg(feature = "redis")]
 #[pyclass(name = "RedisTier", module = "kvrs", frozen)]
 pub struct PyRedisTier {
     pub(crate) tier: Arc<RedisTier>,
 }
 
 /// A positive, finite number of seconds that a `Duration` holds.
+#[cfg(feature = "redis")]
 fn seconds(name: &'static str, s: f64) -> PyResult<Duration> {
     match Duration::try_from_secs_f64(s) {
         Ok(d) if s > 0.0 => Ok(d),
@@ -204,12 +208,14 @@ fn seconds(name: &'static str, s: f64) -> PyResult<Duration> {
 }
 
 /// `url=`: one URL, or a cluster's seed URLs.
+#[cfg(feature = "redis")]
 #[derive(FromPyObject)]
 enum Urls {
     One(String),
     Many(Vec<String>),
 }
 
+#[cfg(feature = "redis")]
 #[pymethods]
 impl PyRedisTier {
     #[new]
@@ -323,6 +329,31 @@ impl PyRedisTier {
     }
 }
 
+/// `kvrs.RedisTier` in a build without the `redis` feature: the class exists (the
+/// package's API is the same in every build) and making one raises `NotSupportedError`
+/// naming the feature to build with.
+#[cfg(not(feature = "redis"))]
+#[pyclass(name = "RedisTier", module = "kvrs", frozen)]
+pub struct PyRedisTier;
+
+#[cfg(not(feature = "redis"))]
+#[pymethods]
+impl PyRedisTier {
+    #[new]
+    #[pyo3(signature = (*_args, **_kwargs))]
+    fn new(
+        _args: &Bound<'_, pyo3::types::PyTuple>,
+        _kwargs: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<Self> {
+        Err(KvError::NotSupported(
+            "kvrs.RedisTier needs kvrs built with the `redis` cargo feature (`redis-tls` for \
+             rediss://), as the released wheels are: maturin reads them from pyproject.toml"
+                .into(),
+        )
+        .into())
+    }
+}
+
 /// The default bound of a raw `get`'s payloads (larger ones are `None`).
 const RAW_MAX_BYTES: usize = 1 << 30;
 
@@ -367,9 +398,11 @@ pub fn parse_tiers(tiers: Option<&Bound<'_, PyList>>) -> PyResult<Vec<Arc<dyn Ti
                 Ok(h.get().tier.clone() as Arc<dyn Tier>)
             } else if let Ok(d) = t.cast::<PyDiskTier>() {
                 Ok(d.get().tier.clone() as Arc<dyn Tier>)
-            } else if let Ok(r) = t.cast::<PyRedisTier>() {
-                Ok(r.get().tier.clone() as Arc<dyn Tier>)
             } else {
+                #[cfg(feature = "redis")]
+                if let Ok(r) = t.cast::<PyRedisTier>() {
+                    return Ok(r.get().tier.clone() as Arc<dyn Tier>);
+                }
                 Err(pyo3::exceptions::PyTypeError::new_err(format!(
                     "tiers: expected kvrs.HostTier, kvrs.DiskTier or kvrs.RedisTier items, got {}",
                     t.get_type().name()?

@@ -140,7 +140,7 @@ pub trait Storage: Send + Sync + fmt::Debug {
         paged_ops::write_blocks(self, shape, tensors, blocks, data)
     }
 
-    /// Reads the scales of `src`'s scaled chunks (one per [`RowScales::row_len`]
+    /// Reads the scales of `src`'s scaled chunks (one per `RowScales::row_len`
     /// elements: a head vector's when K and V have one size), row-major, into `dst` (int8
     /// storages; the others hold none and fail).
     fn read_row_scales(&self, src: Region, dst: &mut [f32]) -> Result<()> {
@@ -171,7 +171,7 @@ pub trait Storage: Send + Sync + fmt::Debug {
     }
 
     /// What applies an fp8 cache's per-head scales to tensors on this storage's device
-    /// (`None` on the host, where [`crate::scales`] does it in host memory).
+    /// (`None` on the host, where `crate::scales` does it in host memory).
     fn scaler(&self) -> Option<cuda::DeviceScaler> {
         None
     }
@@ -244,7 +244,7 @@ pub fn check_kernel_dims(what: &str, device: Device, dims: [usize; 2]) -> Result
 
 /// Allocates zero-filled storage of `numel` elements of `dtype` on `device`; int8 keeps
 /// a scale per `scale_unit` elements (`gcd(head_dim, v_head_dim)`, see
-/// [`crate::sizes::int8_scale_unit`]).
+/// `crate::sizes::int8_scale_unit`).
 pub fn allocate(
     device: Device,
     dtype: DType,

@@ -1,28 +1,30 @@
 //! Offload tiers below a pool's prefix cache: where cached blocks go when the pool
 //! evicts them, and where a prefix lookup that misses in the pool looks next.
 //!
-//! - [`payload`]: the block's binary payload (MACed under keys derived from the pools' shared secret) and its key;
-//! - [`host`]: [`HostTier`], this process's memory (LRU), the tier below a CUDA pool;
-//! - [`disk`]: [`DiskTier`], a size-bounded directory (LRU by last use);
-//! - [`redis`]: [`RedisTier`], a Redis (or Valkey) server shared by many processes;
-//! - [`writer`]: the background thread that writes evicted blocks, off the caller's path;
-//! - [`fetcher`]: the background thread that fetches a prefix ahead of its lookup.
+//! - `payload`: the block's binary payload (MACed under keys derived from the pools' shared secret) and its key;
+//! - `host`: [`HostTier`], this process's memory (LRU), the tier below a CUDA pool;
+//! - `disk`: [`DiskTier`], a size-bounded directory (LRU by last use);
+//! - `redis`: `RedisTier`, a Redis (or Valkey) server shared by many processes (cargo
+//!   feature `redis`; `rediss://` needs `redis-tls`);
+//! - `writer`: the background thread that writes evicted blocks, off the caller's path;
+//! - `fetcher`: the background thread that fetches a prefix ahead of its lookup.
 //!
 //! A tier never fails generation: an I/O error, a server that is down or slow, or a
 //! payload that fails its checks is a miss (lookups) or a dropped write (stores), and
 //! [`TierCounters`] say which happened.
 
-pub mod disk;
-pub mod fetcher;
-pub mod host;
-pub mod payload;
-pub mod redis;
-pub mod writer;
+pub(crate) mod disk;
+pub(crate) mod fetcher;
+pub(crate) mod host;
+pub(crate) mod payload;
+#[cfg(feature = "redis")]
+pub(crate) mod redis;
+pub(crate) mod writer;
 
 pub use disk::DiskTier;
 pub use host::HostTier;
-pub use payload::Fingerprint;
-pub use redis::RedisTier;
+#[cfg(feature = "redis")]
+pub use redis::{RedisTier, TlsOptions};
 
 use std::fmt;
 use std::ops::RangeInclusive;

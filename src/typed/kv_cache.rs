@@ -482,6 +482,8 @@ impl<T: Element> KvCache<T> {
     }
 
     /// The dtype-erased core this cache wraps (raw strided tensors, as the bindings use).
+    /// Unstable: the core is internal (`kvrs::unstable`), with no stability promise.
+    #[doc(hidden)]
     pub fn core(&self) -> &CacheCore {
         &self.core
     }

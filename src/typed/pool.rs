@@ -406,11 +406,15 @@ impl<T: Element> BlockPool<T> {
 
     /// The dtype-erased core this pool wraps (slot mappings, page tables, batched
     /// forwards, persistence, raw strided tensors).
+    /// Unstable: the core is internal (`kvrs::unstable`), with no stability promise.
+    #[doc(hidden)]
     pub fn core(&self) -> &PoolCore {
         &self.core
     }
 
     /// The core, mutable; its dtype and device stay those of this pool.
+    /// Unstable: the core is internal (`kvrs::unstable`), with no stability promise.
+    #[doc(hidden)]
     pub fn core_mut(&mut self) -> &mut PoolCore {
         &mut self.core
     }

@@ -38,10 +38,7 @@ use std::path::Path;
 
 use safetensors::tensor::Dtype;
 
-pub use check::CheckedFile;
 pub(crate) use config::expected_metadata;
-pub use config::{seed_id, FileConfig};
-pub use save::PrefixSnapshot;
 
 use crate::dtype::DType;
 use crate::error::{KvError, Result};

@@ -114,8 +114,8 @@ pub trait Gpu: Send + Sync + fmt::Debug {
     ) -> Result<()>;
     /// Waits for the work queued on `stream`.
     fn synchronize(&self, stream: StreamHandle) -> Result<()>;
-    /// The most launch words a kernel parameter may hold here: [`LARGE_WORDS`] where the
-    /// driver takes 32 KB of parameters (CUDA 12.1 and later), else [`SMALL_WORDS`].
+    /// The most launch words a kernel parameter may hold here: `LARGE_WORDS` where the
+    /// driver takes 32 KB of parameters (CUDA 12.1 and later), else `SMALL_WORDS`.
     fn param_words(&self) -> usize;
     /// A new event (no timing), for [`Gpu::record_event`] and [`Gpu::wait_event`].
     fn new_event(&self) -> Result<EventHandle>;

@@ -20,7 +20,8 @@ use std::time::{Duration, Instant};
 
 use redis::{ConnectionAddr, ConnectionInfo, Value};
 
-use super::tls::{self, TlsOptions, TlsStream};
+use super::options::TlsOptions;
+use super::tls::{self, TlsStream};
 
 /// Where a server is and how to log in to it.
 pub(super) struct Target {

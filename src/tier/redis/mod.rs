@@ -33,9 +33,14 @@
 mod cluster;
 mod conn;
 mod node;
+mod options;
 mod slots;
 #[cfg(test)]
 mod tests;
+#[cfg(feature = "redis-tls")]
+mod tls;
+#[cfg(not(feature = "redis-tls"))]
+#[path = "no_tls.rs"]
 mod tls;
 
 use std::ops::RangeInclusive;
@@ -47,7 +52,7 @@ use redis::{Client, Value};
 use self::cluster::Cluster;
 use self::conn::{redact_text, Target};
 use self::node::{deadline_in, Node};
-pub use self::tls::TlsOptions;
+pub use self::options::TlsOptions;
 use super::{Tier, TierCounters};
 use crate::error::{KvError, Result};
 
@@ -133,7 +138,9 @@ fn check_timeout(timeout: Duration) -> Result<()> {
 
 impl RedisTier {
     /// A tier on the server at `url` (`redis://[user:password@]host[:port][/db]`, or
-    /// `rediss://` for TLS with the system's trust roots); no connection is made yet.
+    /// `rediss://` for TLS with the system's trust roots, which needs the `redis-tls`
+    /// feature: without it such a URL is [`KvError::NotSupported`]); no connection is
+    /// made yet.
     /// `timeout` bounds each request whole (connect, TLS handshake, login, send, the full
     /// reply); `ttl` (seconds) expires stored blocks; `max_idle` connections are kept for
     /// reuse; after a failure the tier is skipped for `retry_after`.
@@ -169,7 +176,7 @@ impl RedisTier {
             value: redact_text(url),
             reason: reason.replace(url, &redact_text(url)),
         };
-        let (plain, on) = tls::plain_url(url).map_err(bad_url)?;
+        let (plain, on) = options::plain_url(url).map_err(bad_url)?;
         let target = target_of(plain.as_ref())?.with_tls(on, tls)?;
         check_timeout(timeout)?;
         Ok(RedisTier {
@@ -376,7 +383,7 @@ impl Tier for RedisTier {
     }
 
     /// On one server (a pool's lookups, which know their payloads' exact size): `MGET`s
-    /// of about [`MGET_BYTES`] of reply each, [`MGET_WINDOW`] at a time, whose replies are
+    /// of about `MGET_BYTES` of reply each, `MGET_WINDOW` at a time, whose replies are
     /// checked (exactly one value per key, each nil or a string) and handed
     /// on one by one as they arrive. A failure midway keeps what was handed on (each
     /// payload is checked by its reader anyway) and makes the rest misses.

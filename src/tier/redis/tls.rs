@@ -15,11 +15,10 @@
 //! to the CAs of [`TlsOptions::ca`], and must name the URL's host (a DNS name, or an IP
 //! address for `rediss://127.0.0.1`). There is no way to turn verification off.
 
-use std::borrow::Cow;
 use std::cell::Cell;
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -28,53 +27,8 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use rustls::{ClientConfig, ClientConnection, RootCertStore, StreamOwned};
 
 use super::conn::left;
+use super::options::{tls_host, TlsOptions};
 use crate::error::{KvError, Result};
-
-/// Files a `rediss://` connection uses besides the system's trust roots.
-#[derive(Clone, Debug, Default)]
-pub struct TlsOptions {
-    /// A PEM file of CA certificates trusted besides the system's.
-    pub ca: Option<PathBuf>,
-    /// A PEM file of the client's certificate (chain), for a server with
-    /// `tls-auth-clients yes`; needs [`TlsOptions::key`].
-    pub cert: Option<PathBuf>,
-    /// A PEM file of the client certificate's private key (PKCS#8, PKCS#1 or SEC1).
-    pub key: Option<PathBuf>,
-}
-
-impl TlsOptions {
-    /// The name of the first option given, if any.
-    fn first_given(&self) -> Option<&'static str> {
-        [
-            ("tls_ca", &self.ca),
-            ("tls_cert", &self.cert),
-            ("tls_key", &self.key),
-        ]
-        .into_iter()
-        .find_map(|(name, v)| v.as_ref().map(|_| name))
-    }
-}
-
-/// `url` as the `redis` crate parses it (a `rediss://` or `valkeys://` URL with the plain
-/// scheme), and whether it asks for TLS. A fragment (`#insecure`) is refused: the server
-/// is always verified.
-pub(super) fn plain_url(url: &str) -> std::result::Result<(Cow<'_, str>, bool), String> {
-    for (tls, plain) in [("rediss://", "redis://"), ("valkeys://", "valkey://")] {
-        let Some(scheme) = url.get(..tls.len()) else {
-            continue;
-        };
-        if scheme.eq_ignore_ascii_case(tls) {
-            if url.contains('#') {
-                return Err(
-                    "a URL fragment (such as #insecure) is not supported: TLS always verifies the server"
-                        .into(),
-                );
-            }
-            return Ok((format!("{plain}{}", &url[tls.len()..]).into(), true));
-        }
-    }
-    Ok((url.into(), false))
-}
 
 /// How to open TLS connections to one server: the configuration and the name verified.
 pub(super) struct Client {
@@ -115,18 +69,8 @@ impl Client {
     /// argument at fault: a TLS option without a `rediss://` URL, a file that is missing
     /// or holds no usable certificate or key, a certificate without its key.
     pub(super) fn new(tls: bool, host: Option<&str>, opts: &TlsOptions) -> Result<Option<Self>> {
-        let host = match (tls, host) {
-            (true, Some(h)) => h,
-            _ => {
-                return match opts.first_given() {
-                    None => Ok(None),
-                    Some(name) => Err(KvError::InvalidArgument {
-                        name,
-                        value: "given".into(),
-                        reason: "TLS options need a rediss:// URL".into(),
-                    }),
-                }
-            }
+        let Some(host) = tls_host(tls, host, opts)? else {
+            return Ok(None);
         };
         let mut roots = RootCertStore::empty();
         roots.add_parsable_certificates(system_roots().iter().cloned());
@@ -269,7 +213,8 @@ mod tests {
     use rustls::pki_types::{CertificateDer, PrivateKeyDer};
     use rustls::{ServerConfig, ServerConnection};
 
-    use super::{plain_url, TlsOptions};
+    use super::super::options::plain_url;
+    use super::TlsOptions;
     use crate::tier::redis::RedisTier;
     use crate::tier::Tier;
 
