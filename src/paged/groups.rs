@@ -217,11 +217,13 @@ impl LayerGroups {
 
     /// The most blocks one sequence holds while it grows to `seq_len` positions in
     /// forward passes of at most `max_chunk` new tokens each (`block_size` positions per
-    /// block): each full table's blocks of `seq_len` positions, and for each windowed
-    /// table its largest span, what its window keeps behind the committed length plus
-    /// the tokens one pass adds before it commits (a sliding table's window, `swa_memory`
-    /// and a block in decode; a whole prompt while it is prefilled). A pool of `n` times
-    /// this many blocks runs `n` such sequences at once.
+    /// block). A pass of `q` tokens at committed length `c` holds, in each table, the
+    /// blocks from what the table keeps at `c` through position `c + q - 1`: every block
+    /// for a full table; for a windowed one its window (a sliding table's `swa_memory`
+    /// too) plus the pass, a whole prompt while it is prefilled. The answer is the
+    /// largest sum over the tables at one `c`, with the longest pass from there: a
+    /// sequence reaches it, and a pool of `n` times this many blocks runs `n` such
+    /// sequences at once.
     pub fn blocks_per_sequence(
         &self,
         seq_len: usize,
@@ -230,25 +232,20 @@ impl LayerGroups {
     ) -> usize {
         let bs = block_size.max(1);
         let chunk = max_chunk.max(1);
-        let peak = |kind: LayerKind| -> usize {
-            if kind == LayerKind::Full {
-                return seq_len.div_ceil(bs);
-            }
-            // A pass of `q` tokens at committed length `c` holds `keep_from(c)`'s block
-            // through position `c + q - 1`; the longest pass from `c` holds the most.
-            (0..seq_len)
-                .map(|c| {
-                    let end = (c + chunk).min(seq_len);
-                    end.div_ceil(bs) - self.attention.keep_from(kind, c) / bs
-                })
-                .max()
-                .unwrap_or(0)
-        };
-        let mut peaks = [None; 3];
-        self.groups
-            .iter()
-            .map(|g| *peaks[g.kind as usize].get_or_insert_with(|| peak(g.kind)))
-            .sum()
+        let kinds = [LayerKind::Full, LayerKind::Sliding, LayerKind::Chunked];
+        let tables = kinds.map(|k| self.groups.iter().filter(|g| g.kind == k).count());
+        (0..seq_len)
+            .map(|c| {
+                let end = (c + chunk).min(seq_len).div_ceil(bs);
+                kinds
+                    .iter()
+                    .zip(tables)
+                    .filter(|&(_, n)| n > 0)
+                    .map(|(&k, n)| n * (end - self.attention.keep_from(k, c) / bs))
+                    .sum()
+            })
+            .max()
+            .unwrap_or(0)
     }
 }
 

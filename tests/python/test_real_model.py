@@ -33,7 +33,13 @@ QUESTIONS = ["What is the capital of France?", "What is the capital of Japan?"]
 
 @pytest.fixture(scope="module")
 def smol():
-    return real_model.load(progress=lambda line: None)
+    # One torch thread: a 135M model at batch 1 gains little from two, and on a shared
+    # machine two threads wait on each other at every op (this test: 15 s against 82 s on
+    # the 2-core VM with other builds running). The tokens do not depend on it.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield real_model.load(progress=lambda line: None)
+    torch.set_num_threads(threads)
 
 
 def generate(model, prompt, cache):

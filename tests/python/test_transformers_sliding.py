@@ -20,7 +20,7 @@ from transformers import (  # noqa: E402
 )
 
 import kvrs  # noqa: E402
-from kvrs.integrations.transformers import KvrsCache, KvrsPagedCache  # noqa: E402
+from kvrs.integrations.transformers import KvrsCache, KvrsPagedCache, generate_batch  # noqa: E402
 
 WINDOW = 8
 SIZES = dict(
@@ -217,6 +217,10 @@ def test_gemma_like_models_reach_max_seq_len_in_a_cache_sized_by_layer_groups(ge
         max_seq_len, layer_types=layers, sliding_window=16
     )
     cache.pool.check_invariants()
+    # generate_batch sizes its own pool the same way.
+    assert generate_batch(gemma, ids.tolist(), max_new_tokens=max_seq_len - prompt) == [
+        out[0, prompt:].tolist()
+    ]
 
 
 def test_max_prompt_len_sizes_sliding_tables_by_their_window(gemma):

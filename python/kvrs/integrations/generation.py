@@ -156,9 +156,17 @@ def generate_batch(
 
     `pool`: where the K/V live (prefix caching on, so shared prompt prefixes are computed
     once); by default one built from the model (its layers, dtype and device) with room
-    for every request at once. `arrivals` (the step each input arrives at; default all
-    at step 0) and `on_step` (called after every step with the step, the pool and every
-    request's state) let a caller replay a server's workload and trace it.
+    for every request at once, each table of the model's layer kinds sized by
+    :func:`kvrs.blocks_per_sequence`; a given pool must match the model (ValueError
+    otherwise). `arrivals` (the step each input arrives at; default all at step 0) and
+    `on_step` (called after every step with the step, the pool and every request's
+    state) let a caller replay a server's workload and trace it. `progress_bar` shows
+    vLLM's line (tqdm): requests done, and prompt ("input") and generated ("output")
+    tokens per second, refreshed as steps run.
+
+    The model's attention is kvrs's while the call runs (:func:`use_paged_attention`)
+    and what it was on return, also after an exception: a model the caller switched
+    stays switched.
     """
     gc = generation_config if generation_config is not None else model.generation_config
     prompts = _token_ids(inputs)
@@ -334,7 +342,14 @@ def _run(
                 todo = (r.prompt + r.generated)[seq.seq_len :]
                 seqs += [seq] * len(todo)
                 ids += todo
-            with torch.no_grad(), pool.start_forward(seqs, tokens=ids) as batch:
+            try:
+                batch = pool.start_forward(seqs, tokens=ids)
+            except kvrs.CacheFullError as e:  # another holder of the pool took the room admitted
+                raise kvrs.CacheFullError(
+                    f"{e}: other sequences of the pool took blocks these requests were admitted with; "
+                    "give generate_batch a pool of its own, or one with more blocks (num_blocks=)"
+                ) from e
+            with torch.no_grad(), batch:
                 logits = forward_batch(model, batch, logits_to_keep="last")
             if sampling:
                 gens = [r.generator for r, _ in running]
