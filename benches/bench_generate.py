@@ -18,8 +18,10 @@ tokens each, ending at the model's end-of-turn token. Rows:
 Each row prints its wall time, generated tokens per second, its ratio to kvrs, and how
 many requests gave exactly the one-at-a-time tokens (padding changes a batch's float
 rounding, so the padded batch may differ). The ratios are the figures to quote: absolute
-times on a shared 2-core VM say little. Run: `python benches/bench_generate.py` (after
-`make install`, which installs the model); `N=24 NEW=48` to change the workload.
+times on a shared 2-core VM say little. Run: `OMP_NUM_THREADS=1 python
+benches/bench_generate.py` (after `make install`, which installs the model; one torch
+thread, as on a VM shared with other work two threads wait on each other at every op);
+`N=24 NEW=48` to change the workload.
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ def main() -> None:
         same = sum(a == b for a, b in zip(out, reference, strict=True))
         print(
             f"| {name:<48} | {seconds:8.1f}s | {generated / seconds:18.1f} | {seconds / ours:10.2f}x "
-            f"| {same:>17} of {len(out):<10} |"
+            f"| {f'{same} of {len(out)}':>28} |"
         )
 
 

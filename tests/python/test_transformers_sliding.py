@@ -206,7 +206,7 @@ def test_gemma_like_models_reach_max_seq_len_in_a_cache_sized_by_layer_groups(ge
     stop at position 52 of 64, a Gemma-3-like one could not take a 30-token prompt."""
     kinds = gemma.config.layer_types
     assert kinds.count("sliding_attention") == (2 if len(kinds) == 4 else 5)
-    prompt, max_seq_len = (10, 64) if len(kinds) == 4 else (30, 64)
+    prompt, max_seq_len = (40, 64) if len(kinds) == 4 else (30, 64)
     ids = prompts(batch=1, length=prompt)
     cache = KvrsPagedCache.from_config(gemma, max_seq_len=max_seq_len)
     out = generate(gemma, cache, ids, max_new_tokens=max_seq_len - prompt)
@@ -236,8 +236,8 @@ def test_max_prompt_len_sizes_sliding_tables_by_their_window(gemma):
     )
     assert cache.pool.num_blocks < full == cache.pool.num_layer_groups * per_table
     ids = prompts(batch=1, length=20)
-    out = generate(gemma, cache, ids, max_new_tokens=40)  # past the window, twice
-    assert torch.equal(out, generate(gemma, dynamic(gemma), ids, max_new_tokens=40))
+    out = generate(gemma, cache, ids, max_new_tokens=24)  # past the window of 16, twice
+    assert torch.equal(out, generate(gemma, dynamic(gemma), ids, max_new_tokens=24))
     cache = KvrsPagedCache.from_config(gemma, max_seq_len=128, max_prompt_len=20, block_size=8)
     with pytest.raises(
         kvrs.CacheFullError, match=r"max_prompt_len=20.*this needs max_prompt_len=100: raise max_prompt_len"
