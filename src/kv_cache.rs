@@ -463,7 +463,7 @@ impl CacheCore {
         let s = self.shape;
         let layer = self.check_layer(layer)?;
         let head = check_index("head", head, s.num_kv_heads)?;
-        let pos = self.check_position("pos", pos, layer)?;
+        let pos = check_index("pos", pos, s.max_seq_len)?;
         vector.expect_shape(if kv == Kv::Key { "key" } else { "value" }, &[s.dim(kv)])?;
         // The write comes first: it is the step a bad vector (another device) fails, and
         // then nothing has changed.
@@ -734,22 +734,6 @@ impl CacheCore {
         self.seq_len = n;
         self.layer_len.iter_mut().for_each(|l| *l = n);
         Ok(n)
-    }
-
-    fn check_position(&self, name: &'static str, pos: i64, layer: usize) -> Result<usize> {
-        let max = self.shape.max_seq_len;
-        if pos >= 0 && pos as u64 >= max as u64 {
-            // `layer_len <= max <= pos`: counted from what the layer holds, as `append` is.
-            let held = self.layer_len[layer];
-            return Err(KvError::CacheFull {
-                what: format!("writing at {name}={pos} of layer {layer} (positions are 0..{max})"),
-                needed: pos as usize + 1 - held,
-                free: max - held,
-                capacity: max,
-                unit: Unit::Positions,
-            });
-        }
-        check_index(name, pos, max)
     }
 
     /// Validates a block request; returns (layer, start, block_size, positions inside the cache).

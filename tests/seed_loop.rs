@@ -234,7 +234,7 @@ fn kind(e: &KvError) -> &'static str {
 /// the variant and the start of the message of the error their `try_` twins return.
 fn refusals() -> Vec<(Call, &'static str, &'static str)> {
     use Call::*;
-    let full = "cache full: writing at pos=16 of layer ";
+    let past_end = "pos=16 is out of range: must be in [0, 16)";
     vec![
         (StoreKey(0, 0, 4, DIM + 1), "Shape", "key has shape [5]"),
         (
@@ -247,11 +247,11 @@ fn refusals() -> Vec<(Call, &'static str, &'static str)> {
             "OutOfRange",
             "head=3 is out of range",
         ),
-        (StoreKey(1, 0, MAX, DIM), "CacheFull", full),
+        (StoreKey(1, 0, MAX, DIM), "OutOfRange", past_end),
         (
             StoreKey(1, 0, usize::MAX, DIM),
-            "CacheFull",
-            "cache full: writing at pos=",
+            "OutOfRange",
+            "pos=9223372036854775807 is out of range",
         ),
         (StoreValue(0, 0, 4, DIM - 1), "Shape", "value has shape [3]"),
         (StoreValue(usize::MAX, 0, 4, DIM), "OutOfRange", "layer="),
@@ -260,7 +260,7 @@ fn refusals() -> Vec<(Call, &'static str, &'static str)> {
             "OutOfRange",
             "head=3 is out of range",
         ),
-        (StoreValue(0, 0, MAX, DIM), "CacheFull", full),
+        (StoreValue(0, 0, MAX, DIM), "OutOfRange", past_end),
         (
             ExtractBlock(LAYERS, 0, 2),
             "OutOfRange",
@@ -416,9 +416,7 @@ fn store_key_panics_on_a_head_out_of_range() {
 }
 
 #[test]
-#[should_panic(
-    expected = "KvCache::store_key: cache full: writing at pos=16 of layer 0 (positions are 0..16) needs 13 more positions but 12 of 16 positions are free"
-)]
+#[should_panic(expected = "KvCache::store_key: pos=16 is out of range: must be in [0, 16)")]
 fn store_key_panics_at_max_seq_len() {
     filled().store_key(0, 0, MAX, &[1.0; DIM]);
 }
@@ -442,7 +440,7 @@ fn store_value_panics_on_a_head_out_of_range() {
 }
 
 #[test]
-#[should_panic(expected = "KvCache::store_value: cache full: writing at pos=")]
+#[should_panic(expected = "KvCache::store_value: pos=9223372036854775807 is out of range")]
 fn store_value_panics_at_max_seq_len() {
     filled().store_value(0, 0, usize::MAX, &[1.0; DIM]);
 }

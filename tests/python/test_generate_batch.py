@@ -4,17 +4,42 @@ forward_batch(..., logits_to_keep=...)."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from transformers import DynamicCache  # noqa: E402
+from transformers import (  # noqa: E402
+    ContinuousBatchingConfig,
+    DynamicCache,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
 import kvrs  # noqa: E402
 from kvrs.demo import make_tiny_model  # noqa: E402
-from kvrs.integrations.transformers import block_pool_from_config, forward_batch, generate_batch  # noqa: E402
+from kvrs.integrations.transformers import (  # noqa: E402
+    block_pool_from_config,
+    forward_batch,
+    generate_batch,
+    restore_attention,
+    use_paged_attention,
+)
+
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    pad_token_id=0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +143,68 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy(model):
     )
 
 
+def test_generate_batch_leaves_the_model_as_it_was():
+    """A model the caller did not switch comes back unswitched, also after an exception:
+    its config (shared with any model built from it) keeps its attention, and
+    transformers' own generate_batch runs on it. use_paged_attention is the explicit
+    switch, and restore_attention undoes it."""
+    config = LlamaConfig(**TINY)
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(config).eval()
+    before = config._attn_implementation
+    ps = prompts()[:3]
+    ours = generate_batch(model, ps, max_new_tokens=4, eos_token_id=[])
+    assert config._attn_implementation == before
+    assert LlamaForCausalLM(config).config._attn_implementation == before
+    assert not model._forward_pre_hooks
+    assert all("forward" not in m.__dict__ and not hasattr(m, "_kvrs_layer") for m in model.modules())
+    gc = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+    # A small cache: left to size itself, transformers takes most of the host's memory.
+    small = ContinuousBatchingConfig(num_blocks=4, max_batch_tokens=64)
+    with torch.no_grad():
+        theirs = model.generate_batch(
+            ps, generation_config=gc, continuous_batching_config=small, warmup=False
+        )
+    assert [list(out.generated_tokens) for out in theirs.values()] == ours
+
+    def fail(step, pool, states):
+        raise RuntimeError("a caller's on_step failed")
+
+    with pytest.raises(RuntimeError, match="on_step failed"):
+        generate_batch(model, ps, max_new_tokens=4, on_step=fail)
+    assert config._attn_implementation == before and not model._forward_pre_hooks
+
+    # The explicit switch stays switched through generate_batch, until restored.
+    use_paged_attention(model)
+    assert config._attn_implementation == "kvrs_paged"
+    assert generate_batch(model, ps, max_new_tokens=4, eos_token_id=[]) == ours
+    assert config._attn_implementation == "kvrs_paged"
+    assert restore_attention(model) is model
+    assert config._attn_implementation == before and not model._forward_pre_hooks
+    assert restore_attention(model) is model  # a model not switched: nothing to undo
+    assert [reference(model, p, 4) for p in ps] == ours
+
+
+def test_progress_bar_shows_tokens_per_second_before_a_request_ends(model, capsys):
+    """vLLM's line: requests, and prompt (input) and generated (output) tokens per
+    second, shown while the first request still runs."""
+    import time
+
+    seen = []
+
+    def slow(step, pool, states):
+        seen.append(sum(s.finished >= 0 for s in states))
+        time.sleep(0.12)
+
+    generate_batch(model, prompts()[:2], max_new_tokens=4, eos_token_id=[], progress_bar=True, on_step=slow)
+    err = capsys.readouterr().err
+    first = err[: err.index("1/2")] if "1/2" in err else err
+    assert "Processed prompts:   0%" in first
+    speeds = re.findall(r"0/2 \[[^]]*est\. speed input: ([\d,.]+) toks/s, output: ([\d,.]+) toks/s\]", first)
+    assert speeds and float(speeds[-1][0].replace(",", "")) > 0 and float(speeds[-1][1].replace(",", "")) > 0
+    assert seen[:2] == [0, 0]
+
+
 def test_arrivals_progress_bar_and_zero_budgets(model):
     ps = prompts(4)
     got = generate_batch(
@@ -150,7 +237,9 @@ def test_bad_arguments_are_clear_errors(model):
         generate_batch(model, [[1]], do_sample=True, top_p=0.0)
     small = block_pool_from_config(model.config, num_blocks=2, block_size=4)
     with pytest.raises(
-        ValueError, match=r"inputs\[0\]: 9 prompt \+ 4 new tokens need more than the pool's 2 blocks"
+        ValueError,
+        match=r"inputs\[0\]: 9 prompt \+ 4 new tokens need 4 blocks of 4, more than the pool's 2: "
+        r"give generate_batch a larger pool \(num_blocks=\)",
     ):
         generate_batch(model, [list(range(1, 10))], pool=small, max_new_tokens=4)
 
@@ -160,7 +249,9 @@ def test_a_pool_held_by_others_raises_instead_of_waiting_forever(model):
     held = pool.new_sequence()
     pool.reserve([held], [12])  # three of the four blocks
     with pytest.raises(
-        kvrs.CacheFullError, match=r"cache full: inputs\[0\] needs 3 more blocks but 1 of 4 blocks are free"
+        kvrs.CacheFullError,
+        match=r"cache full: inputs\[0\] needs 3 more blocks but 1 of 4 blocks are free \(other sequences "
+        r"hold the rest\): free them, or give generate_batch a pool with more blocks \(num_blocks=\)",
     ):
         generate_batch(model, [[1, 2, 3, 4, 5]], pool=pool, max_new_tokens=4)
     assert pool.stats()["used_blocks"] == 3  # the request's sequence was freed

@@ -19,6 +19,19 @@ except ImportError as e:  # pragma: no cover - exercised in environments without
         "kvrs.integrations.transformers needs torch and transformers: pip install torch transformers"
     ) from e
 
+__all__ = [
+    "QUANTIZED_DTYPES",
+    "STORAGE_DTYPES",
+    "SUPPORTED_TRANSFORMERS",
+    "as_torch",
+    "model_dtype",
+    "model_parts",
+    "resolve_device",
+    "resolve_dtype",
+    "text_config",
+    "torch",
+]
+
 SUPPORTED_TRANSFORMERS = ">=5.15,<6"
 """The transformers versions whose cache contract the integration follows (5.15 made
 `crop(n)` take a negative count; 5.23.0 is the version tested)."""
@@ -83,7 +96,14 @@ def resolve_dtype(dtype: Any, model: torch.dtype | None) -> Any:
 
 
 def resolve_device(device: Any, model: torch.device | None) -> str:
-    """`device` as kvrs takes it: None is the model's device (the host without a model)."""
+    """`device` as kvrs takes it: None is the model's device (the host without a model).
+    A model on torch's ``meta`` device has no weights to run: DeviceError saying so."""
     if device is None:
+        if model is not None and model.type == "meta":
+            raise kvrs.DeviceError(
+                "the model's parameters are on torch's meta device (shapes only, no weights: built under "
+                "init_empty_weights or torch.device('meta'), or not loaded yet): load its weights "
+                "(from_pretrained, model.to_empty(device=...) and load_state_dict), or pass device="
+            )
         return str(model) if model is not None else "cpu"
     return str(device)

@@ -23,7 +23,7 @@ from kvrs.integrations._torch import torch
 
 from transformers.cache_utils import DynamicCache  # isort: skip
 
-__all__ = ["FP8_MAX", "KvScales", "calibrate_kv_scales"]
+__all__ = ["FP8_MAX", "KvScales", "calibrate_kv_scales", "scale_for"]
 
 FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
 """The largest finite value of each fp8 storage dtype, by its kvrs name."""
@@ -60,7 +60,7 @@ class KvScales:
         return {"dtype": self.dtype, "k_scale": self.k_scale, "v_scale": self.v_scale}
 
 
-def fp8_dtype(dtype: Any) -> str:
+def _fp8_dtype(dtype: Any) -> str:
     """kvrs's name of an fp8 storage dtype given in any spelling kvrs accepts ('fp8',
     'e4m3', 'float8_e4m3fn', torch.float8_e5m2, ...); ValueError for other dtypes."""
     try:
@@ -218,7 +218,7 @@ def calibrate_kv_scales(
     Returns a :class:`KvScales`; ``scales.as_kwargs()`` gives ``dtype``, ``k_scale`` and
     ``v_scale`` for ``KvrsCache``, ``KvrsPagedCache.from_config`` and ``kvrs.BlockPool``.
     """
-    name = fp8_dtype(dtype)
+    name = _fp8_dtype(dtype)
     margins = tuple(margin) if isinstance(margin, tuple | list) else (margin, margin)
     if len(margins) != 2 or not all(
         isinstance(m, int | float) and not isinstance(m, bool) and np.isfinite(m) and m > 0 for m in margins

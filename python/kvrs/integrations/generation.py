@@ -14,19 +14,26 @@ A finished request frees its sequence; its blocks stay cached for the requests a
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import kvrs
 from kvrs.integrations._torch import torch
-from kvrs.integrations.layout import block_pool_from_config, is_hybrid
-from kvrs.integrations.paged_attention import forward_batch, use_paged_attention
+from kvrs.integrations.layout import (
+    _attention_layout,
+    _is_hybrid,
+    _pool_layout,
+    block_pool_from_config,
+    check_pool,
+)
+from kvrs.integrations.paged_attention import _switched, forward_batch
 
 __all__ = ["RequestState", "generate_batch"]
 
 #: New tokens per request when neither the call nor the generation config says.
-DEFAULT_MAX_NEW_TOKENS = 20
+_DEFAULT_MAX_NEW_TOKENS = 20
 
 
 @dataclass
@@ -54,8 +61,31 @@ class RequestState:
         return self.stopped or len(self.generated) >= self.max_new_tokens
 
 
-def _blocks(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
+def _token_ids(inputs: Sequence[Sequence[int]]) -> list[list[int]]:
+    """`inputs` as lists of int token ids; anything else (text, floats) is a TypeError
+    naming the input and what to pass."""
+    if isinstance(inputs, (str, bytes)):
+        raise TypeError(
+            "inputs is a string: generate_batch takes token ids, one list per prompt; tokenize first "
+            "(tokenizer(texts).input_ids, or tokenizer.apply_chat_template(..., tokenize=True))"
+        )
+    prompts = []
+    for i, p in enumerate(inputs):
+        if isinstance(p, (str, bytes)):
+            raise TypeError(
+                f"inputs[{i}] is a {type(p).__name__} ({p[:20]!r}): generate_batch takes token ids, one list "
+                "per prompt; tokenize first (tokenizer(texts).input_ids)"
+            )
+        ids = []
+        for j, t in enumerate(p):
+            if isinstance(t, bool) or not hasattr(t, "__index__"):
+                raise TypeError(
+                    f"inputs[{i}][{j}] is {t!r}: token ids are ints (tokenize text first: "
+                    "tokenizer(texts).input_ids)"
+                )
+            ids.append(int(t))
+        prompts.append(ids)
+    return prompts
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:
@@ -160,12 +190,20 @@ def generate_batch(
 
     `pool`: where the K/V live (prefix caching on, so shared prompt prefixes are computed
     once); by default one built from the model (its layers, dtype and device) with room
-    for every request at once. `arrivals` (the step each input arrives at; default all
-    at step 0) and `on_step` (called after every step with the step, the pool and every
-    request's state) let a caller replay a server's workload and trace it.
+    for every request at once, each table of the model's layer kinds sized by
+    :func:`kvrs.blocks_per_sequence`; a given pool must match the model (ValueError
+    otherwise). `arrivals` (the step each input arrives at; default all at step 0) and
+    `on_step` (called after every step with the step, the pool and every request's
+    state) let a caller replay a server's workload and trace it. `progress_bar` shows
+    vLLM's line (tqdm): requests done, and prompt ("input") and generated ("output")
+    tokens per second, refreshed as steps run.
+
+    The model's attention is kvrs's while the call runs (:func:`use_paged_attention`)
+    and what it was on return, also after an exception: a model the caller switched
+    stays switched.
     """
     gc = generation_config if generation_config is not None else model.generation_config
-    prompts = [[int(t) for t in p] for p in inputs]
+    prompts = _token_ids(inputs)
     n = len(prompts)
     if n == 0:
         return []
@@ -176,7 +214,7 @@ def generate_batch(
         if min(p) < 0 or max(p) >= vocab:
             raise ValueError(f"inputs[{i}]: token ids must lie in [0, {vocab}) (the model's vocab_size)")
     budget = max_new_tokens if max_new_tokens is not None else gc.max_new_tokens
-    budgets = _per_request(DEFAULT_MAX_NEW_TOKENS if budget is None else budget, n, "max_new_tokens")
+    budgets = _per_request(_DEFAULT_MAX_NEW_TOKENS if budget is None else budget, n, "max_new_tokens")
     steps_in = _per_request(list(arrivals) if arrivals is not None else 0, n, "arrivals")
     stops = _stop_ids(eos_token_id if eos_token_id is not None else gc.eos_token_id)
     sampling = bool(do_sample if do_sample is not None else gc.do_sample)
@@ -189,20 +227,28 @@ def generate_batch(
         raise ValueError(f"top_k={k}: give a count >= 0 (0: no top-k filtering)")
     if not 0.0 < p_top <= 1.0:
         raise ValueError(f"top_p={p_top}: give a probability in (0, 1] (1: no nucleus filtering)")
-    use_paged_attention(model)
     if pool is None:
-        need = sum(_blocks(len(p) + b, block_size) for p, b in zip(prompts, budgets, strict=True))
+        # Each request's peak, its prompt computed in one step: every table of the
+        # model's layer kinds (a sliding table holds its window, not the whole request).
+        layout = _attention_layout(model.config)
+        need = sum(
+            kvrs.blocks_per_sequence(len(p) + b, block_size=block_size, max_chunk=len(p), **layout)
+            for p, b in zip(prompts, budgets, strict=True)
+        )
         # A hybrid model's sequences each hold a state slot: one per request.
-        slots = {"state_slots": n} if is_hybrid(model.config) else {}
+        slots = {"state_slots": n} if _is_hybrid(model.config) else {}
         pool = block_pool_from_config(model, num_blocks=need, block_size=block_size, **slots)
+    else:
+        check_pool(pool, model)
     states = [
         RequestState(i, p, b, a) for i, (p, b, a) in enumerate(zip(prompts, budgets, steps_in, strict=True))
     ]
     for r in states:
-        if _blocks(len(r.prompt) + r.max_new_tokens, pool.block_size) > pool.num_blocks:
+        if _peak(pool, r) > pool.num_blocks:
             raise ValueError(
-                f"inputs[{r.index}]: {len(r.prompt)} prompt + {r.max_new_tokens} new tokens need more "
-                f"than the pool's {pool.num_blocks} blocks of {pool.block_size}"
+                f"inputs[{r.index}]: {len(r.prompt)} prompt + {r.max_new_tokens} new tokens need "
+                f"{_peak(pool, r)} blocks of {pool.block_size}, more than the pool's {pool.num_blocks}: "
+                "give generate_batch a larger pool (num_blocks=), or fewer max_new_tokens"
             )
     for r in states:
         if sampling:
@@ -213,17 +259,56 @@ def generate_batch(
                 r.generator.seed()
             else:
                 r.generator.manual_seed(hash((seed, r.index)) & (2**63 - 1))
-    bar = None
-    if progress_bar:
+    progress = _Progress(n) if progress_bar else None
+    try:
+        with _switched(model):
+            _run(model, pool, states, stops, sampling, temp, k, p_top, progress, on_step)
+    finally:
+        if progress is not None:
+            progress.close()
+    return [r.generated for r in states]
+
+
+def _peak(pool: kvrs.BlockPool, r: RequestState) -> int:
+    """The most blocks request `r` holds in `pool` (its prompt computed in one step)."""
+    return kvrs.blocks_per_sequence(
+        len(r.prompt) + r.max_new_tokens,
+        block_size=pool.block_size,
+        max_chunk=len(r.prompt),
+        **_pool_layout(pool),
+    )
+
+
+class _Progress:
+    """generate_batch's progress bar, vLLM's line: requests finished, and prompt
+    ("input") and generated ("output") tokens per second, refreshed as steps run (at most
+    10 times a second), so a long batch shows its speed before its first request ends."""
+
+    def __init__(self, n: int):
         from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
-        bar = tqdm(total=n, desc="generating", unit="req")
-    try:
-        _run(model, pool, states, stops, sampling, temp, k, p_top, bar, on_step)
-    finally:
-        if bar is not None:
-            bar.close()
-    return [r.generated for r in states]
+        self.bar = tqdm(total=n, desc="Processed prompts", unit="req", dynamic_ncols=True, smoothing=0)
+        self.start = self.shown = time.perf_counter()
+        self.prompt_tokens = self.generated = 0
+
+    def step(self, admitted: int, generated: int, finished: int) -> None:
+        """After a step: the prompt tokens of the requests it admitted, the tokens it
+        generated and the requests it finished."""
+        self.prompt_tokens += admitted
+        self.generated += generated
+        now = time.perf_counter()
+        if finished:
+            self.bar.update(finished)
+        if finished or now - self.shown >= 0.1:
+            self.shown = now
+            elapsed = max(now - self.start, 1e-9)
+            self.bar.set_postfix_str(
+                f"est. speed input: {self.prompt_tokens / elapsed:,.2f} toks/s, "
+                f"output: {self.generated / elapsed:,.2f} toks/s"
+            )
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _run(
@@ -235,7 +320,7 @@ def _run(
     temperature: float,
     top_k: int,
     top_p: float,
-    bar: Any,
+    progress: _Progress | None,
     on_step: Any,
 ) -> None:
     """The scheduler: admits, runs one forward pass per step, samples, finishes."""
@@ -248,8 +333,10 @@ def _run(
     hybrid = bool(pool.state_layers) and pool.stats().get("state_checkpoints", 0) > 0
     branches = _branch_points([r.prompt for r in states]) if hybrid else [[] for _ in states]
 
+    peaks = {r.index: _peak(pool, r) for r in states}
+
     def growth(rs: list[tuple[RequestState, kvrs.Sequence]]) -> int:
-        return sum(_blocks(len(r.prompt) + r.max_new_tokens, bs) - s.num_blocks for r, s in rs)
+        return sum(peaks[r.index] - s.num_blocks for r, s in rs)
 
     step = 0
     try:
@@ -257,6 +344,7 @@ def _run(
             if not running:
                 step = max(step, waiting[0].arrival)
             computing: set[tuple[int, ...]] = set()
+            admitted = 0
             while waiting and waiting[0].arrival <= step:
                 r = waiting[0]
                 head = tuple(r.prompt[:bs])
@@ -279,35 +367,44 @@ def _run(
                 waiting.pop(0)
                 computing.add(head)
                 r.cached, r.admitted = seq.num_cached_tokens, step
+                admitted += len(r.prompt)
                 running.append((r, seq))
             if not running:
                 r = waiting[0]
                 if pool.state_layers and pool.free_state_slots == 0:
                     raise kvrs.CacheFullError(
                         f"cache full: inputs[{r.index}] needs 1 more state slots but 0 of "
-                        f"{pool.state_slots} state slots are free (other sequences hold them)"
+                        f"{pool.state_slots} state slots are free (other sequences hold them): free them, "
+                        "or give generate_batch a pool with more state_slots"
                     )
                 raise kvrs.CacheFullError(
-                    f"cache full: inputs[{r.index}] needs "
-                    f"{_blocks(len(r.prompt) + r.max_new_tokens, bs)} more blocks but {pool.free_blocks} "
-                    f"of {pool.num_blocks} blocks are free (other sequences hold the rest)"
+                    f"cache full: inputs[{r.index}] needs {peaks[r.index]} more blocks but "
+                    f"{pool.free_blocks} of {pool.num_blocks} blocks are free (other sequences hold the "
+                    "rest): free them, or give generate_batch a pool with more blocks (num_blocks=)"
                 )
             seqs: list[kvrs.Sequence] = []
             ids: list[int] = []
             prefilling: list[bool] = []
             for r, seq in running:
-                done = seq.seq_len
-                todo = (r.prompt + r.generated)[done:]
+                computed = seq.seq_len
+                todo = (r.prompt + r.generated)[computed:]
                 if hybrid:
                     due = seq.checkpoint_due
-                    ends = [p for p in branches[r.index] if p > done] + ([due] if due else [])
+                    ends = [p for p in branches[r.index] if p > computed] + ([due] if due else [])
                     if ends:
-                        todo = todo[: min(ends) - done]
+                        todo = todo[: min(ends) - computed]
                 seqs += [seq] * len(todo)
                 ids += todo
                 # A chunk that stops short of the prompt's end samples nothing.
-                prefilling.append(done + len(todo) < len(r.prompt))
-            with torch.no_grad(), pool.start_forward(seqs, tokens=ids) as batch:
+                prefilling.append(computed + len(todo) < len(r.prompt))
+            try:
+                batch = pool.start_forward(seqs, tokens=ids)
+            except kvrs.CacheFullError as e:  # another holder of the pool took the room admitted
+                raise kvrs.CacheFullError(
+                    f"{e}: other sequences of the pool took blocks these requests were admitted with; "
+                    "give generate_batch a pool of its own, or one with more blocks (num_blocks=)"
+                ) from e
+            with torch.no_grad(), batch:
                 logits = forward_batch(model, batch, logits_to_keep="last")
             sampled = [(r, s) for (r, s), p in zip(running, prefilling, strict=True) if not p]
             rows = [i for i, p in enumerate(prefilling) if not p]
@@ -319,12 +416,13 @@ def _run(
             for (r, _), token in zip(sampled, chosen, strict=True):
                 r.generated.append(int(token))
                 r.stopped = int(token) in stops
-            for r, seq in [(r, s) for r, s in running if r.done]:
+            done = [(r, s) for r, s in running if r.done]
+            for r, seq in done:
                 seq.free()  # its blocks stay cached for the next requests
                 running.remove((r, seq))
                 r.finished = step
-                if bar is not None:
-                    bar.update(1)
+            if progress is not None:
+                progress.step(admitted, len(chosen), len(done))
             if on_step is not None:
                 on_step(step, pool, states)
             step += 1

@@ -18,6 +18,8 @@ from typing import Any
 import kvrs
 from kvrs.integrations._torch import as_torch, torch
 
+__all__ = ["check_state", "conv_window", "is_linear_mixer", "wrap_mixer"]
+
 
 def conv_window(view: torch.Tensor, new: torch.Tensor, has_previous: bool, kernel: int) -> torch.Tensor:
     """transformers' ``LinearAttentionLayer.update_conv_state`` over kvrs memory: the
@@ -44,7 +46,7 @@ def check_state(name: str, view: torch.Tensor, got: torch.Tensor, layer: int) ->
         )
 
 
-class SequenceStates:
+class _SequenceStates:
     """A cache-like object over one sequence's state slot: what a linear layer's own
     forward calls (``get_conv_state``, ``update_conv_state``, ...) when
     :func:`forward_batch` runs it on that sequence's tokens."""
@@ -101,12 +103,12 @@ def wrap_mixer(module: torch.nn.Module, state_layer: int) -> None:
         batch = kwargs.pop("kvrs_batch", None)
         if batch is None:
             return own(hidden_states, *args, **kwargs)
-        return batch_forward(own, module, hidden_states, batch, kwargs)
+        return _batch_forward(own, module, hidden_states, batch, kwargs)
 
     module.forward = forward  # type: ignore[method-assign]  # an instance attribute, per module
 
 
-def batch_forward(
+def _batch_forward(
     own: Any, module: torch.nn.Module, hidden: torch.Tensor, batch: kvrs.ForwardBatch, kwargs: dict[str, Any]
 ) -> torch.Tensor:
     """`module`'s own forward over each sequence of `batch` in turn (hidden [1, tokens,
@@ -120,6 +122,6 @@ def batch_forward(
     outs = []
     for i, seq in enumerate(batch.sequences):
         lo, hi = bounds[i], bounds[i + 1]
-        states = SequenceStates(seq, state_layer, layer, int(positions[lo]) > 0)
+        states = _SequenceStates(seq, state_layer, layer, int(positions[lo]) > 0)
         outs.append(own(hidden[:, lo:hi], cache_params=states, attention_mask=None, **kwargs))
     return torch.cat(outs, dim=1)

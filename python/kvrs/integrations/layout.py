@@ -18,7 +18,9 @@ from kvrs.integrations._torch import (
     torch,
 )
 
-LINEAR_TYPES = frozenset({"linear_attention", "mamba", "mamba2", "linear"})
+__all__ = ["LayerPlan", "block_pool_from_config", "check_pool", "layer_plan"]
+
+_LINEAR_TYPES = frozenset({"linear_attention", "mamba", "mamba2", "linear"})
 """The Hugging Face layer types whose layers keep recurrent state instead of K/V."""
 
 
@@ -47,7 +49,7 @@ class LayerPlan:
         return len(self.kv_of) + len(self.state_of)
 
 
-def layer_types(config: Any) -> list[str]:
+def _layer_types(config: Any) -> list[str]:
     """The config's per-layer types as transformers names them (`layer_types`, or
     `layers_block_type`), or [] when the config names none."""
     text = text_config(config)
@@ -55,7 +57,7 @@ def layer_types(config: Any) -> list[str]:
     return list(types) if types is not None else []
 
 
-def state_shapes(config: Any) -> dict[str, tuple[int, ...]]:
+def _state_shapes(config: Any) -> dict[str, tuple[int, ...]]:
     """The per-sequence states of one linear layer of `config`'s model: a gated
     delta-net (Qwen3-Next) or a Mamba-2 mixer (Bamba, GraniteMoeHybrid) keeps a
     convolution window ``conv`` [conv_dim, kernel] and a ``recurrent`` matrix ([value
@@ -82,7 +84,7 @@ def layer_plan(config: Any, with_shapes: bool = True) -> LayerPlan:
     """Splits `config`'s layers into the pool's K/V layers and state layers, with the
     states' shapes (`with_shapes`; NotSupportedError for linear layers kvrs cannot hold)."""
     text = text_config(config)
-    types = layer_types(config) or ["full_attention"] * text.num_hidden_layers
+    types = _layer_types(config) or ["full_attention"] * text.num_hidden_layers
     kv_of: dict[int, int] = {}
     state_of: dict[int, int] = {}
     kinds: list[str] = []
@@ -92,24 +94,24 @@ def layer_plan(config: Any, with_shapes: bool = True) -> LayerPlan:
                 f"{type(text).__name__} layer {i} is {t!r}: attention and a linear mixer in one "
                 "layer, which kvrs does not serve yet (use transformers' DynamicCache)"
             )
-        if t in LINEAR_TYPES:
+        if t in _LINEAR_TYPES:
             state_of[i] = len(state_of)
         else:
             kv_of[i] = len(kv_of)
-            kinds.append(kvrs_kind(t))
+            kinds.append(_kvrs_kind(t))
     if state_of and not kv_of:
         raise kvrs.NotSupportedError(
             "a model of linear layers only has no K/V: kvrs pools hold K/V beside the state"
         )
-    return LayerPlan(kv_of, state_of, kinds, state_shapes(config) if state_of and with_shapes else {})
+    return LayerPlan(kv_of, state_of, kinds, _state_shapes(config) if state_of and with_shapes else {})
 
 
-def is_hybrid(config: Any) -> bool:
+def _is_hybrid(config: Any) -> bool:
     """Whether `config`'s model has linear-attention or Mamba layers (state layers)."""
-    return any(t in LINEAR_TYPES for t in layer_types(config))
+    return any(t in _LINEAR_TYPES for t in _layer_types(config))
 
 
-def state_dtypes(model_dtype: torch.dtype | None) -> dict[str, str]:
+def _state_dtypes(model_dtype: torch.dtype | None) -> dict[str, str]:
     """Storage dtypes of the states: the convolution window in the model's dtype (what
     it computes the window in), the recurrent matrix in float32 (it accumulates over
     every token)."""
@@ -117,7 +119,7 @@ def state_dtypes(model_dtype: torch.dtype | None) -> dict[str, str]:
     return {"conv": conv, "recurrent": "float32"}
 
 
-def attention_layout(config: Any) -> dict[str, Any]:
+def _attention_layout(config: Any) -> dict[str, Any]:
     """The BlockPool arguments that describe a model's attention layers: `layer_types`
     (from the config's `layer_types`, else every layer sliding when it sets
     `sliding_window`, chunked when it sets `attention_chunk_size`, full otherwise; a
@@ -126,7 +128,7 @@ def attention_layout(config: Any) -> dict[str, Any]:
     text = text_config(config)
     window = getattr(text, "sliding_window", None)
     chunk = getattr(text, "attention_chunk_size", None)
-    if layer_types(config):
+    if _layer_types(config):
         types = layer_plan(config).attention_types
     else:
         kind = "sliding" if window is not None else "chunked" if chunk is not None else "full"
@@ -138,12 +140,12 @@ def attention_layout(config: Any) -> dict[str, Any]:
     }
 
 
-def kvrs_kind(layer_type: str) -> str:
+def _kvrs_kind(layer_type: str) -> str:
     """kvrs's name for a Hugging Face layer type ('sliding_attention' -> 'sliding')."""
     return layer_type.removesuffix("_attention")
 
 
-def cache_heads(config: Any) -> tuple[int, int, int]:
+def _cache_heads(config: Any) -> tuple[int, int, int]:
     """What a model's cache holds per token and layer: (KV heads, key head size, value
     head size). An MLA model (DeepSeek-V2/V3: a config with `kv_lora_rank`) caches its
     compressed latent, one shared head whose "key" is the `kv_lora_rank` latent and whose
@@ -170,7 +172,7 @@ def block_pool_from_config(
 ) -> kvrs.BlockPool:
     """A BlockPool shaped for a transformers model (or its config): its attention layers
     (and their kinds), KV heads and head sizes (an MLA model's latent: see
-    :func:`cache_heads`), and for a hybrid model its linear layers as state layers
+    :func:`_cache_heads`), and for a hybrid model its linear layers as state layers
     (:func:`layer_plan`) with `state_slots` slots (default 8: sequences that can run at
     once) and, with prefix caching (the default), ``state_checkpoints`` checkpoint
     slots (default two per state slot) so that prefix hits restore the recurrent
@@ -180,15 +182,15 @@ def block_pool_from_config(
     config). Give `num_blocks` or `memory_bytes` (the states' bytes come out of it);
     other keywords (prefix_caching, swa_memory, ...) go to BlockPool."""
     config, m_dtype, m_device = model_parts(model_or_config)
-    heads, head_dim, v_head_dim = cache_heads(config)
-    layout = attention_layout(config)
-    plan = layer_plan(config) if layer_types(config) else None
+    heads, head_dim, v_head_dim = _cache_heads(config)
+    layout = _attention_layout(config)
+    plan = layer_plan(config) if _layer_types(config) else None
     if plan is not None and plan.is_hybrid:
         pool_kwargs = {
             "state_layers": len(plan.state_of),
             "state_shapes": plan.state_shapes,
             "state_slots": 8 if state_slots is None else state_slots,
-            "state_dtype": state_dtypes(m_dtype),
+            "state_dtype": _state_dtypes(m_dtype),
             **pool_kwargs,
         }
     elif state_slots is not None:
@@ -208,3 +210,51 @@ def block_pool_from_config(
         **layout,
         **pool_kwargs,
     )
+
+
+def _pool_layout(pool: kvrs.BlockPool) -> dict[str, Any]:
+    """The layer kinds of `pool` as :func:`kvrs.blocks_per_sequence` takes them (what
+    :func:`_attention_layout` gives for a config, with `swa_memory`)."""
+    return {
+        "layer_types": pool.layer_types,
+        "sliding_window": pool.sliding_window,
+        "chunk_size": pool.chunk_size,
+        "swa_memory": pool.swa_memory,
+    }
+
+
+def check_pool(pool: kvrs.BlockPool, model_or_config: Any) -> None:
+    """Raises ValueError unless `pool` holds what the model's layers write: its attention
+    layers (their kinds and windows), KV heads, head sizes and state layers, as
+    :func:`block_pool_from_config` makes them (a mismatch would otherwise surface as a
+    shape error deep inside a forward pass)."""
+    config = model_parts(model_or_config)[0]
+    heads, head_dim, v_head_dim = _cache_heads(config)
+    layout = _attention_layout(config)
+    plan = layer_plan(config, with_shapes=False) if _layer_types(config) else None
+    want = {
+        "K/V layers": len(layout["layer_types"]),
+        "KV heads": heads,
+        "head_dim": head_dim,
+        "v_head_dim": v_head_dim,
+        "layer kinds": layout["layer_types"],
+        "sliding_window": layout["sliding_window"],
+        "chunk_size": layout["chunk_size"],
+        "state layers": len(plan.state_of) if plan is not None else 0,
+    }
+    got = {
+        "K/V layers": pool.num_layers,
+        "KV heads": pool.num_kv_heads,
+        "head_dim": pool.head_dim,
+        "v_head_dim": pool.v_head_dim,
+        "layer kinds": pool.layer_types,
+        "sliding_window": pool.sliding_window,
+        "chunk_size": pool.chunk_size,
+        "state layers": pool.state_layers,
+    }
+    differ = [f"{k} {got[k]} (the model: {v})" for k, v in want.items() if got[k] != v]
+    if differ:
+        raise ValueError(
+            f"this pool does not match the model ({type(text_config(config)).__name__}): it has "
+            f"{', '.join(differ)}; make it with block_pool_from_config(model, ...)"
+        )

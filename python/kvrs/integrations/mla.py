@@ -18,6 +18,8 @@ from typing import Any
 
 from kvrs.integrations._torch import as_torch, torch
 
+__all__ = ["is_mla", "wrap_forward"]
+
 
 def is_mla(module: torch.nn.Module) -> bool:
     """Whether `module` is a DeepSeek-style MLA attention layer (it has the latent
@@ -43,13 +45,13 @@ def wrap_forward(module: torch.nn.Module) -> None:
         in_place = bool(getattr(past_key_values, "attend_in_place", False))
         if batch is None and not in_place:
             return own(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
-        return absorbed_forward(module, hidden_states, position_embeddings, past_key_values, batch), None
+        return _absorbed_forward(module, hidden_states, position_embeddings, past_key_values, batch), None
 
     module.forward = forward  # type: ignore[method-assign]  # an instance attribute, per module
     module._kvrs_mla = True  # type: ignore[assignment]  # marks the wrapped module
 
 
-def absorbed_forward(
+def _absorbed_forward(
     module: Any,
     hidden_states: torch.Tensor,
     position_embeddings: tuple[torch.Tensor, torch.Tensor],

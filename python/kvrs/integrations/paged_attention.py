@@ -13,16 +13,26 @@ plain SDPA, so the same model still runs ``generate()`` with any cache.
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import kvrs
 from kvrs.integrations import hybrid, mla
 from kvrs.integrations._torch import as_torch, torch
-from kvrs.integrations.layout import layer_plan
+from kvrs.integrations.layout import check_pool, layer_plan
 
 from transformers import AttentionInterface  # isort: skip
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # isort: skip
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # isort: skip
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "forward_batch",
+    "paged_attention",
+    "restore_attention",
+    "use_paged_attention",
+]
 
 ATTN_IMPLEMENTATION = "kvrs_paged"
 """The attention implementation name kvrs registers with transformers."""
@@ -119,30 +129,130 @@ def _attend_in_place(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any
         cache.attend_in_place = ours and not padded
 
 
+_MISSING = object()
+# The attributes use_paged_attention sets on a model's modules (instance attributes).
+_MODULE_ATTRIBUTES = ("forward", "_kvrs_mla", "_kvrs_state_layer", "_kvrs_layer")
+
+
+def _configs(model: Any) -> list[Any]:
+    """Every config object of `model` (its own, its submodels' and their sub-configs):
+    where transformers records attention implementations."""
+    found: dict[int, Any] = {}
+    todo = [m.config for m in model.modules() if hasattr(m, "config")]
+    while todo:
+        config = todo.pop()
+        if id(config) in found or not hasattr(config, "_attn_implementation_internal"):
+            continue
+        found[id(config)] = config
+        todo += [getattr(config, key, None) for key in getattr(config, "sub_configs", {})]
+    return list(found.values())
+
+
+def _implementations(model: Any) -> list[tuple[Any, Any]]:
+    """Each config of `model` with the attention implementation it records now."""
+    return [(c, c._attn_implementation_internal) for c in _configs(model)]
+
+
+def _set_implementations(saved: list[tuple[Any, Any]]) -> None:
+    for config, implementation in saved:
+        config._attn_implementation_internal = implementation
+
+
+class _Switch:
+    """What :func:`use_paged_attention` changed on a model, kept on the model so that
+    :func:`restore_attention` puts it back: each config's attention implementation (the
+    configs are shared with any model built from them), the module attributes it set
+    (wrapped forwards of MLA layers and linear mixers, layer numbers), its hook."""
+
+    def __init__(self, model: Any):
+        self.implementations = _implementations(model)
+        self.modules: list[tuple[torch.nn.Module, dict[str, Any]]] = []
+        self.saved: set[int] = set()
+        self.hook: Any = None  # the pre-hook's torch.utils.hooks.RemovableHandle
+
+    def save(self, module: torch.nn.Module) -> None:
+        """Records `module`'s attributes before the switch first changes them."""
+        if id(module) not in self.saved:
+            self.saved.add(id(module))
+            self.modules.append((module, {a: module.__dict__.get(a, _MISSING) for a in _MODULE_ATTRIBUTES}))
+
+    def undo(self) -> None:
+        _set_implementations(self.implementations)
+        for module, before in self.modules:
+            for name, value in before.items():
+                if value is not _MISSING:
+                    module.__dict__[name] = value
+                else:
+                    module.__dict__.pop(name, None)
+        if self.hook is not None:
+            self.hook.remove()
+
+
 def use_paged_attention(model: Any) -> Any:
-    """Switches `model`'s attention to kvrs: a ForwardBatch (:func:`forward_batch`) or a
-    kvrs cache (``KvrsCache``, ``KvrsPagedCache``) passed as ``past_key_values`` makes
-    each layer attend over kvrs's memory in place, with no gathered history and no dense
-    mask; anything else runs SDPA. DeepSeek-style MLA layers attend over the cached
-    latent in absorbed form (:mod:`kvrs.integrations.mla`); a hybrid model's linear
-    layers run each sequence of a ForwardBatch against its state slot
-    (:mod:`kvrs.integrations.hybrid`)."""
+    """Switches `model`'s attention to kvrs (until :func:`restore_attention`): a
+    ForwardBatch (:func:`forward_batch`) or a kvrs cache (``KvrsCache``,
+    ``KvrsPagedCache``) passed as ``past_key_values`` makes each layer attend over kvrs's
+    memory in place, with no gathered history and no dense mask; anything else runs SDPA.
+    DeepSeek-style MLA layers attend over the cached latent in absorbed form
+    (:mod:`kvrs.integrations.mla`); a hybrid model's linear layers run each sequence of a
+    ForwardBatch against its state slot (:mod:`kvrs.integrations.hybrid`).
+
+    The switch is transformers' ``set_attn_implementation("kvrs_paged")``, which writes the
+    model's config: a model built from the same config object afterwards starts switched
+    too, and transformers' own ``generate_batch`` refuses a switched model.
+    :func:`restore_attention` undoes all of it. :func:`generate_batch` switches a model
+    only while it runs. Returns `model`."""
+    switch: _Switch | None = model.__dict__.get("_kvrs_switch")
+    if switch is None:
+        switch = _Switch(model)
+        model.__dict__["_kvrs_switch"] = switch
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     plan = layer_plan(model.config, with_shapes=False)
     for module in model.modules():
-        if mla.is_mla(module):
-            mla.wrap_forward(module)
         index = getattr(module, "layer_idx", None)
+        if mla.is_mla(module):
+            switch.save(module)
+            mla.wrap_forward(module)
         if not isinstance(index, int):
             continue
         if hybrid.is_linear_mixer(module) and index in plan.state_of:
+            switch.save(module)
             hybrid.wrap_mixer(module, plan.state_of[index])
         elif index in plan.kv_of:
+            switch.save(module)
             module._kvrs_layer = plan.kv_of[index]
-    if not getattr(model, "_kvrs_hooked", False):
-        model.register_forward_pre_hook(_attend_in_place, with_kwargs=True)
-        model._kvrs_hooked = True
+    if switch.hook is None:
+        switch.hook = model.register_forward_pre_hook(_attend_in_place, with_kwargs=True)
     return model
+
+
+def restore_attention(model: Any) -> Any:
+    """Undoes :func:`use_paged_attention`: the attention implementation every config of
+    `model` had before (so new models from the same config, and transformers' own
+    ``generate_batch``, see the original), the modules' own forwards, no kvrs hook.
+    A model that is not switched is left as it is. Returns `model`."""
+    switch: _Switch | None = model.__dict__.pop("_kvrs_switch", None)
+    if switch is not None:
+        switch.undo()
+    return model
+
+
+@contextmanager
+def _switched(model: Any) -> Iterator[None]:
+    """Runs the body with `model`'s attention switched to kvrs and puts back what it
+    was on the way out, also on an exception (a model already switched stays so)."""
+    if model.config._attn_implementation == ATTN_IMPLEMENTATION:
+        yield
+        return
+    before = _implementations(model) if "_kvrs_switch" in model.__dict__ else None
+    use_paged_attention(model)
+    try:
+        yield
+    finally:
+        if before is None:
+            restore_attention(model)
+        else:  # switched earlier, then set back by the caller: set back again
+            _set_implementations(before)
 
 
 def forward_batch(
@@ -165,6 +275,8 @@ def forward_batch(
             f"model uses attn_implementation={model.config._attn_implementation!r}; "
             "call kvrs.integrations.transformers.use_paged_attention(model) first"
         )
+    if batch.sequences:
+        check_pool(batch.sequences[0].pool, model)
     known = torch.from_numpy(batch.token_ids)
     if token_ids is None:
         unknown = (known < 0).nonzero().flatten().tolist()

@@ -24,6 +24,8 @@ Needs ``torch`` and ``transformers`` (5.x); importing this module without them r
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -42,8 +44,13 @@ from kvrs.integrations._torch import (
 )
 from kvrs.integrations.calibration import KvScales, calibrate_kv_scales
 from kvrs.integrations.generation import RequestState, generate_batch
-from kvrs.integrations.layout import LayerPlan, block_pool_from_config, layer_plan
-from kvrs.integrations.paged_attention import ATTN_IMPLEMENTATION, forward_batch, use_paged_attention
+from kvrs.integrations.layout import LayerPlan, _attention_layout, block_pool_from_config, layer_plan
+from kvrs.integrations.paged_attention import (
+    ATTN_IMPLEMENTATION,
+    forward_batch,
+    restore_attention,
+    use_paged_attention,
+)
 
 from transformers.cache_utils import (  # isort: skip
     Cache,
@@ -65,8 +72,14 @@ __all__ = [
     "calibrate_kv_scales",
     "forward_batch",
     "generate_batch",
+    "restore_attention",
     "use_paged_attention",
 ]
+
+
+def __dir__() -> list[str]:
+    """The public names only (not the modules and helpers this module imports)."""
+    return sorted(__all__)
 
 
 def _check_storage(dtype: Any, device: str) -> None:
@@ -77,8 +90,55 @@ def _check_storage(dtype: Any, device: str) -> None:
 
 def _check_same_device(tensor: torch.Tensor, device: str, what: str) -> None:
     """The model's tensors must live where the cache stores (no silent copies)."""
+    if tensor.device.type == "meta":
+        raise kvrs.DeviceError(
+            f"the model runs on torch's meta device (shapes only, no weights): load its weights before "
+            f"generating with a {what}"
+        )
     if torch.device(tensor.device) != torch.device(device):
         raise kvrs.DeviceError(f"{what} stores on {device}; got key_states on {tensor.device}")
+
+
+@contextmanager
+def _naming(setting: Callable[[], str]) -> Iterator[None]:
+    """Re-raises a CacheFullError from kvrs with `setting()`, the setting to raise, added."""
+    try:
+        yield
+    except kvrs.CacheFullError as e:
+        raise kvrs.CacheFullError(f"{e}: {setting()}") from e
+
+
+class _CheckedLayers(Cache):
+    """A transformers cache that refuses, by name, a model with more layers than it holds
+    (transformers' own lookup would raise a bare IndexError)."""
+
+    def _layer(self, layer_idx: int) -> None:
+        if not 0 <= layer_idx < len(self.layers):
+            raise ValueError(
+                f"the model writes layer {layer_idx}, but this {type(self).__name__} holds "
+                f"{len(self.layers)} layers: make it for the model with "
+                f"{type(self).__name__}.from_config(model, ...)"
+            )
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._layer(layer_idx)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        self._layer(layer_idx)
+        return super().update_conv_state(conv_states, layer_idx, *args, **kwargs)
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ):
+        self._layer(layer_idx)
+        return super().update_recurrent_state(recurrent_states, layer_idx, *args, **kwargs)
+
+    def get_conv_state(self, layer_idx: int, *args: Any, **kwargs: Any):
+        self._layer(layer_idx)
+        return super().get_conv_state(layer_idx, *args, **kwargs)
 
 
 class KvrsLayer(CacheLayerMixin):
@@ -165,7 +225,13 @@ class KvrsLayer(CacheLayerMixin):
                 f"key_states has batch {key_states.shape[0]} x {key_states.shape[1]} heads; "
                 f"this cache holds {self.batch} x {self.heads}"
             )
-        self.store.append(0, self._rows(key_states), self._rows(value_states))
+        with _naming(
+            lambda: (
+                f"this KvrsCache holds max_seq_len={self.max_seq_len} positions per layer; make it "
+                "with a larger max_seq_len"
+            )
+        ):
+            self.store.append(0, self._rows(key_states), self._rows(value_states))
         self.store.advance(key_states.shape[2])
         if self.in_place and self.store.dtype in QUANTIZED_DTYPES:
             # Attention reads the 8-bit blocks in place; dequantized copies of the whole
@@ -262,7 +328,7 @@ def _per_layer(scale: Any, name: str, num_layers: int) -> list[Any]:
     return [arr[i] if arr.ndim == 2 else float(arr[i]) for i in range(num_layers)]
 
 
-class KvrsCache(Cache):
+class KvrsCache(_CheckedLayers):
     """A ``transformers`` cache whose keys and values live in kvrs (one KVCache per layer).
 
     Every layer stores all ``max_seq_len`` positions, sliding-window layers included (the
@@ -348,6 +414,16 @@ class KvrsPagedLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         _check_same_device(key_states, self.owner.pool.device, "KvrsPagedCache")
+        pool = self.owner.pool
+        want = (pool.num_kv_heads, pool.head_dim, pool.v_head_dim)
+        got = (key_states.shape[1], key_states.shape[-1], value_states.shape[-1])
+        if got != want:
+            raise ValueError(
+                f"this pool does not match the model: the model writes {got[0]} KV heads of {got[1]} "
+                f"(values {got[2]}), the pool holds {want[0]} of {want[1]} (values {want[2]}); make the "
+                "cache with KvrsPagedCache.from_config(model, ...) or the pool with "
+                "block_pool_from_config(model)"
+            )
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
@@ -470,7 +546,7 @@ def _check_state_index(state_idx: int) -> None:
         )
 
 
-class KvrsPagedCache(Cache):
+class KvrsPagedCache(_CheckedLayers):
     """A ``transformers`` cache whose keys and values live in a :class:`kvrs.BlockPool`,
     one pool sequence per batch row.
 
@@ -485,6 +561,8 @@ class KvrsPagedCache(Cache):
     def __init__(self, pool: kvrs.BlockPool, plan: LayerPlan | None = None):
         self.pool = pool
         self.attend_in_place = False
+        # How the pool was sized (from_config records its settings), for CacheFullError.
+        self.sizing: dict[str, Any] = {}
         self.rows: list[kvrs.Sequence] = []
         if plan is None:
             plan = LayerPlan({i: i for i in range(pool.num_layers)}, {}, list(pool.layer_types))
@@ -514,6 +592,7 @@ class KvrsPagedCache(Cache):
         *,
         max_seq_len: int | None = None,
         max_batch_size: int = 1,
+        max_prompt_len: int | None = None,
         num_blocks: int | None = None,
         memory_bytes: int | str | None = None,
         block_size: int = 16,
@@ -525,32 +604,52 @@ class KvrsPagedCache(Cache):
     ) -> KvrsPagedCache:
         """A cache with a new pool shaped for a transformers model or its config (its layer
         types included; a hybrid model's linear layers as state layers with
-        `max_batch_size` state slots): room for `max_batch_size` rows of `max_seq_len`
-        positions, or exactly `num_blocks` blocks or `memory_bytes` bytes. `dtype` and `device` as for
+        `max_batch_size` state slots).
+
+        Its size: room for `max_batch_size` rows of `max_seq_len` positions, counted per
+        block table (:func:`kvrs.blocks_per_sequence`): a full-attention table needs every
+        block of `max_seq_len`, a sliding-window or chunked table only its window plus
+        what one forward pass adds, at most `max_prompt_len` tokens (the longest prompt
+        ``generate()`` prefills at once; default `max_seq_len`). Or exactly `num_blocks`
+        blocks or `memory_bytes` bytes; given beside `max_seq_len`, the pool must hold
+        those rows (ValueError otherwise). `dtype` and `device` as for
         :func:`block_pool_from_config` ('auto' and None: the model's; 8-bit dtypes as for
-        :class:`KvrsCache`, with fp8 `k_scale` / `v_scale`). `swa_memory`
-        positions are kept beyond sliding windows so that `crop` (assisted decoding) can
-        roll back that far from the longest length reached."""
-        given = [n for n, v in (("max_seq_len", max_seq_len), ("num_blocks", num_blocks),
-                                 ("memory_bytes", memory_bytes)) if v is not None]  # fmt: skip
-        if len(given) != 1:
-            raise ValueError(
-                f"give exactly one of max_seq_len (with max_batch_size), num_blocks or memory_bytes; "
-                f"got {given or 'none'}"
-            )
-        if max_seq_len is not None:
-            if max_seq_len < 1 or max_batch_size < 1 or block_size < 1:
-                raise ValueError(
-                    f"max_seq_len={max_seq_len}, max_batch_size={max_batch_size}, "
-                    f"block_size={block_size}: each must be >= 1"
-                )
-            num_blocks = max_batch_size * -(-max_seq_len // block_size)
+        :class:`KvrsCache`, with fp8 `k_scale` / `v_scale`). `swa_memory` positions are
+        kept beyond sliding windows so that `crop` (assisted decoding) can roll back that
+        far from the longest length reached.
+
+        A write the pool has no room for raises ``kvrs.CacheFullError`` naming the
+        setting to raise."""
+        if num_blocks is not None and memory_bytes is not None:
+            raise ValueError("give num_blocks or memory_bytes, not both")
+        if max_seq_len is None and num_blocks is None and memory_bytes is None:
+            raise ValueError("give max_seq_len (with max_batch_size), num_blocks or memory_bytes")
+        if max_prompt_len is not None and max_seq_len is None:
+            raise ValueError(f"max_prompt_len={max_prompt_len} needs max_seq_len beside it")
+        for name, value in (
+            ("max_seq_len", max_seq_len),
+            ("max_batch_size", max_batch_size),
+            ("max_prompt_len", max_prompt_len),
+            ("block_size", block_size),
+        ):
+            if value is not None and value < 1:
+                raise ValueError(f"{name}={value}: must be >= 1")
         config = model_parts(model_or_config)[0]
         plan = layer_plan(config)
+        need = None
+        if max_seq_len is not None:
+            per_row = kvrs.blocks_per_sequence(
+                max_seq_len,
+                block_size=block_size,
+                max_chunk=min(max_prompt_len or max_seq_len, max_seq_len),
+                swa_memory=swa_memory,
+                **_attention_layout(config),
+            )
+            need = max_batch_size * per_row
         slots = {"state_slots": max_batch_size} if plan.is_hybrid else {}
         pool = block_pool_from_config(
             model_or_config,
-            num_blocks=num_blocks,
+            num_blocks=need if num_blocks is None and memory_bytes is None else num_blocks,
             memory_bytes=memory_bytes,
             block_size=block_size,
             dtype=dtype,
@@ -561,7 +660,44 @@ class KvrsPagedCache(Cache):
             v_scale=v_scale,
             **slots,
         )
-        return cls(pool, plan)
+        sizing: dict[str, Any] = {"max_seq_len": max_seq_len, "max_batch_size": max_batch_size}
+        if max_prompt_len is not None:
+            sizing["max_prompt_len"] = max_prompt_len
+        given = (
+            "num_blocks" if num_blocks is not None else "memory_bytes" if memory_bytes is not None else None
+        )
+        if given is not None:
+            sizing[given] = num_blocks if num_blocks is not None else memory_bytes
+            if need is not None and pool.num_blocks < need:
+                raise ValueError(
+                    f"{given}={sizing[given]} makes {pool.num_blocks} blocks; max_batch_size="
+                    f"{max_batch_size} rows of max_seq_len={max_seq_len} need {need} "
+                    "(see kvrs.blocks_per_sequence)"
+                )
+        cache = cls(pool, plan)
+        cache.sizing = {k: v for k, v in sizing.items() if v is not None}
+        return cache
+
+    def _full(self, new_tokens: int = 0, rows: int | None = None) -> str:
+        """What to raise when the pool has no room, for a CacheFullError: the setting
+        this cache's size came from that the rows' use has passed."""
+        made = ", ".join(f"{k}={v}" for k, v in self.sizing.items())
+        if not self.sizing:
+            return (
+                f"this KvrsPagedCache's pool has {self.pool.num_blocks} blocks: give it a larger pool "
+                "(block_pool_from_config(model, num_blocks=...)) or use fewer rows"
+            )
+        rows = len(self.rows) if rows is None else rows
+        end = self.seq_len() + new_tokens
+        for name, used in (("max_seq_len", end), ("max_batch_size", rows), ("max_prompt_len", new_tokens)):
+            limit = self.sizing.get(name)
+            if limit is not None and used > limit:
+                return f"the cache was made with {made}; this needs {name}={used}: raise {name}"
+        setting = "num_blocks" if "memory_bytes" not in self.sizing else "memory_bytes"
+        return (
+            f"the cache was made with {made} ({self.pool.num_blocks} blocks); forks (beam search) or "
+            f"other holders need more: raise {setting} or max_batch_size"
+        )
 
     def seq_len(self) -> int:
         """Committed positions (the same for every row)."""
@@ -581,9 +717,12 @@ class KvrsPagedCache(Cache):
         self.ensure_rows(batch, "key_states")
         keys, values = [], []
         for row, seq in enumerate(self.rows):
-            seq.append(
-                layer, key_states[row].detach().transpose(0, 1), value_states[row].detach().transpose(0, 1)
-            )
+            with _naming(lambda: self._full(q)):
+                seq.append(
+                    layer,
+                    key_states[row].detach().transpose(0, 1),
+                    value_states[row].detach().transpose(0, 1),
+                )
             if dtype is not None:
                 k, v = seq.get(layer, dequantize=self.pool.dtype in QUANTIZED_DTYPES)
                 keys.append(as_torch(k))
@@ -600,8 +739,9 @@ class KvrsPagedCache(Cache):
         if not self.rows:
             rows: list[kvrs.Sequence] = []
             try:
-                for _ in range(batch):
-                    rows.append(self.pool.new_sequence())
+                with _naming(lambda: self._full(0, batch)):
+                    for _ in range(batch):
+                        rows.append(self.pool.new_sequence())
                 self.rows = rows
                 self._rows_changed()
             except BaseException:
@@ -618,7 +758,8 @@ class KvrsPagedCache(Cache):
         self._state_views = {}
         self._state_first = None
         if self.state_layers and self.rows:
-            self._state_first = self.pool.pack_states(self.rows)
+            with _naming(self._full):
+                self._state_first = self.pool.pack_states(self.rows)
 
     def state_view(self, layer: int, name: str) -> torch.Tensor:
         """State `name` of state layer `layer` for every row: [batch, *dims], in place."""
@@ -663,7 +804,8 @@ class KvrsPagedCache(Cache):
         try:
             for i in sources:
                 if i in kept:
-                    forks.append(self.rows[i].fork())
+                    with _naming(lambda: self._full(0, len(sources))):
+                        forks.append(self.rows[i].fork())
                     new.append(forks[-1])
                 else:
                     kept.add(i)
