@@ -361,7 +361,8 @@ impl PoolCore {
         Ok(covered)
     }
 
-    /// Drops every cached block no sequence holds; returns how many.
+    /// Drops every cached block no sequence holds, and every cached state checkpoint no
+    /// sequence holds; returns how many blocks.
     pub fn evict_all(&mut self) -> usize {
         let mut n = 0;
         while let Some(e) = self.blocks.evict_one(self.tiers.is_some()) {
@@ -372,6 +373,7 @@ impl PoolCore {
             }
             n += 1;
         }
+        self.evict_all_checkpoints();
         n
     }
 
