@@ -379,3 +379,189 @@ impl PoolCore {
         Ok(loaded)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use safetensors::tensor::{SafeTensors, TensorView};
+
+    use super::*;
+    use crate::dtype::DType;
+    use crate::layout::{Device, KvLayout};
+    use crate::paged::{PagedShape, PrefixConfig, StateConfig, StateSpec};
+    use crate::prefix::HashKind;
+    use crate::tensor::TensorRef;
+
+    /// A pool with one state layer holding checkpoints at 4, 8 and 10 of a 12-token
+    /// prompt (block size 4).
+    fn pool() -> PoolCore {
+        let shape = PagedShape {
+            num_layers: 1,
+            num_kv_heads: 1,
+            head_dim: 2,
+            v_head_dim: 2,
+            block_size: 4,
+            num_blocks: 8,
+            layout: KvLayout::Nhd,
+        };
+        let prefix = PrefixConfig {
+            hash: HashKind::Blake3,
+            seed: 9,
+            partial_hits: true,
+            events: false,
+        };
+        let states = StateConfig {
+            layers: 1,
+            slots: 1,
+            checkpoints: 4,
+            specs: vec![StateSpec {
+                name: "h".into(),
+                dims: vec![2],
+                dtype: DType::F32,
+            }],
+        };
+        let mut p = PoolCore::new(shape, DType::F32, Device::Cpu, Some(prefix))
+            .unwrap()
+            .with_states(states)
+            .unwrap();
+        let tokens: Vec<u32> = (10..22).collect();
+        let id = p.new_sequence_with(&tokens[..10], b"", b"");
+        for n in [4, 4, 2, 1, 1] {
+            let kv = vec![n as f32; n * 2];
+            let t = TensorRef::from_f32(&kv, &[n, 1, 2]).unwrap();
+            p.append(id, 0, &t, &t).unwrap();
+            let at = p.seq(id).unwrap().seq_len;
+            p.advance(id, n as i64, Some(&tokens[at..at + n])).unwrap();
+        }
+        p.free_sequence(id).unwrap();
+        p
+    }
+
+    /// One checkpoint row: anchor, extra, root, position, run, state bytes.
+    type Row = (u128, u128, u128, u64, Vec<u32>, Vec<u8>);
+
+    /// The file `bytes` with its checkpoint rows changed by `edit`, signed again with
+    /// the seed's key (as only the seed holder can).
+    fn resigned(config: &FileConfig, bytes: &[u8], edit: impl FnOnce(&mut Vec<Row>)) -> Vec<u8> {
+        let st = SafeTensors::deserialize(bytes).unwrap();
+        let (_, header) = SafeTensors::read_metadata(bytes).unwrap();
+        let mut meta: HashMap<String, String> = header.metadata().clone().unwrap();
+        let mut tensors: HashMap<String, (Dtype, Vec<usize>, Vec<u8>)> = st
+            .tensors()
+            .into_iter()
+            .map(|(n, v)| (n, (v.dtype(), v.shape().to_vec(), v.data().to_vec())))
+            .collect();
+        let data = |n: &str| tensors[n].2.clone();
+        let sb = config.state_bytes;
+        let offsets: Vec<usize> = u64s(&data("ckpt_run_offsets"))
+            .map(|o| o as usize)
+            .collect();
+        let runs: Vec<u32> = data("ckpt_runs")
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let (a, e, r) = (
+            u128s(&data("ckpt_anchors")).collect::<Vec<_>>(),
+            u128s(&data("ckpt_extras")).collect::<Vec<_>>(),
+            u128s(&data("ckpt_roots")).collect::<Vec<_>>(),
+        );
+        let pos: Vec<u64> = u64s(&data("ckpt_positions")).collect();
+        let states = data("ckpt_states");
+        let mut rows: Vec<Row> = (0..pos.len())
+            .map(|k| {
+                let run = runs[offsets[k]..offsets[k + 1]].to_vec();
+                (
+                    a[k],
+                    e[k],
+                    r[k],
+                    pos[k],
+                    run,
+                    states[k * sb..(k + 1) * sb].to_vec(),
+                )
+            })
+            .collect();
+        edit(&mut rows);
+        let m = rows.len();
+        let mut offsets = vec![0u64];
+        let mut runs = Vec::new();
+        for row in &rows {
+            runs.extend(row.4.iter().flat_map(|t| t.to_le_bytes()));
+            offsets.push((runs.len() / 4) as u64);
+        }
+        let total = runs.len() / 4;
+        let cols: [Vec<u8>; 7] = [
+            rows.iter().flat_map(|x| x.0.to_le_bytes()).collect(),
+            rows.iter().flat_map(|x| x.1.to_le_bytes()).collect(),
+            rows.iter().flat_map(|x| x.2.to_le_bytes()).collect(),
+            rows.iter().flat_map(|x| x.3.to_le_bytes()).collect(),
+            offsets.iter().flat_map(|o| o.to_le_bytes()).collect(),
+            runs,
+            rows.iter().flat_map(|x| x.5.clone()).collect(),
+        ];
+        for ((name, dtype, shape), bytes) in expected(m, total, sb).into_iter().zip(cols) {
+            tensors.insert(name, (dtype, shape, bytes));
+        }
+        meta.remove("mac");
+        let mac = config.mac(
+            &meta,
+            tensors
+                .iter()
+                .map(|(n, (_, s, d))| (n.as_str(), s.as_slice(), d.as_slice())),
+        );
+        meta.insert("mac".into(), mac.to_hex().to_string());
+        let views: Vec<(String, TensorView)> = tensors
+            .iter()
+            .map(|(n, (d, s, b))| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
+            .collect();
+        safetensors::tensor::serialize(views, Some(meta)).unwrap()
+    }
+
+    #[test]
+    fn checkpoints_signed_with_the_seed_are_still_checked_for_consistency() {
+        let p = pool();
+        let dir = std::env::temp_dir().join(format!("kvrs-ckpt-file-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("c.kvc");
+        p.save_prefix_cache(&path).unwrap();
+        let (config, bytes) = (
+            p.prefix_file_config().unwrap(),
+            std::fs::read(&path).unwrap(),
+        );
+        let file = config
+            .check(&path, resigned(&config, &bytes, |_| {}))
+            .unwrap();
+        assert_eq!(file.checkpoints.as_ref().unwrap().entries.len(), 3);
+        let with_run = |rows: &Vec<Row>| rows.iter().position(|x| !x.4.is_empty()).unwrap();
+        let cases: [(&str, Box<dyn FnOnce(&mut Vec<Row>)>); 5] = [
+            ("is at position", Box::new(|rows| rows[0].3 += 1)),
+            ("anchored neither", Box::new(|rows| rows[0].0 ^= 1)),
+            (
+                "key of an earlier",
+                Box::new(|rows| rows.push(rows[1].clone())),
+            ),
+            (
+                "a block holds",
+                Box::new(|rows| {
+                    let k = with_run(rows);
+                    rows[k].4.extend([1, 2]);
+                    rows[k].3 += 2;
+                }),
+            ),
+            (
+                "root is not the root",
+                Box::new(|rows| {
+                    let k = with_run(rows);
+                    rows[k].2 ^= 1;
+                }),
+            ),
+        ];
+        for (want, edit) in cases {
+            match config.check(&path, resigned(&config, &bytes, edit)) {
+                Err(KvError::BadFile { reason, .. }) => assert!(reason.contains(want), "{reason}"),
+                r => panic!("{want}: {r:?}"),
+            }
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
