@@ -587,7 +587,8 @@ class BlockPool(Generic[_View_co]):
         the next lookup of the prefix loads from what was fetched.
         """
     def store_to_tiers(self, seqs: Iterable[Sequence[Any]]) -> int:
-        """Queues the cached blocks `seqs` hold for the offload tiers now; returns how many."""
+        """Queues the cached blocks `seqs` hold for the offload tiers now (with the cached state
+        checkpoints at their ends, in a pool with state layers); returns how many blocks."""
     def flush_tiers(self) -> None:
         """Waits until every block queued for the offload tiers is written (or refused)."""
     def drop_tier_namespace(self, namespace: _Key = None) -> int:
@@ -602,11 +603,13 @@ class BlockPool(Generic[_View_co]):
         """Blocks stored in and removed from the prefix cache since the last call."""
     def save_prefix_cache(self, path: str | os.PathLike[str]) -> int:
         """Writes every cached block to `path` (safetensors, atomically), with the pool's
-        model_id; returns how many. MemoryError when the host cannot hold the copy."""
+        model_id (and, with state layers, every cached state checkpoint whose blocks it holds);
+        returns how many blocks. MemoryError when the host cannot hold the copy."""
     def load_prefix_cache(self, path: str | os.PathLike[str]) -> dict[str, int]:
         """Warms the prefix cache from a file written by save_prefix_cache() of a pool with
-        the same seed, configuration and model_id; returns {'loaded': n, 'skipped': m}. Any
-        other file raises ValueError and loads nothing."""
+        the same seed, configuration and model_id; returns {'loaded': n, 'skipped': m}, and in a
+        pool with state layers 'checkpoints': the state checkpoints loaded. Any other file (of
+        another state layout too) raises ValueError and loads nothing."""
     def copy_prefix(self, src: Sequence[Any], dst: Sequence[Any], n: int) -> None:
         """Makes `dst` hold the first `n` committed positions of `src`, sharing blocks. `dst` keeps its
         namespace and extra_key, which must equal src's when n > 0 (ValueError)."""

@@ -376,6 +376,7 @@ impl PoolCore {
             }
             n += 1;
         }
+        self.evict_all_checkpoints();
         n
     }
 

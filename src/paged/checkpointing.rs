@@ -51,7 +51,7 @@ type Key = (BlockHash, u128, SmallVec<[u32; 16]>);
 
 impl PoolCore {
     /// The digest of extra key `extra` in checkpoint keys (0 for none).
-    fn extra_digest(&self, extra: &[u8]) -> u128 {
+    pub(crate) fn extra_digest(&self, extra: &[u8]) -> u128 {
         match (self.prefix(), extra.is_empty()) {
             (Some(p), false) => p.kind.block(0x6b76_7273_2d63_6b70, &[], extra),
             _ => 0,
@@ -108,9 +108,14 @@ impl PoolCore {
                     refs: 0,
                     published: false,
                 };
-                let Some((c, _evicted)) = index.take(entry) else {
+                let Some((c, evicted)) = index.take(entry) else {
                     return Ok(false);
                 };
+                if let Some(e) = evicted {
+                    // The checkpoint that leaves goes to the tiers before its slot is
+                    // overwritten.
+                    self.write_back_checkpoint(c, &e);
+                }
                 self.states
                     .as_mut()
                     .expect("checkpoints live in the state arena")
@@ -247,11 +252,28 @@ impl PoolCore {
     }
 
     /// Frees the cached checkpoints anchored at the block of chain hash `hash`, which
-    /// just left the cache: no hit can reach them.
+    /// just left the cache (to the tiers, with those of them at its end): no hit can
+    /// reach them.
     pub(crate) fn drop_checkpoints_at(&mut self, hash: BlockHash) {
         if let Some(index) = self.checkpoints.as_mut() {
-            index.drop_anchor(hash);
+            for (c, e) in index.drop_anchor(hash) {
+                // Freed, but not reused before this returns: its state is still there.
+                self.write_back_checkpoint(c, &e);
+            }
         }
+    }
+
+    /// Frees every cached checkpoint no sequence holds (to the tiers, those at block
+    /// ends); returns how many.
+    pub(crate) fn evict_all_checkpoints(&mut self) -> usize {
+        let Some(index) = self.checkpoints.as_mut() else {
+            return 0;
+        };
+        let gone = index.evict_all();
+        for (c, e) in &gone {
+            self.write_back_checkpoint(*c, e);
+        }
+        gone.len()
     }
 
     /// The longest position `p <= kv_len` of `tokens` (from `root`, with `extra`, whose

@@ -280,10 +280,19 @@ impl CheckpointIndex {
         out
     }
 
-    /// Takes a free slot to load a cached checkpoint into: it has no entry until
+    /// Takes a slot to load a cached checkpoint into: a free one, else (with `evict`)
+    /// the least recently used published checkpoint no sequence holds leaves the cache
+    /// for it (returned, with its entry, for the tiers). The slot has no entry until
     /// [`Self::adopt_loaded`] (or goes back with [`Self::discard`]).
-    pub fn take_for_loading(&mut self) -> Option<CheckpointSlot> {
-        self.free.pop()
+    pub fn take_for_loading(
+        &mut self,
+        evict: bool,
+    ) -> Option<(CheckpointSlot, Option<CheckpointEntry>)> {
+        match self.free.pop() {
+            Some(s) => Some((s, None)),
+            None if evict => self.pop_evictable().map(|(s, e)| (s, Some(e))),
+            None => None,
+        }
     }
 
     /// Publishes loaded `slot` as `entry`, unreferenced (evictable, most recently used);
@@ -319,6 +328,18 @@ impl CheckpointIndex {
                     .expect("filed slots are in use"),
             )
         })
+    }
+
+    /// Every published checkpoint, least recently used first (those no sequence holds,
+    /// in their eviction order, then the held ones): what a file saves.
+    pub fn published_lru_first(&self) -> Vec<CheckpointSlot> {
+        let mut out: Vec<CheckpointSlot> = self.lru.iter().collect();
+        out.extend(
+            self.published()
+                .filter(|(c, _)| !self.lru.contains(*c))
+                .map(|(c, _)| c),
+        );
+        out
     }
 
     /// Checks the entries against `held[c]`, the references the pool's sequences hold

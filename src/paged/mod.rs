@@ -4,11 +4,12 @@
 //! block tables ([`seq`]), where blocks live in storage ([`crate::layout`]), prefix caching on
 //! the pool ([`caching`]), slots and page tables for kernels ([`slots`]), position edits
 //! ([`shift`]) and ollama-style batched forwards ([`forward`]), and hybrid models' recurrent state slots ([`states`])
-//! and their checkpoints ([`checkpoints`], [`checkpointing`]).
+//! and their checkpoints ([`checkpoints`], [`checkpointing`], in the tiers [`checkpoint_tiers`]).
 
 pub mod allocator;
 pub mod attend;
 pub mod caching;
+pub mod checkpoint_tiers;
 pub mod checkpointing;
 pub mod checkpoints;
 pub mod edit;

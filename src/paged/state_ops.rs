@@ -29,6 +29,13 @@ impl PoolCore {
                 "state layers are given before the pool's first sequence".into(),
             ));
         }
+        if self.tiers.is_some() {
+            return Err(KvError::NotSupported(
+                "state layers are given before the pool's offload tiers (with_states, then \
+                 with_tiers): the tiers' fingerprint covers the state layout"
+                    .into(),
+            ));
+        }
         if self.prefix().is_some() {
             self.checkpoints = Some(super::checkpoints::CheckpointIndex::new(
                 config.checkpoints,

@@ -11,13 +11,19 @@
 //!    consecutive from its first gap, are loaded into fresh blocks and cached, so the
 //!    ordinary prefix match then attaches them.
 //!
+//! In a pool with state layers the same round trips also ask for the state checkpoints
+//! at the ends of the chain's whole blocks past the pool's own hit
+//! ([`super::checkpoint_tiers`]); the longest one whose blocks the pool then holds is
+//! loaded, so the ordinary hit rule reaches it.
+//!
 //! Invariants: a block is loaded only after its payload passed every check (format,
 //! configuration fingerprint, key, the MAC under its namespace's key) and its parent
 //! key, chain root and token ids equal the prompt's, so a tier can never make a sequence
-//! see K/V of another token prefix. Loads stop at the first block some tier lacks (a
-//! chain must be whole). The chain's blocks already in the pool are held while loading,
-//! so the room the loads take never evicts them. A refused payload is counted and
-//! forgotten by the tier that served it.
+//! see K/V of another token prefix; a checkpoint likewise, its key, root and position
+//! the prompt's, so it never restores the state of another prefix. Loads stop at the
+//! first block some tier lacks (a chain must be whole). The chain's blocks already in
+//! the pool are held while loading, so the room the loads take never evicts them. A
+//! refused payload is counted and forgotten by the tier that served it.
 
 use parking_lot::Mutex;
 use rayon::prelude::*;
@@ -29,6 +35,7 @@ use super::tiering::{no_tiers, TierSet, TierTokens};
 use crate::error::Result;
 use crate::layout::BlockId;
 use crate::prefix::{BlockHash, CachedBlock};
+use crate::tier::checkpoint_payload;
 use crate::tier::payload::{self, Checked, Refusal};
 use crate::tier::TierCounters;
 
@@ -41,8 +48,12 @@ type Served = (usize, Vec<u8>, Checked);
 /// A payload fetched for entry `.0` of a lookup from tier `.1`.
 type Fetched = (usize, usize, Vec<u8>);
 
-/// A fetched payload and the outcome of its checks.
-type CheckedFetch = (usize, usize, Vec<u8>, Result<Checked, Refusal>);
+/// A fetched payload and the outcome of its checks (a block's fields, or `None` for a
+/// checkpoint).
+type CheckedFetch = (usize, usize, Vec<u8>, Result<Option<Checked>, Refusal>);
+
+/// A checkpoint payload a tier served: the tier's index and the checked bytes.
+pub(crate) type ServedCheckpoint = (usize, Vec<u8>);
 
 /// A tier lookup planned under the pool's lock, to be fetched without it.
 #[derive(Debug)]
@@ -57,6 +68,10 @@ pub struct TierLookup {
     block_size: usize,
     /// The entries to fetch, in chain order.
     wanted: Vec<Entry>,
+    /// The chain's blocks at whose ends to fetch a state checkpoint (pools with state
+    /// layers), and the digest of the extra key in their keys.
+    checkpoints: Vec<usize>,
+    digest: u128,
 }
 
 /// What [`TierLookup::fetch`] found: the checked payloads by entry.
@@ -66,6 +81,9 @@ pub struct TierFetched {
     hashes: Vec<BlockHash>,
     extra: Vec<u8>,
     found: FxHashMap<Entry, Served>,
+    /// Checked checkpoint payloads by the chain's block at whose end they are.
+    checkpoints: FxHashMap<usize, ServedCheckpoint>,
+    digest: u128,
 }
 
 impl PoolCore {
@@ -85,7 +103,8 @@ impl PoolCore {
         let root = p.root(namespace);
         let hashes = self.chain_hashes(root, tokens, extra, limit);
         let wanted = self.wanted_from_tiers(&hashes);
-        if wanted.is_empty() {
+        let checkpoints = self.checkpoint_candidates(root, &hashes, tokens, extra, limit, &wanted);
+        if wanted.is_empty() && checkpoints.is_empty() {
             return None;
         }
         let block_size = self.shape.block_size;
@@ -97,6 +116,8 @@ impl PoolCore {
             hashes,
             block_size,
             wanted,
+            checkpoints,
+            digest: self.extra_digest(extra),
         })
     }
 
@@ -135,20 +156,39 @@ impl PoolCore {
     }
 
     /// Loads and caches what `fetched` holds of what the pool still lacks of its chain,
-    /// consecutive from the chain's first gap; returns the tokens each tier served.
+    /// consecutive from the chain's first gap, then the longest fetched state checkpoint
+    /// whose blocks the pool now holds; returns the tokens each tier served (blocks').
     pub fn commit_tier_lookup(&mut self, fetched: TierFetched) -> TierTokens {
         let Some(ts) = self.tiers() else {
             return TierTokens::new();
         };
-        let shape = ts.shape;
         let mut served: TierTokens = smallvec::smallvec![0; ts.tiers.len()];
         let TierFetched {
             root,
             hashes,
             extra,
-            mut found,
+            found,
+            checkpoints,
+            digest,
         } = fetched;
-        let wanted = self.wanted_from_tiers(&hashes);
+        self.load_fetched_blocks(root, &hashes, &extra, found, &mut served);
+        self.load_tier_checkpoint(root, &hashes, digest, checkpoints);
+        served
+    }
+
+    /// The blocks of [`Self::commit_tier_lookup`]: loads and caches `found`'s payloads
+    /// that fill what the pool lacks of chain `hashes`, consecutive from its first gap,
+    /// adding the tokens each tier served to `served`.
+    fn load_fetched_blocks(
+        &mut self,
+        root: BlockHash,
+        hashes: &[BlockHash],
+        extra: &[u8],
+        mut found: FxHashMap<Entry, Served>,
+        served: &mut TierTokens,
+    ) {
+        let shape = self.tiers().expect("tiers on").shape;
+        let wanted = self.wanted_from_tiers(hashes);
         // The consecutive blocks whose every entry was fetched, up to the first gap.
         let mut end = 0;
         while end < wanted.len() {
@@ -163,9 +203,9 @@ impl PoolCore {
             end = stop;
         }
         if end == 0 {
-            return served;
+            return;
         }
-        let held = self.held_of_chain(&hashes);
+        let held = self.held_of_chain(hashes);
         for &b in &held {
             self.hold_block(b);
         }
@@ -186,7 +226,7 @@ impl PoolCore {
                     first: c.meta.first,
                     root,
                 };
-                let registered = self.blocks.register(b, meta, &c.tokens, &extra);
+                let registered = self.blocks.register(b, meta, &c.tokens, extra);
                 debug_assert!(registered, "only blocks the index lacks are loaded");
                 let tier = &self.tiers().expect("tiers on").tiers[*t];
                 TierCounters::add(&tier.counters().hits, 1);
@@ -202,7 +242,6 @@ impl PoolCore {
             }
         }
         self.release_all(held.into_iter().chain(loaded));
-        served
     }
 
     /// Loads what the tiers hold of `tokens`' prefix (in `namespace`, with `extra`) into
@@ -246,10 +285,16 @@ impl PoolCore {
         let hashes = self.chain_hashes(root, tokens, extra, tokens.len());
         let misses = self.misses_from_first_gap(&hashes);
         let lacking = misses.len() * self.shape.block_size;
-        let keys: Vec<String> = misses
+        let wanted: Vec<Entry> = misses.into_iter().flatten().collect();
+        let checkpoints =
+            self.checkpoint_candidates(root, &hashes, tokens, extra, tokens.len(), &wanted);
+        let digest = self.extra_digest(extra);
+        let keys: Vec<String> = wanted
             .into_iter()
-            .flatten()
             .map(|(j, g)| payload::block_key(&ts.fingerprint, root, group_key(hashes[j], g)))
+            .chain(checkpoints.into_iter().map(|j| {
+                checkpoint_payload::checkpoint_key(&ts.fingerprint, root, hashes[j], digest, &[])
+            }))
             .collect();
         ts.fetcher.request(keys);
         Ok(lacking)
@@ -300,23 +345,36 @@ impl PoolCore {
 }
 
 impl TierLookup {
-    /// Fetches the planned entries without the pool's lock: first what a prefetch
-    /// brought (waiting for its fetches under way), then each tier in order for the
-    /// rest, one batched request per tier. Payloads are checked (a MAC pass over their
-    /// bytes) on the pool's threads batch by batch as they arrive, while this thread
-    /// receives the next ones; a refused one is counted and forgotten by the tier that
-    /// served it.
+    /// The tier keys of the items to fetch: the planned block entries, then the
+    /// checkpoints.
+    fn keys(&self) -> Vec<String> {
+        let ts = &self.tiers;
+        let blocks = self.wanted.iter().map(|&(j, g)| {
+            payload::block_key(&ts.fingerprint, self.root, group_key(self.hashes[j], g))
+        });
+        let checkpoints = self.checkpoints.iter().map(|&j| {
+            checkpoint_payload::checkpoint_key(
+                &ts.fingerprint,
+                self.root,
+                self.hashes[j],
+                self.digest,
+                &[],
+            )
+        });
+        blocks.chain(checkpoints).collect()
+    }
+
+    /// Fetches the planned entries and checkpoints without the pool's lock: first what
+    /// a prefetch brought (waiting for its fetches under way), then each tier in order
+    /// for the rest, one batched request per tier (blocks and checkpoints together).
+    /// Payloads are checked (a MAC pass over their bytes) on the pool's threads batch by
+    /// batch as they arrive, while this thread receives the next ones; a refused one is
+    /// counted and forgotten by the tier that served it.
     pub fn fetch(self) -> TierFetched {
         let ts = &self.tiers;
         let mac = ts.config_key.namespace(self.root);
-        let keys: Vec<String> = self
-            .wanted
-            .iter()
-            .map(|&(j, g)| {
-                payload::block_key(&ts.fingerprint, self.root, group_key(self.hashes[j], g))
-            })
-            .collect();
-        let mut found: FxHashMap<Entry, Served> = FxHashMap::default();
+        let keys = self.keys();
+        let mut found = Found::default();
         let prefetched: Vec<Fetched> = ts
             .fetcher
             .take(&keys)
@@ -326,11 +384,9 @@ impl TierLookup {
             .collect();
         let checked = crate::parallel::install(|| self.check_all(prefetched, &mac));
         self.keep(&mut found, &keys, checked);
-        let len = ts.shape.len();
+        let sizes = ts.sizes();
         for (t, tier) in ts.tiers.iter().enumerate() {
-            let ask: Vec<usize> = (0..self.wanted.len())
-                .filter(|i| !found.contains_key(&self.wanted[*i]))
-                .collect();
+            let ask: Vec<usize> = (0..keys.len()).filter(|&i| !self.has(&found, i)).collect();
             if ask.is_empty() {
                 break;
             }
@@ -340,7 +396,7 @@ impl TierLookup {
                 batch.into_iter().map(|(k, b)| (ask[k], t, b)).collect()
             };
             let streamed = crate::parallel::in_place_scope(|s| {
-                tier.get_each(&ask_keys, len..=len, &mut |batch| {
+                tier.get_each(&ask_keys, sizes.clone(), &mut |batch| {
                     let (this, mac, checked, served) = (&self, &mac, &checked, &served);
                     s.spawn(move |_| {
                         let done = this.check_all(served(batch), mac);
@@ -350,7 +406,7 @@ impl TierLookup {
             });
             if streamed.is_none() {
                 // No pool in this process: each batch is checked on this thread.
-                tier.get_each(&ask_keys, len..=len, &mut |batch| {
+                tier.get_each(&ask_keys, sizes.clone(), &mut |batch| {
                     let done = self.check_all(served(batch), &mac);
                     checked.lock().extend(done);
                 });
@@ -361,7 +417,19 @@ impl TierLookup {
             root: self.root,
             hashes: self.hashes,
             extra: self.extra,
-            found,
+            found: found.blocks,
+            checkpoints: found.checkpoints,
+            digest: self.digest,
+        }
+    }
+
+    /// Whether fetched item `i` (a block entry, then a checkpoint) is in `found`.
+    fn has(&self, found: &Found, i: usize) -> bool {
+        match self.wanted.get(i) {
+            Some(w) => found.blocks.contains_key(w),
+            None => found
+                .checkpoints
+                .contains_key(&self.checkpoints[i - self.wanted.len()]),
         }
     }
 
@@ -378,17 +446,16 @@ impl TierLookup {
 
     /// Keeps the payloads that passed their checks in `found`; the others are counted
     /// and forgotten by the tier that served them.
-    fn keep(
-        &self,
-        found: &mut FxHashMap<Entry, Served>,
-        keys: &[String],
-        checked: Vec<CheckedFetch>,
-    ) {
+    fn keep(&self, found: &mut Found, keys: &[String], checked: Vec<CheckedFetch>) {
         let ts = &self.tiers;
         for (i, t, bytes, c) in checked {
             match c {
-                Ok(c) => {
-                    found.insert(self.wanted[i], (t, bytes, c));
+                Ok(Some(c)) => {
+                    found.blocks.insert(self.wanted[i], (t, bytes, c));
+                }
+                Ok(None) => {
+                    let j = self.checkpoints[i - self.wanted.len()];
+                    found.checkpoints.insert(j, (t, bytes));
                 }
                 Err(_) => {
                     TierCounters::add(&ts.tiers[t].counters().rejected, 1);
@@ -398,11 +465,24 @@ impl TierLookup {
         }
     }
 
-    /// Checks the payload of entry `i`: every field, the MAC, and its chain (parent,
-    /// root, first, token ids) against the prompt's.
-    fn check(&self, i: usize, bytes: &[u8], mac: &payload::MacKey) -> Result<Checked, Refusal> {
-        let (j, g) = self.wanted[i];
+    /// Checks the payload of item `i`: a block entry's every field, the MAC, and its
+    /// chain (parent, root, first, token ids) against the prompt's; a checkpoint's every
+    /// field, the MAC, its key, root and position against the prompt's.
+    fn check(
+        &self,
+        i: usize,
+        bytes: &[u8],
+        mac: &payload::MacKey,
+    ) -> Result<Option<Checked>, Refusal> {
         let ts = &self.tiers;
+        let Some(&(j, g)) = self.wanted.get(i) else {
+            let j = self.checkpoints[i - self.wanted.len()];
+            let state_bytes = ts.state_bytes.ok_or(Refusal::Config)?;
+            let key = (self.hashes[j], self.digest, &[][..]);
+            let m = checkpoint_payload::decode(bytes, &ts.fingerprint, state_bytes, key, mac)?;
+            let placed = m.root == self.root && m.position == (j + 1) * self.block_size;
+            return if placed { Ok(None) } else { Err(Refusal::Key) };
+        };
         let key = group_key(self.hashes[j], g);
         let c = payload::decode(bytes, &ts.fingerprint, &ts.shape, key, mac)?;
         let parent = if j == 0 {
@@ -416,9 +496,16 @@ impl TierLookup {
             && c.meta.first == (j == 0)
             && c.tokens == self.tokens[j * bs..(j + 1) * bs];
         if chained {
-            Ok(c)
+            Ok(Some(c))
         } else {
             Err(Refusal::Key)
         }
     }
+}
+
+/// What a lookup's fetches found and checked so far.
+#[derive(Default)]
+struct Found {
+    blocks: FxHashMap<Entry, Served>,
+    checkpoints: FxHashMap<usize, ServedCheckpoint>,
 }

@@ -14,6 +14,7 @@
 //! only fills the fetcher's buffer; its payloads pass the same checks when a lookup uses
 //! them.
 
+use std::ops::RangeInclusive;
 use std::sync::Arc;
 
 use smallvec::SmallVec;
@@ -21,8 +22,9 @@ use smallvec::SmallVec;
 use super::pool::{PoolCore, SeqId};
 use crate::error::{KvError, Result};
 use crate::layout::BlockId;
-use crate::prefix::persist::expected_metadata;
+use crate::prefix::persist::{expected_metadata, state_layout};
 use crate::prefix::CachedBlock;
+use crate::tier::checkpoint_payload;
 use crate::tier::fetcher::Fetcher;
 use crate::tier::payload::{self, BlockMeta, ConfigKey, Fingerprint, PayloadShape, TierKey};
 use crate::tier::writer::{WritePolicy, Writer};
@@ -48,6 +50,9 @@ pub struct TierSet {
     pub keyed: bool,
     /// The shape of this pool's payloads.
     pub shape: PayloadShape,
+    /// Bytes of state in this pool's checkpoint payloads (a pool with state layers that
+    /// caches prefixes; `None`: no checkpoints travel).
+    pub state_bytes: Option<usize>,
     /// The write-back queue and thread.
     pub writer: Arc<Writer>,
     /// The prefetch buffer and thread ([`PoolCore::prefetch_async`]).
@@ -140,11 +145,19 @@ impl PoolCore {
         };
         let meta = expected_metadata(&self);
         let tag = key.tag();
-        let fingerprint = payload::fingerprint(meta.iter().map(|(k, v)| (*k, v.as_str())).chain([
-            ("model_id", model_id),
-            ("payload", "2"),
-            ("tier_key", tag.as_str()),
-        ]));
+        // Pools with state layers add their layout, so pools of other layouts never
+        // share payloads (the fingerprints of pools without stay as they were).
+        let states = state_layout(&self);
+        let fingerprint = payload::fingerprint(
+            meta.iter()
+                .map(|(k, v)| (*k, v.as_str()))
+                .chain([
+                    ("model_id", model_id),
+                    ("payload", "2"),
+                    ("tier_key", tag.as_str()),
+                ])
+                .chain(states.as_deref().map(|s| ("state_layout", s))),
+        );
         let sh = self.shape;
         let tensor_bytes = sh.block_elems() * self.dtype().size();
         let scale_bytes = if self.storage.row_scales().is_some() {
@@ -158,7 +171,13 @@ impl PoolCore {
             tensor_bytes,
             scale_bytes,
         };
-        crate::tier::writer::check_queue(options.queue, options.queue_bytes, shape.len())?;
+        let state_bytes = self
+            .checkpoints
+            .as_ref()
+            .and(self.states.as_ref())
+            .map(|a| a.config().slot_bytes());
+        let sizes = payload_sizes(&shape, state_bytes);
+        crate::tier::writer::check_queue(options.queue, options.queue_bytes, *sizes.end())?;
         let thread_error = |what: &str, e: std::io::Error| KvError::Io {
             path: format!("(tier {what} thread)"),
             reason: e.to_string(),
@@ -171,9 +190,9 @@ impl PoolCore {
         )
         .map_err(|e| thread_error("writer", e))?;
         // A prefetch is useful up to the pool's size; host memory bounds it too (every
-        // buffered payload has exactly the shape's length).
-        let buffered = sh.num_blocks.min(PREFETCH_BYTES / shape.len()).max(1);
-        let fetcher = Fetcher::start(tiers.clone(), shape.len(), buffered)
+        // buffered payload has a block's or a checkpoint's length).
+        let buffered = sh.num_blocks.min(PREFETCH_BYTES / *sizes.end()).max(1);
+        let fetcher = Fetcher::start(tiers.clone(), sizes, buffered)
             .map_err(|e| thread_error("fetcher", e))?;
         self.tiers = Some(TierSet {
             tiers,
@@ -181,6 +200,7 @@ impl PoolCore {
             config_key: key.config(&fingerprint),
             keyed: key.is_secret(),
             shape,
+            state_bytes,
             writer: Arc::new(writer),
             fetcher: Arc::new(fetcher),
         });
@@ -277,7 +297,8 @@ impl PoolCore {
     }
 
     /// Queues every cached block sequence `id` holds for the tiers now (write-back
-    /// without eviction); returns how many were queued.
+    /// without eviction), with the cached state checkpoints at its blocks' ends (a pool
+    /// with state layers); returns how many blocks were queued.
     pub fn store_to_tiers(&self, id: SeqId) -> Result<usize> {
         let s = self.seq(id)?;
         let (Some(_), Some(p)) = (self.tiers.as_ref(), self.prefix()) else {
@@ -292,6 +313,7 @@ impl PoolCore {
                 }
             }
         }
+        self.store_checkpoints_to_tiers(s);
         Ok(n)
     }
 
@@ -326,7 +348,25 @@ impl PoolCore {
     }
 }
 
+/// The lengths of a pool's payloads: a block's, and a checkpoint's (with `state_bytes`
+/// of state; in the tiers only at block ends, with an empty run).
+fn payload_sizes(shape: &PayloadShape, state_bytes: Option<usize>) -> RangeInclusive<usize> {
+    match state_bytes {
+        Some(s) => {
+            let c = checkpoint_payload::payload_len(0, s);
+            c.min(shape.len())..=c.max(shape.len())
+        }
+        None => shape.len()..=shape.len(),
+    }
+}
+
 impl TierSet {
+    /// The lengths of this pool's payloads (blocks', and checkpoints' at block ends):
+    /// what a lookup asks the tiers for.
+    pub fn sizes(&self) -> RangeInclusive<usize> {
+        payload_sizes(&self.shape, self.state_bytes)
+    }
+
     /// Waits until every block queued for the tiers has been written or refused.
     pub fn flush(&self) {
         self.writer.flush();

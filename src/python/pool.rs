@@ -235,13 +235,14 @@ impl PyBlockPool {
             shape.num_layers,
             shape.num_kv_heads,
         )?)?;
-        if !tiers.is_empty() {
-            pool = pool.with_tiers(tiers, model_id, &tier_options)?;
-        }
         if let Some(config) = states {
             pool = pool
                 .with_states(config)?
                 .with_checkpoint_interval(interval)?;
+        }
+        if !tiers.is_empty() {
+            // After the states: the tiers' fingerprint covers their layout.
+            pool = pool.with_tiers(tiers, model_id, &tier_options)?;
         }
         Ok(PyBlockPool {
             core: Arc::new(SharedPool::new(pool)),
@@ -674,7 +675,8 @@ impl PyBlockPool {
     }
 
     /// Queues the cached blocks `seqs` hold for the offload tiers now (as eviction
-    /// would); returns how many were queued. flush_tiers() waits for them.
+    /// would), with the cached state checkpoints at their ends (pools with state
+    /// layers); returns how many blocks were queued. flush_tiers() waits for them.
     fn store_to_tiers(slf: &Bound<'_, Self>, seqs: &Bound<'_, PyAny>) -> PyResult<usize> {
         let ids = Self::ids(slf, seqs, "seqs")?;
         Ok(slf.get().core.read(slf.py(), |c| {
@@ -763,7 +765,8 @@ impl PyBlockPool {
     }
 
     /// Writes every cached block to `path` (safetensors, atomically), with the pool's
-    /// model_id; returns how many. MemoryError when the host cannot hold the copy.
+    /// model_id (and, with state layers, every cached state checkpoint whose blocks it
+    /// holds); returns how many blocks. MemoryError when the host cannot hold the copy.
     fn save_prefix_cache(&self, py: Python<'_>, path: std::path::PathBuf) -> PyResult<usize> {
         // A copy under the pool's lock; the file is written after it is released.
         let snapshot = self
@@ -773,9 +776,10 @@ impl PyBlockPool {
     }
 
     /// Warms the prefix cache from a file written by save_prefix_cache() of a pool with
-    /// the same seed, configuration and model_id; returns {'loaded': n, 'skipped': m}.
-    /// Any other file (mismatched, truncated or corrupted) raises ValueError and loads
-    /// nothing.
+    /// the same seed, configuration and model_id; returns {'loaded': n, 'skipped': m},
+    /// and in a pool with state layers 'checkpoints': the state checkpoints loaded. Any
+    /// other file (mismatched, truncated or corrupted, or of another state layout)
+    /// raises ValueError and loads nothing.
     fn load_prefix_cache<'py>(
         &self,
         py: Python<'py>,
@@ -787,10 +791,15 @@ impl PyBlockPool {
         let file = py.detach(|| -> crate::error::Result<_> {
             config.check(&path, crate::prefix::persist::read_file(&path)?)
         })?;
-        let r = self.core.write_detached(py, |c| c.commit_file(file))?;
+        let (r, states) = self.core.write_detached(py, |c| {
+            c.commit_file(file).map(|r| (r, c.states().is_some()))
+        })?;
         let d = PyDict::new(py);
         d.set_item("loaded", r.loaded)?;
         d.set_item("skipped", r.skipped)?;
+        if states {
+            d.set_item("checkpoints", r.checkpoints)?;
+        }
         Ok(d)
     }
 

@@ -6,12 +6,13 @@
 //!
 //! Invariants: a key is `pending` from its request until the thread has asked every
 //! tier for it (even if the thread dies); the buffer holds at most `max_payloads`
-//! payloads, each of exactly `payload_len` bytes, oldest out first (counted in
+//! payloads, each of a length in `sizes` (a block's or a checkpoint's), oldest out first (counted in
 //! `discarded`). The thread and the buffer belong to the process that started them
 //! ([`PerProcess`]): a forked child starts its own on first use, and never waits for
 //! the parent's fetches.
 
 use std::collections::VecDeque;
+use std::ops::RangeInclusive;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
@@ -61,8 +62,8 @@ struct Shared {
     /// Signalled when pending keys are done.
     done: Condvar,
     max_payloads: usize,
-    /// The exact length of a payload: a tier's other values are refused unbuffered.
-    payload_len: usize,
+    /// The lengths a payload may have: a tier's other values are refused unbuffered.
+    sizes: RangeInclusive<usize>,
     counters: Arc<FetchCounters>,
 }
 
@@ -70,7 +71,7 @@ struct Shared {
 #[derive(Debug)]
 pub struct Fetcher {
     tiers: Vec<Arc<dyn Tier>>,
-    payload_len: usize,
+    sizes: RangeInclusive<usize>,
     max_payloads: usize,
     running: PerProcess<Running>,
     counters: Arc<FetchCounters>,
@@ -85,16 +86,16 @@ struct Running {
 }
 
 impl Fetcher {
-    /// Starts the thread asking `tiers` for payloads of `payload_len` bytes, with a
+    /// Starts the thread asking `tiers` for payloads of a length in `sizes`, with a
     /// buffer of at most `max_payloads`.
     pub fn start(
         tiers: Vec<Arc<dyn Tier>>,
-        payload_len: usize,
+        sizes: RangeInclusive<usize>,
         max_payloads: usize,
     ) -> std::io::Result<Self> {
         let f = Fetcher {
             tiers,
-            payload_len,
+            sizes,
             max_payloads: max_payloads.max(1),
             running: PerProcess::new(),
             counters: Arc::new(FetchCounters::default()),
@@ -110,7 +111,7 @@ impl Fetcher {
             buffer: Mutex::new(Buffer::default()),
             done: Condvar::new(),
             max_payloads: self.max_payloads,
-            payload_len: self.payload_len,
+            sizes: self.sizes.clone(),
             counters: self.counters.clone(),
         });
         let (s, tiers) = (shared.clone(), self.tiers.clone());
@@ -291,7 +292,7 @@ fn fetch_loop(rx: &Receiver<Vec<String>>, tiers: &[Arc<dyn Tier>], shared: &Shar
                 break;
             }
             let ask: Vec<String> = left.iter().map(|&i| keys[i].clone()).collect();
-            let got = tier.get_many(&ask, shared.payload_len..=shared.payload_len);
+            let got = tier.get_many(&ask, shared.sizes.clone());
             let mut b = shared.buffer.lock();
             let mut still = Vec::new();
             for (&i, payload) in left.iter().zip(got) {
@@ -333,7 +334,7 @@ mod tests {
         a.put_many(&[item("x", 1)]);
         b.put_many(&[item("x", 2), item("y", 3), item("z", 4)]);
         b.put_many(&[("w".to_string(), Arc::new(vec![5; 9]))]);
-        let f = Fetcher::start(vec![a, b], 8, 2).unwrap();
+        let f = Fetcher::start(vec![a, b], 8..=8, 2).unwrap();
         let keys: Vec<String> = ["x", "y", "z", "w"].map(String::from).to_vec();
         assert_eq!(
             f.request(keys.clone()),
@@ -402,7 +403,7 @@ mod tests {
             delay: PENDING_WAIT + Duration::from_secs(1),
             ..Slow::default()
         });
-        let f = Fetcher::start(vec![slow], 8, 2).unwrap();
+        let f = Fetcher::start(vec![slow], 8..=8, 2).unwrap();
         let keys: Vec<String> = ["a:1", "a:2", "a:3", "b:1"].map(String::from).to_vec();
         assert_eq!(
             f.request(keys.clone()),

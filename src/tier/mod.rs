@@ -2,6 +2,7 @@
 //! evicts them, and where a prefix lookup that misses in the pool looks next.
 //!
 //! - `payload`: the block's binary payload (MACed under keys derived from the pools' shared secret) and its key;
+//! - `checkpoint_payload`: a hybrid model's recurrent-state checkpoint, beside its blocks;
 //! - `host`: [`HostTier`], this process's memory (LRU), the tier below a CUDA pool;
 //! - `disk`: [`DiskTier`], a size-bounded directory (LRU by last use);
 //! - `redis`: `RedisTier`, a Redis (or Valkey) server shared by many processes (cargo
@@ -13,6 +14,7 @@
 //! payload that fails its checks is a miss (lookups) or a dropped write (stores), and
 //! [`TierCounters`] say which happened.
 
+pub(crate) mod checkpoint_payload;
 pub(crate) mod disk;
 pub(crate) mod fetcher;
 pub(crate) mod host;

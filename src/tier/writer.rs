@@ -46,7 +46,10 @@ pub fn check_queue(queue: usize, max_bytes: usize, payload_len: usize) -> Result
         return Err(KvError::InvalidArgument {
             name: "tier_queue_bytes",
             value: max_bytes.to_string(),
-            reason: format!("must hold at least one block's payload ({payload_len} bytes)"),
+            reason: format!(
+                "must hold at least one payload (a block's, or a state checkpoint's: \
+                 {payload_len} bytes)"
+            ),
         });
     }
     Ok(())

@@ -10,7 +10,8 @@ use std::sync::Arc;
 use rustc_hash::FxHashMap;
 use safetensors::tensor::{Dtype, SafeTensors};
 
-use super::config::{FileConfig, FORMAT, MAC, NUM_BLOCKS, VERSION};
+use super::checkpoints::{self, FileCheckpoints};
+use super::config::{FileConfig, FORMAT, MAC, NUM_BLOCKS, STATE_LAYOUT, VERSION};
 use super::{bad, st_dtype};
 use crate::error::{KvError, Result};
 use crate::paged::caching::group_key;
@@ -30,6 +31,8 @@ pub(super) struct FileBlock {
     pub file_parent: Option<usize>,
     /// Its extra key, an index into [`CheckedFile::extras`].
     pub extra: usize,
+    /// Its layer group (0: its hash is the chain hash itself).
+    pub group: usize,
 }
 
 /// A file that passed every check, ready for [`crate::paged::PoolCore::commit_file`].
@@ -47,6 +50,10 @@ pub struct CheckedFile {
     pub(super) extras: Vec<Arc<[u8]>>,
     /// Where each data tensor (K/V of each storage tensor, then int8 scales) lies in `bytes`.
     pub(super) data: Vec<Range<usize>>,
+    /// The state layout it records (a pool with state layers wrote it).
+    pub(super) state_layout: Option<String>,
+    /// Its state checkpoints (when it records a state layout).
+    pub(super) checkpoints: Option<FileCheckpoints>,
 }
 
 impl CheckedFile {
@@ -156,9 +163,29 @@ impl FileConfig {
             }
         }
         if let Some(k) = meta.keys().find(|k| {
-            ![MAC, NUM_BLOCKS].contains(&k.as_str()) && !self.entries.iter().any(|e| e.0 == *k)
+            ![MAC, NUM_BLOCKS, STATE_LAYOUT].contains(&k.as_str())
+                && !self.entries.iter().any(|e| e.0 == *k)
         }) {
             return Err(fail(format!("unexpected metadata entry {k:?}")));
+        }
+        let state_layout = entry(STATE_LAYOUT);
+        match (state_layout, self.state_layout.as_deref()) {
+            (None, _) => {}
+            (Some(f), Some(p)) if f == p => {}
+            (Some(f), None) => {
+                return Err(fail(format!(
+                    "this file holds the recurrent-state checkpoints of a pool with state \
+                     layers ({f}), and this pool has none; load it into a pool with the same \
+                     state_layers, state_shapes and state_dtype"
+                )))
+            }
+            (Some(f), Some(p)) => {
+                return Err(fail(format!(
+                    "state_layout is '{f}' in the file but '{p}' in this pool: its state \
+                     checkpoints hold states of another layout; load it into a pool with the \
+                     same state_layers, state_shapes and state_dtype"
+                )))
+            }
         }
         let n: usize = entry(NUM_BLOCKS)
             .and_then(|v| v.parse().ok())
@@ -195,6 +222,10 @@ impl FileConfig {
             } else {
                 (name.clone(), Dtype::F32, vec![n, self.vectors])
             }
+        }))
+        .chain(state_layout.into_iter().flat_map(|_| {
+            let (m, total) = checkpoints::counts(&infos);
+            checkpoints::expected(m, total, self.state_bytes)
         }))
         .collect();
         if infos.len() != expect.len() {
@@ -283,6 +314,7 @@ impl FileConfig {
                 root: (first[i] == 1).then(|| group_key(parent, g)),
                 file_parent: None,
                 extra,
+                group: g,
             });
         }
         for (i, b) in blocks.iter_mut().enumerate() {
@@ -297,6 +329,18 @@ impl FileConfig {
         if let Some(i) = find_loop(&blocks)? {
             return Err(fail(format!("the chain of block {i} loops")));
         }
+        let ckpt_ranges = ranges.split_off(7 + data_names.len());
+        let checkpoints = match state_layout {
+            Some(_) => Some(checkpoints::check(
+                self,
+                &bytes,
+                &ckpt_ranges,
+                &blocks,
+                &by_hash,
+                fail,
+            )?),
+            None => None,
+        };
         Ok(CheckedFile {
             entries: self.entries.clone(),
             data: ranges.split_off(7),
@@ -304,6 +348,8 @@ impl FileConfig {
             blocks,
             tokens,
             extras,
+            state_layout: state_layout.map(str::to_string),
+            checkpoints,
         })
     }
 }
@@ -354,6 +400,7 @@ mod tests {
             root: file_parent.is_none().then_some(1),
             file_parent,
             extra: 0,
+            group: 0,
         }
     }
 

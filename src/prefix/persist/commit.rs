@@ -1,5 +1,6 @@
 //! Loading a checked file into the pool: the most recently used blocks the pool lacks,
-//! as many as its free room holds, those whose chain from a root is complete.
+//! as many as its free room holds, those whose chain from a root is complete; then its
+//! state checkpoints anchored at cached blocks, as many as the free checkpoint slots hold.
 
 use super::check::CheckedFile;
 use super::{bad_config, LoadReport};
@@ -19,7 +20,10 @@ impl PoolCore {
     /// recently used that fit are taken, and of those only blocks whose chain reaches a
     /// root (through the file's taken blocks or the pool's cache) are loaded.
     pub fn commit_file(&mut self, file: CheckedFile) -> Result<LoadReport> {
-        if self.prefix_file_config()?.entries != file.entries {
+        let config = self.prefix_file_config()?;
+        if config.entries != file.entries
+            || (file.checkpoints.is_some() && config.state_layout != file.state_layout)
+        {
             return Err(bad_config());
         }
         let n = file.blocks.len();
@@ -74,9 +78,14 @@ impl PoolCore {
                 loaded += 1;
             }
         }
+        let checkpoints = match &file.checkpoints {
+            Some(c) => self.commit_checkpoints(c, &file.bytes)?,
+            None => 0,
+        };
         Ok(LoadReport {
             loaded,
             skipped: n - loaded,
+            checkpoints,
         })
     }
 

@@ -18,6 +18,9 @@ pub(super) const VERSION: &str = "2";
 pub(super) const MAC: &str = "mac";
 /// The metadata entry holding the number of blocks.
 pub(super) const NUM_BLOCKS: &str = "num_blocks";
+/// The metadata entry holding the state layout of a pool with state layers
+/// ([`state_layout`]); absent for a pool without.
+pub(super) const STATE_LAYOUT: &str = "state_layout";
 
 /// A pool's configuration as files record it, with the keys derived from its seed.
 /// Holds no seed, only one-way values derived from it; `Debug` leaves the MAC key out.
@@ -48,6 +51,10 @@ pub struct FileConfig {
     pub(super) tensors: usize,
     /// Scale tensors of the file (int8: one per storage tensor; else none).
     pub(super) scale_tensors: usize,
+    /// The pool's state layout ([`state_layout`]; `None` without state layers).
+    pub(super) state_layout: Option<String>,
+    /// Bytes of one state checkpoint (0 without state layers).
+    pub(super) state_bytes: usize,
 }
 
 impl fmt::Debug for FileConfig {
@@ -56,6 +63,7 @@ impl fmt::Debug for FileConfig {
             .field("entries", &self.entries)
             .field("seed_id", &self.seed_id)
             .field("model_id", &self.model_id)
+            .field("state_layout", &self.state_layout)
             .finish_non_exhaustive()
     }
 }
@@ -113,6 +121,19 @@ pub(crate) fn expected_metadata(pool: &PoolCore) -> Vec<(&'static str, String)> 
         .chain([("seed", format!("{seed:032x}"))])
         .chain(fp8_scales(pool).map(|s| ("kv_scales", s)))
         .collect()
+}
+
+/// The state layout of a pool with state layers (`None` without): the number of state
+/// layers and each state's name, shape and dtype, what a checkpoint's bytes mean. Slot
+/// and checkpoint counts are not part of it: pools of other sizes share checkpoints.
+pub(crate) fn state_layout(pool: &PoolCore) -> Option<String> {
+    let c = pool.states()?.config();
+    let specs: Vec<String> = c
+        .specs
+        .iter()
+        .map(|s| format!("{:?}{:?}:{}", s.name, s.dims, s.dtype.name()))
+        .collect();
+    Some(format!("layers={} {}", c.layers, specs.join(" ")))
 }
 
 /// The fp8 scales the codes were stored with (`None` for other dtypes).
@@ -177,6 +198,8 @@ impl PoolCore {
             } else {
                 0
             },
+            state_layout: state_layout(self),
+            state_bytes: self.states().map_or(0, |a| a.config().slot_bytes()),
         })
     }
 }

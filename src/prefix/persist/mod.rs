@@ -8,7 +8,8 @@
 //! storage tensor, in the pool's layout; fp8 and int8 as their codes) and, for int8,
 //! `scales.{tensor}` (f32 `[n, block_elems / scale_unit]`: the scale of each chunk of
 //! `gcd(head_dim, v_head_dim)` elements, each head vector's when K and V have one size).
-//! Blocks are stored least recently used first.
+//! Blocks are stored least recently used first. A pool with state layers also records
+//! its state layout and every cached state checkpoint ([`checkpoints`]).
 //!
 //! The metadata records the pool's configuration (fp8 pools their scales too, so a pool
 //! whose codes would mean other values refuses the file), its model id (a pool of
@@ -28,6 +29,7 @@
 //! (`KvError::OutOfMemory`), never an abort.
 
 mod check;
+mod checkpoints;
 mod commit;
 mod config;
 mod save;
@@ -38,7 +40,7 @@ use std::path::Path;
 
 use safetensors::tensor::Dtype;
 
-pub(crate) use config::expected_metadata;
+pub(crate) use config::{expected_metadata, state_layout};
 
 use crate::dtype::DType;
 use crate::error::{KvError, Result};
@@ -52,6 +54,8 @@ pub struct LoadReport {
     pub loaded: usize,
     /// Blocks of the file not loaded: no room, already cached, or their chain broken.
     pub skipped: usize,
+    /// State checkpoints now cached from the file (pools with state layers).
+    pub checkpoints: usize,
 }
 
 fn io(path: &Path, e: impl std::fmt::Display) -> KvError {

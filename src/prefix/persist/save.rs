@@ -9,7 +9,7 @@ use std::path::Path;
 use rustc_hash::FxHashMap;
 use safetensors::tensor::{Dtype, TensorView};
 
-use super::config::{FileConfig, MAC, NUM_BLOCKS};
+use super::config::{FileConfig, MAC, NUM_BLOCKS, STATE_LAYOUT};
 use super::{io, st_dtype};
 use crate::error::{KvError, Result};
 use crate::paged::{BlockId, PoolCore};
@@ -49,7 +49,8 @@ fn reserve<T>(v: &mut Vec<T>, more: usize) -> Result<()> {
 
 impl PoolCore {
     /// Copies every cached block (tokens, hashes, parent links, extra keys, K/V of every
-    /// storage tensor) out of the pool, least recently used first; `&self` only, so a
+    /// storage tensor) and, with state layers, every cached state checkpoint whose
+    /// blocks are cached out of the pool, least recently used first; `&self` only, so a
     /// caller can write the file ([`PrefixSnapshot::write`]) after letting the pool go.
     /// Every buffer is allocated fallibly: a snapshot the host cannot hold fails
     /// ([`KvError::OutOfMemory`]) and the pool is unchanged.
@@ -172,6 +173,7 @@ impl PoolCore {
             }
             tensors.push((name.clone(), Dtype::F32, vec![n, config.vectors], buf));
         }
+        tensors.extend(self.snapshot_checkpoints(&config)?);
         Ok(PrefixSnapshot {
             config,
             blocks: n,
@@ -203,6 +205,9 @@ impl PrefixSnapshot {
             .map(|(k, v)| (k.to_string(), v.clone()))
             .collect();
         meta.insert(NUM_BLOCKS.into(), self.blocks.to_string());
+        if let Some(layout) = &self.config.state_layout {
+            meta.insert(STATE_LAYOUT.into(), layout.clone());
+        }
         let mac = self.config.mac(
             &meta,
             self.tensors
