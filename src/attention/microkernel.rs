@@ -51,6 +51,31 @@ pub(super) struct Product {
 #[inline(always)]
 pub(super) unsafe fn product<const SIMD: bool>(p: &Product) {
     debug_assert!(p.lanes.is_multiple_of(LANES));
+    // Long sums go in parts of at most KC steps, so that the part of `B` one block column
+    // reads (KC rows of 16 lanes) stays in L1 while every block of rows reuses it.
+    let parts = p.k.div_ceil(KC).max(1);
+    let kc = p.k.div_ceil(parts);
+    for part in 0..parts {
+        let k0 = part * kc;
+        columns::<SIMD>(&Product {
+            a: Strided {
+                ptr: p.a.ptr.add(k0 * p.a.ks),
+                ..p.a
+            },
+            b: p.b.add(k0 * p.b_ks),
+            k: kc.min(p.k - k0),
+            accumulate: p.accumulate || part > 0,
+            ..*p
+        });
+    }
+}
+
+/// Steps of `k` per pass over the block columns.
+const KC: usize = 256;
+
+/// [`product`] over its block columns of 16 (or 8) lanes, each over its blocks of rows.
+#[inline(always)]
+unsafe fn columns<const SIMD: bool>(p: &Product) {
     let mut l0 = 0;
     while l0 < p.lanes {
         let nv = if p.lanes - l0 >= 2 * LANES { 2 } else { 1 };
@@ -179,16 +204,20 @@ mod tests {
     /// leave every kind of partial block.
     #[test]
     fn products_match_a_triple_loop() {
-        let simd = cfg!(target_arch = "x86_64")
-            && is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma");
-        for (rows, lanes, k) in [
+        #[cfg(target_arch = "x86_64")]
+        let simd = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        #[cfg(not(target_arch = "x86_64"))]
+        let simd = false;
+        // Partial blocks of rows and lanes, and sums in two parts (k > KC).
+        let shapes = [
             (1, 8, 1),
             (6, 16, 5),
             (13, 24, 17),
             (7, 40, 64),
             (64, 64, 3),
-        ] {
+            (5, 16, 300),
+        ];
+        for (rows, lanes, k) in shapes {
             for transposed_a in [false, true] {
                 let a: Vec<f32> = (0..rows * k).map(|i| (i as f32 * 0.37).sin()).collect();
                 let b: Vec<f32> = (0..k * lanes).map(|i| (i as f32 * 0.11).cos()).collect();
