@@ -1,7 +1,14 @@
-//! How an attention call is cut into items for rayon's threads, and how the pieces of a
-//! split history are merged again (flash-decoding's log-sum-exp reduction).
+//! How an attention call is cut into items for this process's threads, and how the
+//! pieces of a split history are merged again (flash-decoding's log-sum-exp reduction).
+//!
+//! Items are (sequence, query tile, KV heads) — every KV head for a streamed (decode)
+//! item, one for a tiled one — so that a long prompt gives a thread per (head, tile) on
+//! a machine of many cores. When that still gives fewer than [`ITEMS_PER_THREAD`] items
+//! per thread, long histories are split into pieces merged afterwards. The threads then
+//! take items longest first from one shared counter.
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use rayon::prelude::*;
 
@@ -168,15 +175,23 @@ pub(super) fn run(p: &mut Problem<'_>) {
             (it, Dest::Partial(sp.partial + k * per))
         })
     });
-    let work: Vec<(Item, Dest)> = whole
+    let mut work: Vec<(Item, Dest)> = whole
         .into_iter()
         .map(|it| (it, Dest::Out))
         .chain(pieces)
         .collect();
+    // Longest first, each thread taking the next item when it is free: the last items
+    // to start are the shortest, so threads finish together (causal prefill tiles grow
+    // with their position; a batch mixes prompts and decode tokens).
+    work.sort_by_key(|(it, _)| std::cmp::Reverse(it.rows.len() * it.heads.len() * (it.hi - it.lo)));
+    let next = AtomicUsize::new(0);
     crate::parallel::install(|| {
-        work.par_iter()
-            .with_max_len(1)
-            .for_each(|(it, dest)| run_item(p, it, *dest));
+        let workers = rayon::current_num_threads().min(work.len());
+        (0..workers).into_par_iter().for_each(|_| {
+            while let Some((it, dest)) = work.get(next.fetch_add(1, Ordering::Relaxed)) {
+                run_item(p, it, *dest);
+            }
+        });
         split.par_iter().for_each(|sp| merge(p, sp, d, g));
     });
     drop(partial);
