@@ -1,5 +1,7 @@
-//! One work item of attention: a tile of one sequence's query rows, the query heads of
-//! one KV head, one span of history, streamed run by run with an online softmax.
+//! One work item of attention with few query rows per KV head (decode): a tile of one
+//! sequence's query rows, the query heads of every KV head, one span of history, streamed
+//! run by run with an online softmax. Items with many rows per KV head go to
+//! [`super::tiled`]; this module also holds the loads and stores both kinds share.
 
 use std::cell::RefCell;
 use std::sync::OnceLock;
@@ -21,12 +23,10 @@ struct Scratch {
     /// Running maximum and sum of each row.
     m: Vec<f32>,
     l: Vec<f32>,
-    /// One run of keys in f32: `[RUN][head_dim]`, or transposed `[head_dim][RUN]`.
+    /// One run of keys in f32: `[RUN][head_dim]`.
     k: Vec<f32>,
     /// The run's values in f32: `[RUN][v_head_dim]`.
     v: Vec<f32>,
-    /// Scores of one row over one run (and a key row on its way into `k`).
-    s: Vec<f32>,
 }
 
 impl Scratch {
@@ -38,7 +38,6 @@ impl Scratch {
             (&mut self.l, rows),
             (&mut self.k, RUN * d),
             (&mut self.v, RUN * dv),
-            (&mut self.s, RUN.max(d)),
         ] {
             if buf.len() < n {
                 buf.resize(n, 0.0);
@@ -73,7 +72,7 @@ pub fn simd_level() -> &'static str {
 }
 
 /// Whether the AVX2 + FMA + F16C kernel runs (decided once per process).
-fn has_avx2() -> bool {
+pub(super) fn has_avx2() -> bool {
     static AVX2: OnceLock<bool> = OnceLock::new();
     *AVX2.get_or_init(|| {
         let portable = std::env::var("KVRS_SIMD").is_ok_and(|v| v == "portable");
@@ -92,34 +91,32 @@ fn has_avx2() -> bool {
     })
 }
 
-/// Runs one item on the calling thread.
+/// Runs one item on the calling thread: a tiled one ([`super::tiled`]) or a streamed one.
 pub(super) fn run_item(p: &Problem<'_>, it: &Item, dest: Dest) {
+    if it.tiled {
+        return super::tiled::run_item(p, it, dest);
+    }
     SCRATCH.with(|sc| {
         let sc = &mut sc.borrow_mut();
         #[cfg(target_arch = "x86_64")]
         if has_avx2() {
             // SAFETY: the CPU has the features the function is compiled for.
-            return unsafe { run_item_avx2(p, it, dest, sc) };
+            return unsafe { stream_item_avx2(p, it, dest, sc) };
         }
         // SAFETY: plain code for any CPU; the problem was validated by `attend`.
-        unsafe { run_item_with::<false>(p, it, dest, sc) }
+        unsafe { stream_item::<false>(p, it, dest, sc) }
     })
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn run_item_avx2(p: &Problem<'_>, it: &Item, dest: Dest, sc: &mut Scratch) {
-    run_item_with::<true>(p, it, dest, sc)
+unsafe fn stream_item_avx2(p: &Problem<'_>, it: &Item, dest: Dest, sc: &mut Scratch) {
+    stream_item::<true>(p, it, dest, sc)
 }
 
-/// The item's loop; `SIMD`: compiled with AVX2, FMA and F16C.
+/// A streamed item's loop.
 #[inline(always)]
-unsafe fn run_item_with<const SIMD: bool>(
-    p: &Problem<'_>,
-    it: &Item,
-    dest: Dest,
-    sc: &mut Scratch,
-) {
+unsafe fn stream_item<const SIMD: bool>(p: &Problem<'_>, it: &Item, dest: Dest, sc: &mut Scratch) {
     let (d, dv) = (p.heads.head_dim, p.heads.v_head_dim);
     let g = p.num_q_heads / p.heads.num_kv_heads;
     let rows = &p.rows[it.rows.clone()];
@@ -128,15 +125,7 @@ unsafe fn run_item_with<const SIMD: bool>(
     let per = rows.len() * g;
     let nrows = per * it.heads.len();
     sc.fit(nrows, d, dv);
-    let Scratch {
-        q,
-        o,
-        m,
-        l,
-        k,
-        v,
-        s,
-    } = sc;
+    let Scratch { q, o, m, l, k, v } = sc;
     for (hi, head) in it.heads.clone().enumerate() {
         for (i, row) in rows.iter().enumerate() {
             for j in 0..g {
@@ -148,15 +137,11 @@ unsafe fn run_item_with<const SIMD: bool>(
     m[..nrows].fill(f32::NEG_INFINITY);
     l[..nrows].fill(0.0);
     o[..nrows * dv].fill(0.0);
-    // Keys are transposed when enough rows share them to repay the transposition
-    // (prefill tiles, wide GQA groups); a decode row of a narrow group takes dot products.
-    let transposed = per >= TRANSPOSE_ROWS;
     let kv = &p.seqs[it.seq].kv;
-    // Otherwise, with AVX2, rows score and accumulate straight from the stored codes
-    // (keys and values of one head size, a scale per vector).
+    // With AVX2, rows score and accumulate straight from the stored codes (keys and
+    // values of one head size, a scale per vector).
     let latent = p.opts.latent;
-    let fused =
-        !transposed && !latent && kv.uniform() && kv.scale_chunk(d) == d && fuses::<SIMD>(d);
+    let fused = !latent && kv.uniform() && kv.scale_chunk(d) == d && fuses::<SIMD>(d);
     let mut pos = it.lo;
     while pos < it.hi {
         let n = (kv.block_size - pos % kv.block_size)
@@ -165,25 +150,16 @@ unsafe fn run_item_with<const SIMD: bool>(
         for (hi, head) in it.heads.clone().enumerate() {
             let first = kv.key_offset(pos, head);
             for j in (0..n).filter(|_| !fused) {
-                if transposed {
-                    // The key row goes through `s` into K's transposed tile ([head_dim][RUN]).
-                    load_key::<SIMD>(kv, latent, pos + j, head, &mut s[..d], dv);
-                    for (i, &x) in s[..d].iter().enumerate() {
-                        k[i * RUN + j] = x;
-                    }
-                } else {
-                    load_key::<SIMD>(kv, latent, pos + j, head, &mut k[j * d..(j + 1) * d], dv);
-                }
+                load_key::<SIMD>(kv, latent, pos + j, head, &mut k[j * d..(j + 1) * d], dv);
                 load_value::<SIMD>(kv, latent, pos + j, head, &mut v[j * dv..(j + 1) * dv]);
             }
             if pos + n < it.hi {
-                prefetch_run(
-                    kv,
-                    pos + n,
-                    it.hi,
-                    head,
-                    super::KvPages::stored_lens([d, dv], latent),
-                );
+                let next = pos + n;
+                let m = (kv.block_size - next % kv.block_size)
+                    .min(it.hi - next)
+                    .min(RUN);
+                let lens = super::KvPages::stored_lens([d, dv], latent);
+                prefetch::<true>(kv, next..next + m, head, lens);
             }
             // Rows (token i, head j of the group) in blocks of BLOCK_ROWS: their scores over
             // the run are computed together, each key element loaded once for the block.
@@ -202,9 +178,7 @@ unsafe fn run_item_with<const SIMD: bool>(
                 // The block's softmax weights over the run, 0 where a row sees nothing
                 // (the unfused path accumulates them together: `accumulate`).
                 let mut wb = [[0f32; RUN]; BLOCK_ROWS];
-                if transposed {
-                    scores::<SIMD>(&q[r0 * d..(r0 + nb) * d], nb, d, k, n, &mut sb);
-                } else if fused {
+                if fused {
                     #[cfg(target_arch = "x86_64")]
                     let run = super::fused::HeadRun { kv, head, first };
                     super::fused::scores(run, n, &q[r0 * d..], nb, d, &mut sb);
@@ -360,76 +334,43 @@ fn fuses<const SIMD: bool>(d: usize) -> bool {
 /// independent FMA chains to keep the units busy.
 pub(super) const BLOCK_ROWS: usize = 4;
 
-/// Rows from which an item scores against a transposed key tile.
-const TRANSPOSE_ROWS: usize = 8;
-
-/// Positions scored per pass (two AVX2 registers of f32).
+/// Value elements accumulated per pass (two AVX2 registers of f32).
 const CHUNK: usize = 16;
 
-/// `out[r][j] = q_r . k_j` for the `nb` rows of `q` (`[nb][d]`) and the `n` keys of a
-/// transposed tile (`kt[i * RUN + j]`): each query element scales a row of the tile, so
-/// sums run across positions and need no horizontal reduction.
-#[inline(always)]
-fn scores<const SIMD: bool>(
-    q: &[f32],
-    nb: usize,
-    d: usize,
-    kt: &[f32],
-    n: usize,
-    out: &mut [[f32; RUN]; BLOCK_ROWS],
-) {
-    // Missing rows repeat the last one (their scores are not used).
-    let qr: [&[f32]; BLOCK_ROWS] = std::array::from_fn(|r| {
-        let r = r.min(nb - 1);
-        &q[r * d..(r + 1) * d]
-    });
-    for c in (0..n).step_by(CHUNK) {
-        let mut acc = [[0f32; CHUNK]; BLOCK_ROWS];
-        for i in 0..d {
-            let kr: &[f32; CHUNK] = kt[i * RUN + c..i * RUN + c + CHUNK]
-                .try_into()
-                .expect("a tile row holds RUN positions");
-            for r in 0..BLOCK_ROWS {
-                axpy::<SIMD>(&mut acc[r], qr[r][i], kr);
-            }
-        }
-        for r in 0..BLOCK_ROWS {
-            out[r][c..c + CHUNK].copy_from_slice(&acc[r]);
-        }
-    }
-}
-
-/// Asks the CPU to start loading the keys and values of the run at `pos` while the
-/// current one is computed: one head's rows are strided (in NHD, `heads * head_dim`
+/// Asks the CPU to start loading the keys and values of positions `span` while the
+/// current ones are computed: one head's rows are strided (in NHD, `heads * head_dim`
 /// apart), which the hardware prefetcher does not follow. `lens`: the stored key and
-/// value lengths.
+/// value lengths; `L1`: into the first-level cache (a short run), else the second.
 #[inline(always)]
-unsafe fn prefetch_run(
+pub(super) unsafe fn prefetch<const L1: bool>(
     kv: &super::KvPages<'_>,
-    pos: usize,
-    hi: usize,
+    span: std::ops::Range<usize>,
     head: usize,
     lens: (usize, usize),
 ) {
     #[cfg(target_arch = "x86_64")]
     {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
         let size = kv.dtype.size();
-        let n = (kv.block_size - pos % kv.block_size).min(hi - pos).min(RUN);
         let (k_len, v_len) = lens;
-        for j in pos..pos + n {
+        for j in span {
             for (at, len) in [
                 (kv.key_offset(j, head), k_len),
                 (kv.value_offset(j, head), v_len),
             ] {
                 for line in (0..len * size).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(kv.data.add(at * size + line) as *const i8);
+                    let p = kv.data.add(at * size + line) as *const i8;
+                    if L1 {
+                        _mm_prefetch::<_MM_HINT_T0>(p)
+                    } else {
+                        _mm_prefetch::<_MM_HINT_T1>(p)
+                    }
                 }
             }
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (kv, pos, hi, head, lens);
+    let _ = (kv, span, head, lens);
 }
 
 /// Reads the stored vector of `dst.len()` elements at element offset `at` (of KV head
@@ -437,7 +378,7 @@ unsafe fn prefetch_run(
 /// vector, or one per chunk of [`super::KvPages::scale_chunk`] elements (int8 storage of
 /// keys and values of different head sizes).
 #[inline(always)]
-unsafe fn load_vector<const SIMD: bool>(
+pub(super) unsafe fn load_vector<const SIMD: bool>(
     kv: &super::KvPages<'_>,
     at: usize,
     head: usize,
@@ -460,7 +401,7 @@ unsafe fn load_vector<const SIMD: bool>(
 /// Reads the key of position `pos`, KV head `head` (`dst`: `head_dim` elements; for
 /// `latent` attention, the stored latent of `dv` elements followed by its rotary tail).
 #[inline(always)]
-unsafe fn load_key<const SIMD: bool>(
+pub(super) unsafe fn load_key<const SIMD: bool>(
     kv: &super::KvPages<'_>,
     latent: bool,
     pos: usize,
@@ -481,7 +422,7 @@ unsafe fn load_key<const SIMD: bool>(
 /// Reads the value of position `pos`, KV head `head` (`dst`: `v_head_dim` elements; for
 /// `latent` attention, the stored latent).
 #[inline(always)]
-unsafe fn load_value<const SIMD: bool>(
+pub(super) unsafe fn load_value<const SIMD: bool>(
     kv: &super::KvPages<'_>,
     latent: bool,
     pos: usize,
@@ -507,7 +448,7 @@ pub(super) fn rescale(old: f32, new: f32) -> f32 {
 
 /// Reads query row `(token, head)` into `dst` as f32, times the scale.
 #[inline(always)]
-unsafe fn load_query<const SIMD: bool>(
+pub(super) unsafe fn load_query<const SIMD: bool>(
     p: &Problem<'_>,
     token: usize,
     head: usize,

@@ -78,7 +78,11 @@ pub fn exp(x: f32) -> f32 {
     // Round to nearest with the 1.5 * 2^23 trick (no libm call, vectorisable).
     const ROUND: f32 = 12_582_912.0;
     let x = x.clamp(-87.0, 88.0);
-    let k = (x * LOG2E + ROUND) - ROUND;
+    // The sum holds k in its low mantissa bits: read it there rather than by a float to
+    // int conversion, whose saturating semantics do not vectorise.
+    let rounded = x * LOG2E + ROUND;
+    let k = rounded - ROUND;
+    let k_bits = rounded.to_bits().wrapping_sub(ROUND.to_bits());
     let y = (x - k * LN2_HI) - k * LN2_LO; // |y| <= ln 2 / 2
                                            // e^y by its Taylor series to y^7: relative error below 5e-9 on |y| <= 0.35.
     let mut p = 1.0 / 5040.0;
@@ -89,7 +93,7 @@ pub fn exp(x: f32) -> f32 {
     p = p * y + 0.5;
     p = p * y + 1.0;
     p = p * y + 1.0;
-    p * f32::from_bits(((k as i32 + 127) as u32) << 23)
+    p * f32::from_bits(k_bits.wrapping_add(127) << 23)
 }
 
 /// Converts `dst.len()` stored elements of `dtype` at `src` to f32, multiplying 8-bit

@@ -21,7 +21,9 @@
 mod fused;
 mod kernel;
 mod math;
+mod microkernel;
 mod schedule;
+mod tiled;
 
 use std::ops::Range;
 

@@ -1,16 +1,30 @@
-//! How an attention call is cut into items for rayon's threads, and how the pieces of a
-//! split history are merged again (flash-decoding's log-sum-exp reduction).
+//! How an attention call is cut into items for this process's threads, and how the
+//! pieces of a split history are merged again (flash-decoding's log-sum-exp reduction).
+//!
+//! Items are (sequence, query tile, KV heads) — every KV head for a streamed (decode)
+//! item, one for a tiled one — so that a long prompt gives a thread per (head, tile) on
+//! a machine of many cores. When that still gives fewer than [`ITEMS_PER_THREAD`] items
+//! per thread, long histories are split into pieces merged afterwards. The threads then
+//! take items longest first from one shared counter.
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use rayon::prelude::*;
 
 use super::kernel::{rescale, run_item, write_row, Dest};
+use super::tiled::TILE_ROWS;
 use super::{AttnOptions, KvHeads, QueryRow, SeqQueries};
 use crate::tensor::{SharedTensorMut, TensorRef};
 
-/// Query tokens of one sequence per item: each K/V run is converted once for them all.
+/// Query tokens of one sequence per streamed item: each K/V run is converted once for
+/// them all.
 const TILE_TOKENS: usize = 16;
+
+/// Query rows per KV head (a sequence's tokens times the group's heads) from which a
+/// sequence's items are tiled ([`super::tiled`]): below, its rows are few enough (decode
+/// of a narrow group) that streaming the K/V past them ([`super::kernel`]) wins.
+const TILED_ROWS: usize = 8;
 
 /// Items per thread below which long histories are split.
 const ITEMS_PER_THREAD: usize = 4;
@@ -65,9 +79,9 @@ impl SharedF32 {
 unsafe impl Send for SharedF32 {}
 unsafe impl Sync for SharedF32 {}
 
-/// A tile of one sequence's rows, its KV heads (every one: consecutive heads lie side by
-/// side in NHD blocks, so one item reads whole positions), one span `lo..hi` of its
-/// history.
+/// A tile of one sequence's rows, its KV heads, one span `lo..hi` of its history. A
+/// streamed item takes every KV head (consecutive heads lie side by side in NHD blocks,
+/// so it reads whole positions); a tiled one takes one.
 #[derive(Clone, Debug)]
 pub(super) struct Item {
     pub seq: usize,
@@ -75,6 +89,8 @@ pub(super) struct Item {
     pub heads: Range<usize>,
     pub lo: usize,
     pub hi: usize,
+    /// Run by [`super::tiled`].
+    pub tiled: bool,
 }
 
 /// A tile whose history is split in `splits` items, their partial results at float
@@ -92,19 +108,28 @@ pub(super) fn run(p: &mut Problem<'_>) {
     let d = p.heads.v_head_dim;
     let mut tiles: Vec<Item> = Vec::new();
     for (si, s) in p.seqs.iter().enumerate() {
+        let tiled = s.rows.len() * g >= TILED_ROWS;
+        let (tokens, heads) = if tiled {
+            ((TILE_ROWS / g).max(1), 1)
+        } else {
+            (TILE_TOKENS, p.heads.num_kv_heads)
+        };
         let mut t = s.rows.start;
         while t < s.rows.end {
-            let rows = t..(t + TILE_TOKENS).min(s.rows.end);
+            let rows = t..(t + tokens).min(s.rows.end);
             let span = &p.rows[rows.clone()];
             let lo = span.iter().map(|r| r.lo).min().unwrap_or(0);
             let hi = span.iter().map(|r| r.hi).max().unwrap_or(0);
-            tiles.push(Item {
-                seq: si,
-                rows: rows.clone(),
-                heads: 0..p.heads.num_kv_heads,
-                lo,
-                hi: hi.max(lo),
-            });
+            for h in (0..p.heads.num_kv_heads).step_by(heads) {
+                tiles.push(Item {
+                    seq: si,
+                    rows: rows.clone(),
+                    heads: h..h + heads,
+                    lo,
+                    hi: hi.max(lo),
+                    tiled,
+                });
+            }
             t = rows.end;
         }
     }
@@ -150,15 +175,23 @@ pub(super) fn run(p: &mut Problem<'_>) {
             (it, Dest::Partial(sp.partial + k * per))
         })
     });
-    let work: Vec<(Item, Dest)> = whole
+    let mut work: Vec<(Item, Dest)> = whole
         .into_iter()
         .map(|it| (it, Dest::Out))
         .chain(pieces)
         .collect();
+    // Longest first, each thread taking the next item when it is free: the last items
+    // to start are the shortest, so threads finish together (causal prefill tiles grow
+    // with their position; a batch mixes prompts and decode tokens).
+    work.sort_by_key(|(it, _)| std::cmp::Reverse(it.rows.len() * it.heads.len() * (it.hi - it.lo)));
+    let next = AtomicUsize::new(0);
     crate::parallel::install(|| {
-        work.par_iter()
-            .with_max_len(1)
-            .for_each(|(it, dest)| run_item(p, it, *dest));
+        let workers = rayon::current_num_threads().min(work.len());
+        (0..workers).into_par_iter().for_each(|_| {
+            while let Some((it, dest)) = work.get(next.fetch_add(1, Ordering::Relaxed)) {
+                run_item(p, it, *dest);
+            }
+        });
         split.par_iter().for_each(|sp| merge(p, sp, d, g));
     });
     drop(partial);
