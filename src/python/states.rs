@@ -35,7 +35,7 @@ impl StateLayout {
 
     /// Views of every state of `layer` for `count` slots from `slot`, by name:
     /// `[count, *dims]` each, or `[*dims]` when `single`.
-        pub fn views<'py>(
+    pub fn views<'py>(
         &self,
         owner: &Bound<'py, PyAny>,
         device: Device,
