@@ -8,10 +8,12 @@ fn main() {
     }
     for f in [
         "kernels/kvrs.cu",
+        "kernels/tensor_core.cuh",
         "kernels/sim/sim.cpp",
         "kernels/sim/fiber.h",
         "kernels/sim/scheduler.h",
         "kernels/sim/cooperative.h",
+        "kernels/sim/tensor_core.h",
         "kernels/sim/test_kernels.cu",
         "kernels/sim/cuda_fp16.h",
         "kernels/sim/cuda_bf16.h",

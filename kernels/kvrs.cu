@@ -48,6 +48,8 @@ template <int N> __device__ __forceinline__ void kvrs_cp_async_wait() {
 }
 #define KVRS_DYNAMIC_SHARED(T, name) extern __shared__ __align__(16) T name[]
 #endif
+// Tensor-core instructions: kvrs_mma_m16n8k16, kvrs_ldmatrix_x4 (tensor_core.cuh).
+#include "tensor_core.cuh"
 
 // A named namespace, not an anonymous one: nvcc names the shared arrays of anonymous-namespace
 // templates after a hash of the source's path, and the committed PTX must not depend on it.

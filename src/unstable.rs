@@ -18,6 +18,7 @@ pub use crate::layout::{BlockId, Region};
 pub use crate::paged::{BlockAllocator, ForwardPlan, LayerGroups, PoolCore, SeqState};
 pub use crate::paged::{StateConfig, StateSpec, Table, NO_BLOCK};
 pub use crate::prefix::persist::read_file;
+pub use crate::prefix::BlockHash;
 pub use crate::quant::{dequantize_row_i8, quantize_row_i8, Fp8};
 pub use crate::rope::{Rope, RopeStyle};
 pub use crate::storage::{allocate, PagedTensor, Storage};
@@ -35,4 +36,9 @@ pub mod cuda {
 pub mod payload {
     pub use crate::tier::payload::{begin, decode, fingerprint, seal};
     pub use crate::tier::payload::{BlockMeta, PayloadShape, TierKey};
+}
+
+/// The offload tiers' checkpoint payloads: a hybrid model's recurrent state beside its blocks.
+pub mod checkpoint_payload {
+    pub use crate::tier::checkpoint_payload::{checkpoint_key, state_range};
 }

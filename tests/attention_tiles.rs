@@ -4,10 +4,8 @@
 //! windows crossing tiles, GQA ratios 1 to 16, head sizes 64, 128, 192 and 256 and MLA's
 //! 512 + 64 latent, every storage dtype, soft-capping, sinks and ALiBi.
 
-use kvrs::attention::AttnOptions;
-use kvrs::paged::{Attention, KvLayout, LayerKind, PagedShape, PoolCore};
-use kvrs::tensor::{TensorMut, TensorRef};
-use kvrs::{DType, Device};
+use kvrs::unstable::{PoolCore, TensorMut, TensorRef};
+use kvrs::{Attention, AttnOptions, DType, Device, KvLayout, LayerKind, PagedShape};
 use proptest::prelude::*;
 
 fn tensor<'a>(v: &'a [f32], shape: &[usize]) -> TensorRef<'a> {

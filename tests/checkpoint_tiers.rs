@@ -9,14 +9,11 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use kvrs::paged::tiering::TierOptions;
-use kvrs::paged::{KvLayout, PagedShape, PoolCore, PrefixConfig, SeqId, StateConfig, StateSpec};
-use kvrs::prefix::{BlockHash, HashKind};
-use kvrs::tensor::{TensorMut, TensorRef};
-use kvrs::tier::checkpoint_payload::{checkpoint_key, state_range};
-use kvrs::tier::payload::{seal, TierKey};
 use kvrs::tier::{DiskTier, HostTier, Tier};
-use kvrs::{DType, KvError};
+use kvrs::unstable::checkpoint_payload::{checkpoint_key, state_range};
+use kvrs::unstable::payload::{seal, TierKey};
+use kvrs::unstable::{BlockHash, PoolCore, StateConfig, StateSpec, TensorMut, TensorRef};
+use kvrs::{DType, HashKind, KvError, KvLayout, PagedShape, PrefixConfig, SeqId, TierOptions};
 
 const D: usize = 2;
 const BS: usize = 4;

@@ -2,13 +2,16 @@
 //! test kernels of `kernels/sim/test_kernels.cu`, run as fibers, against references
 //! written from CUDA's rules: barriers in loops, shared and dynamic shared memory,
 //! shuffles and votes, the group reductions bit for bit, deadlocks and divergent
-//! barriers as errors, and a missing barrier exposed by another resume order.
+//! barriers as errors, a missing barrier exposed by another resume order, and the
+//! tensor-core instructions (`mma.sync` m16n8k16 and `ldmatrix`) against the PTX ISA's
+//! fragment layouts and a plain matrix product.
 #![cfg(feature = "cuda-sim")]
 
 use std::ffi::c_int;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
+use half::{bf16, f16};
 use kvrs::unstable::cuda::{gpu_for, Args, DevicePtr, Gpu};
 use kvrs::Result;
 use proptest::prelude::*;
@@ -380,4 +383,125 @@ fn deadlocks_and_divergent_barriers_are_device_errors() {
     let args = Args::new().u64(one.ptr).u64(out.ptr).i32(1);
     launch("kvrs_test_block_sum", 1, [1, 1, 1], 0, args).unwrap();
     assert_eq!(out.read(), [2.0]);
+}
+
+/// 16-bit float bits of `x` (exact: the tests' values are multiples of 1/64 below 4 in
+/// magnitude, which both formats hold, so every product and sum of the tile is exact in
+/// f64 and the result is rounded once, as the emulation rounds it).
+fn bits16(x: f64, bf: bool) -> u16 {
+    if bf {
+        bf16::from_f64(x).to_bits()
+    } else {
+        f16::from_f64(x).to_bits()
+    }
+}
+
+/// `n` values k / 64, |k| < 256, from `seed`.
+fn sixty_fourths(seed: u64, n: usize) -> Vec<f64> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ((x >> 40) % 511) as f64 / 64.0 - 255.0 / 64.0
+        })
+        .collect()
+}
+
+/// a (16 x 16) times b (16 x 8) plus c, row-major, rounded once to f32.
+fn tile_product(a: &[f64], b: &[f64], c: &[f64]) -> Vec<f32> {
+    (0..128)
+        .map(|e| {
+            let (i, j) = (e / 8, e % 8);
+            (c[e] + (0..16).map(|k| a[i * 16 + k] * b[k * 8 + j]).sum::<f64>()) as f32
+        })
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(8))]
+
+    #[test]
+    fn mma_follows_the_ptx_fragment_layouts(seed in any::<u64>(), bf in any::<bool>()) {
+        let (a, b) = (sixty_fourths(seed, 256), sixty_fourths(seed ^ 1, 128));
+        let c: Vec<f64> = sixty_fourths(seed ^ 2, 128).iter().map(|x| x * 9.0).collect();
+        let abits: Vec<u16> = a.iter().map(|&x| bits16(x, bf)).collect();
+        let bbits: Vec<u16> = b.iter().map(|&x| bits16(x, bf)).collect();
+        let c32: Vec<f32> = c.iter().map(|&x| x as f32).collect();
+        let (ab, bb, cb, d) = (Buf::from(&abits), Buf::from(&bbits), Buf::from(&c32), Buf::<f32>::zeroed(128));
+        let args = Args::new().u64(ab.ptr).u64(bb.ptr).u64(cb.ptr).u64(d.ptr);
+        let name = if bf { "kvrs_test_mma_bf16" } else { "kvrs_test_mma_f16" };
+        launch(name, 1, [32, 1, 1], 0, args).unwrap();
+        prop_assert_eq!(d.read(), tile_product(&a, &b, &c));
+    }
+
+    #[test]
+    fn ldmatrix_follows_the_ptx_layout(
+        seed in any::<u64>(),
+        pitch in prop::sample::select(vec![8i32, 16, 24, 64]),
+        trans in any::<bool>(),
+    ) {
+        let m: Vec<u16> = sixty_fourths(seed, 256).iter().map(|&x| bits16(x, false)).collect();
+        let (mb, out) = (Buf::from(&m), Buf::<u32>::zeroed(128));
+        let args = Args::new().u64(mb.ptr).u64(out.ptr).i32(pitch).i32(trans as i32);
+        launch("kvrs_test_ldmatrix", 1, [32, 1, 1], 0, args).unwrap();
+        let got = out.read();
+        // Lane l, register j: row l / 4, columns 2 (l % 4) and + 1 of matrix j (low half
+        // first); transposed: rows 2 (l % 4) and + 1 of column l / 4.
+        let at = |j: usize, row: usize, col: usize| m[j * 64 + row * 8 + col] as u32;
+        for l in 0..32 {
+            for j in 0..4 {
+                let (r, c) = (l / 4, 2 * (l % 4));
+                let want = if trans {
+                    at(j, c, r) | at(j, c + 1, r) << 16
+                } else {
+                    at(j, r, c) | at(j, r, c + 1) << 16
+                };
+                prop_assert_eq!(got[4 * l + j], want, "lane {} register {}", l, j);
+            }
+        }
+    }
+
+    #[test]
+    fn ldmatrix_feeds_mma_as_the_attention_kernel_does(
+        seed in any::<u64>(),
+        bf in any::<bool>(),
+        trans in any::<bool>(),
+    ) {
+        let (a, b) = (sixty_fourths(seed, 256), sixty_fourths(seed ^ 3, 128));
+        let abits: Vec<u16> = a.iter().map(|&x| bits16(x, bf)).collect();
+        let bbits: Vec<u16> = b.iter().map(|&x| bits16(x, bf)).collect();
+        let (ab, bb, d) = (Buf::from(&abits), Buf::from(&bbits), Buf::<f32>::zeroed(128));
+        let name = if bf { "kvrs_test_ldmatrix_mma_bf16" } else { "kvrs_test_ldmatrix_mma_f16" };
+        for order in ORDERS {
+            in_order(order, || {
+                let args = Args::new().u64(ab.ptr).u64(bb.ptr).u64(d.ptr).i32(trans as i32);
+                launch(name, 1, [32, 1, 1], 0, args)
+            })
+            .unwrap();
+            prop_assert_eq!(d.read(), tile_product(&a, &b, &[0.0; 128]), "order {:?}", order);
+        }
+    }
+}
+
+#[test]
+fn misused_tensor_core_instructions_are_device_errors() {
+    let m = Buf::<u16>::zeroed(256);
+    let out = Buf::<u32>::zeroed(128);
+    // Rows 8 bytes apart: ldmatrix needs 16-byte aligned rows.
+    let args = Args::new().u64(m.ptr).u64(out.ptr).i32(4).i32(0);
+    let e = failure("kvrs_test_ldmatrix", 1, [32, 1, 1], args);
+    assert!(
+        e.contains("(misused cooperation)") && e.contains("not 16-byte aligned"),
+        "{e}"
+    );
+    // Part of a warp.
+    let (a, d) = (Buf::<u16>::zeroed(256), Buf::<f32>::zeroed(128));
+    let args = Args::new().u64(a.ptr).u64(a.ptr).u64(d.ptr).u64(d.ptr);
+    let e = failure("kvrs_test_mma_f16", 1, [16, 1, 1], args);
+    assert!(
+        e.contains("(misused cooperation)") && e.contains("needs whole warps"),
+        "{e}"
+    );
 }

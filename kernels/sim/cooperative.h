@@ -1,6 +1,7 @@
 // The CUDA device-side names the kernels use, for the host (sim.cpp includes this before
 // kernels/kvrs.cu): qualifiers, vector types, __shared__ memory, __syncthreads, warp
-// shuffles and votes, and kvrs.cu's cooperative primitives (see the top of kvrs.cu).
+// shuffles and votes, and kvrs.cu's cooperative primitives (see the top of kvrs.cu), its
+// tensor-core instructions too (tensor_core.h).
 // Barriers and collectives need the fiber launch (KF in sim.cpp's table); called from a
 // kernel launched as a plain loop (K), they fail the launch.
 #pragma once
@@ -172,3 +173,5 @@ template <int W> inline float kvrs_group_max(float x) {
 inline void kvrs_cp_async16(void* dst, const void* src) { memcpy(dst, src, 16); }
 inline void kvrs_cp_async_commit() {}
 template <int N> inline void kvrs_cp_async_wait() {}
+
+#include "tensor_core.h"

@@ -215,6 +215,9 @@ class Runner {
     // The calling thread's fiber.
     const Fiber& me() const { return *me_; }
 
+    // Fails the launch as a misuse of a collective (MISUSE), for the reason `why`.
+    [[noreturn]] void misuse(std::string why) { fail(MISUSE, std::move(why)); }
+
   private:
     // Each fiber's first frame: runs the kernel, then leaves for good.
     static void entry();

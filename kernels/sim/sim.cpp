@@ -75,7 +75,8 @@ const Entry KERNELS[] = {
     // The simulator's own tests (test_kernels.cu).
     KF(kvrs_test_block_sum), KF(kvrs_test_shuffles), KF(kvrs_test_votes), KF(kvrs_test_group_reductions),
     KF(kvrs_test_dynamic_shared), KF(kvrs_test_neighbour_sum), KF(kvrs_test_deadlock), KF(kvrs_test_divergent),
-    K(kvrs_test_plain_barrier),
+    K(kvrs_test_plain_barrier), KF(kvrs_test_mma_f16), KF(kvrs_test_mma_bf16), KF(kvrs_test_ldmatrix),
+    KF(kvrs_test_ldmatrix_mma_f16), KF(kvrs_test_ldmatrix_mma_bf16),
 };
 
 }  // namespace

@@ -155,3 +155,89 @@ extern "C" __global__ void kvrs_test_divergent(int mode) {
 
 // A barrier in a kernel that sim.cpp runs as a plain loop (K): the launch fails.
 extern "C" __global__ void kvrs_test_plain_barrier() { __syncthreads(); }
+
+// ---- Tensor-core instructions (tensor_core.h) --------------------------------------------
+// The fragments below are written from the PTX ISA's formulas for mma.m16n8k16 (f16/bf16
+// operands, f32 accumulators), independently of the emulation: with g = lane / 4 and
+// q = lane % 4, A's element i is at (g + 8 ((i / 2) % 2), 2q + i % 2 + 8 (i / 4)), B's at
+// (2q + i % 2 + 8 (i / 2), g), C's and D's at (g + 8 (i / 2), 2q + i % 2).
+
+// One warp per block: d = a b + c for one tile, a 16 x 16 and b 16 x 8 row-major 16-bit
+// floats of type T, c and d 16 x 8 row-major floats; the fragments built from the
+// formulas above.
+template <typename T>
+__device__ void kvrs_test_mma(const uint16_t* a, const uint16_t* b, const float* c, float* d) {
+    const unsigned lane = threadIdx.x, g = lane / 4, q = lane % 4;
+    uint32_t fa[4] = {0, 0, 0, 0}, fb[2] = {0, 0};
+    float acc[4];
+    for (int i = 0; i < 8; ++i)
+        fa[i / 2] |= (uint32_t)a[(g + 8 * ((i / 2) % 2)) * 16 + 2 * q + i % 2 + 8 * (i / 4)] << (16 * (i % 2));
+    for (int i = 0; i < 4; ++i) fb[i / 2] |= (uint32_t)b[(2 * q + i % 2 + 8 * (i / 2)) * 8 + g] << (16 * (i % 2));
+    for (int i = 0; i < 4; ++i) acc[i] = c[(g + 8 * (i / 2)) * 8 + 2 * q + i % 2];
+    kvrs_mma_m16n8k16<T>(acc, fa, fb);
+    for (int i = 0; i < 4; ++i) d[(g + 8 * (i / 2)) * 8 + 2 * q + i % 2] = acc[i];
+}
+extern "C" __global__ void kvrs_test_mma_f16(const uint16_t* a, const uint16_t* b, const float* c, float* d) {
+    kvrs_test_mma<__half>(a, b, c, d);
+}
+extern "C" __global__ void kvrs_test_mma_bf16(const uint16_t* a, const uint16_t* b, const float* c, float* d) {
+    kvrs_test_mma<__nv_bfloat16>(a, b, c, d);
+}
+
+// One warp per block: the four 8 x 8 matrices m[j][row][col] (16-bit elements) copied
+// into shared memory with rows `pitch` elements apart (pitch a multiple of 8, rows in
+// matrix order), loaded by ldmatrix.x4 (trans: .trans) with lane 8j + i addressing row i
+// of matrix j; out[4 lane + j] = the lane's register j.
+extern "C" __global__ void kvrs_test_ldmatrix(const uint16_t* m, uint32_t* out, int pitch, int trans) {
+    __shared__ __align__(16) uint16_t rows[32 * 64];
+    const unsigned lane = threadIdx.x;
+    for (int e = 0; e < 8; ++e) rows[lane * pitch + e] = m[lane * 8 + e];
+    __syncwarp();
+    uint32_t r[4];
+    if (trans) {
+        kvrs_ldmatrix_x4_trans(r, &rows[lane * pitch]);
+    } else {
+        kvrs_ldmatrix_x4(r, &rows[lane * pitch]);
+    }
+    for (int j = 0; j < 4; ++j) out[4 * lane + j] = r[j];
+}
+
+// One warp per block, the two ways the attention kernel feeds the tensor cores: A
+// (16 x 16, row-major) by ldmatrix.x4 from rows of shared memory; B (16 x 8) by
+// ldmatrix.x4 from the rows of B^T (as K's rows give Q K^T: lanes 0-15 address b's 8
+// columns' two halves), or, with trans, by ldmatrix.x4.trans from B's own rows (as V's
+// rows give P V: lanes 0-15 address its 16 rows; the other two matrices, a second
+// n-tile, are not used). d = a b (16 x 8 row-major floats) from the C layout.
+template <typename T>
+__device__ void kvrs_test_ldmatrix_mma(const uint16_t* a, const uint16_t* b, float* d, int trans) {
+    __shared__ __align__(16) uint16_t sa[16 * 16], sb[16 * 16];
+    const unsigned lane = threadIdx.x, g = lane / 4, q = lane % 4;
+    for (int e = lane; e < 256; e += 32) sa[e] = a[e];
+    for (int e = lane; e < 128; e += 32) {
+        const int k = e / 8, n = e % 8;
+        if (trans) {
+            sb[k * 8 + n] = b[e];  // B's rows: 16 rows of 8
+        } else {
+            sb[n * 16 + k] = b[e];  // B^T's rows: 8 rows of 16
+        }
+    }
+    for (int e = 128 + lane; e < 256; e += 32) sb[e] = 0;
+    __syncwarp();
+    uint32_t fa[4], r[4];
+    kvrs_ldmatrix_x4(fa, &sa[((lane >> 3) & 1) * 8 * 16 + (lane & 7) * 16 + (lane >> 4) * 8]);
+    if (trans) {
+        kvrs_ldmatrix_x4_trans(r, &sb[(lane & 15) * 8]);
+    } else {
+        kvrs_ldmatrix_x4(r, &sb[(lane & 7) * 16 + ((lane >> 3) & 1) * 8]);
+    }
+    const uint32_t fb[2] = {r[0], r[1]};
+    float acc[4] = {0, 0, 0, 0};
+    kvrs_mma_m16n8k16<T>(acc, fa, fb);
+    for (int i = 0; i < 4; ++i) d[(g + 8 * (i / 2)) * 8 + 2 * q + i % 2] = acc[i];
+}
+extern "C" __global__ void kvrs_test_ldmatrix_mma_f16(const uint16_t* a, const uint16_t* b, float* d, int trans) {
+    kvrs_test_ldmatrix_mma<__half>(a, b, d, trans);
+}
+extern "C" __global__ void kvrs_test_ldmatrix_mma_bf16(const uint16_t* a, const uint16_t* b, float* d, int trans) {
+    kvrs_test_ldmatrix_mma<__nv_bfloat16>(a, b, d, trans);
+}

@@ -73,6 +73,8 @@ _ArrayLike = npt.NDArray[Any] | Any
 """A NumPy array, anything with ``__dlpack__`` (a torch CPU tensor), or anything with the buffer protocol."""
 
 _IntsLike = npt.NDArray[np.integer[Any]] | Iterable[int]
+# A CUDA stream: a handle, or torch.cuda.Stream, cupy.cuda.Stream, any __cuda_stream__ object.
+_StreamLike = int | Any | None
 """A 1-D integer array or a sequence of ints."""
 
 _Key = str | bytes | None
@@ -234,8 +236,8 @@ class KVCache(Generic[_View_co]):
         """Device address of the int64 position counter (CUDA caches), set to seq_len now."""
     def append_at_counter(self, layer: int, k: Any, v: Any) -> None:
         """Appends device tensors k, v at the device counter's position (a captured decode step)."""
-    def set_stream(self, stream: int | None) -> None:
-        """Sends later launches to a CUDA stream handle (None: kvrs's own stream)."""
+    def set_stream(self, stream: _StreamLike) -> None:
+        """Sends later launches to a CUDA stream (a handle, torch or CuPy stream; None: kvrs's own)."""
     def advance_counter(self, n: int) -> None:
         """Adds n to the device counter, on the device."""
     def sync_counter_from_gpu(self) -> int:
@@ -621,6 +623,10 @@ class BlockPool(Generic[_View_co]):
         read as zeros until written; advance(tokens=...) states they hold those tokens' K/V."""
     def write(self, layer: int, k: _ArrayLike, v: _ArrayLike, slot_mapping: _IntsLike) -> None:
         """Scatters k, v [n_tokens, num_kv_heads, head_dim] into slot_mapping (-1 skips)."""
+    def set_stream(self, stream: _StreamLike) -> None:
+        """Sends the pool's later launches (writes, attention, block copies, state updates) to a
+        CUDA stream, in order on it with no host synchronisation: None (kvrs's own stream), an
+        int handle, torch.cuda.Stream, cupy.cuda.Stream or any __cuda_stream__ object. CUDA pools."""
     def write_layers(self, k: _ArrayLike, v: _ArrayLike, slot_mapping: _IntsLike) -> None:
         """write() of every layer in one call (one launch on a CUDA pool): k, v
         [num_layers, n_tokens, num_kv_heads, head_dim] (any layer stride); slot_mapping

@@ -403,6 +403,16 @@ impl StateArena {
         }
     }
 
+    /// Sends the arenas' later launches to CUDA stream `stream` (see
+    /// [`super::PoolCore::set_stream`]); nothing for host arenas.
+    pub fn set_stream(&self, stream: Option<u64>) {
+        for st in &self.storages {
+            if let Some(c) = st.as_cuda() {
+                c.set_stream(stream);
+            }
+        }
+    }
+
     /// The storage of state `s`.
     pub fn storage(&self, s: usize) -> &dyn Storage {
         &*self.storages[s]

@@ -1,4 +1,4 @@
-//! Arguments that accept several Python spellings: dtypes and devices.
+//! Arguments that accept several Python spellings: dtypes, devices and CUDA streams.
 
 use pyo3::prelude::*;
 use pyo3::types::PyString;
@@ -44,6 +44,35 @@ pub fn parse_dtype(obj: &Bound<'_, PyAny>) -> PyResult<DType> {
 /// as a `torch.device`).
 pub fn parse_device(obj: &Bound<'_, PyAny>) -> PyResult<Device> {
     Ok(obj.str()?.to_str()?.parse()?)
+}
+
+/// Parses a CUDA stream: `None` (kvrs's own stream), an integer handle, or a stream
+/// object: `cuda_stream` (`torch.cuda.Stream`), `__cuda_stream__()` (the CUDA stream
+/// protocol's `(version, handle)`) or `ptr` (`cupy.cuda.Stream`).
+pub fn parse_stream(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+        return Ok(None);
+    };
+    let handle = if let Ok(h) = obj.extract::<u64>() {
+        Some(h)
+    } else if let Ok(h) = obj.getattr("cuda_stream") {
+        h.extract::<u64>().ok()
+    } else if let Ok(p) = obj.call_method0("__cuda_stream__") {
+        p.get_item(1).and_then(|h| h.extract::<u64>()).ok()
+    } else if let Ok(h) = obj.getattr("ptr") {
+        h.extract::<u64>().ok()
+    } else {
+        None
+    };
+    handle.map(Some).ok_or_else(|| {
+        pyo3::exceptions::PyTypeError::new_err(format!(
+            "stream must be None, a CUDA stream handle (int >= 0) or a stream object \
+             (torch.cuda.Stream, cupy.cuda.Stream, or one with __cuda_stream__), not {}",
+            obj.get_type()
+                .name()
+                .map_or_else(|_| "that".into(), |n| n.to_string())
+        ))
+    })
 }
 
 /// The torch dtype that holds `dtype`'s elements (`torch.float8_e4m3fn` for fp8 E4M3,

@@ -309,9 +309,11 @@ impl PyKVCache {
     }
 
     /// Sends later launches to `stream` (an integer handle such as
-    /// torch.cuda.current_stream().cuda_stream; None: kvrs's own stream). CUDA caches.
+    /// torch.cuda.current_stream().cuda_stream, a torch or CuPy stream object; None:
+    /// kvrs's own stream). CUDA caches.
     #[pyo3(signature = (stream))]
-    fn set_stream(&self, py: Python<'_>, stream: Option<u64>) -> PyResult<()> {
+    fn set_stream(&self, py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let stream = super::args::parse_stream(stream)?;
         Ok(self.core.read(py, |c| c.set_stream(stream))?)
     }
 

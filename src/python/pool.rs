@@ -858,6 +858,17 @@ impl PyBlockPool {
         Ok(())
     }
 
+    /// Sends the pool's later launches (writes, attention, block copies, state
+    /// updates) to a CUDA stream, in order on it and with no host synchronisation (the
+    /// first launch on a new stream waits once for the previous stream's work): None
+    /// (kvrs's own stream), an integer handle, or a torch.cuda.Stream, cupy.cuda.Stream
+    /// or any object with __cuda_stream__. CUDA pools only.
+    #[pyo3(signature = (stream))]
+    fn set_stream(&self, py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let stream = super::args::parse_stream(stream)?;
+        Ok(self.core.read(py, |c| c.set_stream(stream))?)
+    }
+
     /// Scatters every layer in one call (one launch on a CUDA pool): k, v
     /// [num_layers, n_tokens, num_kv_heads, head_dim] (any layer stride) into
     /// slot_mapping [n_tokens] or [num_layer_groups, n_tokens] (-1 skips), as write()

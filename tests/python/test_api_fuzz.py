@@ -430,6 +430,7 @@ ENTRIES: dict[str, dict[str, tuple]] = {
         "reserve": entry(SEQS_ARG, L),
         "save_prefix_cache": entry(PATH_ARG, extra=[OSError]),
         "scale_cache": entry(I),
+        "set_stream": entry(OPT_I),
         "start_forward": entry(SEQS_ARG, OPT_L, OPT_L, after=lambda b: b.cancel()),
         "state_cache": entry(I),
         "stats": entry(),

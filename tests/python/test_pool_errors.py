@@ -73,6 +73,9 @@ CASES = [
     (lambda p, a, b, o: p.start_forward([a] * 30, list(range(5, 35))), kvrs.CacheFullError, "reserving 30"),
     (lambda p, a, b, o: p.page_table([o]), ValueError, "another pool"),
     (lambda p, a, b, o: p.kv_cache(9), IndexError, "layer=9"),
+    (lambda p, a, b, o: p.set_stream(None), kvrs.NotSupportedError, "needs a pool on a CUDA device"),
+    (lambda p, a, b, o: p.set_stream(-1), TypeError, "stream must be None, a CUDA stream handle"),
+    (lambda p, a, b, o: p.set_stream("s"), TypeError, "not str"),
 ]
 
 
