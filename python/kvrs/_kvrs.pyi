@@ -396,6 +396,8 @@ class BlockPool(Generic[_View_co]):
         state_shapes: Mapping[str, Sequence_[int]] | None = None,
         state_slots: int | None = None,
         state_dtype: _DTypeLike | Mapping[str, _DTypeLike] | None = None,
+        state_checkpoints: int | None = None,
+        checkpoint_interval: int | None = None,
     ) -> BlockPool[npt.NDArray[Any]]: ...
     @overload
     def __new__(
@@ -433,6 +435,8 @@ class BlockPool(Generic[_View_co]):
         state_shapes: Mapping[str, Sequence_[int]] | None = None,
         state_slots: int | None = None,
         state_dtype: _DTypeLike | Mapping[str, _DTypeLike] | None = None,
+        state_checkpoints: int | None = None,
+        checkpoint_interval: int | None = None,
     ) -> BlockPool[DeviceTensor]: ...
     @overload
     def __new__(
@@ -470,6 +474,8 @@ class BlockPool(Generic[_View_co]):
         state_shapes: Mapping[str, Sequence_[int]] | None = None,
         state_slots: int | None = None,
         state_dtype: _DTypeLike | Mapping[str, _DTypeLike] | None = None,
+        state_checkpoints: int | None = None,
+        checkpoint_interval: int | None = None,
     ) -> BlockPool[_Either]: ...
     @property
     def num_layers(self) -> int:
@@ -740,6 +746,14 @@ class Sequence(Generic[_View_co]):
         """Its recurrent-state slot in a pool with state layers, else None."""
     def state(self, layer: int) -> dict[str, _View_co]:
         """Writable views of its states in state layer `layer`: {name: array of the state's shape}."""
+    def checkpoint(self) -> bool:
+        """Checkpoints its recurrent state at seq_len (state pools that cache prefixes); True if it holds one there."""
+    @property
+    def checkpoints(self) -> list[int]:
+        """Positions of the state checkpoints it holds (ascending)."""
+    @property
+    def checkpoint_due(self) -> int | None:
+        """Where a prefill chunk should end so that the state there is checkpointed (its branch point), else None."""
     def fork(self) -> Sequence[_View_co]:
         """A new sequence sharing every block of this one (copy-on-write on first write)."""
     def truncate(self, n: int) -> None:

@@ -364,9 +364,6 @@ impl PoolCore {
     /// Drops every cached block no sequence holds, and every cached state checkpoint no
     /// sequence holds; returns how many blocks.
     pub fn evict_all(&mut self) -> usize {
-        if let Some(index) = self.checkpoints.as_mut() {
-            index.evict_all();
-        }
         let mut n = 0;
         while let Some(e) = self.blocks.evict_one(self.tiers.is_some()) {
             self.drop_checkpoints_at(e.meta.hash);

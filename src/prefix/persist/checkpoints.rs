@@ -388,8 +388,8 @@ mod tests {
 
     use super::*;
     use crate::dtype::DType;
-    use crate::layout::{Device, KvLayout};
-    use crate::paged::{PagedShape, PrefixConfig, StateConfig, StateSpec};
+    use crate::layout::{Device, KvLayout, PagedShape};
+    use crate::paged::{PrefixConfig, StateConfig, StateSpec};
     use crate::prefix::HashKind;
     use crate::tensor::TensorRef;
 
