@@ -241,7 +241,9 @@ def restore_attention(model: Any) -> Any:
 def _switched(model: Any) -> Iterator[None]:
     """Runs the body with `model`'s attention switched to kvrs and puts back what it
     was on the way out, also on an exception (a model already switched stays so)."""
-    if model.config._attn_implementation == ATTN_IMPLEMENTATION:
+    # (A model built from a switched model's config reads as switched but has none of
+    # its modules wrapped: it is switched here too.)
+    if model.config._attn_implementation == ATTN_IMPLEMENTATION and "_kvrs_switch" in model.__dict__:
         yield
         return
     before = _implementations(model) if "_kvrs_switch" in model.__dict__ else None
