@@ -396,6 +396,8 @@ class BlockPool(Generic[_View_co]):
         state_shapes: Mapping[str, Sequence_[int]] | None = None,
         state_slots: int | None = None,
         state_dtype: _DTypeLike | Mapping[str, _DTypeLike] | None = None,
+        state_checkpoints: int | None = None,
+        checkpoint_interval: int | None = None,
     ) -> BlockPool[npt.NDArray[Any]]: ...
     @overload
     def __new__(
@@ -433,6 +435,8 @@ class BlockPool(Generic[_View_co]):
         state_shapes: Mapping[str, Sequence_[int]] | None = None,
         state_slots: int | None = None,
         state_dtype: _DTypeLike | Mapping[str, _DTypeLike] | None = None,
+        state_checkpoints: int | None = None,
+        checkpoint_interval: int | None = None,
     ) -> BlockPool[DeviceTensor]: ...
     @overload
     def __new__(
@@ -470,6 +474,8 @@ class BlockPool(Generic[_View_co]):
         state_shapes: Mapping[str, Sequence_[int]] | None = None,
         state_slots: int | None = None,
         state_dtype: _DTypeLike | Mapping[str, _DTypeLike] | None = None,
+        state_checkpoints: int | None = None,
+        checkpoint_interval: int | None = None,
     ) -> BlockPool[_Either]: ...
     @property
     def num_layers(self) -> int:
