@@ -227,3 +227,103 @@ def test_qwen3_next_greedy_outputs_equal_those_without_a_draft():
     assert got == plain
     accepted, proposed = sum(s.accepted for s in seen[-1]), sum(s.proposed for s in seen[-1])
     assert 0 < accepted < proposed
+
+
+# --- transformers' assisted generation over kvrs caches -------------------------------------
+
+
+def assisted(model, ids, **kw):
+    with torch.no_grad():
+        return model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=16,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+            **kw,
+        )
+
+
+def test_assisted_generation_over_kvrs_caches_equals_plain_greedy(target):
+    from transformers import DynamicCache
+
+    from kvrs.integrations.transformers import (
+        KvrsCache,
+        KvrsPagedCache,
+        restore_attention,
+        use_paged_attention,
+    )
+
+    ids = torch.tensor([prompts(5)[0]])
+    ref = assisted(target, ids, past_key_values=DynamicCache(config=target.config))
+    draft = truncated(target, 1)
+    try:
+        for switched in (False, True):
+            if switched:
+                use_paged_attention(target)
+            for cache in (
+                KvrsCache.from_config(target, 64),
+                KvrsPagedCache.from_config(target, max_seq_len=64),
+            ):
+                assert torch.equal(assisted(target, ids, past_key_values=cache, assistant_model=draft), ref)
+    finally:
+        restore_attention(target)
+
+
+@pytest.mark.parametrize("build", ["qwen3_next", "bamba"])
+def test_assisted_generation_of_a_hybrid_model_rolls_its_state_back(build):
+    """transformers refuses assisted generation of stateful models with its own caches;
+    with a KvrsPagedCache (and the model switched), each crop restores the linear
+    layers' states and replays the accepted tokens: the output is plain greedy's."""
+    import hybrid_models
+
+    from kvrs.integrations.transformers import (
+        KvrsCache,
+        KvrsPagedCache,
+        restore_attention,
+        use_paged_attention,
+    )
+
+    _, model = getattr(hybrid_models, build)()
+    draft = copy.deepcopy(model)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for w in draft.model.layers[3].parameters():
+            w.add_(torch.randn_like(w) * 0.02)
+    ids = torch.tensor([prompts(6)[1]])
+    ref = assisted(model, ids)
+    with pytest.raises(ValueError, match="stateful"):
+        assisted(model, ids, assistant_model=draft)
+    use_paged_attention(model)
+    try:
+        cache = KvrsPagedCache.from_config(model, max_seq_len=64)
+        crops: list[int] = []
+        crop = cache.crop
+        cache.crop = lambda k: (crops.append(k), crop(k))[1]  # type: ignore[method-assign]
+        assert torch.equal(assisted(model, ids, past_key_values=cache, assistant_model=draft), ref)
+        assert any(k < 0 for k in crops)  # some drafts were rejected and rolled back
+        assert cache.seq_len() == ids.shape[1] + 16 - 1
+        cache.pool.check_invariants()
+        # KvrsCache keeps the states in transformers' own layers, which cannot roll back:
+        # transformers' refusal stands.
+        with pytest.raises(ValueError, match="stateful"):
+            assisted(model, ids, past_key_values=KvrsCache.from_config(model, 64), assistant_model=draft)
+    finally:
+        restore_attention(model)
+    assert "generate" not in model.__dict__
+
+
+def test_a_hybrid_crop_without_recording_is_refused_and_changes_nothing():
+    from hybrid_models import qwen3_next
+
+    from kvrs.integrations.transformers import KvrsPagedCache
+
+    _, model = qwen3_next()
+    cache = KvrsPagedCache.from_config(model, max_seq_len=32)
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3, 4, 5]]), past_key_values=cache)
+    before = cache.state_view(0, "recurrent").clone()
+    with pytest.raises(ValueError, match="activate_past_recording"):
+        cache.crop(-2)
+    assert cache.seq_len() == 5 and torch.equal(cache.state_view(0, "recurrent"), before)

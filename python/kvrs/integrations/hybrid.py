@@ -159,6 +159,10 @@ def wrap_mixer(module: torch.nn.Module, state_layer: int) -> None:
     def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         batch = kwargs.pop("kvrs_batch", None)
         if batch is None:
+            # A kvrs cache that may be cropped keeps the layer's inputs to replay.
+            record = getattr(kwargs.get("cache_params"), "record_mixer", None)
+            if record is not None:
+                record(module, own, hidden_states, args, kwargs)
             return own(hidden_states, *args, **kwargs)
         return _batch_forward(own, module, hidden_states, batch, kwargs)
 
