@@ -11,7 +11,9 @@ larger `eps` makes the two disagree more often. Rows:
 
 - no draft: ``generate_batch`` as it is (the baseline of each `eps`);
 - draft = 1-layer copy: ``generate_batch(..., assistant_model=draft,
-  num_assistant_tokens=K)``, its acceptance rate (accepted / proposed drafts) measured;
+  num_assistant_tokens=K)``, its acceptance rate (accepted / proposed drafts) measured,
+  with K drafts every step ("constant") and with transformers' "heuristic" schedule
+  (2 more drafts after a full acceptance, 1 fewer after a rejection, at most K);
 - draft = the target itself (acceptance 1, but the draft costs as much as the target);
 - draft = a random 1-layer model (acceptance about 0: the overhead of drafting).
 
@@ -98,24 +100,36 @@ def main() -> None:
         f"target: Llama {LAYERS} layers, hidden 512; draft: 1 layer; {N} requests of {PROMPT} prompt + "
         f"{NEW} new tokens, greedy, {K} draft tokens a step; torch threads {torch.get_num_threads()}"
     )
-    header = f"{'eps':>5}  {'draft':<14} {'tokens/s':>9} {'acceptance':>10} {'speedup':>8}"
+    header = f"{'eps':>5}  {'draft':<14} {'schedule':<9} {'tokens/s':>9} {'acceptance':>10} {'speedup':>8}"
     print(header)
     print("-" * len(header))
     generate_batch(base, prompts[:1], max_new_tokens=4)  # warm-up
     for eps in EPS:
         target = target_at(base, eps)
-        drafts = [("1-layer copy", first_layer(target)), ("random 1-layer", random_draft)]
+        copy = first_layer(target)
+        drafts = [
+            ("1-layer copy", copy, "constant"),
+            ("1-layer copy", copy, "heuristic"),
+            ("random 1-layer", random_draft, "constant"),
+            ("random 1-layer", random_draft, "heuristic"),
+        ]
         if eps == EPS[0]:
-            drafts.append(("target itself", target))
+            drafts.append(("target itself", target, "constant"))
         plain, seconds, _, _ = timed(target, prompts)
         tokens = sum(len(o) for o in plain)
-        print(f"{eps:>5}  {'none':<14} {tokens / seconds:>9.1f} {'':>10} {1.0:>7.2f}x")
-        for name, draft in drafts:
-            out, s, accepted, proposed = timed(target, prompts, assistant_model=draft, num_assistant_tokens=K)
+        print(f"{eps:>5}  {'none':<14} {'':<9} {tokens / seconds:>9.1f} {'':>10} {1.0:>7.2f}x")
+        for name, draft, schedule in drafts:
+            out, s, accepted, proposed = timed(
+                target,
+                prompts,
+                assistant_model=draft,
+                num_assistant_tokens=K,
+                num_assistant_tokens_schedule=schedule,
+            )
             if out != plain:
                 raise AssertionError(f"eps={eps}, draft {name}: greedy tokens differ from no draft")
             rate = accepted / max(proposed, 1)
-            print(f"{eps:>5}  {name:<14} {tokens / s:>9.1f} {rate:>10.2f} {seconds / s:>7.2f}x")
+            print(f"{eps:>5}  {name:<14} {schedule:<9} {tokens / s:>9.1f} {rate:>10.2f} {seconds / s:>7.2f}x")
 
 
 if __name__ == "__main__":

@@ -123,6 +123,28 @@ def test_steps_shrink_with_acceptance(target):
     assert steps["none"] - steps["same"] == 16 - (1 + 3)
 
 
+def test_the_heuristic_schedule_drafts_less_after_rejections(target):
+    ps = prompts(1)
+    plain = generate_batch(target, ps, max_new_tokens=10, eos_token_id=[])
+    for draft, short in ((llama(1, 9), True), (target, False)):
+        seen: list = []
+        got = generate_batch(
+            target,
+            ps,
+            max_new_tokens=10,
+            eos_token_id=[],
+            assistant_model=draft,
+            num_assistant_tokens=4,
+            num_assistant_tokens_schedule="heuristic",
+            on_step=lambda s, p, st, seen=seen: seen.append([r.draft_len for r in st]),
+        )
+        assert got == plain
+        # A draft always rejected drops to 1 token a step; one always accepted stays at 4.
+        assert all(n == (1 if short else 4) for n in seen[-1])
+    with pytest.raises(ValueError, match="num_assistant_tokens_schedule"):
+        generate_batch(target, ps, assistant_model=target, num_assistant_tokens_schedule="fast")
+
+
 def test_stop_tokens_end_a_request_inside_accepted_drafts(target):
     ps = prompts(2)
     free = generate_batch(target, ps, max_new_tokens=12, eos_token_id=[])

@@ -69,6 +69,9 @@ class RequestState:
     #: accepted (speculative decoding; 0 without an assistant).
     proposed: int = 0
     accepted: int = 0
+    #: Drafts it asks for at its next step (num_assistant_tokens, or less where the
+    #: "heuristic" schedule lowered it after rejections).
+    draft_len: int = 0
 
     @property
     def done(self) -> bool:
@@ -182,6 +185,7 @@ def generate_batch(
     assistant_model: Any = None,
     num_assistant_tokens: int = 4,
     assistant_pool: kvrs.BlockPool | None = None,
+    num_assistant_tokens_schedule: str = "constant",
 ) -> list[list[int]]:
     """Generates tokens for every prompt of `inputs` (lists of token ids) with continuous
     batching over a BlockPool; returns each input's generated ids, in input order (a
@@ -216,6 +220,9 @@ def generate_batch(
     before anything else sees them: they are never committed, cached or checkpointed,
     and a hybrid model's recurrent state is the one after the accepted tokens.
     ``RequestState.proposed`` and ``accepted`` count the drafts per request.
+    `num_assistant_tokens_schedule` is transformers' setting: "constant", or
+    "heuristic" (each request drafts 2 more after a step whose drafts were all accepted,
+    1 fewer after a rejection; between 1 and `num_assistant_tokens`).
 
     The model's attention is kvrs's while the call runs (:func:`use_paged_attention`)
     and what it was on return, also after an exception: a model the caller switched
@@ -248,6 +255,10 @@ def generate_batch(
         raise ValueError(f"top_p={p_top}: give a probability in (0, 1] (1: no nucleus filtering)")
     if assistant_model is not None:
         check_assistant(model, assistant_model, num_assistant_tokens)
+    if num_assistant_tokens_schedule not in ("constant", "heuristic"):
+        raise ValueError(
+            f"num_assistant_tokens_schedule={num_assistant_tokens_schedule!r}: give 'constant' or 'heuristic'"
+        )
     if assistant_model is None and assistant_pool is not None:
         raise ValueError("assistant_pool was given without assistant_model: give both, or neither")
     lookahead = num_assistant_tokens if assistant_model is not None else 0
@@ -290,7 +301,9 @@ def generate_batch(
                     f"inputs[{i}]: its draft needs {peak} blocks of {assistant_pool.block_size}, more than "
                     f"the assistant_pool's {assistant_pool.num_blocks}: give a larger assistant_pool"
                 )
-        spec = Speculation(assistant_model, assistant_pool, num_assistant_tokens, draft_peaks)
+        spec = Speculation(
+            assistant_model, assistant_pool, num_assistant_tokens, draft_peaks, num_assistant_tokens_schedule
+        )
     states = [
         RequestState(i, p, b, a) for i, (p, b, a) in enumerate(zip(prompts, budgets, steps_in, strict=True))
     ]
@@ -424,6 +437,7 @@ def _run(
                 waiting.pop(0)
                 computing.add(head)
                 r.cached, r.admitted = seq.num_cached_tokens, step
+                r.draft_len = spec.k if spec is not None else 0
                 admitted += len(r.prompt)
                 running.append((r, seq))
             if not running:
@@ -444,7 +458,7 @@ def _run(
                 for r, seq in running:
                     left = r.max_new_tokens - len(r.generated)
                     if r.generated and seq.seq_len == len(r.prompt) + len(r.generated) - 1 and left > 1:
-                        drafting.append((r, min(spec.k, left - 1)))
+                        drafting.append((r, min(r.draft_len, left - 1)))
             proposal = None
             if drafting:
                 assert spec is not None
@@ -591,6 +605,9 @@ def _verify(
                 new = greedy_accept(rows_r, d)
             r.proposed += len(d)
             r.accepted += len(new) - 1
+            if spec.schedule == "heuristic":
+                grown = r.draft_len + 2 if len(new) - 1 == len(d) else r.draft_len - 1
+                r.draft_len = max(1, min(spec.k, grown))
             accepted[r.index] = len(new) - 1
             chosen.append((r, new))
             # The last token and the accepted drafts: the positions whose K/V are right.

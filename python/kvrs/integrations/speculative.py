@@ -178,8 +178,15 @@ class Speculation:
     pool and one sequence per admitted request, which catches up with the request's
     tokens when it drafts and keeps only what the target accepted."""
 
-    def __init__(self, assistant: Any, pool: kvrs.BlockPool, num_tokens: int, peaks: dict[int, int]):
-        self.model, self.pool, self.k = assistant, pool, num_tokens
+    def __init__(
+        self,
+        assistant: Any,
+        pool: kvrs.BlockPool,
+        num_tokens: int,
+        peaks: dict[int, int],
+        schedule: str = "constant",
+    ):
+        self.model, self.pool, self.k, self.schedule = assistant, pool, num_tokens, schedule
         self.peaks = peaks  # each request's most blocks in the draft pool
         self.seqs: dict[int, kvrs.Sequence] = {}
         self.hybrid = bool(pool.state_layers)
