@@ -26,7 +26,7 @@ from kvrs.integrations import hybrid
 from kvrs.integrations._torch import as_torch, torch
 from kvrs.integrations.paged_attention import forward_batch
 
-__all__ = ["Speculation", "filtered_probs", "greedy_accept", "speculative_sample"]
+__all__ = ["filtered_probs", "greedy_accept", "speculative_sample"]
 
 
 def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
