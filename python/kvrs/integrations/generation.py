@@ -30,16 +30,7 @@ from kvrs.integrations.layout import (
     check_pool,
 )
 from kvrs.integrations.paged_attention import _switched, forward_batch
-from kvrs.integrations.speculative import (
-    Proposal,
-    Speculation,
-    StateSnapshot,
-    check_assistant,
-    commit,
-    filtered_probs,
-    greedy_accept,
-    speculative_sample,
-)
+from kvrs.integrations.speculative import Speculation, check_assistant, choose, verify
 
 __all__ = ["RequestState", "generate_batch"]
 
@@ -154,15 +145,6 @@ def _stop_ids(eos: Any) -> set[int]:
     if isinstance(eos, int):
         return {eos}
     return {int(e) for e in eos}
-
-
-def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gens: list[Any]) -> list[int]:
-    """One token per row, as transformers' sampling does: temperature, then top-k, then
-    top-p (nucleus) filtering, then a draw from the softmax with row `i`'s generator
-    `gens[i]` (each request has its own, so what it draws does not depend on which
-    other requests share its steps)."""
-    probs = filtered_probs(logits, temperature, top_k, top_p)
-    return [int(torch.multinomial(row, 1, generator=g)) for row, g in zip(probs, gens, strict=True)]
 
 
 def generate_batch(
@@ -460,8 +442,7 @@ def _run(
                     if r.generated and seq.seq_len == len(r.prompt) + len(r.generated) - 1 and left > 1:
                         drafting.append((r, min(r.draft_len, left - 1)))
             proposal = None
-            if drafting:
-                assert spec is not None
+            if drafting and spec is not None:
                 proposal = spec.propose(drafting, sampling, temperature, top_k, top_p)
             drafts = proposal.drafts if proposal is not None else {}
             seqs: list[kvrs.Sequence] = []
@@ -485,13 +466,13 @@ def _run(
                     f"{e}: other sequences of the pool took blocks these requests were admitted with; "
                     "give generate_batch a pool of its own, or one with more blocks (num_blocks=)"
                 ) from e
-            if proposal is None:
+            if proposal is None or spec is None:
                 with torch.no_grad(), batch:
                     logits = forward_batch(model, batch, logits_to_keep=rows)
                 sampled = [r for (r, _), p in zip(running, prefilling, strict=True) if not p]
-                chosen = _choose(logits, sampled, sampling, temperature, top_k, top_p)
+                chosen = choose(logits, sampled, sampling, temperature, top_k, top_p)
             else:
-                chosen = _verify(
+                chosen = verify(
                     model, batch, rows, running, todos, prefilling, proposal, spec, sampling, temperature,
                     top_k, top_p,
                 )  # fmt: skip
@@ -535,94 +516,3 @@ def _refuse(pool: kvrs.BlockPool, r: RequestState, peaks: dict[int, int]) -> Non
         f"{pool.free_blocks} of {pool.num_blocks} blocks are free (other sequences hold the "
         "rest): free them, or give generate_batch a pool with more blocks (num_blocks=)"
     )
-
-
-def _choose(
-    logits: torch.Tensor,
-    sampled: list[RequestState],
-    sampling: bool,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-) -> list[tuple[RequestState, list[int]]]:
-    """One token for each request of `sampled` from its logits row."""
-    if sampling:
-        tokens = _sample(logits, temperature, top_k, top_p, [r.generator for r in sampled])
-    else:
-        tokens = logits.argmax(-1).tolist()
-    return [(r, [int(t)]) for r, t in zip(sampled, tokens, strict=True)]
-
-
-def _verify(
-    model: Any,
-    batch: kvrs.ForwardBatch,
-    rows: list[int],
-    running: list[tuple[RequestState, kvrs.Sequence]],
-    todos: list[list[int]],
-    prefilling: list[bool],
-    proposal: Proposal,
-    spec: Any,
-    sampling: bool,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-) -> list[tuple[RequestState, list[int]]]:
-    """The speculative step's target forward: every request's tokens, a drafting
-    request's drafts after its last token, with logits for all of those rows. Each
-    drafting request keeps the drafts the target accepts and one token of the
-    target's; then every sequence commits only what it keeps (both pools), its
-    recurrent state rolled back to there."""
-    drafting = [seq for (r, seq) in running if r.index in proposal.drafts]
-    snapshot = StateSnapshot(drafting) if running and running[0][1].pool.state_layers else None
-    recording = snapshot.recorder.recording() if snapshot is not None else nullcontext()
-    try:
-        with torch.no_grad(), recording:
-            logits = forward_batch(model, batch, logits_to_keep=rows)
-    except BaseException:
-        batch.cancel()
-        for b in proposal.batches:
-            b.cancel()
-        raise
-    chosen: list[tuple[RequestState, list[int]]] = []
-    keep: dict[int, list[int]] = {}
-    accepted: dict[int, int] = {}
-    at = 0
-    with torch.no_grad():
-        for (r, seq), todo, pre in zip(running, todos, prefilling, strict=True):
-            d = proposal.drafts.get(r.index)
-            if d is None:
-                if not pre:
-                    chosen += _choose(logits[at : at + 1], [r], sampling, temperature, top_k, top_p)
-                    at += 1
-                keep[r.index] = todo
-                continue
-            rows_r = logits[at : at + len(d) + 1]
-            at += len(d) + 1
-            if sampling:
-                p = filtered_probs(rows_r, temperature, top_k, top_p)
-                new = speculative_sample(p, torch.stack(proposal.q[r.index]), d, r.generator)
-            else:
-                new = greedy_accept(rows_r, d)
-            r.proposed += len(d)
-            r.accepted += len(new) - 1
-            if spec.schedule == "heuristic":
-                grown = r.draft_len + 2 if len(new) - 1 == len(d) else r.draft_len - 1
-                r.draft_len = max(1, min(spec.k, grown))
-            accepted[r.index] = len(new) - 1
-            chosen.append((r, new))
-            # The last token and the accepted drafts: the positions whose K/V are right.
-            keep[r.index] = todo + new[:-1]
-            if snapshot is not None and len(new) - 1 < len(d):
-                snapshot.rollback(seq, len(keep[r.index]))
-        for (r, seq), todo in zip(running, todos, strict=True):
-            written = len(todo) + len(proposal.drafts.get(r.index, []))
-            commit(seq, keep[r.index], written)
-        batch.cancel()  # stale now: closes without cutting anything
-        news = {r.index: new for r, new in chosen}
-        tokens = {
-            r.index: (r.prompt + r.generated + news[r.index])[spec.seqs[r.index].seq_len :]
-            for r, _ in running
-            if r.index in proposal.drafts
-        }
-        spec.settle(proposal, accepted, tokens)
-    return chosen

@@ -46,6 +46,15 @@ def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
     return logits.softmax(-1)
 
 
+def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gens: list[Any]) -> list[int]:
+    """One token per row, as transformers' sampling does: temperature, then top-k, then
+    top-p (nucleus) filtering, then a draw from the softmax with row `i`'s generator
+    `gens[i]` (each request has its own, so what it draws does not depend on which
+    other requests share its steps)."""
+    probs = filtered_probs(logits, temperature, top_k, top_p)
+    return [int(torch.multinomial(row, 1, generator=g)) for row, g in zip(probs, gens, strict=True)]
+
+
 def greedy_accept(target_logits: torch.Tensor, drafts: Sequence[int]) -> list[int]:
     """Greedy verification: `target_logits` [k + 1, vocab] are the target's rows for the
     last committed token and the k `drafts`. Drafts are kept while each equals the
@@ -270,3 +279,94 @@ class Speculation:
             commit(seq, tokens[index][:keep], written)
         for batch in proposal.batches:
             batch.cancel()  # stale now: closes without cutting anything
+
+
+def choose(
+    logits: torch.Tensor,
+    sampled: list[Any],
+    sampling: bool,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+) -> list[tuple[Any, list[int]]]:
+    """One token for each request of `sampled` from its logits row."""
+    if sampling:
+        tokens = sample(logits, temperature, top_k, top_p, [r.generator for r in sampled])
+    else:
+        tokens = logits.argmax(-1).tolist()
+    return [(r, [int(t)]) for r, t in zip(sampled, tokens, strict=True)]
+
+
+def verify(
+    model: Any,
+    batch: kvrs.ForwardBatch,
+    rows: list[int],
+    running: list[tuple[Any, kvrs.Sequence]],
+    todos: list[list[int]],
+    prefilling: list[bool],
+    proposal: Proposal,
+    spec: Speculation,
+    sampling: bool,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+) -> list[tuple[Any, list[int]]]:
+    """The speculative step's target forward: every request's tokens, a drafting
+    request's drafts after its last token, with logits for all of those rows. Each
+    drafting request keeps the drafts the target accepts and one token of the
+    target's; then every sequence commits only what it keeps (both pools), its
+    recurrent state rolled back to there."""
+    drafting = [seq for (r, seq) in running if r.index in proposal.drafts]
+    snapshot = StateSnapshot(drafting) if running and running[0][1].pool.state_layers else None
+    recording = snapshot.recorder.recording() if snapshot is not None else nullcontext()
+    try:
+        with torch.no_grad(), recording:
+            logits = forward_batch(model, batch, logits_to_keep=rows)
+    except BaseException:
+        batch.cancel()
+        for b in proposal.batches:
+            b.cancel()
+        raise
+    chosen: list[tuple[Any, list[int]]] = []
+    keep: dict[int, list[int]] = {}
+    accepted: dict[int, int] = {}
+    at = 0
+    with torch.no_grad():
+        for (r, seq), todo, pre in zip(running, todos, prefilling, strict=True):
+            d = proposal.drafts.get(r.index)
+            if d is None:
+                if not pre:
+                    chosen += choose(logits[at : at + 1], [r], sampling, temperature, top_k, top_p)
+                    at += 1
+                keep[r.index] = todo
+                continue
+            rows_r = logits[at : at + len(d) + 1]
+            at += len(d) + 1
+            if sampling:
+                p = filtered_probs(rows_r, temperature, top_k, top_p)
+                new = speculative_sample(p, torch.stack(proposal.q[r.index]), d, r.generator)
+            else:
+                new = greedy_accept(rows_r, d)
+            r.proposed += len(d)
+            r.accepted += len(new) - 1
+            if spec.schedule == "heuristic":
+                grown = r.draft_len + 2 if len(new) - 1 == len(d) else r.draft_len - 1
+                r.draft_len = max(1, min(spec.k, grown))
+            accepted[r.index] = len(new) - 1
+            chosen.append((r, new))
+            # The last token and the accepted drafts: the positions whose K/V are right.
+            keep[r.index] = todo + new[:-1]
+            if snapshot is not None and len(new) - 1 < len(d):
+                snapshot.rollback(seq, len(keep[r.index]))
+        for (r, seq), todo in zip(running, todos, strict=True):
+            written = len(todo) + len(proposal.drafts.get(r.index, []))
+            commit(seq, keep[r.index], written)
+        batch.cancel()  # stale now: closes without cutting anything
+        news = {r.index: new for r, new in chosen}
+        tokens = {
+            r.index: (r.prompt + r.generated + news[r.index])[spec.seqs[r.index].seq_len :]
+            for r, _ in running
+            if r.index in proposal.drafts
+        }
+        spec.settle(proposal, accepted, tokens)
+    return chosen
