@@ -349,3 +349,37 @@ def test_a_hybrid_crop_without_recording_is_refused_and_changes_nothing():
     with pytest.raises(ValueError, match="activate_past_recording"):
         cache.crop(-2)
     assert cache.seq_len() == 5 and torch.equal(cache.state_view(0, "recurrent"), before)
+
+
+def test_a_recording_hybrid_cache_commits_on_crop_and_copies_only_after_it():
+    import copy as copying
+
+    from hybrid_models import qwen3_next
+
+    from kvrs.integrations.transformers import KvrsPagedCache, restore_attention, use_paged_attention
+
+    _, model = qwen3_next()
+    use_paged_attention(model)
+    try:
+        cache = KvrsPagedCache.from_config(model, max_seq_len=32, max_batch_size=2)  # room for a copy
+        cache.activate_past_recording()
+        ref = KvrsPagedCache.from_config(model, max_seq_len=32)
+        ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
+        with torch.no_grad():
+            model(ids, past_key_values=cache)
+            with pytest.raises(ValueError, match="crop first"):
+                copying.deepcopy(cache)
+            cache.crop(-3)  # keeps 4 tokens: their K/V and the state after them
+            assert cache.seq_len() == 4 and cache.rows[0].seq_len == 4
+            model(ids[:, :4], past_key_values=ref)
+            assert torch.allclose(cache.state_view(0, "recurrent"), ref.state_view(0, "recurrent"), atol=1e-5)
+            assert torch.equal(cache.state_view(0, "conv"), ref.state_view(0, "conv"))
+            want = model(ids[:, 4:5], past_key_values=ref).logits
+            got = model(ids[:, 4:5], past_key_values=cache).logits
+            assert torch.allclose(got, want, atol=1e-5)
+            cache.crop(0)
+            assert cache.rows[0].seq_len == 5
+            copying.deepcopy(cache)
+        cache.pool.check_invariants()
+    finally:
+        restore_attention(model)

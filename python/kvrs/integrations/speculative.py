@@ -110,13 +110,19 @@ def speculative_sample(
 
 
 def check_assistant(model: Any, assistant: Any, num_assistant_tokens: int) -> None:
-    """The draft must share the target's vocabulary; at least one draft token a step."""
+    """The draft must share the target's vocabulary and device; at least one draft token
+    a step."""
     if isinstance(num_assistant_tokens, bool) or not isinstance(num_assistant_tokens, int):
         raise TypeError(f"num_assistant_tokens={num_assistant_tokens!r}: give an int >= 1")
     if num_assistant_tokens < 1:
         raise ValueError(
             f"num_assistant_tokens={num_assistant_tokens}: the draft proposes at least 1 token a step "
             "(leave assistant_model=None to decode without a draft)"
+        )
+    if assistant.device != model.device:
+        raise ValueError(
+            f"assistant_model is on {assistant.device}, the model on {model.device}: put the draft on "
+            "the model's device (its draws use each request's generator there)"
         )
     ours = model.config.get_text_config().vocab_size
     theirs = assistant.config.get_text_config().vocab_size

@@ -967,6 +967,11 @@ class KvrsPagedCache(_CheckedLayers):
     def __deepcopy__(self, memo: dict) -> KvrsPagedCache:
         """A cache on the same pool whose rows are forks of these (blocks shared, states
         copied)."""
+        if self._pending:
+            raise ValueError(
+                f"this cache holds {self._pending} positions written since its last crop while "
+                "recording past states (assisted decoding): crop first (crop(0) keeps them all)"
+            )
         copy = KvrsPagedCache(self.pool, self.plan)
         copy.rows = [seq.fork() for seq in self.rows]
         copy._rows_changed()
