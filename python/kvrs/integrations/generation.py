@@ -434,7 +434,7 @@ def _run(
                     if ends:
                         todo = todo[: min(ends) - computed]
                 todos.append(todo)
-            # Decode requests with room for more than one token draft (speculation).
+            # Decode requests with at least two tokens to go draft (at most all but one of them).
             drafting = []
             if spec is not None:
                 for r, seq in running:
