@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,7 @@ from kvrs.integrations.layout import (
     check_pool,
 )
 from kvrs.integrations.paged_attention import _switched, forward_batch
+from kvrs.integrations.speculative import Speculation, check_assistant, choose, verify
 
 __all__ = ["RequestState", "generate_batch"]
 
@@ -54,6 +56,13 @@ class RequestState:
     stopped: bool = False
     #: The generator its sampled tokens are drawn with (None when greedy).
     generator: Any = None
+    #: Draft tokens the assistant proposed for it, and how many of them the target
+    #: accepted (speculative decoding; 0 without an assistant).
+    proposed: int = 0
+    accepted: int = 0
+    #: Drafts it asks for at its next step (num_assistant_tokens, or less where the
+    #: "heuristic" schedule lowered it after rejections).
+    draft_len: int = 0
 
     @property
     def done(self) -> bool:
@@ -138,26 +147,6 @@ def _stop_ids(eos: Any) -> set[int]:
     return {int(e) for e in eos}
 
 
-def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gens: list[Any]) -> list[int]:
-    """One token per row, as transformers' sampling does: temperature, then top-k, then
-    top-p (nucleus) filtering, then a draw from the softmax with row `i`'s generator
-    `gens[i]` (each request has its own, so what it draws does not depend on which
-    other requests share its steps)."""
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        ordered, order = torch.sort(logits, descending=True, dim=-1)
-        cum = ordered.softmax(-1).cumsum(-1)
-        drop = cum - ordered.softmax(-1) > top_p  # keep the smallest set reaching top_p
-        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    probs = logits.softmax(-1)
-    return [int(torch.multinomial(row, 1, generator=g)) for row, g in zip(probs, gens, strict=True)]
-
-
 def generate_batch(
     model: Any,
     inputs: Sequence[Sequence[int]],
@@ -175,6 +164,10 @@ def generate_batch(
     block_size: int = 16,
     arrivals: Sequence[int] | None = None,
     on_step: Callable[[int, kvrs.BlockPool, list[RequestState]], None] | None = None,
+    assistant_model: Any = None,
+    num_assistant_tokens: int = 4,
+    assistant_pool: kvrs.BlockPool | None = None,
+    num_assistant_tokens_schedule: str = "constant",
 ) -> list[list[int]]:
     """Generates tokens for every prompt of `inputs` (lists of token ids) with continuous
     batching over a BlockPool; returns each input's generated ids, in input order (a
@@ -197,6 +190,21 @@ def generate_batch(
     state) let a caller replay a server's workload and trace it. `progress_bar` shows
     vLLM's line (tqdm): requests done, and prompt ("input") and generated ("output")
     tokens per second, refreshed as steps run.
+
+    `assistant_model` turns on speculative decoding (see the manual's "Speculative
+    decoding" page): at every decode step the assistant (a draft model sharing the
+    model's vocabulary) proposes `num_assistant_tokens` tokens per running request over
+    its own pool (`assistant_pool`, by default one built from it as `pool` is), the
+    model verifies them in the same forward pass as the other requests' tokens, and
+    each request keeps the accepted ones and one more token of the model's: greedy
+    outputs are those without an assistant, sampled ones follow the model's
+    distribution (speculative sampling). Rejected drafts are rolled back in both pools
+    before anything else sees them: they are never committed, cached or checkpointed,
+    and a hybrid model's recurrent state is the one after the accepted tokens.
+    ``RequestState.proposed`` and ``accepted`` count the drafts per request.
+    `num_assistant_tokens_schedule` is transformers' setting: "constant", or
+    "heuristic" (each request drafts 2 more after a step whose drafts were all accepted,
+    1 fewer after a rejection; between 1 and `num_assistant_tokens`).
 
     The model's attention is kvrs's while the call runs (:func:`use_paged_attention`)
     and what it was on return, also after an exception: a model the caller switched
@@ -227,12 +235,23 @@ def generate_batch(
         raise ValueError(f"top_k={k}: give a count >= 0 (0: no top-k filtering)")
     if not 0.0 < p_top <= 1.0:
         raise ValueError(f"top_p={p_top}: give a probability in (0, 1] (1: no nucleus filtering)")
+    if assistant_model is not None:
+        check_assistant(model, assistant_model, num_assistant_tokens)
+    if num_assistant_tokens_schedule not in ("constant", "heuristic"):
+        raise ValueError(
+            f"num_assistant_tokens_schedule={num_assistant_tokens_schedule!r}: give 'constant' or 'heuristic'"
+        )
+    if assistant_model is None and assistant_pool is not None:
+        raise ValueError("assistant_pool was given without assistant_model: give both, or neither")
+    lookahead = num_assistant_tokens if assistant_model is not None else 0
     if pool is None:
         # Each request's peak, its prompt computed in one step: every table of the
         # model's layer kinds (a sliding table holds its window, not the whole request).
         layout = _attention_layout(model.config)
         need = sum(
-            kvrs.blocks_per_sequence(len(p) + b, block_size=block_size, max_chunk=len(p), **layout)
+            kvrs.blocks_per_sequence(
+                len(p) + b, block_size=block_size, max_chunk=max(len(p), lookahead + 1), **layout
+            )
             for p, b in zip(prompts, budgets, strict=True)
         )
         # A hybrid model's sequences each hold a state slot: one per request.
@@ -240,14 +259,45 @@ def generate_batch(
         pool = block_pool_from_config(model, num_blocks=need, block_size=block_size, **slots)
     else:
         check_pool(pool, model)
+    spec = None
+    if assistant_model is not None:
+        if assistant_pool is None:
+            layout = _attention_layout(assistant_model.config)
+            need = sum(
+                kvrs.blocks_per_sequence(len(p) + b, block_size=block_size, max_chunk=len(p) + 1, **layout)
+                for p, b in zip(prompts, budgets, strict=True)
+            )
+            slots = {"state_slots": n} if _is_hybrid(assistant_model.config) else {}
+            assistant_pool = block_pool_from_config(
+                assistant_model, num_blocks=need, block_size=block_size, **slots
+            )
+        else:
+            check_pool(assistant_pool, assistant_model)
+        draft_peaks = {
+            i: _peak(assistant_pool, len(p), b, len(p) + 1)
+            for i, (p, b) in enumerate(zip(prompts, budgets, strict=True))
+        }
+        for i, peak in draft_peaks.items():
+            if peak > assistant_pool.num_blocks:
+                raise ValueError(
+                    f"inputs[{i}]: its draft needs {peak} blocks of {assistant_pool.block_size}, more than "
+                    f"the assistant_pool's {assistant_pool.num_blocks}: give a larger assistant_pool"
+                )
+        spec = Speculation(
+            assistant_model, assistant_pool, num_assistant_tokens, draft_peaks, num_assistant_tokens_schedule
+        )
     states = [
         RequestState(i, p, b, a) for i, (p, b, a) in enumerate(zip(prompts, budgets, steps_in, strict=True))
     ]
+    peaks = {
+        r.index: _peak(pool, len(r.prompt), r.max_new_tokens, max(len(r.prompt), lookahead + 1))
+        for r in states
+    }
     for r in states:
-        if _peak(pool, r) > pool.num_blocks:
+        if peaks[r.index] > pool.num_blocks:
             raise ValueError(
                 f"inputs[{r.index}]: {len(r.prompt)} prompt + {r.max_new_tokens} new tokens need "
-                f"{_peak(pool, r)} blocks of {pool.block_size}, more than the pool's {pool.num_blocks}: "
+                f"{peaks[r.index]} blocks of {pool.block_size}, more than the pool's {pool.num_blocks}: "
                 "give generate_batch a larger pool (num_blocks=), or fewer max_new_tokens"
             )
     for r in states:
@@ -261,21 +311,19 @@ def generate_batch(
                 r.generator.manual_seed(hash((seed, r.index)) & (2**63 - 1))
     progress = _Progress(n) if progress_bar else None
     try:
-        with _switched(model):
-            _run(model, pool, states, stops, sampling, temp, k, p_top, progress, on_step)
+        with _switched(model), _switched(assistant_model) if spec is not None else nullcontext():
+            _run(model, pool, states, peaks, stops, sampling, temp, k, p_top, progress, on_step, spec)
     finally:
         if progress is not None:
             progress.close()
     return [r.generated for r in states]
 
 
-def _peak(pool: kvrs.BlockPool, r: RequestState) -> int:
-    """The most blocks request `r` holds in `pool` (its prompt computed in one step)."""
+def _peak(pool: kvrs.BlockPool, prompt: int, new: int, chunk: int) -> int:
+    """The most blocks a request of `prompt` + `new` tokens holds in `pool`, computing
+    at most `chunk` tokens in one step."""
     return kvrs.blocks_per_sequence(
-        len(r.prompt) + r.max_new_tokens,
-        block_size=pool.block_size,
-        max_chunk=len(r.prompt),
-        **_pool_layout(pool),
+        prompt + new, block_size=pool.block_size, max_chunk=chunk, **_pool_layout(pool)
     )
 
 
@@ -315,6 +363,7 @@ def _run(
     model: Any,
     pool: kvrs.BlockPool,
     states: list[RequestState],
+    peaks: dict[int, int],
     stops: set[int],
     sampling: bool,
     temperature: float,
@@ -322,6 +371,7 @@ def _run(
     top_p: float,
     progress: _Progress | None,
     on_step: Any,
+    spec: Speculation | None,
 ) -> None:
     """The scheduler: admits, runs one forward pass per step, samples, finishes."""
     bs = pool.block_size
@@ -331,9 +381,8 @@ def _run(
     # chunks end where prompts branch off each other (and where the pool asks), so the
     # state there is checkpointed once and hit by every later request sharing it.
     hybrid = bool(pool.state_layers) and pool.stats().get("state_checkpoints", 0) > 0
-    branches = _branch_points([r.prompt for r in states]) if hybrid else [[] for _ in states]
 
-    peaks = {r.index: _peak(pool, r) for r in states}
+    branches = _branch_points([r.prompt for r in states]) if hybrid else [[] for _ in states]
 
     def growth(rs: list[tuple[RequestState, kvrs.Sequence]]) -> int:
         return sum(peaks[r.index] - s.num_blocks for r, s in rs)
@@ -364,27 +413,18 @@ def _run(
                 if pool.free_blocks < growth([*running, (r, seq)]):
                     seq.free()
                     break
+                if spec is not None and not spec.admit(r.index, r.prompt):
+                    seq.free()
+                    break
                 waiting.pop(0)
                 computing.add(head)
                 r.cached, r.admitted = seq.num_cached_tokens, step
+                r.draft_len = spec.k if spec is not None else 0
                 admitted += len(r.prompt)
                 running.append((r, seq))
             if not running:
-                r = waiting[0]
-                if pool.state_layers and pool.free_state_slots == 0:
-                    raise kvrs.CacheFullError(
-                        f"cache full: inputs[{r.index}] needs 1 more state slots but 0 of "
-                        f"{pool.state_slots} state slots are free (other sequences hold them): free them, "
-                        "or give generate_batch a pool with more state_slots"
-                    )
-                raise kvrs.CacheFullError(
-                    f"cache full: inputs[{r.index}] needs {peaks[r.index]} more blocks but "
-                    f"{pool.free_blocks} of {pool.num_blocks} blocks are free (other sequences hold the "
-                    "rest): free them, or give generate_batch a pool with more blocks (num_blocks=)"
-                )
-            seqs: list[kvrs.Sequence] = []
-            ids: list[int] = []
-            prefilling: list[bool] = []
+                _refuse(pool, waiting[0], peaks)
+            todos: list[list[int]] = []
             for r, seq in running:
                 computed = seq.seq_len
                 todo = (r.prompt + r.generated)[computed:]
@@ -393,10 +433,32 @@ def _run(
                     ends = [p for p in branches[r.index] if p > computed] + ([due] if due else [])
                     if ends:
                         todo = todo[: min(ends) - computed]
+                todos.append(todo)
+            # Decode requests with at least two tokens to go draft (at most all but one of them).
+            drafting = []
+            if spec is not None:
+                for r, seq in running:
+                    left = r.max_new_tokens - len(r.generated)
+                    if r.generated and seq.seq_len == len(r.prompt) + len(r.generated) - 1 and left > 1:
+                        drafting.append((r, min(r.draft_len, left - 1)))
+            proposal = None
+            if drafting and spec is not None:
+                proposal = spec.propose(drafting, sampling, temperature, top_k, top_p)
+            drafts = proposal.drafts if proposal is not None else {}
+            seqs: list[kvrs.Sequence] = []
+            ids: list[int] = []
+            rows: list[int] = []
+            prefilling: list[bool] = []
+            for (r, seq), todo in zip(running, todos, strict=True):
+                todo = todo + drafts.get(r.index, [])
                 seqs += [seq] * len(todo)
                 ids += todo
                 # A chunk that stops short of the prompt's end samples nothing.
-                prefilling.append(computed + len(todo) < len(r.prompt))
+                prefilling.append(seq.seq_len + len(todo) < len(r.prompt))
+                if r.index in drafts:
+                    rows += range(len(ids) - len(todo), len(ids))
+                elif not prefilling[-1]:
+                    rows.append(len(ids) - 1)
             try:
                 batch = pool.start_forward(seqs, tokens=ids)
             except kvrs.CacheFullError as e:  # another holder of the pool took the room admitted
@@ -404,28 +466,53 @@ def _run(
                     f"{e}: other sequences of the pool took blocks these requests were admitted with; "
                     "give generate_batch a pool of its own, or one with more blocks (num_blocks=)"
                 ) from e
-            with torch.no_grad(), batch:
-                logits = forward_batch(model, batch, logits_to_keep="last")
-            sampled = [(r, s) for (r, s), p in zip(running, prefilling, strict=True) if not p]
-            rows = [i for i, p in enumerate(prefilling) if not p]
-            if sampling:
-                gens = [r.generator for r, _ in sampled]
-                chosen = _sample(logits[rows], temperature, top_k, top_p, gens)
+            if proposal is None or spec is None:
+                with torch.no_grad(), batch:
+                    logits = forward_batch(model, batch, logits_to_keep=rows)
+                sampled = [r for (r, _), p in zip(running, prefilling, strict=True) if not p]
+                chosen = choose(logits, sampled, sampling, temperature, top_k, top_p)
             else:
-                chosen = logits[rows].argmax(-1).tolist()
-            for (r, _), token in zip(sampled, chosen, strict=True):
-                r.generated.append(int(token))
-                r.stopped = int(token) in stops
+                chosen = verify(
+                    model, batch, rows, running, todos, prefilling, proposal, spec, sampling, temperature,
+                    top_k, top_p,
+                )  # fmt: skip
+            generated = 0
+            for r, tokens in chosen:
+                for token in tokens:
+                    if r.done:
+                        break
+                    r.generated.append(int(token))
+                    r.stopped = int(token) in stops
+                    generated += 1
             done = [(r, s) for r, s in running if r.done]
             for r, seq in done:
                 seq.free()  # its blocks stay cached for the next requests
+                if spec is not None:
+                    spec.free(r.index)
                 running.remove((r, seq))
                 r.finished = step
             if progress is not None:
-                progress.step(admitted, len(chosen), len(done))
+                progress.step(admitted, generated, len(done))
             if on_step is not None:
                 on_step(step, pool, states)
             step += 1
     finally:
         for _, seq in running:
             seq.free()
+        if spec is not None:
+            spec.close()
+
+
+def _refuse(pool: kvrs.BlockPool, r: RequestState, peaks: dict[int, int]) -> None:
+    """Nothing runs and `r` cannot start: the CacheFullError saying what holds the pool."""
+    if pool.state_layers and pool.free_state_slots == 0:
+        raise kvrs.CacheFullError(
+            f"cache full: inputs[{r.index}] needs 1 more state slots but 0 of "
+            f"{pool.state_slots} state slots are free (other sequences hold them): free them, "
+            "or give generate_batch a pool with more state_slots"
+        )
+    raise kvrs.CacheFullError(
+        f"cache full: inputs[{r.index}] needs {peaks[r.index]} more blocks but "
+        f"{pool.free_blocks} of {pool.num_blocks} blocks are free (other sequences hold the "
+        "rest): free them, or give generate_batch a pool with more blocks (num_blocks=)"
+    )

@@ -13,12 +13,16 @@ kernels read and write the slot views in place.
 
 from __future__ import annotations
 
+import contextvars
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import kvrs
 from kvrs.integrations._torch import as_torch, torch
 
-__all__ = ["check_state", "conv_window", "is_linear_mixer", "wrap_mixer"]
+__all__ = ["MixerRecorder", "check_state", "conv_window", "is_linear_mixer", "wrap_mixer"]
 
 
 def conv_window(view: torch.Tensor, new: torch.Tensor, has_previous: bool, kernel: int) -> torch.Tensor:
@@ -84,6 +88,59 @@ class _SequenceStates:
         return self.previous
 
 
+@dataclass
+class _Chunk:
+    """One linear layer's call on one sequence's tokens in a recorded forward."""
+
+    own: Any  # the mixer's own forward
+    state_layer: int
+    layer: int
+    hidden: torch.Tensor  # [1, tokens, d]: the layer's input for those tokens
+    kwargs: dict[str, Any]
+    has_previous: bool
+
+
+class MixerRecorder:
+    """Records, while :meth:`recording`, each linear layer's input for each sequence of
+    the ForwardBatches run (the hidden states its mixer saw), so that a rollback can
+    advance a restored state over a prefix of those tokens (:meth:`replay`) without
+    running the model again: a state layer's new state depends only on its old state
+    and its inputs, which the forward already computed."""
+
+    def __init__(self, slots: set[int] | None = None) -> None:
+        self.slots = slots  # the state slots of the sequences to record (None: all)
+        self.chunks: dict[int, dict[int, list[_Chunk]]] = {}  # slot -> state layer -> chunks
+
+    @contextmanager
+    def recording(self) -> Iterator[MixerRecorder]:
+        token = _RECORDER.set(self)
+        try:
+            yield self
+        finally:
+            _RECORDER.reset(token)
+
+    def add(self, seq: kvrs.Sequence, chunk: _Chunk) -> None:
+        slot = seq.state_slot
+        if slot is not None and (self.slots is None or slot in self.slots):
+            self.chunks.setdefault(int(slot), {}).setdefault(chunk.state_layer, []).append(chunk)
+
+    def replay(self, seq: kvrs.Sequence, m: int) -> None:
+        """Runs each linear layer of `seq`'s recorded tokens over the first `m` of them,
+        from the state in its slot now (the one before the recorded forwards)."""
+        if m <= 0:
+            return
+        for chunks in self.chunks.get(int(seq.state_slot or 0), {}).values():
+            first = chunks[0]
+            hidden = torch.cat([c.hidden for c in chunks], dim=1)[:, :m]
+            states = _SequenceStates(seq, first.state_layer, first.layer, first.has_previous)
+            first.own(hidden, cache_params=states, attention_mask=None, **first.kwargs)
+
+
+_RECORDER: contextvars.ContextVar[MixerRecorder | None] = contextvars.ContextVar(
+    "kvrs_mixer_recorder", default=None
+)
+
+
 def is_linear_mixer(module: torch.nn.Module) -> bool:
     """Whether `module` is a linear-attention or Mamba mixer (a causal convolution and a
     layer index: the modules that call ``get_conv_state``)."""
@@ -102,6 +159,10 @@ def wrap_mixer(module: torch.nn.Module, state_layer: int) -> None:
     def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         batch = kwargs.pop("kvrs_batch", None)
         if batch is None:
+            # A kvrs cache that may be cropped keeps the layer's inputs to replay.
+            record = getattr(kwargs.get("cache_params"), "record_mixer", None)
+            if record is not None:
+                record(module, own, hidden_states, args, kwargs)
             return own(hidden_states, *args, **kwargs)
         return _batch_forward(own, module, hidden_states, batch, kwargs)
 
@@ -119,9 +180,14 @@ def _batch_forward(
     positions = batch.positions
     layer = int(module.layer_idx)  # type: ignore[arg-type]  # an int on every mixer
     state_layer = int(module._kvrs_state_layer)  # type: ignore[arg-type]  # set by wrap_mixer
+    recorder = _RECORDER.get()
     outs = []
     for i, seq in enumerate(batch.sequences):
         lo, hi = bounds[i], bounds[i + 1]
-        states = _SequenceStates(seq, state_layer, layer, int(positions[lo]) > 0)
+        previous = int(positions[lo]) > 0
+        if recorder is not None:
+            chunk = _Chunk(own, state_layer, layer, hidden[:, lo:hi].detach(), kwargs, previous)
+            recorder.add(seq, chunk)
+        states = _SequenceStates(seq, state_layer, layer, previous)
         outs.append(own(hidden[:, lo:hi], cache_params=states, attention_mask=None, **kwargs))
     return torch.cat(outs, dim=1)

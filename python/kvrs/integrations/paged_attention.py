@@ -131,7 +131,7 @@ def _attend_in_place(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any
 
 _MISSING = object()
 # The attributes use_paged_attention sets on a model's modules (instance attributes).
-_MODULE_ATTRIBUTES = ("forward", "_kvrs_mla", "_kvrs_state_layer", "_kvrs_layer")
+_MODULE_ATTRIBUTES = ("forward", "generate", "_kvrs_mla", "_kvrs_state_layer", "_kvrs_layer")
 
 
 def _configs(model: Any) -> list[Any]:
@@ -223,7 +223,29 @@ def use_paged_attention(model: Any) -> Any:
             module._kvrs_layer = plan.kv_of[index]
     if switch.hook is None:
         switch.hook = model.register_forward_pre_hook(_attend_in_place, with_kwargs=True)
+    if getattr(model, "_is_stateful", False) and "generate" not in model.__dict__:
+        switch.save(model)
+        model.generate = _assisted_generate(model, model.generate)
     return model
+
+
+def _assisted_generate(model: Any, generate: Any) -> Any:
+    """`model.generate` (a hybrid model's: transformers marks it stateful and refuses
+    assisted generation) that lets ``assistant_model`` through when ``past_key_values``
+    is a kvrs cache that rolls the recurrent states back on crop (``KvrsPagedCache``);
+    any other call is transformers' own, refusal included."""
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        cache = kwargs.get("past_key_values")
+        if kwargs.get("assistant_model") is None or not hasattr(cache, "rolls_back_states"):
+            return generate(*args, **kwargs)
+        model.__dict__["_is_stateful"] = False  # the cache rolls the states back itself
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            del model.__dict__["_is_stateful"]
+
+    return wrapped
 
 
 def restore_attention(model: Any) -> Any:
@@ -241,7 +263,9 @@ def restore_attention(model: Any) -> Any:
 def _switched(model: Any) -> Iterator[None]:
     """Runs the body with `model`'s attention switched to kvrs and puts back what it
     was on the way out, also on an exception (a model already switched stays so)."""
-    if model.config._attn_implementation == ATTN_IMPLEMENTATION:
+    # (A model built from a switched model's config reads as switched but has none of
+    # its modules wrapped: it is switched here too.)
+    if model.config._attn_implementation == ATTN_IMPLEMENTATION and "_kvrs_switch" in model.__dict__:
         yield
         return
     before = _implementations(model) if "_kvrs_switch" in model.__dict__ else None

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -520,14 +521,13 @@ class KvrsStateLayer(LinearAttentionCacheLayerMixin):
         return view
 
     def activate_past_recording(self) -> None:
-        raise kvrs.NotSupportedError(
-            "a kvrs cache keeps one recurrent state per row and cannot record past ones "
-            "(assisted decoding of hybrid models needs transformers' DynamicCache)"
-        )
+        """From now on the owner keeps what a crop needs to roll this layer's state back
+        (see :meth:`KvrsPagedCache.crop`)."""
+        self.record_past = True
 
     @property
     def is_croppable(self) -> bool:  # type: ignore[override]
-        return not self.written
+        return not self.written or self.record_past
 
     def reset(self) -> None:
         self.written = False
@@ -536,7 +536,7 @@ class KvrsStateLayer(LinearAttentionCacheLayerMixin):
         """The owner reorders the rows (forks copy their states)."""
 
     def crop(self, tokens_to_remove: int) -> None:
-        """The owner crops (and refuses once a state holds tokens)."""
+        """The owner crops (restoring and replaying the states it recorded)."""
 
 
 def _check_state_index(state_idx: int) -> None:
@@ -544,6 +544,18 @@ def _check_state_index(state_idx: int) -> None:
         raise kvrs.NotSupportedError(
             f"state_idx={state_idx}: kvrs keeps one conv and one recurrent state per layer"
         )
+
+
+@dataclass
+class _StateRecord:
+    """One linear layer of a :class:`KvrsPagedCache` since its last crop: its states
+    before (None: it held none), and its inputs since, with its forward's arguments."""
+
+    own: Any
+    saved: dict[str, torch.Tensor] | None
+    inputs: list[torch.Tensor]
+    args: tuple
+    kwargs: dict[str, Any]
 
 
 class KvrsPagedCache(_CheckedLayers):
@@ -578,6 +590,12 @@ class KvrsPagedCache(_CheckedLayers):
         # slots are consecutive: see _rows_changed).
         self._state_views: dict[int, dict[str, torch.Tensor]] = {}
         self._state_first: int | None = None  # the rows' first slot
+        # While recording past states (assisted decoding): the positions written but not
+        # committed yet, and per state layer the states before them with the layer's
+        # inputs since (see crop).
+        self._pending = 0
+        self._records: dict[int, _StateRecord] = {}
+        self._replaying = False
         layers: list[Any] = [None] * plan.num_layers
         for i, kv in plan.kv_of.items():
             layers[i] = self.paged_layers[kv]
@@ -700,8 +718,59 @@ class KvrsPagedCache(_CheckedLayers):
         )
 
     def seq_len(self) -> int:
-        """Committed positions (the same for every row)."""
-        return self.rows[0].seq_len if self.rows else 0
+        """Positions held (the same for every row): committed, and those a hybrid model
+        wrote since the last crop while recording past states."""
+        return self.rows[0].seq_len + self._pending if self.rows else 0
+
+    @property
+    def rolls_back_states(self) -> bool:
+        """Whether a crop can roll the model's recurrent states back: a cache of a
+        hybrid model recording past states (transformers' assisted generation turns it
+        on) whose linear layers run under :func:`use_paged_attention`."""
+        return bool(self.state_layers) and self._recording()
+
+    def _recording(self) -> bool:
+        return any(layer.record_past for layer in self.state_layers)
+
+    def record_mixer(
+        self, module: torch.nn.Module, own: Any, hidden: torch.Tensor, args: tuple, kwargs: dict[str, Any]
+    ) -> None:
+        """Called by a linear layer switched by :func:`use_paged_attention` before it
+        runs on this cache: while recording past states, the first call since the last
+        crop copies the layer's states, and every call keeps its inputs, so that
+        :meth:`crop` can restore the states and replay the tokens it keeps."""
+        if self._replaying or not self._recording():
+            return
+        j = self.plan.state_of[int(module.layer_idx)]  # type: ignore[arg-type]  # an int on every mixer
+        record = self._records.get(j)
+        if record is None:
+            saved = None
+            if self.rows and self.state_layers[j].written:
+                saved = {name: self.state_view(j, name).clone() for name in ("conv", "recurrent")}
+            record = self._records[j] = _StateRecord(own, saved, [], args, kwargs)
+        record.inputs.append(hidden.detach())
+
+    def _roll_back_states(self, keep: int) -> None:
+        """Every state layer back to its state before the recorded tokens, then over the
+        first `keep` of them again."""
+        self._replaying = True
+        try:
+            for j, record in self._records.items():
+                layer = self.state_layers[j]
+                if record.saved is None:
+                    layer.written = False
+                else:
+                    for name, saved in record.saved.items():
+                        self.state_view(j, name).copy_(saved)
+                    layer.written = True
+                if keep > 0:
+                    hidden = torch.cat(record.inputs, dim=1)[:, :keep]
+                    kwargs = {
+                        k: v for k, v in record.kwargs.items() if k not in ("cache_params", "attention_mask")
+                    }
+                    record.own(hidden, *record.args, cache_params=self, attention_mask=None, **kwargs)
+        finally:
+            self._replaying = False
 
     def layer_start(self, layer: int) -> int:
         """The first position `layer` holds (the same for every row)."""
@@ -728,8 +797,11 @@ class KvrsPagedCache(_CheckedLayers):
                 keys.append(as_torch(k))
                 values.append(as_torch(v))
         if layer == self.pool.num_layers - 1:
-            for seq in self.rows:
-                seq.advance(q)
+            if self.state_layers and self._recording():
+                self._pending += q  # committed by the next crop, which may reject some
+            else:
+                for seq in self.rows:
+                    seq.advance(q)
         if dtype is None:
             return None
         return torch.stack(keys).to(dtype), torch.stack(values).to(dtype)
@@ -836,30 +908,58 @@ class KvrsPagedCache(_CheckedLayers):
         Sliding-window layers must still hold what the next token sees: the pool keeps
         `swa_memory` positions beyond the window of the longest length reached (released
         blocks do not come back), so a crop to that length minus `swa_memory` or later
-        always succeeds."""
+        always succeeds.
+
+        A hybrid model's recurrent states hold every token, so they are rolled back
+        only while recording past states (``activate_past_recording``, which
+        transformers' assisted generation calls) with the model switched by
+        :func:`use_paged_attention`: the tokens written since the last crop stay
+        uncommitted, each linear layer's states before them are copied and its inputs
+        kept, and a crop restores the copies and replays the kept tokens (the pool never
+        holds a rejected token's K/V or state). ``crop(0)`` commits them."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop({tokens_to_remove}): pass a negative count of tokens to remove")
-        if tokens_to_remove == 0 or not self.rows:
+        if not self.rows:
             return
-        if any(layer.written for layer in self.state_layers):
-            raise ValueError(
-                f"crop({tokens_to_remove}): the model's linear layers keep a recurrent state of every "
-                "token, which cannot be rolled back (transformers' own cache refuses too)"
-            )
         n = max(0, self.seq_len() + tokens_to_remove)
-        if not all(seq.can_resume(n) for seq in self.rows):
+        committed = self.rows[0].seq_len
+        if any(layer.written for layer in self.state_layers) and n < self.seq_len():
+            recorded = min((sum(x.shape[1] for x in r.inputs) for r in self._records.values()), default=0)
+            if len(self._records) < len(self.state_layers) or self.seq_len() - n > recorded:
+                raise ValueError(
+                    f"crop({tokens_to_remove}): the model's linear layers keep a recurrent state of every "
+                    f"token, which cannot be rolled back past the tokens written since the cache's last crop "
+                    f"while recording past states ({recorded}): call activate_past_recording() before "
+                    "the forward (assisted generation does), with the model switched by "
+                    "use_paged_attention(model)"
+                )
+        elif n < committed and not all(seq.can_resume(n) for seq in self.rows):
             raise ValueError(
                 f"crop({tokens_to_remove}): the sliding-window layers released positions that "
                 f"position {n} sees; a crop may go back swa_memory={self.pool.swa_memory} positions "
                 "from the longest length the cache reached: make the cache with a larger swa_memory"
             )
+        if self._records and n < self.seq_len():
+            self._roll_back_states(
+                n - (self.seq_len() - sum(x.shape[1] for x in next(iter(self._records.values())).inputs))
+            )
         for seq in self.rows:
-            seq.truncate(n)
+            if n >= committed:
+                if n > committed:
+                    seq.advance(n - committed)
+                if self._pending and n < committed + self._pending:
+                    seq.set_seq_len(n)  # drops the rejected positions: n is committed, no state restored
+            else:
+                seq.truncate(n)
+        self._pending = 0
+        self._records = {}
 
     def reset(self) -> None:
         for seq in self.rows:
             seq.free()
         self.rows = []
+        self._pending = 0
+        self._records = {}
         self._state_views = {}
         for layer in self.state_layers:
             layer.written = False
@@ -867,6 +967,11 @@ class KvrsPagedCache(_CheckedLayers):
     def __deepcopy__(self, memo: dict) -> KvrsPagedCache:
         """A cache on the same pool whose rows are forks of these (blocks shared, states
         copied)."""
+        if self._pending:
+            raise ValueError(
+                f"this cache holds {self._pending} positions written since its last crop while "
+                "recording past states (assisted decoding): crop first (crop(0) keeps them all)"
+            )
         copy = KvrsPagedCache(self.pool, self.plan)
         copy.rows = [seq.fork() for seq in self.rows]
         copy._rows_changed()
