@@ -11,7 +11,14 @@ Cases (float16 storage unless named):
   gather-free peer does on CPU) vs `Sequence.get` + SDPA;
 - 32 and 256 sequences x 2k tokens, one decode token each: `ForwardBatch.attention` vs
   `Sequence.get` + SDPA per sequence and vs `ForwardBatch.get` + SDPA under its dense mask
-  (where that fits in memory).
+  (where that fits in memory);
+- prefill of one 2k-token prompt (causal) and extend (512 new tokens over 2k cached) in
+  float32, float16 and bfloat16: `ForwardBatch.attention` reading the pages in place vs
+  SDPA on contiguous K/V (`is_causal`, or the extend's mask), in interleaved rounds (best
+  of each), with both GFLOP/s against the machine's float32 FMA peak
+  (`benches/peak/fma_peak.rs`, compiled with rustc, on as many threads as torch uses).
+
+    python benches/bench_attention.py --only prefill   # the prefill and extend rows alone
 """
 
 from __future__ import annotations
@@ -161,17 +168,102 @@ def portable_times(n: int, repeat: int) -> dict[str, float]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def prefill_case(dtype: str, history: int, new: int):
+    """`new` tokens over `history` cached ones (a prefill when 0) in one sequence, 32 query /
+    8 KV heads x 128: the kvrs call, the SDPA call on contiguous K/V, their flops (the
+    causal half counted once) and the largest difference of their outputs."""
+    hkv, hq, d = 8, 32, 128
+    n = history + new
+    rng = np.random.default_rng(2)
+    k, v = (x.astype(NUMPY[dtype]) for x in rng.standard_normal((2, n, hkv, d), dtype=np.float32))
+    q = rng.standard_normal((new, hq, d), dtype=np.float32).astype(NUMPY[dtype])
+    pool = kvrs.BlockPool(1, hkv, d, block_size=16, num_blocks=n // 16 + 1, dtype=dtype, prefix_caching=False)
+    seq = pool.new_sequence()
+    if history:
+        seq.append(0, k[:history], v[:history])
+        seq.advance(history)
+    batch = pool.start_forward([seq] * new)
+    batch.put(0, k[history:], v[history:])
+    tq = as_torch(q).transpose(0, 1)[None]  # [1, hq, new, d]
+    tk, tv = (as_torch(x).transpose(0, 1)[None].contiguous() for x in (k, v))  # [1, hkv, n, d]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if history:
+        # Row i sees positions 0..=history + i (SDPA's is_causal aligns to the top left).
+        mask = torch.arange(n)[None, :] <= (history + torch.arange(new))[:, None]
+        torch_call = lambda: sdpa(tq, tk, tv, attn_mask=mask, enable_gqa=True)  # noqa: E731
+    else:
+        torch_call = lambda: sdpa(tq, tk, tv, is_causal=True, enable_gqa=True)  # noqa: E731
+    kvrs_call = lambda: batch.attention(0, q)  # noqa: E731
+    seen = new * history + new * (new + 1) // 2
+    flops = 4 * hq * d * seen
+    got = np.asarray(kvrs_call()).astype(np.float32)
+    want = torch_call().float()[0].transpose(0, 1).numpy()
+    return kvrs_call, torch_call, flops, float(np.abs(got - want).max()), batch
+
+
+def fma_peak(threads: int) -> float | None:
+    """GFLOP/s of float32 AVX2 FMAs on `threads` threads (None without rustc or AVX2)."""
+    import os
+    import shutil
+    import subprocess
+    import tempfile
+
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peak", "fma_peak.rs")
+    if shutil.which("rustc") is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = os.path.join(tmp, "fma_peak")
+        subprocess.run(["rustc", "-O", "-C", "target-cpu=native", src, "-o", exe], check=True)
+        run = subprocess.run([exe, str(threads)], capture_output=True, text=True)
+    return float(run.stdout.split()[1]) if run.returncode == 0 else None
+
+
+def prefill_rows(n: int, new: int, rounds: int) -> None:
+    """Prefill of `n` tokens and extend of `new` over `n`, each dtype, interleaved rounds."""
+    peak = fma_peak(torch.get_num_threads())
+    peak_text = f"{peak:.0f} GFLOP/s" if peak else "not measured (no rustc or AVX2+FMA)"
+    print(f"\nprefill and extend, 32 query / 8 KV heads x 128, causal; float32 FMA peak of "
+          f"{torch.get_num_threads()} threads: {peak_text}")  # fmt: skip
+    cases = {}
+    for dtype in ("float32", "float16", "bfloat16"):
+        cases[("prefill", dtype)] = prefill_case(dtype, 0, n)
+        cases[("extend", dtype)] = prefill_case(dtype, n, new)
+    times = {key: [float("inf"), float("inf")] for key in cases}
+    for _ in range(rounds):
+        for key, (kvrs_call, torch_call, *_rest) in cases.items():
+            for i, call in enumerate((kvrs_call, torch_call)):
+                t0 = time.perf_counter()
+                call()
+                times[key][i] = min(times[key][i], time.perf_counter() - t0)
+    print(f"{'work':<26} {'storage':<9} {'kvrs':>9} {'SDPA contig':>12} {'kvrs/SDPA':>10} "
+          f"{'kvrs GFLOP/s':>13} {'SDPA GFLOP/s':>13} {'kvrs of peak':>13} {'max |diff|':>11}")  # fmt: skip
+    for (kind, dtype), (_k, _t, flops, diff, batch) in cases.items():
+        ours, theirs = times[(kind, dtype)]
+        work = f"prefill {n}" if kind == "prefill" else f"extend {new} over {n}"
+        of_peak = f"{flops / ours / 1e9 / peak:>12.0%}" if peak else f"{'-':>12}"
+        print(
+            f"{work:<26} {dtype:<9} {ours:>8.3f}s {theirs:>11.3f}s {ours / theirs:>9.2f}x "
+            f"{flops / ours / 1e9:>13.1f} {flops / theirs / 1e9:>13.1f} {of_peak} {diff:>11.2e}"
+        )
+        batch.cancel()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="smaller sizes (seconds)")
+    parser.add_argument("--only", choices=("decode", "prefill"), help="run one part")
     args = parser.parse_args()
     n = 4096 if args.quick else 32768
     repeat = 3 if args.quick else 7
     ours: dict[str, float] = {}
     print(f"kvrs attention benchmark (torch {torch.__version__}, {torch.get_num_threads()} torch threads, "
           f"kvrs SIMD: {kvrs.attention_simd()})")  # fmt: skip
+    if args.only != "decode":
+        prefill_rows(512 if args.quick else 2048, 128 if args.quick else 512, 2 if args.quick else 3)
+    if args.only == "prefill":
+        return
     print(f"\ndecode, one sequence of {n} tokens, 32 query / 8 KV heads x 128")
     print(f"{'storage':<9} {'kvrs':>9} {'SDPA contig':>12} {'gather+SDPA':>12} {'kvrs vs SDPA':>13} "
           f"{'vs gather':>10} {'kvrs GB/s':>10} {'copy GB/s':>10} {'of copy':>8}")  # fmt: skip

@@ -144,7 +144,16 @@ pub unsafe fn convert_contiguous(
         match (dst_dtype, src_dtype) {
             (F16, F32) => slice_mut::<f16>(dst, n).convert_from_f32_slice(slice::<f32>(src, n)),
             (BF16, F32) => slice_mut::<bf16>(dst, n).convert_from_f32_slice(slice::<f32>(src, n)),
-            (F32, F16) => slice::<f16>(src, n).convert_to_f32_slice(slice_mut::<f32>(dst, n)),
+            (F32, F16) => {
+                let (dst, src) = (slice_mut::<f32>(dst, n), slice::<f16>(src, n));
+                let mut done = 0;
+                #[cfg(target_arch = "x86_64")]
+                if crate::write_avx2::available() {
+                    // SAFETY: the CPU has AVX2 and F16C.
+                    done = crate::write_avx2::f16_to_f32(dst, src);
+                }
+                src[done..].convert_to_f32_slice(&mut dst[done..]);
+            }
             (F32, BF16) => slice::<bf16>(src, n).convert_to_f32_slice(slice_mut::<f32>(dst, n)),
             (F16, BF16) => {
                 for (d, s) in slice_mut::<f16>(dst, n)
@@ -167,9 +176,21 @@ pub unsafe fn convert_contiguous(
         return 0;
     }
     if let (Some(f), false) = (dst_dtype.fp8(), src_dtype.is_quantized()) {
-        // Floats to fp8 a chunk at a time through f32, with the vectorised encoder.
+        // float16 straight to fp8 with AVX2, the rest a chunk at a time through f32 with
+        // the vectorised encoder.
+        let (mut done, mut saturated) = (0, 0);
+        #[cfg(target_arch = "x86_64")]
+        if src_dtype == DType::F16 && aligned && crate::write_avx2::available() {
+            use crate::write_avx2::fp8::encode_fp8_f16;
+            let (codes, halves) = (slice_mut::<u8>(dst, n), slice::<f16>(src, n));
+            // SAFETY: the CPU has AVX2 and F16C.
+            (done, saturated) = match f {
+                Fp8::E4M3 => encode_fp8_f16::<true>(codes, halves),
+                Fp8::E5M2 => encode_fp8_f16::<false>(codes, halves),
+            };
+        }
+        let (dst, src, n) = (dst.add(done), src.add(done * src_dtype.size()), n - done);
         let mut buf = [0f32; 256];
-        let mut saturated = 0;
         for start in (0..n).step_by(buf.len()) {
             let len = buf.len().min(n - start);
             let chunk = &mut buf[..len];

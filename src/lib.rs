@@ -83,6 +83,8 @@ pub mod tier;
 mod typed;
 #[doc(hidden)]
 pub mod unstable;
+#[cfg(target_arch = "x86_64")]
+mod write_avx2;
 
 #[cfg(feature = "python")]
 mod python;

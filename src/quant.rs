@@ -8,6 +8,9 @@
 //! stays NaN. Decoding is exact: every code's value is an f32. The slice encoder counts
 //! the values it saturates ([`Fp8::saturates`]) in the same loop.
 
+#[cfg(target_arch = "x86_64")]
+use crate::write_avx2;
+
 /// One of the OCP 8-bit floating-point formats.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Fp8 {
@@ -81,32 +84,40 @@ impl Fp8 {
     }
 
     /// Encodes every element of `src` into `dst` (same length), as [`Fp8::encode`], and
-    /// returns how many of them saturated ([`Fp8::saturates`]): one branch-free loop per
-    /// format, which the compiler vectorises (with AVX2 where the CPU has it, chosen at
-    /// run time). The count costs an add per element in the same loop: its compare is
-    /// the one the clamp makes.
+    /// returns how many of them saturated ([`Fp8::saturates`]): 32 elements at a time
+    /// with AVX2 where the CPU has it (chosen at run time), the rest by one branch-free
+    /// loop per format. The count costs an add per element: its compare is the one the
+    /// clamp makes.
     pub fn encode_slice(self, dst: &mut [u8], src: &[f32]) -> usize {
+        let n = dst.len().min(src.len());
+        let (mut done, mut saturated) = (0, 0);
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
+        if write_avx2::available() {
             // SAFETY: the CPU has AVX2.
-            return unsafe { self.encode_slice_avx2(dst, src) };
+            (done, saturated) =
+                unsafe { write_avx2::fp8::encode_fp8(&mut dst[..n], &src[..n], self.format()) };
         }
-        self.encode_slice_with(dst, src)
+        let (dst, src) = (&mut dst[done..n], &src[done..n]);
+        saturated
+            + match self {
+                Fp8::E4M3 => encode_counting::<3, 7, 0x7e, 0x7f>(dst, src, E4M3_LIMIT),
+                Fp8::E5M2 => encode_counting::<2, 15, 0x7b, 0x7e>(dst, src, E5M2_LIMIT),
+            }
     }
 
-    /// [`Fp8::encode_slice`] compiled for AVX2.
+    /// The constants of [`Fp8::encode`], for the vectorised encoder.
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2")]
-    unsafe fn encode_slice_avx2(self, dst: &mut [u8], src: &[f32]) -> usize {
-        self.encode_slice_with(dst, src)
-    }
-
-    /// The loop of [`Fp8::encode_slice`], inlined into each build.
-    #[inline(always)]
-    fn encode_slice_with(self, dst: &mut [u8], src: &[f32]) -> usize {
-        match self {
-            Fp8::E4M3 => encode_counting::<3, 7, 0x7e, 0x7f>(dst, src, E4M3_LIMIT),
-            Fp8::E5M2 => encode_counting::<2, 15, 0x7b, 0x7e>(dst, src, E5M2_LIMIT),
+    fn format(self) -> write_avx2::fp8::Format {
+        let (max, nan) = match self {
+            Fp8::E4M3 => (0x7e, 0x7f),
+            Fp8::E5M2 => (0x7b, 0x7e),
+        };
+        write_avx2::fp8::Format {
+            m: self.mantissa_bits(),
+            bias: self.bias(),
+            max,
+            nan,
+            limit: self.saturation_limit(),
         }
     }
 
@@ -242,23 +253,15 @@ pub const I8_MAX: f32 = 127.0;
 /// largest float with `127 * scale <= f32::MAX`. Every dequantized value is finite.
 pub fn quantize_row_i8(dst: &mut [i8], src: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
+    if write_avx2::available() {
         // SAFETY: the CPU has AVX2.
-        return unsafe { quantize_row_i8_avx2(dst, src) };
+        return unsafe { write_avx2::int8::quantize_row(dst, src) };
     }
-    quantize_row_i8_with(dst, src)
+    quantize_row_i8_scalar(dst, src)
 }
 
-/// [`quantize_row_i8`] compiled for AVX2.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn quantize_row_i8_avx2(dst: &mut [i8], src: &[f32]) -> f32 {
-    quantize_row_i8_with(dst, src)
-}
-
-/// The loop of [`quantize_row_i8`], inlined into each build.
-#[inline(always)]
-fn quantize_row_i8_with(dst: &mut [i8], src: &[f32]) -> f32 {
+/// [`quantize_row_i8`] one element at a time: the reference the vectorised loop equals.
+pub(crate) fn quantize_row_i8_scalar(dst: &mut [i8], src: &[f32]) -> f32 {
     let amax = src
         .iter()
         .fold(0f32, |m, &x| if x.abs() > m { x.abs() } else { m });
@@ -268,20 +271,29 @@ fn quantize_row_i8_with(dst: &mut [i8], src: &[f32]) -> f32 {
     }
     let scale = i8_scale(amax);
     for (d, &x) in dst.iter_mut().zip(src) {
-        // |x / scale| <= 127 except for infinities and, with a stepped-down scale, the
-        // row's largest values, which the clamp saturates (before rounding, so that the
-        // rounding trick stays in its range).
-        let q = round_small((x / scale).clamp(-I8_MAX, I8_MAX));
-        *d = if x.is_nan() { 0 } else { q as i8 };
+        *d = i8_code(x, scale);
     }
     scale
+}
+
+/// The code of `x` in a row of `scale`: |x / scale| <= 127 except for infinities and,
+/// with a stepped-down scale, the row's largest values, which the clamp saturates
+/// (before rounding, so that the rounding trick stays in its range); NaN is 0.
+#[inline(always)]
+pub(crate) fn i8_code(x: f32, scale: f32) -> i8 {
+    let q = round_small((x / scale).clamp(-I8_MAX, I8_MAX));
+    if x.is_nan() {
+        0
+    } else {
+        q as i8
+    }
 }
 
 /// The scale of a row whose largest magnitude is `amax` (> 0, possibly infinite):
 /// `amax / 127`, with `amax` saturated to `f32::MAX`, stepped down one ulp when
 /// `127 * scale` would overflow (only `f32::MAX / 127` rounds that far up).
 #[inline(always)]
-fn i8_scale(amax: f32) -> f32 {
+pub(crate) fn i8_scale(amax: f32) -> f32 {
     let scale = amax.min(f32::MAX) / I8_MAX;
     if (scale * I8_MAX).is_infinite() {
         f32::from_bits(scale.to_bits() - 1)

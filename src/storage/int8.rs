@@ -106,6 +106,49 @@ impl Int8Storage {
     }
 }
 
+impl Int8Storage {
+    /// Quantizes a float16 source of whole vectors (its last axis contiguous) straight
+    /// into `dst`'s codes and scales with AVX2 and F16C, and returns true; false (having
+    /// written nothing) for other sources or CPUs.
+    #[cfg(target_arch = "x86_64")]
+    fn write_f16(&mut self, dst: &Region, src: &TensorRef) -> bool {
+        use crate::write_avx2::{available, int8::quantize_rows_f16};
+        let [s0, s1, s2] = src.strides3();
+        let base = src.as_ptr() as *const half::f16;
+        if src.dtype() != DType::F16
+            || s2 != 1
+            || !(base as usize).is_multiple_of(2)
+            || !available()
+        {
+            return false;
+        }
+        let d = self.unit;
+        let [a, b, c] = dst.shape;
+        let (offset, strides) = (dst.offset, dst.strides);
+        // Chunks start at multiples of d ([`Self::vectors`]'s `at / d`).
+        debug_assert!([offset, strides[0], strides[1]].iter().all(|x| x % d == 0));
+        let (first, step) = (offset / d, [strides[0] / d, strides[1] / d]);
+        let codes = self.codes.data_ptr() as *mut i8;
+        let scales = self.scales.data_ptr() as *mut f32;
+        // The region's chunks in row-major order ([`Self::vectors`]), each beside its source.
+        let rows = (0..a).flat_map(move |i| {
+            (0..b).flat_map(move |j| {
+                (0..c / d).map(move |k| {
+                    let at = offset + i * strides[0] + j * strides[1] + k * d;
+                    let from = i as isize * s0 + j as isize * s1 + (k * d) as isize;
+                    // SAFETY: the region was checked against both allocations and the
+                    // source holds its shape (the caller's checks).
+                    let scale = first + i * step[0] + j * step[1] + k;
+                    unsafe { (codes.add(at), scales.add(scale), base.offset(from)) }
+                })
+            })
+        });
+        // SAFETY: as above; the CPU has AVX2 and F16C; the region's chunks are distinct.
+        unsafe { quantize_rows_f16(d, rows) };
+        true
+    }
+}
+
 impl Storage for Int8Storage {
     fn device(&self) -> Device {
         Device::Cpu
@@ -141,6 +184,10 @@ impl Storage for Int8Storage {
         let d = self.unit;
         let codes = self.codes.data_ptr() as *mut i8;
         let scales = self.scales.data_ptr() as *mut f32;
+        #[cfg(target_arch = "x86_64")]
+        if self.write_f16(&dst, src) {
+            return Ok(());
+        }
         Self::with_scratch(n, |rows| {
             let [_, b, c] = dst.shape;
             // SAFETY: `rows` holds n f32s; src holds dst's shape (checked above),
@@ -307,6 +354,67 @@ mod tests {
         s.read(region, &mut raw).unwrap();
         assert!(codes.iter().any(|&c| c == 127 || c == -127));
         assert_eq!(unsafe { *scales.ptr }, 0.0);
+    }
+
+    #[test]
+    fn a_float16_source_quantizes_as_its_values_do() {
+        // Three positions x two heads of 2 x 40 (two scaled chunks per head vector), the
+        // source strided (every other head of four), including a NaN, an infinity and a
+        // zero row: codes and scales equal those of the same values given as f32.
+        let (d, region) = (
+            40,
+            Region {
+                offset: 160,
+                shape: [3, 2, 80],
+                strides: [320, 80, 1],
+            },
+        );
+        let values: Vec<f32> = (0..3 * 4 * 80)
+            .map(|i| match i {
+                7 => f32::NAN,
+                500 => f32::INFINITY,
+                800..=839 => 0.0,
+                _ => ((i as u32).wrapping_mul(2_654_435_761) >> 16) as f32 / 4096.0 - 8.0,
+            })
+            .collect();
+        let halves: Vec<half::f16> = values.iter().map(|&x| half::f16::from_f32(x)).collect();
+        let widened: Vec<f32> = halves.iter().map(|h| h.to_f32()).collect();
+        let picked: Vec<f32> = (0..3)
+            .flat_map(|i| (0..2).flat_map(move |j| (0..80).map(move |k| (i * 4 + j * 2) * 80 + k)))
+            .map(|at| widened[at])
+            .collect();
+        let mut from_f16 = Int8Storage::zeroed(1120, d).unwrap();
+        let mut from_f32 = Int8Storage::zeroed(1120, d).unwrap();
+        // SAFETY: the strides address elements of `halves` only.
+        let src = unsafe {
+            TensorRef::new(
+                halves.as_ptr() as *const u8,
+                DType::F16,
+                &[3, 2, 80],
+                &[320, 160, 1],
+            )
+        }
+        .unwrap();
+        from_f16.write(region, &src).unwrap();
+        from_f32
+            .write(region, &tensor(&picked, &[3, 2, 80]))
+            .unwrap();
+        let read = |s: &Int8Storage| {
+            let mut codes = vec![0i8; 480];
+            let bytes = bytemuck::cast_slice_mut(&mut codes);
+            s.read(
+                region,
+                &mut TensorMut::from_bytes_mut(bytes, DType::I8, &[3, 2, 80]).unwrap(),
+            )
+            .unwrap();
+            let scales = s.row_scales().unwrap();
+            let scales: Vec<u32> = (0..28)
+                .map(|r| unsafe { *scales.ptr.add(r) }.to_bits())
+                .collect();
+            (codes, scales)
+        };
+        assert_eq!(read(&from_f16), read(&from_f32));
+        assert!(read(&from_f16).1.iter().filter(|&&s| s != 0).count() == 11);
     }
 
     #[test]
