@@ -9,6 +9,8 @@ fn main() {
     for f in [
         "kernels/kvrs.cu",
         "kernels/tensor_core.cuh",
+        "kernels/attention_mma.cuh",
+        "kernels/attention_mla.cuh",
         "kernels/sim/sim.cpp",
         "kernels/sim/fiber.h",
         "kernels/sim/scheduler.h",

@@ -7,7 +7,9 @@ heads x 128 (32 query heads), blocks of 16, unless a row says otherwise.
 Cases: the copy ceiling (a 1 GiB device-to-device copy); decode attention over one 32k
 sequence and over 256 sequences x 2k tokens (pages interleaved in the pool, the pool's own
 page tables) with float16, fp8 E4M3 and int8 storage; chunked prefill (16 sequences x 2k
-history, 512 new tokens each, causal); the prefill scatter of 32k tokens; the gather of a
+history, 512 new tokens each, causal) and one 32k prefill (causal), on kvrs's tensor
+cores, with TFLOP/s; MLA decode (bfloat16, 128 heads over 512 + 64 latents) over one 32k
+sequence and 256 x 2k; the prefill scatter of 32k tokens; the gather of a
 32k sequence; copy-on-write of 256 forks, each of a different parent block, x 32 layers;
 the decode write of 256 sequences x 32 layers (per layer, and `pool.write_layers` in one
 launch where kvrs has it); the offload tiers' swap-in of a 4k-token prefix.
@@ -33,11 +35,12 @@ import kvrs
 
 sys.path.insert(0, str(Path(__file__).parent))
 import flashinfer_peer
-from gpu_attention_cases import decode_batch, decode_single, extend
+from gpu_attention_cases import decode_batch, decode_single, extend, prefill
 from gpu_copy_cases import cow, decode_write, scatter_gather, swap
+from gpu_mla_cases import mla_decode
 from gpu_report import HEADER, STORAGE, Bench, line, ratios
 
-CASES = ("decode", "extend", "scatter", "gather", "cow", "write", "swap")
+CASES = ("decode", "extend", "prefill", "mla", "scatter", "gather", "cow", "write", "swap")
 
 
 def main() -> int:
@@ -47,6 +50,12 @@ def main() -> int:
     ap.add_argument("--no-flashinfer", action="store_true", help="skip FlashInfer even when importable")
     ap.add_argument(
         "--flashinfer-timeout", type=float, default=240, help="seconds for FlashInfer's JIT build"
+    )
+    ap.add_argument(
+        "--flashinfer-prefill-timeout",
+        type=float,
+        default=150,
+        help="seconds for FlashInfer's prefill and MLA modules' JIT build (their rows only)",
     )
     ap.add_argument(
         "--ncu",
@@ -73,6 +82,10 @@ def main() -> int:
         peer = flashinfer_peer.load(args.flashinfer_timeout)
     print(f"FlashInfer: {peer.info}", flush=True)
     bench = Bench(torch, args.json, peer, ncu=args.ncu)
+    if cases & {"extend", "prefill", "mla"} and peer.fi is not None:
+        bench.prefill_peer = flashinfer_peer.load(args.flashinfer_prefill_timeout, "prefill")
+        print(f"FlashInfer prefill and MLA: {bench.prefill_peer.info}", flush=True)
+        bench.meta["flashinfer_prefill"] = bench.prefill_peer.info
     if "decode" in cases:
         for dtype in STORAGE:
             decode_single(bench, dtype)
@@ -80,6 +93,14 @@ def main() -> int:
             torch.cuda.empty_cache()
     if "extend" in cases:
         extend(bench)
+        torch.cuda.empty_cache()
+    if "prefill" in cases:
+        prefill(bench)
+        torch.cuda.empty_cache()
+    if "mla" in cases:
+        mla_decode(bench, 1, 32768)
+        mla_decode(bench, 256, 2048)
+        torch.cuda.empty_cache()
     if cases & {"scatter", "gather"}:
         scatter_gather(bench, cases)
     if "cow" in cases:

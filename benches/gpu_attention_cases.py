@@ -1,5 +1,6 @@
 """Attention rows of benches/bench_gpu.py: decode (float16, fp8, int8 storage) over one long
-sequence and over a batch, and chunked prefill; SDPA and FlashInfer beside kvrs."""
+sequence and over a batch, chunked prefill (extend) and a long prefill, both on kvrs's
+tensor-core kernel; SDPA and FlashInfer beside kvrs."""
 
 from __future__ import annotations
 
@@ -13,7 +14,15 @@ import kvrs
 
 
 def sdpa_rows(
-    bench: Bench, case: str, q: Any, k: Any, v: Any, nbytes: int, ref: Any, mask: Any = None
+    bench: Bench,
+    case: str,
+    q: Any,
+    k: Any,
+    v: Any,
+    nbytes: int,
+    ref: Any,
+    mask: Any = None,
+    flops: float | None = None,
 ) -> None:
     """SDPA over contiguous [b, heads, s, d] K and V: enable_gqa, and transformers' repeat_kv
     (the repeat timed too, as transformers runs it on every call)."""
@@ -30,7 +39,8 @@ def sdpa_rows(
     for impl, fn in (("SDPA enable_gqa", gqa), ("SDPA repeat_kv", repeat)):
         try:
             check = f"|kvrs-SDPA| {max_diff(torch, ref, fn()):.1e}" if ref is not None else ""
-            bench.add(case, impl, nbytes, fn, check=check, graph_bind=impl == "SDPA enable_gqa" or None)
+            graph = impl == "SDPA enable_gqa" or None
+            bench.add(case, impl, nbytes, fn, check=check, graph_bind=graph, flops=flops)
         except Exception as e:  # a variant this torch refuses drops its row, says why
             print(f"{case}: {impl} failed: {type(e).__name__}: {e}", file=sys.stderr)
 
@@ -181,10 +191,72 @@ def extend(bench: Bench, nseq: int = 16, hist: int = 2048, new: int = 512) -> No
     fwd.attention(0, q, out=out)
     ref = out.view(nseq, new, QHEADS, DIM).transpose(1, 2).clone()
     nbytes = kv_bytes("float16", nseq * total)
-    bench.add(case, "kvrs", nbytes, lambda: fwd.attention(0, q, out=out))
-    fwd.cancel()
+    # Q K^T and P V over each query's causal window.
+    flops = 4.0 * QHEADS * DIM * nseq * sum(hist + j + 1 for j in range(new))
+    bench.add(case, "kvrs", nbytes, lambda: fwd.attention(0, q, out=out), flops=flops)
+    fwd.finish()  # the sequences now end with the step's tokens, as FlashInfer's table must
+    flashinfer_prefill(bench, case, pool, seqs, [new] * nseq, q, out, nbytes, flops)
     from torch.nn.attention.bias import causal_lower_right
 
     qs = q.view(nseq, new, QHEADS, DIM).transpose(1, 2)
     kc, vc = (x.transpose(1, 2).contiguous() for x in (ks, vs))
-    sdpa_rows(bench, case, qs, kc, vc, nbytes, ref, mask=causal_lower_right(new, total))
+    sdpa_rows(bench, case, qs, kc, vc, nbytes, ref, mask=causal_lower_right(new, total), flops=flops)
+
+
+def prefill(bench: Bench, n: int = 32768) -> None:
+    """One n-token prompt written and attended in one step (causal)."""
+    torch = bench.torch
+    case = f"prefill 1 x {n // 1024}k"
+    pool = kvrs.BlockPool(
+        1, HEADS, DIM, block_size=BS, num_blocks=n // BS + 8, device="cuda", prefix_caching=False
+    )
+    g = torch.Generator(device="cuda").manual_seed(4)
+    k, v = (torch.randn(n, HEADS, DIM, device="cuda", dtype=torch.float16, generator=g) for _ in range(2))
+    q = torch.randn(n, QHEADS, DIM, device="cuda", dtype=torch.float16, generator=g)
+    seq = pool.new_sequence()
+    fwd = pool.start_forward([seq] * n)
+    fwd.put(0, k, v)
+    out = torch.empty_like(q)
+    fwd.attention(0, q, out=out)
+    ref = out.transpose(0, 1)[None].clone()
+    nbytes = kv_bytes("float16", n)
+    flops = 4.0 * QHEADS * DIM * n * (n + 1) / 2
+    bench.add(case, "kvrs", nbytes, lambda: fwd.attention(0, q, out=out), flops=flops)
+    fwd.finish()
+    flashinfer_prefill(bench, case, pool, [seq], [n], q, out, nbytes, flops)
+    kc, vc = (x.transpose(0, 1)[None].contiguous() for x in (k, v))
+    qs = q.transpose(0, 1)[None]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    # SDPA's flash kernel takes is_causal with enable_gqa; a [n, n] mask would be 2 GiB.
+    fn = lambda: sdpa(qs, kc, vc, is_causal=True, enable_gqa=True)  # noqa: E731
+    try:
+        check = f"|kvrs-SDPA| {max_diff(torch, ref, fn()):.1e}"
+        bench.add(case, "SDPA enable_gqa", nbytes, fn, check=check, graph_bind=True, flops=flops)
+    except Exception as e:  # a variant this torch refuses drops its row, says why
+        print(f"{case}: SDPA failed: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+def flashinfer_prefill(
+    bench: Bench,
+    case: str,
+    pool: Any,
+    seqs: list[Any],
+    new: list[int],
+    q: Any,
+    ref: Any,
+    nbytes: int,
+    flops: float,
+) -> None:
+    """FlashInfer's causal batch prefill over the pool's pages and page table (the step's
+    tokens already written, so each sequence's table ends with them)."""
+    peer = bench.prefill_peer
+    if peer is None or peer.fi is None:
+        return
+    torch = bench.torch
+    try:
+        pre = flashinfer_peer.Prefill(peer, torch, pool, 0, seqs, new, q)
+        diff = max_diff(torch, ref, pre.run())
+        check = f"|kvrs-FI| {diff:.1e} ({'ok' if diff < 2e-2 else 'DIFFERS'}), plan {pre.plan_us:.0f} us"
+        bench.add(case, "FlashInfer", nbytes, pre.run, check=check, flops=flops)
+    except Exception as e:  # FlashInfer's failure drops its row, says why
+        print(f"{case}: FlashInfer prefill failed: {type(e).__name__}: {e}", file=sys.stderr)

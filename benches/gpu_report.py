@@ -39,6 +39,8 @@ class Bench:
         self.timer = Timer(torch)
         self.json_path = json_path
         self.peer = peer
+        # FlashInfer with its prefill and MLA modules (bench_gpu.py loads it apart).
+        self.prefill_peer: flashinfer_peer.Peer | None = None
         self.rows: list[dict[str, Any]] = []
         self.meta: dict[str, Any] = {
             "device": torch.cuda.get_device_name(),
@@ -65,12 +67,14 @@ class Bench:
         storage: str = "float16",
         check: str = "",
         graph_bind: Any = None,
+        flops: float | None = None,
         **times: float | None,
     ) -> dict[str, Any] | None:
         """Times `fn` (or takes the given times), records and prints the row. `setup` runs
         before each call, untimed (no back-to-back time then). `graph_bind` asks for a CUDA
         graph replay too: True for torch's own calls, a pool's set_stream for kvrs's, False
-        where the pool has none (the row says it cannot be captured)."""
+        where the pool has none (the row says it cannot be captured). `flops`: the
+        call's floating-point operations (compute-bound rows: TFLOP/s beside GB/s)."""
         if self.ncu:
             self._profile_once(f"{case} | {impl} [{storage}]", fn, setup)
             return None
@@ -89,6 +93,8 @@ class Bench:
         if dev:
             row["gbps"] = nbytes / dev / 1e3
             row["pct_copy"] = 100 * row["gbps"] / self.ceiling
+            if flops:
+                row["tflops"] = flops / dev / 1e6
         if check:
             row["check"] = check
         if k is not None:
@@ -147,7 +153,8 @@ def line(row: dict[str, Any]) -> str:
         f"{row['case']:36s} {impl:32s} {f('call_us')} {f('stream_us')} {f('kernel_us')} "
         f"{f('launches', '{:6.1f}')} {f('graph_us')} {f('gbps', '{:7.0f}')} {f('pct_copy', '{:5.0f}')} "
         f"{f('x_sdpa', '{:6.2f}')} {f('x_flashinfer', '{:6.2f}')}  "
-        f"{row.get('check', '')} {row.get('graph', '')}"
+        + (f"{row['tflops']:.0f} TFLOP/s " if "tflops" in row else "")
+        + f"{row.get('check', '')} {row.get('graph', '')}"
     )
 
 

@@ -3,7 +3,11 @@
 #   kernels/build.sh ptx     regenerate kernels/kvrs.ptx from kernels/kvrs.cu
 #   kernels/build.sh check   fail unless kernels/kvrs.ptx matches kvrs.cu and assembles for sm_80 and sm_90,
 #                            and every attention kernel has no stack frame (ptxas -v, sm_90) and
-#                            moves K/V in 16-byte pieces (cp.async ..., 16 in its PTX)
+#                            moves K/V in 16-byte pieces (cp.async ..., 16 in its PTX), and the
+#                            kernels that serve extend and prefill (kvrs_paged_attention_mma_*, for
+#                            float16 and bfloat16, head sizes 64, 128, 256) and the latent (MLA)
+#                            ones (kvrs_paged_attention_mla_*) run on the tensor cores
+#                            (mma.sync.aligned.m16n8k16 and ldmatrix in their PTX)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -14,7 +18,7 @@ CUDA=$("$PY" -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0],
 nvcc() {
   local dir
   dir=$(mktemp -d)
-  cp kernels/kvrs.cu "$dir/kvrs.cu"
+  cp kernels/kvrs.cu kernels/*.cuh "$dir/"
   "$CUDA/bin/nvcc" -ptx -arch=compute_80 -O3 -std=c++17 "$dir/kvrs.cu" -o "$1"
   rm -rf "$dir"
 }
@@ -50,6 +54,25 @@ case "${1:-}" in
         for (k in wide) w++
         if (n == 0 || w != n) { print (n - w) " of " n " attention kernels lack 16-byte cp.async K/V loads" > "/dev/stderr"; exit 1 }
         print n " attention kernels: K/V through 16-byte cp.async"
+      }' kernels/kvrs.ptx
+    # Extend and prefill: tensor-core kernels for both 16-bit dtypes at every fixed head size;
+    # latent (MLA) attention: one per 16-bit dtype, on the tensor cores too.
+    awk '
+      /^\.visible \.entry/ {
+        name = $3; sub(/\(.*/, "", name)
+        tc_kernel = name ~ /^kvrs_paged_attention_(mma|mla)_/
+        if (name ~ /^kvrs_paged_attention_mma_/) n_mma++
+        if (name ~ /^kvrs_paged_attention_mla_/) n_mla++
+      }
+      tc_kernel && /mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(f16\.f16|bf16\.bf16)\.f32/ { tc[name] = 1 }
+      tc_kernel && /ldmatrix\.sync\.aligned\.m8n8\.x4/ { ld[name] = 1 }
+      END {
+        for (k in tc) if (k in ld) t++
+        if (n_mma != 6 || n_mla != 2 || t != n_mma + n_mla) {
+          print t " of " n_mma " extend (6 expected) and " n_mla " latent (2 expected) attention kernels use mma.sync and ldmatrix" > "/dev/stderr"
+          exit 1
+        }
+        print n_mma " extend and " n_mla " latent (MLA) attention kernels: tensor cores (mma.sync m16n8k16, ldmatrix)"
       }' kernels/kvrs.ptx
     entries=$(grep -c '^\.visible \.entry' kernels/kvrs.ptx)
     echo "kernels/kvrs.ptx: up to date, $entries kernels, assembles for sm_80 and sm_90"

@@ -670,6 +670,7 @@ struct alignas(16) kvrs_u4 {
 };
 
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
 __device__ __forceinline__ int64_t lmax(int64_t a, int64_t b) { return a > b ? a : b; }
 __device__ __forceinline__ int64_t lmin(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -1105,8 +1106,9 @@ __device__ void paged_attention(const Q* q, TokenStrides qs, Q* out, const C* ca
 // The splits of kvrs_paged_attention combined: merges[4i..4i+4] = (row, first partial
 // row, splits, stride between its partial rows); one warp per (merged row, query head):
 // grid (merged rows, ceil(q_heads / warps)). Each split's (max, denominator) is read once
-// (lane s % 32 keeps split s's), its output in 16-byte pieces.
-template <typename T>
+// (lane s % 32 keeps split s's), its output in 16-byte pieces: NP per lane, so rows of up
+// to 128 NP elements (NP 2 for the attention kernels' 256, 4 for MLA's 512-element latent).
+template <typename T, int NP>
 __device__ void attention_merge(const float* part_o, const float* part_ml, const int32_t* merges,
                                 const int64_t* rows, T* out, int q_heads, const float* sinks, int head_dim) {
     constexpr int KEEP = KVRS_MAX_SPLITS / 32;
@@ -1133,32 +1135,36 @@ __device__ void attention_merge(const float* part_o, const float* part_ml, const
     const float mref = mx == neg_inf ? 0.0f : mx;
     const float l = kvrs_group_sum<32>(lloc * exp2f(mloc - mref));
     const bool vec = head_dim % 4 == 0;
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // vec: pieces lane, lane + 32; else elements lane + 32i
+    float acc[4 * NP];  // vec: pieces lane + 32i; else elements lane + 32i
+#pragma unroll
+    for (int c = 0; c < 4 * NP; ++c) acc[c] = 0.0f;
 #pragma unroll
     for (int k = 0; k < KEEP; ++k) {
         const float f = exp2f(ms[k] - mref);
         if (vec) {
-            // Eight splits at a time: their loads are issued together, then summed in
-            // split order (the partial rows sit in L2; one at a time is latency-bound).
-            for (int i0 = 0; i0 < 32 && 32 * k + i0 < count; i0 += 8) {
-                kvrs_u4 x[8][2];
-                float fs[8];
+            // UB splits at a time (8 for two pieces per lane): their loads are issued
+            // together, then summed in split order (the partial rows sit in L2; one at a
+            // time is latency-bound).
+            constexpr int UB = 16 / NP;
+            for (int i0 = 0; i0 < 32 && 32 * k + i0 < count; i0 += UB) {
+                kvrs_u4 x[UB][NP];
+                float fs[UB];
 #pragma unroll
-                for (int u = 0; u < 8; ++u) {
+                for (int u = 0; u < UB; ++u) {
                     const int s = 32 * k + i0 + u;
                     fs[u] = __shfl_sync(0xffffffffu, f, i0 + u);
                     const float* o = part_o + entry(s < count ? s : 0) * head_dim;
 #pragma unroll
-                    for (int c = 0; c < 2; ++c)
+                    for (int c = 0; c < NP; ++c)
                         x[u][c] = s < count && 4 * (lane + 32 * c) < head_dim
                                       ? *reinterpret_cast<const kvrs_u4*>(o + 4 * (lane + 32 * c))
                                       : kvrs_u4{0, 0, 0, 0};
                 }
 #pragma unroll
-                for (int u = 0; u < 8; ++u) {
+                for (int u = 0; u < UB; ++u) {
                     if (32 * k + i0 + u >= count) break;
 #pragma unroll
-                    for (int c = 0; c < 2; ++c) {
+                    for (int c = 0; c < NP; ++c) {
                         acc[4 * c] += fs[u] * bits_f32(x[u][c].x), acc[4 * c + 1] += fs[u] * bits_f32(x[u][c].y);
                         acc[4 * c + 2] += fs[u] * bits_f32(x[u][c].z), acc[4 * c + 3] += fs[u] * bits_f32(x[u][c].w);
                     }
@@ -1169,7 +1175,7 @@ __device__ void attention_merge(const float* part_o, const float* part_ml, const
                 const float fs = __shfl_sync(0xffffffffu, f, i);
                 const float* o = part_o + entry(32 * k + i) * head_dim;
 #pragma unroll
-                for (int c = 0; c < 8; ++c)
+                for (int c = 0; c < 4 * NP; ++c)
                     if (lane + 32 * c < head_dim) acc[c] += fs * o[lane + 32 * c];
             }
         }
@@ -1177,7 +1183,7 @@ __device__ void attention_merge(const float* part_o, const float* part_ml, const
     const float f = finish_factor(mx, l, sinks, h);
     T* o = out + (token * q_heads + h) * head_dim;
 #pragma unroll
-    for (int c = 0; c < 8; ++c) {
+    for (int c = 0; c < 4 * NP; ++c) {
         const int d = vec ? 4 * (lane + 32 * (c / 4)) + c % 4 : lane + 32 * c;
         if (d < head_dim) o[d] = from_f32<T>(acc[c] * f);
     }
@@ -1303,7 +1309,7 @@ extern "C" __global__ void kvrs_advance_counter(int64_t* position, int64_t n) {
     extern "C" __global__ void kvrs_attention_merge_##TN(const float* part_o, const float* part_ml,           \
                                                          const int32_t* merges, const int64_t* rows, T* out,      \
                                                          int q_heads, const float* sinks, int head_dim) {         \
-        attention_merge<T>(part_o, part_ml, merges, rows, out, q_heads, sinks, head_dim);                      \
+        attention_merge<T, 2>(part_o, part_ml, merges, rows, out, q_heads, sinks, head_dim);                   \
     }                                                                                                          \
     KVRS_GATHER(TN, T)                                                                                         \
     extern "C" __global__ void kvrs_rope_rotate_##TN(T* const* cache, const int32_t* table, int64_t start,    \
@@ -1378,3 +1384,18 @@ extern "C" __global__ void kvrs_zero3_b32(uint32_t* dst, int64_t d0, int64_t d1,
                                           int64_t n2) {
     zero3<uint32_t>(dst, d0, d1, d2, n0, n1, n2);
 }
+
+// Tensor-core attention for extend and prefill (kvrs_paged_attention_mma_*).
+#include "attention_mma.cuh"
+// Latent (MLA) attention on the tensor cores (kvrs_paged_attention_mla_*), and the merge of
+// its splits' 512-element rows.
+#include "attention_mla.cuh"
+#define KVRS_MERGE_D512(TN, T)                                                                                  \
+    extern "C" __global__ void kvrs_attention_merge_##TN##_d512(const float* part_o, const float* part_ml,     \
+                                                                const int32_t* merges, const int64_t* rows,    \
+                                                                T* out, int q_heads, const float* sinks,       \
+                                                                int head_dim) {                                \
+        attention_merge<T, 4>(part_o, part_ml, merges, rows, out, q_heads, sinks, head_dim);                   \
+    }
+KVRS_MERGE_D512(f16, __half)
+KVRS_MERGE_D512(bf16, __nv_bfloat16)

@@ -694,8 +694,7 @@ impl CacheCore {
     /// Sends this cache's later launches to `stream` (a CUDA stream handle; `None`: kvrs's
     /// own stream), e.g. the stream a CUDA graph is being captured on.
     pub fn set_stream(&self, stream: Option<u64>) -> Result<()> {
-        self.cuda("set_stream")?.set_stream(stream);
-        Ok(())
+        self.cuda("set_stream")?.set_stream(stream)
     }
 
     /// Launches `counter += n` on the device: the end of a captured decode step.

@@ -4,10 +4,16 @@
 //! dtype, head sizes with their own kernel (64, 128, 256) and the any-size one, GQA
 //! groups 1/4/8, block sizes, both layouts, full and sliding layers, soft-capping, sinks
 //! and ALiBi, decode rows beside extend rows (many query tokens of one sequence), and
-//! histories long enough to be split across blocks and merged.
+//! histories long enough to be split across blocks and merged. Extend rows in float16
+//! and bfloat16 with head sizes 64, 128 and 256 run on the tensor-core kernel (its
+//! `mma.sync` and `ldmatrix` emulated by the simulator): its own property test crosses
+//! the edges of its tiles (64 packed query rows, K/V tiles of 64 or 32 positions).
+//! Latent (MLA) attention over a pool of 512-element latents and 64-element rotary parts
+//! runs on its own tensor-core kernel, decode and extend, checked the same way.
 #![cfg(feature = "cuda-sim")]
 
 use half::{bf16, f16};
+use kvrs::unstable::cuda::sim_launches;
 use kvrs::unstable::{PoolCore, TensorMut, TensorRef};
 use kvrs::{Attention, AttnOptions, DType, Device, KvLayout, KvScales, LayerKind, PagedShape};
 use proptest::prelude::*;
@@ -69,10 +75,18 @@ struct Case {
     softcap: Option<f32>,
     sinks: bool,
     alibi: bool,
+    /// Latent (MLA) attention: queries of `head_dim + v_head_dim` elements score the
+    /// latents (keys) and rotary parts (values); outputs sum the latents.
+    latent: bool,
 }
 
 /// The step's attention outputs (per layer, as floats) of the host pool and the device pool.
 fn run(c: &Case) -> [Vec<Vec<f32>>; 2] {
+    run_on(c, None)
+}
+
+/// [`run`] with the device pool's launches sent to CUDA stream `stream`.
+fn run_on(c: &Case, stream: Option<u64>) -> [Vec<Vec<f32>>; 2] {
     let (h, d, dv) = (c.kv_heads, c.head_dim, c.v_head_dim);
     let hq = h * c.group;
     let shape = PagedShape {
@@ -96,11 +110,17 @@ fn run(c: &Case) -> [Vec<Vec<f32>>; 2] {
         softcap: c.softcap,
         sinks: c.sinks.then_some(&sinks[..]),
         alibi_slopes: c.alibi.then_some(&slopes[..]),
+        latent: c.latent,
         ..Default::default()
     };
+    // Elements per query and per output row.
+    let (qd, od) = if c.latent { (d + dv, d) } else { (d, dv) };
     [Device::Cpu, CUDA].map(|dev| {
         let mut pool =
             PoolCore::with_attention(shape, attention.clone(), c.dtype, dev, None).unwrap();
+        if dev == CUDA {
+            pool.set_stream(stream).unwrap();
+        }
         if c.dtype.fp8().is_some() {
             let k: Vec<f32> = (0..2 * h).map(|i| 0.01 + 0.003 * i as f32).collect();
             let v: Vec<f32> = (0..2 * h).map(|i| 0.02 - 0.002 * i as f32).collect();
@@ -130,11 +150,11 @@ fn run(c: &Case) -> [Vec<Vec<f32>>; 2] {
         batch.push(ids[1]);
         let plan = pool.start_forward(&batch, None, None).unwrap();
         let n = batch.len();
-        let q32: Vec<f32> = values(99, n * hq * d);
+        let q32: Vec<f32> = values(99, n * hq * qd);
         let size = c.q_dtype.size();
         let (mut q_bytes, mut out_bytes) =
-            (vec![0u8; n * hq * d * size], vec![0u8; n * hq * dv * size]);
-        // SAFETY: q_bytes holds n * hq * d elements of q's dtype.
+            (vec![0u8; n * hq * qd * size], vec![0u8; n * hq * od * size]);
+        // SAFETY: q_bytes holds n * hq * qd elements of q's dtype.
         unsafe {
             kvrs::unstable::convert_contiguous(
                 q_bytes.as_mut_ptr(),
@@ -144,7 +164,7 @@ fn run(c: &Case) -> [Vec<Vec<f32>>; 2] {
                 q32.len(),
             );
         }
-        let q = TensorRef::from_bytes(&q_bytes, c.q_dtype, &[n, hq, d])
+        let q = TensorRef::from_bytes(&q_bytes, c.q_dtype, &[n, hq, qd])
             .unwrap()
             .on(dev);
         let mut per_layer = Vec::new();
@@ -161,7 +181,7 @@ fn run(c: &Case) -> [Vec<Vec<f32>>; 2] {
                 plan.group_slots(g),
             )
             .unwrap();
-            let mut out = TensorMut::from_bytes_mut(&mut out_bytes, c.q_dtype, &[n, hq, dv])
+            let mut out = TensorMut::from_bytes_mut(&mut out_bytes, c.q_dtype, &[n, hq, od])
                 .unwrap()
                 .on(dev);
             pool.forward_attention(&plan, layer as i64, &q, &mut out, &opts)
@@ -261,6 +281,7 @@ fn case() -> impl Strategy<Value = Case> {
                 softcap: o.1,
                 sinks: o.2,
                 alibi: o.3,
+                latent: false,
             },
         )
 }
@@ -306,6 +327,243 @@ fn long_histories_split_and_merge_for_every_dtype() {
             softcap: Some(4.0),
             sinks: true,
             alibi: true,
+            latent: false,
         });
     }
+}
+
+/// Launches of the tensor-core attention kernel for `c`'s dtype and head size so far.
+fn mma_launches(c: &Case) -> u64 {
+    let t = if c.dtype == DType::F16 { "f16" } else { "bf16" };
+    sim_launches(0, &format!("kvrs_paged_attention_mma_{t}_d{}", c.head_dim))
+}
+
+/// Extend cases for the tensor-core kernel: float16 or bfloat16, head sizes 64, 128 and
+/// 256, GQA groups 1 to 16, query tokens and histories across the tile edges.
+fn mma_case() -> impl Strategy<Value = Case> {
+    (
+        prop::sample::select(vec![DType::F16, DType::BF16]),
+        prop::bool::ANY,
+        prop::sample::select(vec![(1usize, 1usize), (2, 2), (1, 4), (2, 8), (1, 16)]),
+        prop::sample::select(vec![64usize, 128, 256]),
+        prop::sample::select(vec![1usize, 16]),
+        0usize..200,
+        2usize..70,
+        (
+            prop_oneof![Just(1usize << 20), 3usize..90],
+            prop::option::of(1.0f32..5.0),
+            prop::bool::ANY,
+            prop::bool::ANY,
+        ),
+    )
+        .prop_map(
+            |(dtype, hnd, (kv_heads, group), head_dim, block_size, history, extend, o)| Case {
+                dtype,
+                q_dtype: dtype,
+                layout: if hnd { KvLayout::Hnd } else { KvLayout::Nhd },
+                kv_heads,
+                group,
+                head_dim,
+                v_head_dim: head_dim,
+                block_size,
+                history,
+                // At least one 16-row tile of (token, head) rows: the tensor cores' share.
+                extend: extend.max(16usize.div_ceil(group)),
+                window: o.0,
+                softcap: o.1,
+                sinks: o.2,
+                alibi: o.3,
+                latent: false,
+            },
+        )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 10, ..ProptestConfig::default() })]
+
+    #[test]
+    fn tensor_core_attention_equals_the_cpu_core(c in mma_case()) {
+        let before = mma_launches(&c);
+        check(&c);
+        prop_assert!(mma_launches(&c) > before, "{:?} ran on the tensor cores", c);
+    }
+}
+
+/// Tensor-core rows split across blocks and merged (a few query tokens over a long
+/// history, as in speculative verification), beside a decode row on the CUDA cores.
+#[test]
+fn tensor_core_splits_merge() {
+    for (dtype, head_dim) in [(DType::F16, 128), (DType::BF16, 64)] {
+        let c = Case {
+            dtype,
+            q_dtype: dtype,
+            layout: KvLayout::Nhd,
+            kv_heads: 2,
+            group: 4,
+            head_dim,
+            v_head_dim: head_dim,
+            block_size: 16,
+            history: 900,
+            extend: 5,
+            window: 300,
+            softcap: Some(4.0),
+            sinks: true,
+            alibi: true,
+            latent: false,
+        };
+        let before = mma_launches(&c);
+        check(&c);
+        assert!(mma_launches(&c) > before);
+    }
+}
+
+/// A pool's launches on a caller's stream (the simulated device runs every launch when it
+/// is queued, so this checks the API and the launch path): the same results as on kvrs's
+/// own stream, and a host pool refuses.
+#[test]
+fn a_pool_launches_on_the_stream_it_is_given() {
+    let c = Case {
+        dtype: DType::BF16,
+        q_dtype: DType::BF16,
+        layout: KvLayout::Hnd,
+        kv_heads: 2,
+        group: 4,
+        head_dim: 64,
+        v_head_dim: 64,
+        block_size: 16,
+        history: 100,
+        extend: 8,
+        window: 50,
+        softcap: None,
+        sinks: false,
+        alibi: false,
+        latent: false,
+    };
+    let [_, own] = run(&c);
+    let [_, given] = run_on(&c, Some(0x5eed));
+    assert_eq!(own, given);
+    let shape = PagedShape {
+        num_layers: 1,
+        num_kv_heads: 1,
+        head_dim: 8,
+        v_head_dim: 8,
+        block_size: 4,
+        num_blocks: 4,
+        layout: KvLayout::Nhd,
+    };
+    let host = PoolCore::with_attention(shape, Attention::full(1), DType::F16, Device::Cpu, None);
+    let e = host.unwrap().set_stream(Some(1)).unwrap_err();
+    assert!(
+        e.to_string().contains("needs a pool on a CUDA device"),
+        "{e}"
+    );
+}
+
+/// Launches of the latent attention kernel for `c`'s dtype so far.
+fn mla_launches(c: &Case) -> u64 {
+    let t = if c.dtype == DType::F16 { "f16" } else { "bf16" };
+    sim_launches(0, &format!("kvrs_paged_attention_mla_{t}"))
+}
+
+/// A latent (MLA) pool's case: one KV head of 512-element latents and 64-element rotary
+/// parts, `group` query heads.
+fn latent_case(dtype: DType, group: usize, history: usize, extend: usize) -> Case {
+    Case {
+        dtype,
+        q_dtype: dtype,
+        layout: KvLayout::Nhd,
+        kv_heads: 1,
+        group,
+        head_dim: 512,
+        v_head_dim: 64,
+        block_size: 16,
+        history,
+        extend,
+        window: 1 << 20,
+        softcap: None,
+        sinks: false,
+        alibi: false,
+        latent: true,
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 6, ..ProptestConfig::default() })]
+
+    #[test]
+    fn latent_attention_equals_the_cpu_core(
+        dtype in prop::sample::select(vec![DType::F16, DType::BF16]),
+        hnd in prop::bool::ANY,
+        (group, extend) in prop_oneof![(Just(16usize), 1usize..9), (Just(128usize), 1usize..3)],
+        history in 0usize..150,
+        block_size in prop::sample::select(vec![1usize, 16]),
+        options in (
+            prop_oneof![Just(1usize << 20), 3usize..60],
+            prop::option::of(1.0f32..5.0),
+            prop::bool::ANY,
+            prop::bool::ANY,
+        ),
+    ) {
+        let c = Case {
+            layout: if hnd { KvLayout::Hnd } else { KvLayout::Nhd },
+            block_size,
+            window: options.0,
+            softcap: options.1,
+            sinks: options.2,
+            alibi: options.3,
+            ..latent_case(dtype, group, history, extend)
+        };
+        let before = mla_launches(&c);
+        check(&c);
+        prop_assert!(mla_launches(&c) > before);
+    }
+}
+
+/// DeepSeek's 128 query heads decoding over a latent history split across blocks (and
+/// merged by the 512-element merge), and a few extend rows beside it.
+#[test]
+fn latent_decode_splits_merge() {
+    for (dtype, extend) in [(DType::BF16, 1), (DType::F16, 3)] {
+        let c = Case {
+            softcap: Some(4.0),
+            sinks: true,
+            ..latent_case(dtype, 128, 700, extend)
+        };
+        check(&c);
+    }
+}
+
+/// Latent attention the CUDA kernel does not take is refused with the reason.
+#[test]
+fn latent_attention_of_other_shapes_is_refused() {
+    let shape = PagedShape {
+        num_layers: 1,
+        num_kv_heads: 1,
+        head_dim: 256,
+        v_head_dim: 32,
+        block_size: 16,
+        num_blocks: 8,
+        layout: KvLayout::Nhd,
+    };
+    let mut pool =
+        PoolCore::with_attention(shape, Attention::full(1), DType::F16, CUDA, None).unwrap();
+    let id = pool.new_sequence();
+    let plan = pool.start_forward(&[id], None, None).unwrap();
+    let q = vec![0u8; 288 * 2];
+    let mut o = vec![0u8; 256 * 2];
+    let q = TensorRef::from_bytes(&q, DType::F16, &[1, 1, 288])
+        .unwrap()
+        .on(CUDA);
+    let mut out = TensorMut::from_bytes_mut(&mut o, DType::F16, &[1, 1, 256])
+        .unwrap()
+        .on(CUDA);
+    let opts = AttnOptions {
+        latent: true,
+        ..Default::default()
+    };
+    let e = pool
+        .forward_attention(&plan, 0, &q, &mut out, &opts)
+        .unwrap_err();
+    assert!(e.to_string().contains("512-element latents"), "{e}");
+    pool.finish_forward(&plan).unwrap();
 }

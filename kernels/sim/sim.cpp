@@ -64,6 +64,8 @@ struct Entry {
         K(kvrs_copy3_##TN##_f32), K(kvrs_copy3_##TN##_f16), K(kvrs_copy3_##TN##_bf16),          \
         K_ATTENTION(kvrs_paged_attention_f32_##TN), K_ATTENTION(kvrs_paged_attention_f16_##TN),          \
         K_ATTENTION(kvrs_paged_attention_bf16_##TN)
+// The tensor-core attention kernels of one dtype.
+#define K_MMA(TN) KF(kvrs_paged_attention_mma_##TN##_d64), KF(kvrs_paged_attention_mma_##TN##_d128), KF(kvrs_paged_attention_mma_##TN##_d256)
 #define K_INT8(SN)                                                                             \
     KW(kvrs_scatter_##SN##_i8), K(kvrs_append_contiguous_##SN##_i8), K(kvrs_quantize3_##SN), \
         K(kvrs_dequantize3_##SN), K_ATTENTION(kvrs_paged_attention_##SN##_i8)
@@ -72,6 +74,8 @@ const Entry KERNELS[] = {
     KW(kvrs_copy_blocks), KW(kvrs_load_blocks), KW(kvrs_save_blocks), K(kvrs_advance_counter), K_STORAGE(f32), K_STORAGE(f16), K_STORAGE(bf16),
     K_FP8(e4m3),         K_FP8(e5m2),             K_INT8(f32),    K_INT8(f16),    K_INT8(bf16),
     K(kvrs_copy3_b8_b8), KW(kvrs_gather_b8),      K(kvrs_zero3_b8), K(kvrs_zero3_b16), K(kvrs_zero3_b32),
+    K_MMA(f16), K_MMA(bf16), KF(kvrs_paged_attention_mla_f16), KF(kvrs_paged_attention_mla_bf16),
+    KF(kvrs_attention_merge_f16_d512), KF(kvrs_attention_merge_bf16_d512),
     // The simulator's own tests (test_kernels.cu).
     KF(kvrs_test_block_sum), KF(kvrs_test_shuffles), KF(kvrs_test_votes), KF(kvrs_test_group_reductions),
     KF(kvrs_test_dynamic_shared), KF(kvrs_test_neighbour_sum), KF(kvrs_test_deadlock), KF(kvrs_test_divergent),

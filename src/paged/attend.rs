@@ -148,15 +148,8 @@ impl PoolCore {
             // table's first held position and ends at the token itself).
             return unsafe { attention::attend(q, out, self.kv_heads(), rows, &seqs, opts) };
         };
-        if opts.latent {
-            return Err(KvError::NotSupported(
-                "latent (MLA) attention on a CUDA pool: the CUDA kernels score q against the \
-                 keys and sum the values, not the absorbed [c, r] scores over the latents; \
-                 keep an MLA pool on the host (device='cpu') for latent=True"
-                    .into(),
-            ));
-        }
-        let (_, scale) = attention::validate(q, out, self.kv_heads(), opts)?;
+        let heads = self.kv_heads().attended(opts.latent);
+        let (_, scale) = attention::validate(q, out, heads, opts)?;
         let mut tables: Vec<u32> = Vec::new();
         let mut device_rows: Vec<DeviceRow> = Vec::with_capacity(rows.len());
         for (table, span) in spans {

@@ -303,8 +303,8 @@ impl PoolCore {
     /// Sends the pool's later kernel launches and copies (writes, attention, block copies,
     /// state updates) to CUDA stream `stream` (a handle; `None`: kvrs's own stream of the
     /// device), in order on it: e.g. the stream a framework computes a step on, or one a
-    /// CUDA graph is being captured on. The first launch on a new stream waits (on the
-    /// host) for the work queued on the previous one, once. Refused on a host pool.
+    /// CUDA graph is being captured on. The new stream waits on the device for the work
+    /// queued on the previous one; the host never waits. Refused on a host pool.
     pub fn set_stream(&self, stream: Option<u64>) -> Result<()> {
         let cuda = self.storage.as_cuda().ok_or_else(|| {
             KvError::NotSupported(format!(
@@ -312,11 +312,11 @@ impl PoolCore {
                 self.device()
             ))
         })?;
-        cuda.set_stream(stream);
-        if let Some(a) = &self.states {
-            a.set_stream(stream);
+        cuda.set_stream(stream)?;
+        match &self.states {
+            Some(a) => a.set_stream(stream),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// The storage (for persistence and transfers).

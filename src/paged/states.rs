@@ -405,12 +405,13 @@ impl StateArena {
 
     /// Sends the arenas' later launches to CUDA stream `stream` (see
     /// [`super::PoolCore::set_stream`]); nothing for host arenas.
-    pub fn set_stream(&self, stream: Option<u64>) {
+    pub fn set_stream(&self, stream: Option<u64>) -> crate::error::Result<()> {
         for st in &self.storages {
             if let Some(c) = st.as_cuda() {
-                c.set_stream(stream);
+                c.set_stream(stream)?;
             }
         }
+        Ok(())
     }
 
     /// The storage of state `s`.

@@ -533,8 +533,9 @@ mod tests {
             .unwrap();
         assert_eq!(file.checkpoints.as_ref().unwrap().entries.len(), 3);
         let with_run = |rows: &Vec<Row>| rows.iter().position(|x| !x.4.is_empty()).unwrap();
+        // A corruption of the file's rows, named by the error it must raise.
         type Edit<'a> = Box<dyn FnOnce(&mut Vec<Row>) + 'a>;
-        let cases: [(&str, Edit); 5] = [
+        let cases: [(&str, Edit<'_>); 5] = [
             ("is at position", Box::new(|rows| rows[0].3 += 1)),
             ("anchored neither", Box::new(|rows| rows[0].0 ^= 1)),
             (

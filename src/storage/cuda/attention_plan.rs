@@ -2,15 +2,27 @@
 //! `kvrs_attention_merge_*` in `kernels/kvrs.cu`), made on the host from the query rows:
 //! rows grouped into tiles (consecutive rows of one sequence share every K/V load), long
 //! tiles split into chunks (split-K) so that the device's SMs are all busy, and the
-//! splits' rows listed for the merge.
+//! splits' rows listed for the merge. Spans of many query rows per sequence (extend,
+//! prefill) may be planned for the tensor-core kernel (`kvrs_paged_attention_mma_*`) and
+//! the rest for the CUDA-core one, in two plans whose partial rows do not overlap.
+
+use std::ops::Range;
 
 use super::attention::DeviceRow;
-use super::kernels::ATTENTION_HEAD_DIMS;
+use super::kernels::{ATTENTION_HEAD_DIMS, MLA_THREADS, MMA_BLOCK_ROWS, MMA_THREADS};
 
 /// Blocks per SM the split aims at: as many 128-thread blocks as fit at once (the
 /// fixed-head-size kernels are held to 128 registers), so that loads of one block overlap
 /// another's arithmetic in a single wave.
 const BLOCKS_PER_SM: usize = 4;
+
+/// Blocks per SM the tensor-core kernel's split aims at (128 threads, 40-96 KB of
+/// shared memory each: two fit on an H100 SM at every head size).
+const MMA_BLOCKS_PER_SM: usize = 2;
+
+/// Blocks per SM the latent (MLA) kernel's split aims at (256 threads, about 150 KB of
+/// shared memory: one per SM).
+const MLA_BLOCKS_PER_SM: usize = 1;
 
 /// Fewest positions of a split (shorter chunks cost more in partial results and merge
 /// than they gain in parallelism).
@@ -63,7 +75,9 @@ pub struct AttentionPlan {
     pub partial_rows: usize,
     /// Query rows per item at most (the block's row slots are `tile_rows * hsb`).
     pub tile_rows: usize,
-    /// Head slots per block (each `heads_per_thread` query heads of a group).
+    /// Head slots per block (each `heads_per_thread` query heads of a group); in a
+    /// tensor-core plan, the query heads of a block (`hpb`: its packed rows are
+    /// `tile_rows` tokens times these heads).
     pub hsb: usize,
     /// Blocks per KV head (head slots beyond `hsb` go to further blocks).
     pub head_chunks: usize,
@@ -81,11 +95,6 @@ impl AttentionPlan {
             (kv_heads * self.head_chunks) as u32,
             1,
         ]
-    }
-
-    /// Bytes of split results: the outputs, then the (max, denominator) pairs.
-    pub fn workspace(&self, shape: &PlanShape) -> usize {
-        self.partial_rows * shape.q_heads * (shape.v_head_dim + 2) * 4
     }
 }
 
@@ -106,9 +115,26 @@ pub fn heads_per_thread(head_dim: usize, v_head_dim: usize, elem_size: usize) ->
     }
 }
 
-/// The plan for `rows` (each span of one sequence's rows consecutive, sharing a table
-/// offset).
-pub fn plan(rows: &[DeviceRow], shape: &PlanShape) -> AttentionPlan {
+/// The spans of `rows`: runs of consecutive rows of one sequence (one table offset).
+pub fn spans(rows: &[DeviceRow]) -> Vec<Range<usize>> {
+    let mut spans: Vec<Range<usize>> = Vec::new();
+    for (r, row) in rows.iter().enumerate() {
+        match spans.last_mut() {
+            Some(s) if rows[s.start][1] == row[1] => s.end = r + 1,
+            _ => spans.push(r..r + 1),
+        }
+    }
+    spans
+}
+
+/// The CUDA-core kernel's plan for the rows of `spans` (of `rows`; their indices stay
+/// those of `rows`), its partial rows numbered from `partial_base`.
+pub fn plan_spans(
+    rows: &[DeviceRow],
+    spans: &[Range<usize>],
+    shape: &PlanShape,
+    partial_base: usize,
+) -> AttentionPlan {
     let group = shape.q_heads / shape.kv_heads.max(1);
     let head_slots = group.div_ceil(heads_per_thread(
         shape.head_dim,
@@ -117,7 +143,7 @@ pub fn plan(rows: &[DeviceRow], shape: &PlanShape) -> AttentionPlan {
     ));
     let hsb = head_slots.clamp(1, MAX_SLOTS);
     let head_chunks = head_slots.div_ceil(hsb).max(1);
-    let extend = rows.windows(2).any(|w| w[0][1] == w[1][1]);
+    let extend = spans.iter().any(|s| s.len() > 1);
     let tile_rows = if extend { (MAX_SLOTS / hsb).max(1) } else { 1 };
     let slots = tile_rows * hsb;
     let wpr = if tile_rows == 1 {
@@ -125,23 +151,133 @@ pub fn plan(rows: &[DeviceRow], shape: &PlanShape) -> AttentionPlan {
     } else {
         1
     };
-    // Tiles: up to tile_rows consecutive rows of one table, their windows' union.
+    let blocks = BLOCKS_PER_SM * shape.sm_count.max(1);
+    let split = tile(
+        rows,
+        spans,
+        tile_rows,
+        shape.kv_heads * head_chunks,
+        blocks,
+        shape,
+        partial_base,
+    );
+    AttentionPlan {
+        items: split.items,
+        merges: split.merges,
+        partial_rows: split.partial_rows,
+        tile_rows,
+        hsb,
+        head_chunks,
+        wpr,
+        warps: (slots * wpr).max(MIN_WARPS),
+    }
+}
+
+/// The tensor-core kernel's plan (`kvrs_paged_attention_mma_*`) for the rows of `spans`
+/// (of `rows`), its partial rows numbered from `partial_base`: a block takes
+/// [`MMA_BLOCK_ROWS`] packed rows, the `hsb` query heads of a KV head (all of its group, or
+/// a chunk of a larger one) of `tile_rows` query tokens.
+pub fn plan_mma(
+    rows: &[DeviceRow],
+    spans: &[Range<usize>],
+    shape: &PlanShape,
+    partial_base: usize,
+) -> AttentionPlan {
+    plan_tensor(rows, spans, shape, partial_base, MMA_BLOCKS_PER_SM)
+}
+
+/// A plan of [`MMA_BLOCK_ROWS`] packed rows per block, aiming at `blocks_per_sm` blocks
+/// per SM.
+fn plan_tensor(
+    rows: &[DeviceRow],
+    spans: &[Range<usize>],
+    shape: &PlanShape,
+    partial_base: usize,
+    blocks_per_sm: usize,
+) -> AttentionPlan {
+    let group = (shape.q_heads / shape.kv_heads.max(1)).max(1);
+    let hpb = group.min(MMA_BLOCK_ROWS);
+    let head_chunks = group.div_ceil(hpb);
+    let tile_rows = MMA_BLOCK_ROWS / hpb;
+    let blocks = blocks_per_sm * shape.sm_count.max(1);
+    let mut split = tile(
+        rows,
+        spans,
+        tile_rows,
+        shape.kv_heads * head_chunks,
+        blocks,
+        shape,
+        partial_base,
+    );
+    // The last tiles of a causal prefill see the most positions: they start first, so
+    // that the short ones fill the end of the launch.
+    split.items.reverse();
+    AttentionPlan {
+        items: split.items,
+        merges: split.merges,
+        partial_rows: split.partial_rows,
+        tile_rows,
+        hsb: hpb,
+        head_chunks,
+        wpr: 1,
+        warps: MMA_THREADS as usize / 32,
+    }
+}
+
+/// The latent (MLA) kernel's plan (`kvrs_paged_attention_mla_*`): as
+/// [`plan_mma`]'s, with one 256-thread block per SM (about 150 KB of shared memory each).
+pub fn plan_mla(
+    rows: &[DeviceRow],
+    spans: &[Range<usize>],
+    shape: &PlanShape,
+    partial_base: usize,
+) -> AttentionPlan {
+    let mut p = plan_tensor(rows, spans, shape, partial_base, MLA_BLOCKS_PER_SM);
+    p.warps = MLA_THREADS as usize / 32;
+    p
+}
+
+/// Whether the rows of a span of `len` query tokens go to the tensor-core kernel: more
+/// than one token (decode rows stay on the CUDA-core kernel, which reads K/V at copy
+/// speed), and at least one 16-row tile of packed (token, head) rows.
+pub fn wants_tensor_cores(len: usize, group: usize) -> bool {
+    len > 1 && len * group >= 16
+}
+
+/// A plan's work items and the merge of its splits.
+struct Split {
+    items: Vec<[i64; 4]>,
+    merges: Vec<[i32; 4]>,
+    partial_rows: usize,
+}
+
+/// Tiles of up to `tile_rows` consecutive rows of each span (their windows' union), each
+/// split into chunks of positions so that the items, times `blocks_per_item`, fill about
+/// `blocks` blocks; the partial rows of split tiles are numbered from `partial_base`.
+fn tile(
+    rows: &[DeviceRow],
+    spans: &[Range<usize>],
+    tile_rows: usize,
+    blocks_per_item: usize,
+    blocks: usize,
+    shape: &PlanShape,
+    partial_base: usize,
+) -> Split {
+    // Tiles: (first row, rows, their windows' union).
     let mut tiles: Vec<(usize, usize, i64, i64)> = Vec::new();
-    for (r, row) in rows.iter().enumerate() {
-        match tiles.last_mut() {
-            Some(t) if t.1 < tile_rows && rows[t.0][1] == row[1] => {
-                t.1 += 1;
-                t.2 = t.2.min(row[3]);
-                t.3 = t.3.max(row[4]);
-            }
-            _ => tiles.push((r, 1, row[3], row[4])),
+    for s in spans {
+        for first in s.clone().step_by(tile_rows.max(1)) {
+            let n = tile_rows.min(s.end - first);
+            let part = &rows[first..first + n];
+            let lo = part.iter().map(|r| r[3]).min().unwrap_or(0);
+            let hi = part.iter().map(|r| r[4]).max().unwrap_or(0);
+            tiles.push((first, n, lo, hi));
         }
     }
     let len = |t: &(usize, usize, i64, i64)| (t.3 - t.2).max(0) as usize;
     let total: usize = tiles.iter().map(len).sum();
     let longest = tiles.iter().map(len).max().unwrap_or(0);
-    let blocks_per_item = shape.kv_heads * head_chunks;
-    let target_items = (BLOCKS_PER_SM * shape.sm_count.max(1)).div_ceil(blocks_per_item.max(1));
+    let target_items = blocks.div_ceil(blocks_per_item.max(1));
     let mut chunk = total
         .div_ceil(target_items.max(1))
         .max(MIN_CHUNK)
@@ -162,7 +298,7 @@ pub fn plan(rows: &[DeviceRow], shape: &PlanShape) -> AttentionPlan {
     }
     let mut items = Vec::with_capacity(tiles.len());
     let mut merges = Vec::new();
-    let mut partial = 0usize;
+    let mut partial = partial_base;
     for t in &tiles {
         let head = t.0 as i64 | (t.1 as i64) << 32;
         let s = splits(t, chunk);
@@ -180,15 +316,10 @@ pub fn plan(rows: &[DeviceRow], shape: &PlanShape) -> AttentionPlan {
         }
         partial += s * t.1;
     }
-    AttentionPlan {
+    Split {
         items,
         merges,
-        partial_rows: partial,
-        tile_rows,
-        hsb,
-        head_chunks,
-        wpr,
-        warps: (slots * wpr).max(MIN_WARPS),
+        partial_rows: partial - partial_base,
     }
 }
 
@@ -204,6 +335,11 @@ mod tests {
         elem_size: 2,
         sm_count: 132,
     };
+
+    /// The CUDA-core kernel's plan for all of `rows`.
+    fn plan(rows: &[DeviceRow], shape: &PlanShape) -> AttentionPlan {
+        plan_spans(rows, &spans(rows), shape, 0)
+    }
 
     fn decode(seqs: usize, len: i64) -> Vec<DeviceRow> {
         (0..seqs as i64)
@@ -309,5 +445,84 @@ mod tests {
         // 64 heads, 2 per thread: 32 slots, 8 per block, 4 blocks per KV head.
         assert_eq!((p.hsb, p.head_chunks, p.warps), (8, 4, 8));
         assert_eq!(p.grid(1), [2, 4, 1]);
+    }
+
+    /// `seqs` sequences each extending `n` query tokens after `history` positions
+    /// (causal), tables 1000 apart.
+    fn extend(seqs: usize, history: i64, n: i64) -> Vec<DeviceRow> {
+        (0..seqs as i64)
+            .flat_map(|s| {
+                (0..n).map(move |i| [s * n + i, s * 1000, history + i, 0, history + i + 1])
+            })
+            .collect()
+    }
+
+    #[test]
+    fn prefill_on_the_tensor_cores_is_not_split() {
+        // 16 x (2k + 512) and one 32k prefill: many blocks of 16 tokens x 4 heads.
+        for (seqs, history, n) in [(16, 2048, 512), (1, 0, 32768)] {
+            let rows = extend(seqs, history, n);
+            let all = spans(&rows);
+            assert_eq!(all.len(), seqs);
+            let p = plan_mma(&rows, &all, &H100, 0);
+            assert_eq!((p.tile_rows, p.hsb, p.head_chunks, p.warps), (16, 4, 1, 4));
+            assert_eq!(p.items.len(), seqs * (n as usize).div_ceil(16));
+            assert!(p.merges.is_empty() && p.partial_rows == 0);
+            // Each block sees its rows' causal windows' union, no more; the longest
+            // first.
+            assert_eq!(p.items[0][2], history + n);
+            assert_eq!(p.items.last().unwrap()[2], history + 16);
+        }
+    }
+
+    #[test]
+    fn verification_rows_split_beside_decode_rows() {
+        // Four draft tokens of one sequence over 32k positions, decode rows of two
+        // others: the decode rows stay on the CUDA cores, and the two plans' partial
+        // rows follow one another.
+        let mut rows = decode(2, 500);
+        rows.extend(
+            extend(1, 32768, 4)
+                .iter()
+                .map(|r| [r[0] + 2, 7000, r[2], r[3], r[4]]),
+        );
+        let all = spans(&rows);
+        let (tc, cc): (Vec<_>, Vec<_>) = all
+            .into_iter()
+            .partition(|s| wants_tensor_cores(s.len(), 4));
+        assert_eq!((tc.len(), cc.len()), (1, 2));
+        let core = plan_spans(&rows, &cc, &H100, 0);
+        let mma = plan_mma(&rows, &tc, &H100, core.partial_rows);
+        assert_eq!(
+            mma.items
+                .iter()
+                .map(|i| i[0])
+                .collect::<std::collections::HashSet<_>>()
+                .len(),
+            1
+        );
+        assert_eq!(mma.items[0][0], 2 | 4 << 32);
+        assert!(mma.items.len() >= 8, "{}", mma.items.len());
+        assert_eq!(mma.merges.len(), 4);
+        assert_eq!(mma.merges[0][1] as usize, core.partial_rows);
+        assert_eq!(mma.partial_rows, 4 * mma.items.len());
+        // MQA (64 query heads on one KV head): one token per block, all heads.
+        let mqa = PlanShape {
+            q_heads: 64,
+            kv_heads: 1,
+            ..H100
+        };
+        let p = plan_mma(&rows, &tc, &mqa, 0);
+        assert_eq!((p.tile_rows, p.hsb, p.head_chunks), (1, 64, 1));
+        let wide = PlanShape {
+            q_heads: 96,
+            kv_heads: 1,
+            ..H100
+        };
+        let p = plan_mma(&rows, &tc, &wide, 0);
+        assert_eq!((p.tile_rows, p.hsb, p.head_chunks), (1, 64, 2));
+        assert!(
+            !wants_tensor_cores(1, 64) && wants_tensor_cores(2, 8) && !wants_tensor_cores(3, 4)
+        );
     }
 }

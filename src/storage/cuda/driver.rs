@@ -7,6 +7,7 @@
 
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::result as cu;
@@ -20,6 +21,24 @@ use crate::error::{KvError, Result};
 const PTX: &str = include_str!("../../../kernels/kvrs.ptx");
 /// Their source, for NVRTC when the driver cannot load the PTX.
 const SOURCE: &str = include_str!("../../../kernels/kvrs.cu");
+/// The headers it includes, by the names it includes them as.
+const HEADERS: [(&str, &str); 3] = [
+    (
+        "tensor_core.cuh",
+        include_str!("../../../kernels/tensor_core.cuh"),
+    ),
+    (
+        "attention_mma.cuh",
+        include_str!("../../../kernels/attention_mma.cuh"),
+    ),
+    (
+        "attention_mla.cuh",
+        include_str!("../../../kernels/attention_mla.cuh"),
+    ),
+];
+
+/// Dynamic shared memory a kernel may take without opting in (48 KB on every device).
+const DEFAULT_SHARED: u32 = 48 * 1024;
 
 /// One CUDA device, driven through its primary context.
 #[derive(Debug)]
@@ -29,6 +48,9 @@ pub struct DriverGpu {
     module: sys::CUmodule,
     /// The handle of each kernel of [`entries`], looked up on its first launch.
     functions: Box<[OnceLock<usize>]>,
+    /// The dynamic shared memory each kernel of [`entries`] was allowed beyond the
+    /// default [`DEFAULT_SHARED`] (0: none asked yet).
+    shared_allowed: Box<[AtomicU32]>,
     stream: sys::CUstream,
     /// Streaming multiprocessors (the attention plan sizes its splits by them).
     sm_count: usize,
@@ -102,6 +124,7 @@ impl DriverGpu {
             ctx,
             module,
             functions: (0..entries().len()).map(|_| OnceLock::new()).collect(),
+            shared_allowed: (0..entries().len()).map(|_| AtomicU32::new(0)).collect(),
             stream,
             sm_count: sm_count.max(1) as usize,
             param_words: if large { LARGE_WORDS } else { SMALL_WORDS },
@@ -117,17 +140,36 @@ impl DriverGpu {
         unsafe { cu::ctx::set_current(self.ctx) }.map_err(|e| driver_error("set_current", e))
     }
 
-    fn function(&self, name: &str) -> Result<sys::CUfunction> {
+    /// Kernel `name`'s index in [`entries`] and its function handle.
+    fn function(&self, name: &str) -> Result<(usize, sys::CUfunction)> {
         let missing = || KvError::Device(format!("no kernel named {name} in kvrs's PTX"));
         let i = entries().binary_search(&name).map_err(|_| missing())?;
         if let Some(&f) = self.functions[i].get() {
-            return Ok(f as sys::CUfunction);
+            return Ok((i, f as sys::CUfunction));
         }
         let c = CString::new(name).expect("kernel names have no NUL");
         // SAFETY: the module stays loaded for the process's life.
         let f = unsafe { cu::module::get_function(self.module, c) }
             .map_err(|e| driver_error(&format!("kernel {name}"), e))?;
-        Ok(*self.functions[i].get_or_init(|| f as usize) as sys::CUfunction)
+        Ok((
+            i,
+            *self.functions[i].get_or_init(|| f as usize) as sys::CUfunction,
+        ))
+    }
+
+    /// Lets kernel `i` (function `f`) take `bytes` of dynamic shared memory, beyond
+    /// [`DEFAULT_SHARED`] (asked of the driver once per kernel and size; no stream
+    /// operation, so a launch being captured in a graph may ask).
+    fn allow_shared(&self, i: usize, f: sys::CUfunction, bytes: u32, name: &str) -> Result<()> {
+        if bytes <= DEFAULT_SHARED || self.shared_allowed[i].load(Ordering::Relaxed) >= bytes {
+            return Ok(());
+        }
+        let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        // SAFETY: a function of the loaded module.
+        unsafe { cu::function::set_function_attribute(f, attr, bytes as i32) }
+            .map_err(|e| driver_error(&format!("{name}: {bytes} bytes of shared memory"), e))?;
+        self.shared_allowed[i].fetch_max(bytes, Ordering::Relaxed);
+        Ok(())
     }
 }
 
@@ -160,7 +202,26 @@ fn compile_with_nvrtc() -> std::result::Result<Vec<std::ffi::c_char>, String> {
         return Err("libnvrtc was not found".into());
     }
     let src = CString::new(SOURCE).expect("source has no NUL");
-    let prog = rtc::create_program(&src, None).map_err(|e| format!("{e:?}"))?;
+    let c = |s: &str| CString::new(s).expect("sources have no NUL");
+    let (names, bodies): (Vec<CString>, Vec<CString>) =
+        HEADERS.iter().map(|(n, b)| (c(n), c(b))).unzip();
+    let names: Vec<*const std::ffi::c_char> = names.iter().map(|n| n.as_ptr()).collect();
+    let bodies: Vec<*const std::ffi::c_char> = bodies.iter().map(|b| b.as_ptr()).collect();
+    let mut prog = std::mem::MaybeUninit::uninit();
+    // SAFETY: NUL-terminated source and headers, alive for the call (NVRTC copies them).
+    let prog = unsafe {
+        cudarc::nvrtc::sys::nvrtcCreateProgram(
+            prog.as_mut_ptr(),
+            src.as_ptr(),
+            std::ptr::null(),
+            HEADERS.len() as i32,
+            bodies.as_ptr(),
+            names.as_ptr(),
+        )
+        .result()
+        .map_err(|e| format!("{e:?}"))?;
+        prog.assume_init()
+    };
     let mut options = vec![
         "--gpu-architecture=compute_80".to_string(),
         "-std=c++17".into(),
@@ -293,7 +354,8 @@ impl Gpu for DriverGpu {
         stream: StreamHandle,
     ) -> Result<()> {
         self.current()?;
-        let f = self.function(name)?;
+        let (i, f) = self.function(name)?;
+        self.allow_shared(i, f, shared_bytes, name)?;
         let mut params = args.params();
         cu::launch_kernel(
             f,
@@ -328,6 +390,13 @@ impl Gpu for DriverGpu {
         self.current()?;
         cu::event::record(event as sys::CUevent, stream as sys::CUstream)
             .map_err(|e| driver_error("event record", e))
+    }
+
+    unsafe fn stream_wait_event(&self, stream: StreamHandle, event: EventHandle) -> Result<()> {
+        self.current()?;
+        let flags = sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT;
+        cu::stream::wait_event(stream as sys::CUstream, event as sys::CUevent, flags)
+            .map_err(|e| driver_error("stream wait event", e))
     }
 
     unsafe fn wait_event(&self, event: EventHandle) -> Result<()> {

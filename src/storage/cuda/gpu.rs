@@ -124,6 +124,12 @@ pub trait Gpu: Send + Sync + fmt::Debug {
     /// # Safety
     /// `event` came from this device's `new_event` and was not freed.
     unsafe fn record_event(&self, event: EventHandle, stream: StreamHandle) -> Result<()>;
+    /// Makes the work later queued on `stream` wait, on the device, until the point
+    /// `event` last marked (the host does not wait).
+    ///
+    /// # Safety
+    /// As for [`Gpu::record_event`].
+    unsafe fn stream_wait_event(&self, stream: StreamHandle, event: EventHandle) -> Result<()>;
     /// Waits until the stream reached the point `event` last marked.
     ///
     /// # Safety

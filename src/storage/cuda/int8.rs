@@ -102,7 +102,7 @@ impl CudaStorage {
         let mut host = vec![0u64; bytes.div_ceil(8)];
         let stream = self.stream();
         let mut st = self.staging.lock();
-        self.reserve_staging(&mut st, bytes, stream)?;
+        self.reserve_staging(&mut st, bytes)?;
         launch(st.ptr, DType::F32, contiguous(src.shape))?;
         // SAFETY: `host` holds `bytes`; the staging buffer holds the dequantized region.
         unsafe {

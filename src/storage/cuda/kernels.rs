@@ -226,6 +226,87 @@ pub fn attention_kernel(q: DType, c: DType, dims: [usize; 2]) -> Result<&'static
     }
 }
 
+/// The tensor-core attention kernel (`kvrs_paged_attention_mma_{f16,bf16}_d{64,128,256}`,
+/// `kernels/attention_mma.cuh`) for queries of `q` over storage of `c` with keys and values
+/// of `dims` elements, with the dynamic shared memory a block takes; `None` where there is
+/// none (other dtypes or head sizes: the CUDA-core kernel serves them).
+pub fn attention_mma_kernel(q: DType, c: DType, dims: [usize; 2]) -> Option<(&'static str, u32)> {
+    let [head_dim, v_head_dim] = dims;
+    if q != c || head_dim != v_head_dim {
+        return None;
+    }
+    let names = match q {
+        DType::F16 => [
+            "kvrs_paged_attention_mma_f16_d64",
+            "kvrs_paged_attention_mma_f16_d128",
+            "kvrs_paged_attention_mma_f16_d256",
+        ],
+        DType::BF16 => [
+            "kvrs_paged_attention_mma_bf16_d64",
+            "kvrs_paged_attention_mma_bf16_d128",
+            "kvrs_paged_attention_mma_bf16_d256",
+        ],
+        _ => return None,
+    };
+    let v = ATTENTION_HEAD_DIMS.iter().position(|&d| d == head_dim)?;
+    Some((names[v], mma_shared_bytes(head_dim)))
+}
+
+/// Rows of packed query rows (token, head) one tensor-core attention block takes
+/// (`MmaShape::BM`: four warps of 16).
+pub const MMA_BLOCK_ROWS: usize = 64;
+
+/// Threads per block of the tensor-core attention kernel.
+pub const MMA_THREADS: u32 = 128;
+
+/// `MmaShape<head_dim>::SHARED_BYTES` of `kernels/attention_mma.cuh`: two stages of K and
+/// V tiles (64 positions, 32 for head_dim 256) and the block's Q rows, 2 bytes an element.
+fn mma_shared_bytes(head_dim: usize) -> u32 {
+    let tile = if head_dim <= 128 { 64 } else { 32 };
+    (2 * 2 * tile * head_dim * 2 + MMA_BLOCK_ROWS * head_dim * 2) as u32
+}
+
+/// The latent (MLA) attention kernel (`kvrs_paged_attention_mla_{f16,bf16}`,
+/// `kernels/attention_mla.cuh`) for queries of `q` over a latent pool of `c` whose keys
+/// are latents of `dims[0]` and values rotary parts of `dims[1]` elements, with the
+/// dynamic shared memory a block takes and the merge of its splits; `None` where there is
+/// none (it takes float16 or bfloat16, a 512-element latent and a 64-element rotary part:
+/// DeepSeek-V2/V3's and Kimi K2's).
+pub fn attention_mla_kernel(
+    q: DType,
+    c: DType,
+    dims: [usize; 2],
+) -> Option<(&'static str, u32, &'static str)> {
+    if q != c || dims != [MLA_LATENT, MLA_ROPE] {
+        return None;
+    }
+    // Two stages of 32 [latent | rotary] rows, 64 query rows, P: 64 x 40 elements.
+    let row = 2 * (MLA_LATENT + MLA_ROPE);
+    let shared = (2 * 32 * row + MMA_BLOCK_ROWS * row + MMA_BLOCK_ROWS * 40 * 2) as u32;
+    match q {
+        DType::F16 => Some((
+            "kvrs_paged_attention_mla_f16",
+            shared,
+            "kvrs_attention_merge_f16_d512",
+        )),
+        DType::BF16 => Some((
+            "kvrs_paged_attention_mla_bf16",
+            shared,
+            "kvrs_attention_merge_bf16_d512",
+        )),
+        _ => None,
+    }
+}
+
+/// The latent size of the MLA kernel (`MlaShape::DC`).
+pub const MLA_LATENT: usize = 512;
+
+/// The rotary part's size of the MLA kernel (`MlaShape::DR`).
+pub const MLA_ROPE: usize = 64;
+
+/// Threads per block of the MLA kernel.
+pub const MLA_THREADS: u32 = 256;
+
 /// The kernel that merges the attention kernel's splits, for queries of `dtype`.
 pub fn attention_merge_kernel(dtype: DType) -> &'static str {
     match dtype {
@@ -330,13 +411,49 @@ mod tests {
                 for d in [64, 128, 256, 4, 80] {
                     if let Ok(name) = attention_kernel(q, c, [d, d]) {
                         named += 1;
-                        let entry = format!(".visible .entry {name}(");
-                        assert!(ptx.contains(&entry), "{name} is not in kernels/kvrs.ptx");
+                        check(name);
+                    }
+                    if let Some((name, shared)) = attention_mma_kernel(q, c, [d, d]) {
+                        named += 1;
+                        check(name);
+                        // Within sm_80's opt-in limit (163 KB), two blocks per H100 SM.
+                        assert!(shared <= 114 * 1024, "{name}: {shared}");
                     }
                 }
             }
         }
-        assert!(named >= 135, "{named}");
+        assert!(named >= 141, "{named}");
+        assert_eq!(
+            attention_mma_kernel(DType::BF16, DType::BF16, [128, 128]),
+            Some(("kvrs_paged_attention_mma_bf16_d128", 80 * 1024))
+        );
+        assert_eq!(
+            attention_mma_kernel(DType::F16, DType::F16, [128, 64]),
+            None
+        );
+        for q in [DType::F16, DType::BF16] {
+            let (name, shared, merge) = attention_mla_kernel(q, q, [512, 64]).unwrap();
+            check(name);
+            check(merge);
+            // Within sm_80's opt-in limit.
+            assert!(shared <= 163 * 1024, "{shared}");
+        }
+        assert_eq!(
+            attention_mla_kernel(DType::F16, DType::F16, [256, 64]),
+            None
+        );
+        assert_eq!(
+            attention_mla_kernel(DType::F32, DType::F32, [512, 64]),
+            None
+        );
+        assert_eq!(
+            attention_mma_kernel(DType::F32, DType::F32, [128, 128]),
+            None
+        );
+        assert_eq!(
+            attention_mma_kernel(DType::F16, DType::F8E4M3, [128, 128]),
+            None
+        );
         assert!(kernel(Kernel::Copy3, DType::I8, DType::F32).is_err());
         assert!(attention_kernel(DType::I8, DType::F16, [128, 128]).is_err());
         assert!(attention_kernel(DType::F16, DType::F32, [128, 128]).is_err());

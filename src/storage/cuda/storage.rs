@@ -98,7 +98,7 @@ impl CudaStorage {
             dtype,
             numel,
             stream: AtomicU64::new(stream),
-            staging: Mutex::new(Staging::new(staging, stream)),
+            staging: Mutex::new(Staging::new(staging)),
             counter: Mutex::new(None),
             scales,
             head_dim: if dtype == DType::I8 { head_dim } else { 1 },
@@ -127,13 +127,20 @@ impl CudaStorage {
         Ok(p)
     }
 
-    /// Sends later launches to `stream` (`None`: kvrs's own stream of the device).
-    pub fn set_stream(&self, stream: Option<StreamHandle>) {
+    /// Sends later launches to `stream` (`None`: kvrs's own stream of the device), after
+    /// the work queued on the previous stream: the new stream waits for it on the device
+    /// (an event), so the host never waits and the call may come while `stream` is being
+    /// captured in a CUDA graph.
+    pub fn set_stream(&self, stream: Option<StreamHandle>) -> Result<()> {
         let s = stream.unwrap_or_else(|| self.gpu.default_stream());
-        self.stream.store(s, Ordering::Relaxed);
-        if let Some(scales) = &self.scales {
-            scales.set_stream(stream);
+        let old = self.stream.swap(s, Ordering::Relaxed);
+        if old != s {
+            self.order_streams(old, s)?;
         }
+        if let Some(scales) = &self.scales {
+            scales.set_stream(stream)?;
+        }
+        Ok(())
     }
 
     /// The stream launches go to now.
@@ -479,7 +486,7 @@ impl Storage for CudaStorage {
         let mut host = vec![0u64; bytes.div_ceil(8)];
         let stream = self.stream();
         let mut st = self.staging.lock();
-        self.reserve_staging(&mut st, bytes, stream)?;
+        self.reserve_staging(&mut st, bytes)?;
         self.copy3(
             st.ptr,
             self.dtype,

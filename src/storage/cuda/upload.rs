@@ -11,10 +11,11 @@
 //!   the device. Where no page-locked memory can be had, the copy goes from pageable
 //!   memory (the driver stages it, and may wait).
 //!
-//! Invariants: the device staging buffer is written only in stream order (an upload
-//! queued on another stream than the last first waits for that one); a page-locked
-//! buffer is overwritten or freed only after its event (recorded after the copy that
-//! reads it) has completed.
+//! Invariants: the device staging buffer is written only in stream order (when
+//! [`CudaStorage::set_stream`] changes the stream, the new one waits on the device for the
+//! work queued on the old one: no host synchronisation); a page-locked buffer is
+//! overwritten or freed only after its event (recorded after the copy that reads it) has
+//! completed.
 
 use super::gpu::{Args, DevicePtr, EventHandle, Gpu, StreamHandle, LARGE_WORDS, SMALL_WORDS};
 use super::kernels::WordsKernel;
@@ -39,9 +40,8 @@ pub(super) struct Staging {
     pub(super) bytes: usize,
     /// Where `fill` writes the words.
     host: Vec<u64>,
-    /// The stream the last upload was queued on: before another stream may overwrite
-    /// the buffer, that one is waited for.
-    stream: StreamHandle,
+    /// The event that orders a new stream after the previous one ([`CudaStorage::set_stream`]).
+    switch: Option<EventHandle>,
     ring: [Pinned; RING],
     next: usize,
 }
@@ -57,13 +57,13 @@ struct Pinned {
 }
 
 impl Staging {
-    /// A staging buffer of [`MIN_STAGING`] bytes at `ptr`, first used on `stream`.
-    pub(super) fn new(ptr: DevicePtr, stream: StreamHandle) -> Self {
+    /// A staging buffer of [`MIN_STAGING`] bytes at `ptr`.
+    pub(super) fn new(ptr: DevicePtr) -> Self {
         Staging {
             ptr,
             bytes: MIN_STAGING,
             host: Vec::new(),
-            stream,
+            switch: None,
             ring: Default::default(),
             next: 0,
         }
@@ -72,6 +72,10 @@ impl Staging {
     /// Frees the device buffer, the page-locked buffers and their events (after the
     /// copies still reading them).
     pub(super) fn release(&mut self, gpu: &dyn Gpu) {
+        if let Some(e) = self.switch.take() {
+            // SAFETY: an event of this gpu, freed once.
+            unsafe { gpu.free_event(e) };
+        }
         for p in &mut self.ring {
             // SAFETY: the events and buffers came from this gpu and are freed once; a
             // failed wait leaks the buffer rather than free memory a copy still reads.
@@ -123,7 +127,7 @@ impl CudaStorage {
         let bytes = std::mem::size_of_val(host.as_slice());
         let scratch_at = bytes.next_multiple_of(256);
         let staged = self
-            .reserve_staging(&mut st, scratch_at + scratch, stream)
+            .reserve_staging(&mut st, scratch_at + scratch)
             .and_then(|()| self.upload(&mut st, &host, stream));
         st.host = host;
         staged?;
@@ -178,17 +182,9 @@ impl CudaStorage {
         Ok(())
     }
 
-    /// Makes the staging buffer at least `bytes` long and safe to overwrite on `stream`.
-    pub(super) fn reserve_staging(
-        &self,
-        st: &mut Staging,
-        bytes: usize,
-        stream: StreamHandle,
-    ) -> Result<()> {
-        if st.stream != stream {
-            self.gpu.synchronize(st.stream)?;
-            st.stream = stream;
-        }
+    /// Makes the staging buffer at least `bytes` long (it is safe to overwrite on the
+    /// current stream: see the invariants above).
+    pub(super) fn reserve_staging(&self, st: &mut Staging, bytes: usize) -> Result<()> {
         if bytes > st.bytes {
             let size = bytes.max(2 * st.bytes);
             let fresh = self.gpu.alloc_zeroed(size)?;
@@ -246,6 +242,23 @@ impl Pinned {
                 false
             }
             Err(_) => true,
+        }
+    }
+}
+
+impl CudaStorage {
+    /// Orders the work later queued on `to` after the work queued on `from` so far, on the
+    /// device (an event recorded on `from` that `to` waits for): the host does not wait.
+    pub(super) fn order_streams(&self, from: StreamHandle, to: StreamHandle) -> Result<()> {
+        let mut st = self.staging.lock();
+        let e = match st.switch {
+            Some(e) => e,
+            None => *st.switch.insert(self.gpu.new_event()?),
+        };
+        // SAFETY: an event of this gpu, not freed while the staging lock is held.
+        unsafe {
+            self.gpu.record_event(e, from)?;
+            self.gpu.stream_wait_event(to, e)
         }
     }
 }
