@@ -10,8 +10,10 @@ The model is replaced by writes of the same sizes (the K/V of every computed tok
 states once per chunk), so the time is the cache's own work; a request's prefill ends a
 chunk where the pool asks (`checkpoint_due`, the branch point), as `generate_batch` does.
 
-Reported per pool: prompt tokens hit (not computed), time per request, and the state
-memory that holds the checkpoints: kvrs's checkpoint slots in use at their peak, against
+Reported per pool: prompt tokens hit (not computed), time per request (the cache's work
+alone: a pool with checkpoints copies states and hashes chunks a pool without a prefix
+cache does not), and the state memory that holds the checkpoints: kvrs's checkpoint
+slots in use at their peak (`--checkpoints`, default 64), against
 what vLLM's `--mamba-cache-mode all` keeps for the same cached blocks (one state per
 cached block). Run: `python benches/bench_hybrid_prefix.py` (`--requests N`).
 """
@@ -50,7 +52,7 @@ def workload(n: int, seed: int = 0) -> tuple[list[list[int]], int]:
     return out, block_hits
 
 
-def pool(prefix: bool) -> kvrs.BlockPool:
+def pool(prefix: bool, checkpoints: int) -> kvrs.BlockPool:
     return kvrs.BlockPool(
         LAYERS,
         HEADS,
@@ -63,7 +65,7 @@ def pool(prefix: bool) -> kvrs.BlockPool:
         state_shapes=SHAPES,
         state_dtype=DTYPES,
         state_slots=1,
-        state_checkpoints=64 if prefix else None,
+        state_checkpoints=checkpoints if prefix else None,
     )
 
 
@@ -118,21 +120,24 @@ def serve(p: kvrs.BlockPool, prompts: list[list[int]]) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--checkpoints", type=int, default=64, help="the pool's state_checkpoints")
     args = ap.parse_args()
     prompts, block_hits = workload(args.requests)
     rows = {}
     for name, prefix in (("checkpoints", True), ("none", False)):
-        rows[name] = serve(pool(prefix), prompts)
+        rows[name] = serve(pool(prefix, args.checkpoints), prompts)
     ck, no = rows["checkpoints"], rows["none"]
     mib = state_bytes() / 2**20
-    print(f"{args.requests} requests over {len(SYSTEM_LENS)} system prompts, blocks of {BS}; one state: {mib:.2f} MiB")
+    print(f"{args.requests} requests over {len(SYSTEM_LENS)} system prompts, blocks of {BS}")
+    print(f"one state (every state layer of a sequence): {mib:.2f} MiB")
     print()
     print("| pool | prompt tokens hit | computed | time per request | state memory for the prefixes |")
     print("|---|---|---|---|---|")
     print(
         f"| kvrs, checkpoints | {ck['hit']:,} of {ck['total']:,} ({ck['hit'] / ck['total']:.0%}) | "
         f"{ck['total'] - ck['hit']:,} | {ck['ms_per_request']:.2f} ms | "
-        f"{ck['peak_checkpoints']} checkpoints at the peak: {ck['peak_checkpoints'] * mib:.1f} MiB |"
+        f"{ck['peak_checkpoints']} of {args.checkpoints} checkpoint slots at the peak: "
+        f"{ck['peak_checkpoints'] * mib:.1f} MiB |"
     )
     print(
         f"| kvrs, no prefix cache | {no['hit']:,} of {no['total']:,} | {no['total'] - no['hit']:,} | "

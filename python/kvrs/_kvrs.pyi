@@ -747,13 +747,15 @@ class Sequence(Generic[_View_co]):
     def state(self, layer: int) -> dict[str, _View_co]:
         """Writable views of its states in state layer `layer`: {name: array of the state's shape}."""
     def checkpoint(self) -> bool:
-        """Checkpoints its recurrent state at seq_len (state pools that cache prefixes); True if it holds one there."""
+        """Checkpoints its recurrent state at its committed length (pools with state layers that
+        cache prefixes); returns whether it holds one there."""
     @property
     def checkpoints(self) -> list[int]:
         """Positions of the state checkpoints it holds (ascending)."""
     @property
     def checkpoint_due(self) -> int | None:
-        """Where a prefill chunk should end so that the state there is checkpointed (its branch point), else None."""
+        """Where a prefill chunk should end for the state there to be checkpointed (its branch
+        point), else None."""
     def fork(self) -> Sequence[_View_co]:
         """A new sequence sharing every block of this one (copy-on-write on first write)."""
     def truncate(self, n: int) -> None:

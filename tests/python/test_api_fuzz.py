@@ -444,6 +444,7 @@ ENTRIES: dict[str, dict[str, tuple]] = {
         "append": entry(I, A, A),
         "attention": entry(I, A, **ATTN),
         "can_resume": entry(I),
+        "checkpoint": entry(),
         "copy_from_cache": entry(CACHE_ARG),
         "copy_to_cache": entry(CACHE_ARG),
         "extract_block": entry(I, I, I),

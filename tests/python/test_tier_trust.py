@@ -117,7 +117,7 @@ def test_tier_key_and_queue_bytes_are_checked(tmp_path):
         pool([disk], tier_key=b"short")
     with pytest.raises(TypeError, match="tier_key"):
         pool([disk], tier_key=1234)
-    with pytest.raises(ValueError, match=r"tier_queue_bytes.*at least one block"):
+    with pytest.raises(ValueError, match=r"tier_queue_bytes.*at least one payload"):
         pool([disk], tier_queue_bytes=16)
     assert "a-secret" not in repr(pool([disk], tier_key=SECRET))
 
