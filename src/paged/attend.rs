@@ -148,6 +148,15 @@ impl PoolCore {
             // table's first held position and ends at the token itself).
             return unsafe { attention::attend(q, out, self.kv_heads(), rows, &seqs, opts) };
         };
+        if opts.mask.is_some() {
+            return Err(KvError::NotSupported(
+                "custom_mask / packed_custom_mask (tree attention) on a CUDA pool: the CUDA \
+                 attention kernels apply causal and window ranges only; run tree \
+                 verification on a host pool (device='cpu'), or read the K/V and the dense \
+                 mask with ForwardBatch.get(layer, custom_mask=...) for your own kernel"
+                    .into(),
+            ));
+        }
         if opts.latent {
             return Err(KvError::NotSupported(
                 "latent (MLA) attention on a CUDA pool: the CUDA kernels score q against the \
