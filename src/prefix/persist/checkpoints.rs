@@ -388,8 +388,8 @@ mod tests {
 
     use super::*;
     use crate::dtype::DType;
-    use crate::layout::{Device, KvLayout};
-    use crate::paged::{PagedShape, PrefixConfig, StateConfig, StateSpec};
+    use crate::layout::{Device, KvLayout, PagedShape};
+    use crate::paged::{PrefixConfig, StateConfig, StateSpec};
     use crate::prefix::HashKind;
     use crate::tensor::TensorRef;
 
@@ -533,7 +533,8 @@ mod tests {
             .unwrap();
         assert_eq!(file.checkpoints.as_ref().unwrap().entries.len(), 3);
         let with_run = |rows: &Vec<Row>| rows.iter().position(|x| !x.4.is_empty()).unwrap();
-        let cases: [(&str, Box<dyn FnOnce(&mut Vec<Row>)>); 5] = [
+        type Corrupt<'a> = Box<dyn FnOnce(&mut Vec<Row>) + 'a>;
+        let cases: [(&str, Corrupt<'_>); 5] = [
             ("is at position", Box::new(|rows| rows[0].3 += 1)),
             ("anchored neither", Box::new(|rows| rows[0].0 ^= 1)),
             (
