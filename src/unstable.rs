@@ -8,7 +8,7 @@
 //! that uses it pins kvrs to an exact version. `BlockPool::core`, `BlockPool::core_mut`
 //! and `KvCache::core` (hidden too) hand out the cores of the typed API's values.
 
-pub use crate::attention::simd_level;
+pub use crate::attention::{segment_packbits, simd_level, CustomMask};
 pub use crate::bytes::parse_size;
 pub use crate::dtype::convert_contiguous;
 pub use crate::encoder_cache::EncoderCache;
@@ -16,7 +16,7 @@ pub use crate::error::check_size;
 pub use crate::kv_cache::{CacheCore, CacheShape};
 pub use crate::layout::{BlockId, Region};
 pub use crate::paged::{BlockAllocator, ForwardPlan, LayerGroups, PoolCore, SeqState};
-pub use crate::paged::{StateConfig, StateSpec, Table, NO_BLOCK};
+pub use crate::paged::{MaskInput, PlanMask, StateConfig, StateSpec, Table, NO_BLOCK};
 pub use crate::prefix::persist::read_file;
 pub use crate::prefix::BlockHash;
 pub use crate::quant::{dequantize_row_i8, quantize_row_i8, Fp8};

@@ -151,6 +151,7 @@ proptest! {
             sinks: use_sinks.then_some(&sinks[..]),
             alibi_slopes: use_alibi.then_some(&slopes[..]),
             latent,
+            mask: None,
         };
         let mut out = vec![0f32; new * hq * dout];
         let mut out_t = TensorMut::from_f32_mut(&mut out, &[new, hq, dout]).unwrap();

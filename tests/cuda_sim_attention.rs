@@ -566,4 +566,53 @@ fn latent_attention_of_other_shapes_is_refused() {
         .unwrap_err();
     assert!(e.to_string().contains("512-element latents"), "{e}");
     pool.finish_forward(&plan).unwrap();
+
+/// A custom (tree) mask on a CUDA pool is refused by name, never ignored: its kernels
+/// apply causal and window ranges only.
+#[test]
+fn custom_masks_are_refused_on_the_device() {
+    let shape = PagedShape {
+        num_layers: 1,
+        num_kv_heads: 1,
+        head_dim: 64,
+        v_head_dim: 64,
+        block_size: 16,
+        num_blocks: 4,
+        layout: KvLayout::Nhd,
+    };
+    let mut pool = PoolCore::new(shape, DType::F32, CUDA, None).unwrap();
+    let id = pool.new_sequence();
+    let plan = pool.start_forward(&[id, id], None, None).unwrap();
+    let kv = values(1, 2 * 64);
+    pool.forward_write(
+        &plan,
+        0,
+        &on(&kv, &[2, 1, 64], CUDA),
+        &on(&kv, &[2, 1, 64], CUDA),
+    )
+    .unwrap();
+    let mask = plan
+        .custom_mask(kvrs::unstable::MaskInput::Flat(&[true, false, true, true]))
+        .unwrap();
+    let q = values(2, 2 * 64);
+    let mut out = vec![0f32; 2 * 64];
+    let opts = AttnOptions {
+        mask: Some(mask.as_custom()),
+        ..Default::default()
+    };
+    let err = pool
+        .forward_attention(
+            &plan,
+            0,
+            &on(&q, &[2, 1, 64], CUDA),
+            &mut TensorMut::from_f32_mut(&mut out, &[2, 1, 64])
+                .unwrap()
+                .on(CUDA),
+            &opts,
+        )
+        .unwrap_err();
+    assert!(
+        matches!(&err, kvrs::KvError::NotSupported(m) if m.contains("custom_mask")),
+        "{err}"
+    );
 }

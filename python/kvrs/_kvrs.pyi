@@ -73,6 +73,8 @@ _ArrayLike = npt.NDArray[Any] | Any
 """A NumPy array, anything with ``__dlpack__`` (a torch CPU tensor), or anything with the buffer protocol."""
 
 _IntsLike = npt.NDArray[np.integer[Any]] | Iterable[int]
+_MaskLike = npt.NDArray[np.bool_] | Iterable[bool] | Any
+_PackedMaskLike = npt.NDArray[np.uint8] | Any
 # A CUDA stream: a handle, or torch.cuda.Stream, cupy.cuda.Stream, any __cuda_stream__ object.
 _StreamLike = int | Any | None
 """A 1-D integer array or a sequence of ints."""
@@ -650,8 +652,12 @@ class BlockPool(Generic[_View_co]):
         seqs: Iterable[Sequence[Any]],
         positions: _IntsLike | None = None,
         tokens: _IntsLike | None = None,
+        *,
+        draft: bool = False,
     ) -> ForwardBatch[_View_co]:
-        """Places a batch of tokens (token i: seqs[i] at positions[i]) and reserves their slots."""
+        """Places a batch of tokens (token i: seqs[i] at positions[i]) and reserves their slots.
+        draft=True: speculative tokens; finish() commits them but the prefix cache takes none
+        until Sequence.accept keeps them (a batch attending with a custom mask is marked so)."""
     def check_invariants(self) -> None:
         """Verifies internal consistency; raises AssertionError naming the first broken invariant."""
 
@@ -741,6 +747,15 @@ class Sequence(Generic[_View_co]):
         """Attention of the newest n positions (q [n, num_q_heads, head_dim]) over the layer, in place."""
     def views(self, layer: int, *, copy: bool = False) -> list[tuple[int, int, _View_co, _View_co]]:
         """Zero-copy read-only per-block views: a list of (start, length, K, V) (copies with copy=True)."""
+    def checkpoint(self) -> bool:
+        """Takes a checkpoint of the recurrent state at seq_len (pools with state layers that cache
+        prefixes); returns whether the sequence holds one there."""
+    @property
+    def checkpoints(self) -> list[int]:
+        """Positions of the state checkpoints this sequence holds (ascending)."""
+    @property
+    def checkpoint_due(self) -> int | None:
+        """Where a prefill chunk should end for the state there to be checkpointed, else None."""
     @property
     def state_slot(self) -> int | None:
         """Its recurrent-state slot in a pool with state layers, else None."""
@@ -760,6 +775,9 @@ class Sequence(Generic[_View_co]):
         """A new sequence sharing every block of this one (copy-on-write on first write)."""
     def truncate(self, n: int) -> None:
         """Drops positions >= n, returning freed blocks; a no-op when n >= seq_len."""
+    def accept(self, start: int, keep: _IntsLike) -> None:
+        """Keeps the draft positions start + keep[i] (keep strictly increasing), moved to
+        start + i in every layer, and cuts the rest; every layer then holds start + len(keep)."""
     def remove(self, begin: int, end: int | None = None) -> None:
         """llama.cpp's seq_rm: removes positions [begin, end); a middle span needs the pool's rope."""
     def shift(self, p0: int, p1: int | None, delta: int) -> None:
@@ -809,9 +827,15 @@ class ForwardBatch(Generic[_View_co]):
     def put_layers(self, k: _ArrayLike, v: _ArrayLike) -> None:
         """put() of every layer in one call (one launch on a CUDA pool): k, v
         [num_layers, n_tokens, num_kv_heads, head_dim] (any layer stride)."""
-    def get(self, layer: int) -> tuple[_View_co, _View_co, npt.NDArray[np.float32]]:
-        """(K, V, mask) over every sequence of the batch; mask: 0 where a token may attend, else -inf.
-        Prefer attention(), which reads the blocks in place."""
+    def get(
+        self,
+        layer: int,
+        *,
+        custom_mask: _MaskLike | None = None,
+        packed_custom_mask: _PackedMaskLike | None = None,
+    ) -> tuple[_View_co, _View_co, npt.NDArray[np.float32]]:
+        """(K, V, mask) over every sequence of the batch; mask: 0 where a token may attend (and the
+        custom mask allows it), else -inf. Prefer attention(), which reads the blocks in place."""
     def attention(
         self,
         layer: int,
@@ -823,8 +847,12 @@ class ForwardBatch(Generic[_View_co]):
         sinks: _FloatsLike | None = None,
         alibi_slopes: _FloatsLike | None = None,
         latent: bool = False,
+        custom_mask: _MaskLike | None = None,
+        packed_custom_mask: _PackedMaskLike | None = None,
     ) -> _View_co:
-        """Attention of the batch's tokens (q [n_tokens, num_q_heads, head_dim]) over `layer`, in place."""
+        """Attention of the batch's tokens (q [n_tokens, num_q_heads, head_dim]) over `layer`, in place.
+        custom_mask: FlashInfer's flattened bool [q_len x kv_len] per sequence (True = may attend);
+        packed_custom_mask: its segment_packbits(..., bitorder='little') form."""
     def finish(self) -> None:
         """Commits the batch: each sequence's seq_len moves past its new tokens. Refused (ValueError)
         when put() wrote some layers but not all."""

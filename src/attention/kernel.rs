@@ -211,7 +211,19 @@ unsafe fn stream_item<const SIMD: bool>(p: &Problem<'_>, it: &Item, dest: Dest, 
                             *x += slope * (kp as f32 - row.pos as f32);
                         }
                     }
+                    if let Some(mask) = p.opts.mask {
+                        for (x, kp) in sr.iter_mut().zip(a..b) {
+                            if !mask.allows(row.token, kp) {
+                                *x = f32::NEG_INFINITY;
+                            }
+                        }
+                    }
                     let mx = sr.iter().fold(f32::NEG_INFINITY, |acc, &x| acc.max(x));
+                    if mx == f32::NEG_INFINITY {
+                        // The custom mask hides the whole run from this row: no weight.
+                        sr.fill(0.0);
+                        continue;
+                    }
                     let or = &mut o[r * dv..(r + 1) * dv];
                     if mx > m[r] {
                         let f = rescale(m[r], mx);
@@ -221,7 +233,12 @@ unsafe fn stream_item<const SIMD: bool>(p: &Problem<'_>, it: &Item, dest: Dest, 
                     }
                     let mr = m[r];
                     for x in sr.iter_mut() {
-                        *x = exp(*x - mr);
+                        // Masked scores weigh exactly 0 (`exp` clamps its argument).
+                        *x = if *x == f32::NEG_INFINITY {
+                            0.0
+                        } else {
+                            exp(*x - mr)
+                        };
                     }
                     l[r] += sr.iter().sum::<f32>();
                     if !fused {

@@ -20,6 +20,7 @@
 #[cfg(target_arch = "x86_64")]
 mod fused;
 mod kernel;
+mod mask;
 mod math;
 mod microkernel;
 mod schedule;
@@ -33,6 +34,7 @@ use crate::layout::Device;
 use crate::tensor::{TensorMut, TensorRef};
 
 pub use kernel::simd_level;
+pub use mask::{segment_packbits, CustomMask};
 
 /// Model-specific parts of the attention formula.
 #[derive(Clone, Copy, Debug, Default)]
@@ -54,6 +56,9 @@ pub struct AttnOptions<'a> {
     /// softmax-weighted sum of the latents (`head_dim` elements), for the caller to
     /// project with `W_UV`.
     pub latent: bool,
+    /// A custom mask (tree attention for speculative decoding), combined with each
+    /// row's `lo..hi`: a row sees a position only when both allow it.
+    pub mask: Option<CustomMask<'a>>,
 }
 
 /// Where one sequence's keys and values (one layer) lie in a storage: position `p` of

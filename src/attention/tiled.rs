@@ -51,6 +51,8 @@ struct Scratch {
     /// (for ALiBi) and its ALiBi slope.
     lo: Vec<u32>,
     hi: Vec<u32>,
+    /// Each lane's query token (`u32::MAX` past the real lanes), for a custom mask.
+    token: Vec<u32>,
     pos: Vec<f32>,
     slope: Vec<f32>,
     /// Each lane's maximum over a tile, and the factor of its old sum and outputs.
@@ -80,7 +82,7 @@ impl Scratch {
                 buf.resize(n, 0.0);
             }
         }
-        for buf in [&mut self.lo, &mut self.hi] {
+        for buf in [&mut self.lo, &mut self.hi, &mut self.token] {
             if buf.len() < lanes {
                 buf.resize(lanes, 0);
             }
@@ -139,7 +141,7 @@ unsafe fn run_with<const SIMD: bool>(p: &Problem<'_>, it: &Item, dest: Dest, sc:
             pos += n;
             continue;
         }
-        let whole = lo.iter().zip(hi).all(|(&a, &b)| a <= p0 && p1 <= b);
+        let whole = p.opts.mask.is_none() && lo.iter().zip(hi).all(|(&a, &b)| a <= p0 && p1 <= b);
         load_tile::<SIMD>(kv, latent, pos, n, head, [d, dv], sc);
         if pos + n < it.hi {
             let lens = KvPages::stored_lens([d, dv], latent);
@@ -237,11 +239,12 @@ unsafe fn pack_queries<const SIMD: bool>(
                 let qh = first_head + r % g;
                 load_query::<SIMD>(p, row.token, qh, buf);
                 (sc.lo[r], sc.hi[r]) = (row.lo as u32, row.hi as u32);
+                sc.token[r] = row.token as u32;
                 sc.pos[r] = row.pos as f32;
                 sc.slope[r] = p.opts.alibi_slopes.map_or(0.0, |s| s[qh]);
             } else {
                 buf.fill(0.0);
-                (sc.lo[r], sc.hi[r]) = (0, 0);
+                (sc.lo[r], sc.hi[r], sc.token[r]) = (0, 0, u32::MAX);
                 (sc.pos[r], sc.slope[r]) = (0.0, 0.0);
             }
         }
@@ -311,6 +314,7 @@ fn softmax(
         l,
         lo,
         hi,
+        token,
         pos: qpos,
         slope,
         mx,
@@ -324,6 +328,7 @@ fn softmax(
         &mut f[..lanes],
     );
     let (lo, hi, qpos, slope) = (&lo[..lanes], &hi[..lanes], &qpos[..lanes], &slope[..lanes]);
+    let token = &token[..lanes];
     let rows = st[..n * lanes].chunks_exact_mut(lanes);
     mx.fill(f32::NEG_INFINITY);
     for (j, row) in rows.enumerate() {
@@ -347,6 +352,13 @@ fn softmax(
                 } else {
                     *v
                 };
+            }
+            if let Some(mask) = p.opts.mask {
+                for (v, &t) in row.iter_mut().zip(token.iter()) {
+                    if t == u32::MAX || !mask.allows(t as usize, pos + j) {
+                        *v = f32::NEG_INFINITY;
+                    }
+                }
             }
         }
         for (x, &v) in mx.iter_mut().zip(row.iter()) {

@@ -148,6 +148,15 @@ impl PoolCore {
             // table's first held position and ends at the token itself).
             return unsafe { attention::attend(q, out, self.kv_heads(), rows, &seqs, opts) };
         };
+        if opts.mask.is_some() {
+            return Err(KvError::NotSupported(
+                "custom_mask / packed_custom_mask (tree attention) on a CUDA pool: the CUDA \
+                 attention kernels apply causal and window ranges only; run tree \
+                 verification on a host pool (device='cpu'), or read the K/V and the dense \
+                 mask with ForwardBatch.get(layer, custom_mask=...) for your own kernel"
+                    .into(),
+            ));
+        }
         let heads = self.kv_heads().attended(opts.latent);
         let (_, scale) = attention::validate(q, out, heads, opts)?;
         let mut tables: Vec<u32> = Vec::new();

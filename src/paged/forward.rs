@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::pool::{PoolCore, SeqId};
+use crate::attention::CustomMask;
 use crate::error::{check_tokens, KvError, Result};
 use crate::layout::BlockId;
 use crate::tensor::{check_disjoint, TensorMut, TensorRef};
@@ -46,6 +47,8 @@ pub struct ForwardPlan {
     edits: Vec<u64>,
     /// Which layers `forward_write` wrote.
     layers_put: Vec<AtomicBool>,
+    /// Its positions are drafts ([`ForwardPlan::mark_draft`]).
+    draft: AtomicBool,
 }
 
 impl PartialEq for ForwardPlan {
@@ -61,6 +64,7 @@ impl PartialEq for ForwardPlan {
             && self.blocks == other.blocks
             && self.edits == other.edits
             && self.layers_put().eq(other.layers_put())
+            && self.is_draft() == other.is_draft()
     }
 }
 
@@ -105,6 +109,19 @@ impl ForwardPlan {
             last[s] = i;
         }
         last
+    }
+
+    /// Marks the batch's positions as drafts (speculative tokens, tree nodes):
+    /// [`PoolCore::finish_forward`] commits them, but the prefix cache takes no block
+    /// that holds one until `accept` keeps it ([`PoolCore::accept`]) . A batch that
+    /// attends or reads with a custom mask is marked by that.
+    pub fn mark_draft(&self) {
+        self.draft.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether the batch's positions are drafts ([`Self::mark_draft`]).
+    pub fn is_draft(&self) -> bool {
+        self.draft.load(Ordering::Relaxed)
     }
 
     /// The layers written through [`PoolCore::forward_write`] so far.
@@ -241,6 +258,7 @@ impl PoolCore {
             blocks,
             edits,
             layers_put,
+            draft: AtomicBool::new(false),
         })
     }
 
@@ -353,6 +371,20 @@ impl PoolCore {
         v_out: &mut TensorMut,
         mask: &mut [f32],
     ) -> Result<()> {
+        self.forward_get_masked(plan, layer, k_out, v_out, mask, None)
+    }
+
+    /// [`Self::forward_get`] with a custom mask ([`ForwardPlan::custom_mask`]) combined
+    /// into `mask`: a position is 0 only where the layer's rule and `custom` both allow it.
+    pub fn forward_get_masked(
+        &self,
+        plan: &ForwardPlan,
+        layer: i64,
+        k_out: &mut TensorMut,
+        v_out: &mut TensorMut,
+        mask: &mut [f32],
+        custom: Option<&CustomMask<'_>>,
+    ) -> Result<()> {
         let sh = self.shape();
         let history = self.forward_history_len(plan, layer)?;
         check_disjoint(("k_out", k_out), ("v_out", v_out))?;
@@ -407,7 +439,12 @@ impl PoolCore {
                 .first_visible(kind, pos)
                 .max(held_from);
             let row = &mut mask[t * history..(t + 1) * history];
-            row[off + lo - held_from..off + pos - held_from + 1].fill(0.0);
+            for (p, x) in (lo..=pos).zip(&mut row[off + lo - held_from..off + pos - held_from + 1])
+            {
+                if custom.is_none_or(|c| c.allows(t, p)) {
+                    *x = 0.0;
+                }
+            }
         }
         Ok(())
     }
@@ -443,6 +480,11 @@ impl PoolCore {
             }
         }
         for (k, &(id, start, count)) in plan.seqs.iter().enumerate() {
+            if plan.is_draft() {
+                // Drafts stay out of the prefix cache until accepted.
+                let s = self.seq_mut(id);
+                s.cache_limit = s.cache_limit.min(start);
+            }
             if let Some(t) = &plan.tokens {
                 self.record_tokens(id, start, &tokens_of(t, &plan.token_seq, k));
             }

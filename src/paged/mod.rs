@@ -6,6 +6,7 @@
 //! ([`shift`]) and ollama-style batched forwards ([`forward`]), and hybrid models' recurrent state slots ([`states`])
 //! and their checkpoints ([`checkpoints`], [`checkpointing`], in the tiers [`checkpoint_tiers`]).
 
+pub mod accept;
 pub mod allocator;
 pub mod attend;
 pub mod caching;
@@ -26,6 +27,7 @@ pub mod states;
 pub mod stats;
 pub mod tier_lookup;
 pub mod tiering;
+pub mod tree_mask;
 
 pub use crate::layout::BlockId;
 pub use allocator::BlockAllocator;
@@ -35,3 +37,4 @@ pub use pool::{PoolCore, PrefixConfig, SeqId};
 pub use seq::{SeqState, Table, NO_BLOCK};
 pub use states::{StateConfig, StateSpec};
 pub use stats::{KindStats, PoolStats, StateStats};
+pub use tree_mask::{MaskInput, PlanMask};

@@ -60,6 +60,7 @@ impl AttnArgs {
             softcap: self.softcap,
             sinks: self.sinks.as_deref(),
             alibi_slopes: self.alibi_slopes.as_deref(),
+            mask: None,
         }
     }
 }

@@ -10,11 +10,13 @@ use pyo3::types::PyTuple;
 
 use super::attention::{self, AttnArgs};
 use super::input::{read_stacked, read_tensor};
+use super::masks::read_mask;
 use super::output::new_output;
 use super::quant::read_dtype;
 use super::sequence::PySequence;
 use super::shared_pool::{slot_array, SharedPool};
-use crate::paged::ForwardPlan;
+use crate::attention::AttnOptions;
+use crate::paged::{ForwardPlan, PlanMask};
 
 /// A batch of tokens placed in a pool by `BlockPool.start_forward`.
 ///
@@ -187,9 +189,18 @@ impl PyForwardBatch {
     /// dequantized, for 8-bit pools) cover every sequence of the
     /// batch, concatenated in order of first appearance; mask float32 [n_tokens,
     /// history_len] is 0 where a token may attend (its own sequence, up to its own
-    /// position) and -inf elsewhere.
-    fn get<'py>(&self, py: Python<'py>, layer: i64) -> PyResult<Bound<'py, PyTuple>> {
+    /// position, and where custom_mask / packed_custom_mask allow it, as in attention())
+    /// and -inf elsewhere.
+    #[pyo3(signature = (layer, *, custom_mask = None, packed_custom_mask = None))]
+    fn get<'py>(
+        &self,
+        py: Python<'py>,
+        layer: i64,
+        custom_mask: Option<&Bound<'py, PyAny>>,
+        packed_custom_mask: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
         self.check_open()?;
+        let custom = read_mask(&self.plan, custom_mask, packed_custom_mask)?;
         let pool = &self.pool;
         let (h, hist, n) = (
             pool.shape.num_kv_heads,
@@ -206,7 +217,8 @@ impl PyForwardBatch {
             let m = m.as_slice_mut().expect("fresh contiguous array");
             let (mut kt, mut vt, plan) = (k.tensor(), v.tensor(), &self.plan);
             pool.read_moving(py, 2 * kt.nbytes(), |c| {
-                c.forward_get(plan, layer, &mut kt, &mut vt, m)
+                let custom = custom.as_ref().map(PlanMask::as_custom);
+                c.forward_get_masked(plan, layer, &mut kt, &mut vt, m, custom.as_ref())
             })?;
         }
         let mask = mask.reshape([n, hist])?;
@@ -217,7 +229,13 @@ impl PyForwardBatch {
     /// place from the pool's blocks: q [n_tokens, num_q_heads, head_dim] in batch order;
     /// each token attends to its own sequence up to its own position, within the
     /// layer's window. Returns a new array of q's shape and dtype, or fills `out`.
-    #[pyo3(signature = (layer, q, *, out = None, scale = None, softcap = None, sinks = None, alibi_slopes = None, latent = false))]
+    ///
+    /// custom_mask (bool, FlashInfer's layout: each sequence's [query tokens x KV
+    /// length] row-major, concatenated in batch order, True = may attend) or
+    /// packed_custom_mask (uint8, each sequence's bits packed alone in little bit order,
+    /// FlashInfer's segment_packbits) restricts it further (tree attention); the batch's
+    /// positions are then drafts, kept out of the prefix cache until Sequence.accept.
+    #[pyo3(signature = (layer, q, *, out = None, scale = None, softcap = None, sinks = None, alibi_slopes = None, latent = false, custom_mask = None, packed_custom_mask = None))]
     #[allow(clippy::too_many_arguments)]
     fn attention<'py>(
         &self,
@@ -230,14 +248,21 @@ impl PyForwardBatch {
         sinks: Option<&Bound<'py, PyAny>>,
         alibi_slopes: Option<&Bound<'py, PyAny>>,
         latent: bool,
+        custom_mask: Option<&Bound<'py, PyAny>>,
+        packed_custom_mask: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let args = AttnArgs::parse(scale, softcap, sinks, alibi_slopes, latent)?;
         self.check_open()?;
+        let custom = read_mask(&self.plan, custom_mask, packed_custom_mask)?;
         let (pool, plan) = (&self.pool, &self.plan);
         let out_dim = args.out_dim(pool.shape.head_dim, pool.shape.v_head_dim);
         attention::run(py, q, out, &pool.target, out_dim, |q, o| {
+            let opts = AttnOptions {
+                mask: custom.as_ref().map(PlanMask::as_custom),
+                ..args.options()
+            };
             pool.read_moving(py, usize::MAX, |c| {
-                c.forward_attention(plan, layer, q, o, &args.options())
+                c.forward_attention(plan, layer, q, o, &opts)
             })
         })
     }

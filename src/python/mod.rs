@@ -10,6 +10,7 @@ mod errors;
 mod guarded;
 mod input;
 mod kv_cache;
+mod masks;
 mod output;
 mod pool;
 mod pool_args;

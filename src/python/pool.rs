@@ -934,13 +934,17 @@ impl PyBlockPool {
 
     /// Places a batch of tokens (token i: seqs[i] at positions[i], or where its sequence
     /// continues when positions is None; token id tokens[i] when given) and reserves their
-    /// slots; returns a ForwardBatch for put / get / finish.
-    #[pyo3(signature = (seqs, positions = None, tokens = None))]
+    /// slots; returns a ForwardBatch for put / get / finish. draft=True: the tokens are
+    /// speculative (a draft chain or tree); finish() commits them, but no block holding
+    /// one joins the prefix cache until Sequence.accept keeps it (a batch that attends
+    /// with a custom mask is marked so by that).
+    #[pyo3(signature = (seqs, positions = None, tokens = None, *, draft = false))]
     fn start_forward(
         slf: &Bound<'_, Self>,
         seqs: &Bound<'_, PyAny>,
         positions: Option<&Bound<'_, PyAny>>,
         tokens: Option<&Bound<'_, PyAny>>,
+        draft: bool,
     ) -> PyResult<PyForwardBatch> {
         let (ids, objects) = Self::sequences(slf, seqs, "seqs")?;
         let positions = positions.map(|p| read_ints(p, "positions")).transpose()?;
@@ -949,6 +953,9 @@ impl PyBlockPool {
         let plan = core.write(slf.py(), |c| {
             c.start_forward(&ids, positions.as_deref(), tokens.as_deref())
         })?;
+        if draft {
+            plan.mark_draft();
+        }
         Ok(PyForwardBatch::new(core.clone(), plan, objects))
     }
 

@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
 use super::attention::{self, AttnArgs};
-use super::input::{read_tensor, read_token_ids};
+use super::input::{read_ints, read_tensor, read_token_ids};
 use super::kv_cache::PyKVCache;
 use super::output::{new_output, writable, Output};
 use super::quant::{head_scales, read_dtype};
@@ -597,6 +597,21 @@ impl PySequence {
     fn truncate(&self, py: Python<'_>, n: i64) -> PyResult<()> {
         let id = self.id;
         Ok(self.core.write(py, |c| c.truncate(id, n))?)
+    }
+
+    /// Commits the accepted path of speculative decoding: of the draft positions from
+    /// `start` on, keeps those at start + keep[i] (keep: strictly increasing offsets),
+    /// moved to start + i in every layer, and cuts the rest; afterwards every layer
+    /// holds start + len(keep) positions, committed where they were (after
+    /// batch.finish(); else commit them with advance(n, tokens=accepted ids)). Token ids
+    /// move with their positions and the accepted blocks join the prefix cache. ValueError for bad
+    /// arguments, CacheFullError when shared blocks cannot be copied, NotSupportedError
+    /// for a hybrid pool's cut to a length with no state checkpoint; a refusal changes
+    /// nothing.
+    fn accept(&self, py: Python<'_>, start: i64, keep: &Bound<'_, PyAny>) -> PyResult<()> {
+        let keep = read_ints(keep, "keep")?;
+        let id = self.id;
+        Ok(self.core.write(py, |c| c.accept(id, start, &keep))?)
     }
 
     /// llama.cpp's seq_rm: removes positions [begin, end) (end=None: to the end). A tail

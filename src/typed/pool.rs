@@ -376,6 +376,15 @@ impl<T: Element> BlockPool<T> {
         self.core.truncate(seq, index(n))
     }
 
+    /// Commits the accepted path of speculative decoding: of the draft positions of
+    /// `seq` from `start` on, keeps those at `start + keep[i]` (strictly increasing),
+    /// moved to `start + i` in every layer, and cuts the rest (see `docs/pools.md`,
+    /// "Speculative decoding"). All or nothing.
+    pub fn accept(&mut self, seq: SeqId, start: usize, keep: &[usize]) -> Result<()> {
+        let keep: Vec<i64> = keep.iter().map(|&k| index(k)).collect();
+        self.core.accept(seq, index(start), &keep)
+    }
+
     /// Ends `seq`, releasing its blocks (cached ones stay findable until evicted).
     pub fn free(&mut self, seq: SeqId) -> Result<()> {
         self.core.free_sequence(seq)

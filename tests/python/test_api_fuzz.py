@@ -196,6 +196,14 @@ L = mostly(
     )
 )
 OPT_L = st.one_of(st.none(), L)
+# Custom masks (tree attention): bools of any length, packed bytes, other dtypes and shapes.
+MASK = st.one_of(
+    st.none(),
+    st.lists(st.booleans(), max_size=40).map(lambda x: np.array(x, dtype=bool)),
+    st.lists(st.integers(0, 255), max_size=6).map(lambda x: np.array(x, dtype=np.uint8)),
+    pick([np.ones((2, 3), bool), np.ones(4, np.float32), [True, False], np.array(["a"])]),
+    wrong,
+)
 
 
 def _extreme_arrays() -> list:
@@ -431,7 +439,7 @@ ENTRIES: dict[str, dict[str, tuple]] = {
         "save_prefix_cache": entry(PATH_ARG, extra=[OSError]),
         "scale_cache": entry(I),
         "set_stream": entry(OPT_I),
-        "start_forward": entry(SEQS_ARG, OPT_L, OPT_L, after=lambda b: b.cancel()),
+        "start_forward": entry(SEQS_ARG, OPT_L, OPT_L, draft=B, after=lambda b: b.cancel()),
         "state_cache": entry(I),
         "stats": entry(),
         "store_to_tiers": entry(SEQS_ARG),
@@ -440,6 +448,7 @@ ENTRIES: dict[str, dict[str, tuple]] = {
         "write_layers": entry(A4, A4, L),
     },
     "Sequence": {
+        "accept": entry(I, L),
         "advance": entry(I, OPT_L),
         "append": entry(I, A, A),
         "attention": entry(I, A, **ATTN),
@@ -465,10 +474,10 @@ ENTRIES: dict[str, dict[str, tuple]] = {
         "views": entry(I),
     },
     "ForwardBatch": {
-        "attention": entry(I, A, **ATTN),
+        "attention": entry(I, A, **ATTN, custom_mask=MASK, packed_custom_mask=MASK),
         "cancel": entry(after=Env.closed),
         "finish": entry(after=Env.closed),
-        "get": entry(I),
+        "get": entry(I, custom_mask=MASK, packed_custom_mask=MASK),
         "history_len": entry(I),
         "put": entry(I, A, A),
         "put_layers": entry(A4, A4),
