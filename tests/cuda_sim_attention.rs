@@ -566,6 +566,7 @@ fn latent_attention_of_other_shapes_is_refused() {
         .unwrap_err();
     assert!(e.to_string().contains("512-element latents"), "{e}");
     pool.finish_forward(&plan).unwrap();
+}
 
 /// A custom (tree) mask on a CUDA pool is refused by name, never ignored: its kernels
 /// apply causal and window ranges only.
