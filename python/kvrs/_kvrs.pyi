@@ -747,15 +747,6 @@ class Sequence(Generic[_View_co]):
         """Attention of the newest n positions (q [n, num_q_heads, head_dim]) over the layer, in place."""
     def views(self, layer: int, *, copy: bool = False) -> list[tuple[int, int, _View_co, _View_co]]:
         """Zero-copy read-only per-block views: a list of (start, length, K, V) (copies with copy=True)."""
-    def checkpoint(self) -> bool:
-        """Takes a checkpoint of the recurrent state at seq_len (pools with state layers that cache
-        prefixes); returns whether the sequence holds one there."""
-    @property
-    def checkpoints(self) -> list[int]:
-        """Positions of the state checkpoints this sequence holds (ascending)."""
-    @property
-    def checkpoint_due(self) -> int | None:
-        """Where a prefill chunk should end for the state there to be checkpointed, else None."""
     @property
     def state_slot(self) -> int | None:
         """Its recurrent-state slot in a pool with state layers, else None."""
