@@ -42,24 +42,7 @@ fn run_model(tokens: &[u32]) -> ([f32; D], Vec<f32>) {
 
 /// A pool of 16 blocks with one state layer of `dims`, and `tiers`.
 fn pool(dims: &[usize], tiers: Vec<Arc<dyn Tier>>) -> PoolCore {
-    let shape = PagedShape {
-        num_layers: 1,
-        num_kv_heads: 1,
-        head_dim: D,
-        v_head_dim: D,
-        block_size: BS,
-        num_blocks: 16,
-        layout: KvLayout::Nhd,
-    };
-    let prefix = PrefixConfig {
-        hash: HashKind::Blake3,
-        seed: 5,
-        partial_hits: true,
-        events: false,
-    };
-    let p = PoolCore::new(shape, DType::F32, kvrs::Device::Cpu, Some(prefix))
-        .unwrap()
-        .with_model_id("toy")
+    let p = no_states_pool()
         .with_states(StateConfig {
             layers: 1,
             slots: 2,
@@ -372,7 +355,7 @@ fn files_carry_token_granular_checkpoints_and_refuse_tampering_and_other_layouts
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// The same attention pool without state layers.
+/// The attention pool of [`pool`] without state layers: 16 blocks, prefix caching.
 fn no_states_pool() -> PoolCore {
     let shape = PagedShape {
         num_layers: 1,
