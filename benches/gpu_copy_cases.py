@@ -176,7 +176,9 @@ def swap(bench: Bench) -> None:
     torch = bench.torch
     layers, n = 32, 4096
     host = kvrs.HostTier("2GiB")
-    kw: dict[str, Any] = dict(block_size=BS, num_blocks=n // BS + 16, device="cuda", seed=3, tiers=[host])
+    kw: dict[str, Any] = dict(
+        block_size=BS, num_blocks=n // BS + 16, device="cuda", seed=3, tiers=[host], model_id="bench"
+    )
     src = kvrs.BlockPool(layers, HEADS, DIM, **kw)
     prompt = list(range(n + 1))
     s = src.new_sequence(tokens=prompt)

@@ -27,7 +27,7 @@
 //! - their configuration: [`PoolConfig`] (with [`PagedShape`], [`KvLayout`],
 //!   [`Attention`] and [`LayerKind`] for sliding-window and full layers, [`PrefixConfig`]
 //!   and [`HashKind`] for prefix caching, [`DType`] for 8-bit storage and [`KvScales`] for
-//!   its fp8 scales), [`TierConfig`], [`TierOptions`] and [`WritePolicy`] for offload
+//!   its fp8 scales), [`TierConfig`], [`TierOptions`], [`WritePolicy`] and [`WriteMode`] for offload
 //!   tiers, and [`AttnOptions`] for attention;
 //! - what they hand back: [`SeqId`] (a sequence of a pool), [`PoolStats`] (with
 //!   [`KindStats`], [`StateStats`], [`PrefixCounters`]), [`Kv`] and [`Device`];
@@ -137,5 +137,5 @@ pub use paged::checkpoints::CheckpointCounters;
 pub use paged::{Attention, KindStats, LayerKind, PoolStats, PrefixConfig, SeqId, StateStats};
 pub use prefix::{HashKind, PrefixCounters};
 pub use scales::KvScales;
-pub use tier::writer::WritePolicy;
+pub use tier::writer::{WriteMode, WritePolicy};
 pub use typed::{BlockPool, Element, KvCache, PoolConfig, TierConfig, TierOptions};

@@ -10,7 +10,7 @@
 //! and a rollback the state at its new length. Reference counts, the checkpoint slots
 //! and every pool invariant are checked too.
 
-use kvrs::unstable::{PoolCore, StateConfig, StateSpec, TensorMut, TensorRef};
+use kvrs::unstable::{PoolCore, SeqState, StateConfig, StateSpec, TensorMut, TensorRef};
 use kvrs::{DType, Device, HashKind, KvError, KvLayout, PagedShape, PrefixConfig, SeqId};
 use proptest::prelude::*;
 
@@ -69,6 +69,18 @@ enum Op {
         back: usize,
     },
     EvictAll,
+    /// Drafts `n` tokens after a decoding sequence: the first `chain` a chain committed
+    /// as plain tokens and checkpointed at their end, the rest tree nodes (node j's
+    /// parent from `tree`: an earlier node or the committed end) committed by a draft
+    /// batch; then accepts the path to node `leaf` (none when `leaf % (n + 1) == n`).
+    Accept {
+        seq: usize,
+        n: usize,
+        chain: usize,
+        tree: u32,
+        leaf: usize,
+        seed: u32,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -80,8 +92,10 @@ fn op() -> impl Strategy<Value = Op> {
         1 => i.clone().prop_map(Op::Fork),
         2 => i.clone().prop_map(Op::Free),
         1 => i.clone().prop_map(Op::Checkpoint),
-        2 => (i, 0..10usize).prop_map(|(seq, back)| Op::Truncate { seq, back }),
+        2 => (i.clone(), 0..10usize).prop_map(|(seq, back)| Op::Truncate { seq, back }),
         1 => Just(Op::EvictAll),
+        3 => (i, 1..7usize, 0..4usize, any::<u32>(), 0..8usize, any::<u32>())
+            .prop_map(|(seq, n, chain, tree, leaf, seed)| Op::Accept { seq, n, chain, tree, leaf, seed }),
     ]
 }
 
@@ -253,7 +267,149 @@ impl World {
             Op::EvictAll => {
                 self.pool.evict_all();
             }
+            Op::Accept {
+                seq,
+                n,
+                chain,
+                tree,
+                leaf,
+                seed,
+            } => {
+                let Some(i) = self.pick(seq) else { return };
+                self.accept(i, n, chain.min(n), tree, leaf % (n + 1), seed);
+            }
         }
+    }
+
+    /// See [`Op::Accept`].
+    fn accept(&mut self, i: usize, n: usize, chain: usize, tree: u32, leaf: usize, seed: u32) {
+        let id = self.live[i].id;
+        let s = self.pool.seq(id).unwrap();
+        let start = s.seq_len;
+        if s.seq_len < s.prompt_len || start != self.live[i].tokens.len() {
+            return; // prefill first
+        }
+        let committed = self.live[i].tokens.clone();
+        // Node j: its parent (None: the committed end) and token.
+        let parent: Vec<Option<usize>> = (0..n)
+            .map(|j| match j {
+                0 => None,
+                j if j < chain => Some(j - 1),
+                j => {
+                    let r = (tree >> (3 * (j % 10))) as usize % (j + 1);
+                    (r < j).then_some(r)
+                }
+            })
+            .collect();
+        let token: Vec<u32> = (0..n)
+            .map(|j| 60 + (seed.wrapping_mul(2654435761) >> (2 * j + 4)) % 4)
+            .collect();
+        let path = |j: usize| {
+            let mut p = vec![j];
+            while let Some(q) = parent[*p.last().unwrap()] {
+                p.push(q);
+            }
+            p.reverse();
+            p
+        };
+        let context = |j: usize| -> Vec<u32> {
+            committed
+                .iter()
+                .copied()
+                .chain(path(j).into_iter().map(|q| token[q]))
+                .collect()
+        };
+        let state_of = |j: usize| run_model(&context(j)).0;
+        // The chain: plain tokens, then a checkpoint at their end.
+        if chain > 0 {
+            let t = context(chain - 1);
+            if !self.compute(i, &t, chain) {
+                return;
+            }
+            let _ = self.pool.checkpoint(id).unwrap();
+        }
+        // The tree nodes: one draft batch, each node's K/V those of its path.
+        if n > chain {
+            let ids = vec![id; n - chain];
+            let plan = match self.pool.start_forward(&ids, None, Some(&token[chain..])) {
+                Ok(p) => p,
+                Err(KvError::CacheFull { .. }) => {
+                    self.roll_back(i, start, &committed);
+                    return;
+                }
+                Err(e) => panic!("{e:?}"),
+            };
+            plan.mark_draft();
+            let k: Vec<f32> = (chain..n).flat_map(state_of).collect();
+            let v: Vec<f32> = k.iter().map(|x| -x).collect();
+            let m = n - chain;
+            self.pool
+                .forward_write(
+                    &plan,
+                    0,
+                    &TensorRef::from_f32(&k, &[m, 1, D]).unwrap(),
+                    &TensorRef::from_f32(&v, &[m, 1, D]).unwrap(),
+                )
+                .unwrap();
+            let h = state_of(n - 1);
+            self.pool
+                .write_state(id, 0, "h", &TensorRef::from_f32(&h, &[D, 1, 1]).unwrap())
+                .unwrap();
+            self.pool.finish_forward(&plan).unwrap();
+        }
+        let keep: Vec<usize> = if leaf < n { path(leaf) } else { Vec::new() };
+        let offsets: Vec<i64> = keep.iter().map(|&j| j as i64).collect();
+        let before: SeqState = self.pool.seq(id).unwrap().clone();
+        match self.pool.accept(id, start as i64, &offsets) {
+            Ok(()) => {
+                self.live[i].tokens = committed
+                    .iter()
+                    .copied()
+                    .chain(keep.iter().map(|&j| token[j]))
+                    .collect();
+            }
+            Err(KvError::NotSupported(m)) => {
+                assert!(m.contains("state checkpoint"), "{m}");
+                assert_eq!(
+                    self.pool.seq(id).unwrap(),
+                    &before,
+                    "a refused accept changed"
+                );
+                self.roll_back(i, start, &committed);
+            }
+            Err(KvError::CacheFull { .. }) => {
+                assert_eq!(
+                    self.pool.seq(id).unwrap(),
+                    &before,
+                    "a refused accept changed"
+                );
+                self.roll_back(i, start, &committed);
+            }
+            Err(e) => panic!("{e:?}"),
+        }
+    }
+
+    /// Cuts sequence `i` back to the last position at or below `start` it can restore
+    /// (its committed tokens are `committed`).
+    fn roll_back(&mut self, i: usize, start: usize, committed: &[u32]) {
+        let id = self.live[i].id;
+        let s = self.pool.seq(id).unwrap();
+        let mut at: Vec<usize> = s
+            .checkpoints
+            .iter()
+            .map(|&(p, _)| p)
+            .filter(|&p| p <= start)
+            .collect();
+        at.sort_unstable();
+        at.insert(0, 0);
+        let prompt = s.prompt_len;
+        for &p in at.iter().rev() {
+            if self.pool.truncate(id, p as i64).is_ok() {
+                self.live[i].tokens = committed[..p.max(prompt)].to_vec();
+                return;
+            }
+        }
+        panic!("no rollback of sequence {id} to {at:?} succeeded");
     }
 
     fn check(&self) {
@@ -394,4 +550,114 @@ fn rollbacks_restore_a_checkpoint_or_refuse() {
     w.pool.truncate(id, 0).unwrap();
     w.live[0].tokens.truncate(6);
     w.check();
+}
+
+/// The probe of a stale state: prompt `P = [1, 2, 3, 4]`, drafts `[10, 11, 12, 13]`
+/// committed, a checkpoint taken at 6 among them, then `accept(4, [1, 3])`. The state
+/// after `P + [11, 13]` exists nowhere: the accept is refused and changes nothing (the
+/// checkpoint at 6 is that of `P + [10, 11]`, not of the kept tokens).
+#[test]
+fn accept_never_restores_the_state_of_rejected_drafts() {
+    let mut w = World {
+        pool: pool(),
+        live: Vec::new(),
+    };
+    let p: Vec<u32> = vec![1, 2, 3, 4];
+    let id = w.pool.new_sequence_with(&p, b"", b"");
+    w.live.push(Live {
+        id,
+        tokens: p.clone(),
+    });
+    w.apply(&Op::Prefill { seq: 0, n: 4 });
+    let drafted = [p.clone(), vec![10, 11, 12, 13]].concat();
+    assert!(w.compute(0, &drafted, 2));
+    assert!(w.pool.checkpoint(id).unwrap());
+    assert!(w.compute(0, &drafted, 2));
+    w.live[0].tokens = drafted.clone();
+    w.check();
+    let before = w.pool.seq(id).unwrap().clone();
+    let err = w.pool.accept(id, 4, &[1, 3]).unwrap_err();
+    assert!(
+        matches!(&err, KvError::NotSupported(m) if m.contains("exactly the token ids")),
+        "{err}"
+    );
+    assert_eq!(w.pool.seq(id).unwrap(), &before);
+    // Keeping the drafts the checkpoint was taken after restores it.
+    w.pool.accept(id, 4, &[0, 1]).unwrap();
+    w.live[0].tokens.truncate(6);
+    w.check();
+}
+
+/// The second way in: another request cached `P + [10, 11, ...]` with a checkpoint at 6.
+/// Accepting `[11, 13]` must not restore it; a request that cached `P + [11, 13]` with a
+/// checkpoint there is restored.
+#[test]
+fn accept_restores_only_a_cached_checkpoint_of_the_kept_tokens() {
+    let mut w = World {
+        pool: pool(),
+        live: Vec::new(),
+    };
+    let p: Vec<u32> = vec![1, 2, 3, 4];
+    let run = |w: &mut World, tokens: Vec<u32>, at: usize| {
+        let id = w.pool.new_sequence_with(&tokens[..at], b"", b"");
+        w.live.push(Live { id, tokens });
+        let k = w.live.len() - 1;
+        while w.pool.seq(id).unwrap().seq_len < at {
+            w.apply(&Op::Prefill { seq: k, n: at });
+        }
+        let t = w.live[k].tokens.clone();
+        assert!(w.compute(k, &t, t.len() - at));
+        id
+    };
+    // Two earlier requests: prompts ending at 6 (a checkpoint there), then two decoded
+    // tokens (the block fills and is cached, so the checkpoint is published).
+    for tail in [[10u32, 11, 12, 13], [11, 13, 7, 7]] {
+        let id = run(&mut w, [p.clone(), tail.to_vec()].concat(), 6);
+        w.check();
+        w.pool.free_sequence(id).unwrap();
+        w.live.pop();
+    }
+    let drafted = [p.clone(), vec![10, 11, 12, 13]].concat();
+    let id = run(&mut w, drafted, 4);
+    assert_eq!(w.pool.seq(id).unwrap().seq_len, 8);
+    let before = w.pool.seq(id).unwrap().clone();
+    assert!(w.pool.accept(id, 4, &[1, 2]).is_err());
+    assert_eq!(w.pool.seq(id).unwrap(), &before);
+    w.pool.accept(id, 4, &[1, 3]).unwrap();
+    let s = w.pool.seq(id).unwrap();
+    assert_eq!((s.seq_len, &s.tokens[..]), (6, &[1, 2, 3, 4, 11, 13][..]));
+    assert_eq!(w.state(id), run_model(&s.tokens).0);
+}
+
+/// `accept` never moves a position that was not committed into the committed range.
+#[test]
+fn accept_refuses_to_commit_an_uncommitted_draft() {
+    let mut w = World {
+        pool: pool(),
+        live: Vec::new(),
+    };
+    let t: Vec<u32> = (1..=6).collect();
+    let id = w.pool.new_sequence_with(&t, b"", b"");
+    w.live.push(Live { id, tokens: t });
+    w.apply(&Op::Prefill { seq: 0, n: 6 });
+    let k = vec![0.5f32; 4 * D];
+    w.pool
+        .append(
+            id,
+            0,
+            &TensorRef::from_f32(&k, &[4, 1, D]).unwrap(),
+            &TensorRef::from_f32(&k, &[4, 1, D]).unwrap(),
+        )
+        .unwrap();
+    let before = w.pool.seq(id).unwrap().clone();
+    let err = w.pool.accept(id, 4, &[0, 5]).unwrap_err();
+    assert!(
+        matches!(&err, KvError::InvalidArgument { name: "keep", reason, .. } if reason.contains("not committed")),
+        "{err}"
+    );
+    assert_eq!(w.pool.seq(id).unwrap(), &before);
+    // From the committed length on, the kept drafts stay uncommitted.
+    w.pool.accept(id, 6, &[1, 3]).unwrap();
+    let s = w.pool.seq(id).unwrap();
+    assert_eq!((s.seq_len, s.layer_len[0]), (6, 8));
 }

@@ -467,7 +467,7 @@ fn huge_sizes_are_errors_not_aborts_or_panics() {
     for queue in [0, (1 << 20) + 1, 1 << 62] {
         let mut config = PoolConfig::new(1, 1, 4, 4, 4)
             .prefix_caching(1)
-            .tiers(vec![tier.clone()], "");
+            .tiers(vec![tier.clone()], "m");
         config.tiers.as_mut().unwrap().options.queue = queue;
         invalid(BlockPool::<f32>::new(config).map(drop), "tier_queue");
     }

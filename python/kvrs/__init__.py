@@ -12,6 +12,7 @@ batched forwards (:class:`ForwardBatch`); evicted cached blocks can go to offloa
 ``IndexError`` / ``TypeError`` otherwise.
 """
 
+import atexit
 from typing import TypeAlias
 
 from kvrs._host_array import HostArray
@@ -31,10 +32,15 @@ from kvrs._kvrs import (
     RoPE,
     Sequence,
     __version__,
+    _flush_tiers_at_exit,
     attention_simd,
     blocks_per_sequence,
     cuda_available,
 )
+
+# Blocks written through to a persistent tier reach it even when the process exits without
+# closing its pools (which Python may never drop): at most 10 s.
+atexit.register(_flush_tiers_at_exit)
 
 #: Any offload tier, for annotations: ``tiers: list[kvrs.Tier] = [HostTier(...), RedisTier(...)]``
 #: (a list of different tier classes is otherwise inferred as ``list[object]``).

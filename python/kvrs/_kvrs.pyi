@@ -59,6 +59,9 @@ def _host_array_capsule(
 ) -> Any:
     """`kvrs.HostArray.__dlpack__`: a DLPack capsule over a NumPy array of a kvrs storage dtype."""
 
+def _flush_tiers_at_exit() -> bool:
+    """Waits (at most 10 s) until every pool of this process wrote what it queued for its tiers."""
+
 def cuda_available() -> bool:
     """Whether a CUDA driver and at least one CUDA device are present."""
 
@@ -394,6 +397,8 @@ class BlockPool(Generic[_View_co]):
         tier_write: str = "first",
         tier_key: bytes | str | None = None,
         tier_queue_bytes: int | str | None = None,
+        tier_write_policy: str | None = None,
+        tier_write_hits: int = 2,
         state_layers: int = 0,
         state_shapes: Mapping[str, Sequence_[int]] | None = None,
         state_slots: int | None = None,
@@ -433,6 +438,8 @@ class BlockPool(Generic[_View_co]):
         tier_write: str = "first",
         tier_key: bytes | str | None = None,
         tier_queue_bytes: int | str | None = None,
+        tier_write_policy: str | None = None,
+        tier_write_hits: int = 2,
         state_layers: int = 0,
         state_shapes: Mapping[str, Sequence_[int]] | None = None,
         state_slots: int | None = None,
@@ -472,6 +479,8 @@ class BlockPool(Generic[_View_co]):
         tier_write: str = "first",
         tier_key: bytes | str | None = None,
         tier_queue_bytes: int | str | None = None,
+        tier_write_policy: str | None = None,
+        tier_write_hits: int = 2,
         state_layers: int = 0,
         state_shapes: Mapping[str, Sequence_[int]] | None = None,
         state_slots: int | None = None,
@@ -611,6 +620,26 @@ class BlockPool(Generic[_View_co]):
         """Drops every cached block no sequence holds; returns how many."""
     def drain_events(self) -> list[dict[str, Any]]:
         """Blocks stored in and removed from the prefix cache since the last call."""
+    def close(self) -> int:
+        """Writes every cached block (and cached checkpoint at a block end) the tiers do not hold
+        yet, waits until written and stops the write-back thread; returns the blocks queued.
+        Closing twice, or a pool without tiers, is harmless (0)."""
+    def __enter__(self) -> BlockPool[_View_co]: ...
+    def __exit__(self, *_args: object) -> bool: ...
+    @property
+    def tier_write_policy(self) -> str | None:
+        """When cached blocks reach the tiers: 'write_through', 'write_back' or
+        'write_through_selective' (None without tiers)."""
+    def bind_model(self, fingerprint: str) -> None:
+        """Binds the pool to the model of `fingerprint` (kvrs.model_fingerprint(model)): the
+        first binding is kept, the same one again is a no-op, another raises ValueError naming
+        both. A pool without model_id takes the fingerprint as its model_id."""
+    @property
+    def model_fingerprint(self) -> str | None:
+        """The fingerprint of the model the pool is bound to (bind_model), or None."""
+    @property
+    def model_id(self) -> str:
+        """The model id that tiers and prefix-cache files key its blocks by ('' for none)."""
     def save_prefix_cache(self, path: str | os.PathLike[str]) -> int:
         """Writes every cached block to `path` (safetensors, atomically), with the pool's
         model_id (and, with state layers, every cached state checkpoint whose blocks it holds);
@@ -760,8 +789,9 @@ class Sequence(Generic[_View_co]):
         """Positions of the state checkpoints it holds (ascending)."""
     @property
     def checkpoint_due(self) -> int | None:
-        """Where a prefill chunk should end for the state there to be checkpointed (its branch
-        point), else None."""
+        """Where its next prefill chunk should end for the state there to be checkpointed: the
+        first of its branch point, the next multiple of checkpoint_interval and its prompt's last
+        block boundary, past seq_len and before the prompt's end; else None."""
     def fork(self) -> Sequence[_View_co]:
         """A new sequence sharing every block of this one (copy-on-write on first write)."""
     def truncate(self, n: int) -> None:

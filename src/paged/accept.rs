@@ -24,6 +24,7 @@
 //! All or nothing: a refusal (bad arguments, no room for copies, no checkpoint)
 //! changes nothing.
 
+use super::checkpointing::Chain;
 use super::pool::{PoolCore, SeqId};
 use crate::error::{check_count, KvError, Result};
 use crate::tensor::{TensorMut, TensorRef};
@@ -36,11 +37,28 @@ impl PoolCore {
         let keep = self.check_accept(id, start, keep)?;
         let n = keep.len();
         let new_len = start + n;
+        let bs = self.shape.block_size;
         // Positions below `from` stay where they are.
         let first = (0..n).find(|&i| keep[i] != i).unwrap_or(n);
         let from = start + first;
-        let restore = self.restore_for(id, new_len, "accept")?;
         let s = self.seq(id)?;
+        // The token ids and hash chain the sequence is left with: a state checkpoint is
+        // restored for those ids, not for the ones the drafts had there.
+        let tokens = accepted_tokens(&s.tokens, start, &keep, first);
+        let cache_limit = if s.cache_limit >= start {
+            // The kept positions are what the model computes for their tokens.
+            usize::MAX
+        } else {
+            s.cache_limit
+        };
+        let chain = Chain {
+            root: s.root,
+            extra: &s.extra,
+            tokens: &tokens,
+            hashes: &s.hashes[..s.hashes.len().min(from / bs)],
+            cache_limit,
+        };
+        let restore = self.restore_to(id, &chain, new_len, "accept")?;
         self.ensure_room(self.blocks_needed(s, from, new_len), || {
             format!("accepting {n} draft positions of sequence {id} (copies of shared blocks)")
         })?;
@@ -48,33 +66,13 @@ impl PoolCore {
             self.prepare_write(id, from, new_len);
             self.move_kept(id, start, &keep[first..], from)?;
         }
-        // Token ids follow their positions; unknown ones end what is known.
         let s = self.seq_mut(id);
-        let mut known = start + first;
-        for (i, &k) in keep.iter().enumerate().skip(first) {
-            match s.tokens.get(start + k).copied() {
-                Some(t) => {
-                    s.tokens[start + i] = t;
-                    known = start + i + 1;
-                }
-                None => break,
-            }
-        }
-        let tokens_len = s.tokens.len();
-        s.tokens.truncate(if first < n {
-            known
-        } else {
-            new_len.min(tokens_len)
-        });
-        let bs = self.shape.block_size;
-        let s = self.seq_mut(id);
+        s.tokens = tokens;
         s.hashes.truncate(from / bs);
-        if s.cache_limit >= start {
-            // The kept positions are what the model computes for their tokens.
-            s.cache_limit = usize::MAX;
-        }
+        s.cache_limit = cache_limit;
         self.cut_to(id, new_len, false);
         self.apply_restore(id, restore);
+        self.drop_stale_checkpoints(id);
         self.register_blocks(id);
         Ok(())
     }
@@ -112,6 +110,16 @@ impl PoolCore {
                      offsets must be below {}",
                     start + k as usize,
                     held.saturating_sub(start)
+                )));
+            }
+            if start + i < s.seq_len && start + k as usize >= s.seq_len {
+                return Err(bad(format!(
+                    "position {} of sequence {id} is not committed, and would move to \
+                     committed position {}: a committed position must hold committed K/V \
+                     (commit the drafts first, or accept from the committed length {})",
+                    start + k as usize,
+                    start + i,
+                    s.seq_len
                 )));
             }
             out.push(k as usize);
@@ -170,4 +178,27 @@ impl PoolCore {
         }
         Ok(())
     }
+}
+
+/// The token ids a sequence knows after `accept(start, keep)` (offsets from `first` on
+/// move): ids follow their positions, and an unknown one ends what is known.
+fn accepted_tokens(tokens: &[u32], start: usize, keep: &[usize], first: usize) -> Vec<u32> {
+    let n = keep.len();
+    let mut out = tokens.to_vec();
+    if first == n {
+        out.truncate((start + n).min(tokens.len()));
+        return out;
+    }
+    let mut known = start + first;
+    for (i, &k) in keep.iter().enumerate().skip(first) {
+        match tokens.get(start + k) {
+            Some(&t) => {
+                out[start + i] = t;
+                known = start + i + 1;
+            }
+            None => break,
+        }
+    }
+    out.truncate(known);
+    out
 }

@@ -5,6 +5,8 @@
 
 use std::sync::Arc;
 
+use smallvec::SmallVec;
+
 use super::checkpoints::CheckpointSlot;
 use super::groups::LayerKind;
 use super::pool::{PoolCore, SeqId};
@@ -90,9 +92,11 @@ impl PoolCore {
         // What the pool lacked of the prompt's prefix, the tiers may have held.
         let tier_tokens = fetched.map_or_else(TierTokens::new, |f| self.commit_tier_lookup(f));
         let (hit, checkpoint, kv_len) = self.prompt_hit(root, tokens, extra, limit);
-        for b in hit.blocks().collect::<Vec<_>>() {
+        let hit_blocks: Vec<BlockId> = hit.blocks().collect();
+        for &b in &hit_blocks {
             self.hold_block(b);
         }
+        self.on_hits(&hit_blocks);
         let hit_len = hit.tokens(self.shape.block_size);
         let mut cached = hit.hashes.len() * self.shape.block_size;
         s.tables = hit.tables;
@@ -291,6 +295,7 @@ impl PoolCore {
             return;
         };
         let s = self.seqs.get_mut(&id).expect("checked live");
+        let mut cached: SmallVec<[BlockId; 4]> = SmallVec::new();
         while s.hashes.len() < s.seq_len.min(s.tokens.len()).min(s.cache_limit) / bs {
             let i = s.hashes.len();
             let parent = if i == 0 { s.root } else { s.hashes[i - 1] };
@@ -307,9 +312,14 @@ impl PoolCore {
                         first: i == 0,
                         root: s.root,
                     };
-                    self.blocks.register(b, meta, toks, &s.extra);
+                    if self.blocks.register(b, meta, toks, &s.extra) {
+                        cached.push(b);
+                    }
                 }
             }
+        }
+        if !cached.is_empty() {
+            self.on_cached(&cached);
         }
     }
 
@@ -367,7 +377,7 @@ impl PoolCore {
         let mut n = 0;
         while let Some(e) = self.blocks.evict_one(self.tiers.is_some()) {
             self.drop_checkpoints_at(e.meta.hash);
-            if self.tiers.is_some() {
+            if self.tiers.is_some() && !e.stored {
                 // Freed, but not reused before this returns: its K/V are still there.
                 self.write_back(e.block, &e.meta, &e.tokens);
             }

@@ -10,7 +10,8 @@
 //! **When checkpoints are taken** (at a commit, when the state the model wrote in place
 //! is the state after the committed tokens):
 //! - at the end of every prefill chunk: a commit that ends inside the sequence's prompt
-//!   or at its end;
+//!   or at its end; callers end chunks where [`PoolCore::checkpoint_due`] says: every
+//!   checkpoint interval, the prompt's last block boundary and its branch point;
 //! - at the branch point: where the prompt leaves the K/V the cache held when it
 //!   started, past its state hit (callers end a prefill chunk there:
 //!   `SeqState::branch`), so the next prompt sharing that prefix hits all of it;
@@ -24,6 +25,12 @@
 //! checkpoint it published (for rollbacks) and lets older ones go to the checkpoints'
 //! own LRU order. When a cached block leaves the cache, the checkpoints anchored at it
 //! (whose positions lie in the block after it) can no longer be hit and are freed.
+//!
+//! **Identity.** A checkpoint is the state after exactly the token ids of its key, and
+//! it is found only by them: a restore, held or cached alike, looks up the key of the
+//! token ids the sequence has (or, during an edit that moves ids such as `accept`, will
+//! have) before the position, never a position alone; a held checkpoint whose ids an
+//! edit changed is let go.
 //!
 //! **Rollbacks.** `truncate`, `set_seq_len` and `remove` to position `n` of a sequence
 //! with state restore the state from a checkpoint at `n` (held by the sequence, or
@@ -49,6 +56,34 @@ pub(crate) enum Restore {
 /// The key of a checkpoint: anchor, extra-key digest, run.
 type Key = (BlockHash, u128, SmallVec<[u32; 16]>);
 
+/// The token ids of a sequence as checkpoint keys read them: its own, or those an edit
+/// in progress will leave it with.
+pub(crate) struct Chain<'a> {
+    /// The root of its hash chain (its namespace).
+    pub root: BlockHash,
+    /// Its extra key.
+    pub extra: &'a [u8],
+    /// Its known token ids, from position 0.
+    pub tokens: &'a [u32],
+    /// Chain hashes of its first whole blocks (the rest are chained from `tokens`).
+    pub hashes: &'a [BlockHash],
+    /// Positions from here on are never cached (`SeqState::cache_limit`).
+    pub cache_limit: usize,
+}
+
+impl<'a> Chain<'a> {
+    /// The token ids sequence `s` has now.
+    pub fn of(s: &'a SeqState) -> Self {
+        Chain {
+            root: s.root,
+            extra: &s.extra,
+            tokens: &s.tokens,
+            hashes: &s.hashes,
+            cache_limit: s.cache_limit,
+        }
+    }
+}
+
 impl PoolCore {
     /// The digest of extra key `extra` in checkpoint keys (0 for none).
     pub(crate) fn extra_digest(&self, extra: &[u8]) -> u128 {
@@ -58,20 +93,53 @@ impl PoolCore {
         }
     }
 
-    /// The key of a checkpoint of `s` at position `p`, when its tokens and blocks there
-    /// are known: `p` within its known token ids, blocks before it hashed.
+    /// The key of a checkpoint of `s` at position `p`, when its token ids there are
+    /// known (and its blocks there cacheable).
     fn checkpoint_key(&self, s: &SeqState, p: usize) -> Option<Key> {
+        self.key_at(&Chain::of(s), p)
+    }
+
+    /// The key of a checkpoint at position `p` of the token ids `c` names: `None` when
+    /// they stop before `p` (or their blocks there are not cacheable). Block hashes `c`
+    /// does not have yet are chained from its token ids, as the prefix cache chains them.
+    fn key_at(&self, c: &Chain<'_>, p: usize) -> Option<Key> {
         let bs = self.shape.block_size;
         let k = p / bs;
-        if p == 0 || s.tokens.len() < p || p > s.cache_limit || s.hashes.len() < k {
+        if p == 0 || c.tokens.len() < p || p > c.cache_limit {
             return None;
         }
-        let anchor = if k == 0 { s.root } else { s.hashes[k - 1] };
+        let kind = self.prefix()?.kind;
+        let known = c.hashes.len().min(k);
+        let mut anchor = if known == 0 {
+            c.root
+        } else {
+            c.hashes[known - 1]
+        };
+        for i in known..k {
+            anchor = kind.block(anchor, &c.tokens[i * bs..(i + 1) * bs], c.extra);
+        }
         Some((
             anchor,
-            self.extra_digest(&s.extra),
-            s.tokens[k * bs..p].into(),
+            self.extra_digest(c.extra),
+            c.tokens[k * bs..p].into(),
         ))
+    }
+
+    /// Whether checkpoint slot `slot` holds the state after exactly the token ids of
+    /// `key` (a checkpoint is identified by its tokens, never by its position alone).
+    fn is_checkpoint_of(&self, slot: CheckpointSlot, key: &Key) -> bool {
+        self.checkpoints
+            .as_ref()
+            .and_then(|i| i.entry(slot))
+            .is_some_and(|e| (e.anchor, e.extra) == (key.0, key.1) && *e.run == *key.2)
+    }
+
+    /// The checkpoint sequence `s` holds at `p` for the token ids of `key`.
+    fn held_checkpoint(&self, s: &SeqState, p: usize, key: &Key) -> Option<CheckpointSlot> {
+        s.checkpoints
+            .iter()
+            .find(|&&(q, c)| q == p && self.is_checkpoint_of(c, key))
+            .map(|&(_, c)| c)
     }
 
     /// Takes a checkpoint of sequence `id`'s state at its committed length (in a pool
@@ -81,12 +149,12 @@ impl PoolCore {
     pub fn checkpoint(&mut self, id: SeqId) -> Result<bool> {
         let s = self.seq(id)?;
         let p = s.seq_len;
-        if s.checkpoints.iter().any(|&(q, _)| q == p) {
-            return Ok(true);
-        }
         let (Some(key), Some(slot)) = (self.checkpoint_key(s, p), s.state_slot) else {
             return Ok(false);
         };
+        if self.held_checkpoint(s, p, &key).is_some() {
+            return Ok(true);
+        }
         let root = s.root;
         let Some(index) = self.checkpoints.as_mut() else {
             return Ok(false);
@@ -126,6 +194,29 @@ impl PoolCore {
         self.seq_mut(id).checkpoints.push((p, c));
         self.publish_checkpoints(id);
         Ok(true)
+    }
+
+    /// Where sequence `id`'s next prefill chunk should end for the state there to be
+    /// checkpointed (a commit inside the prompt takes one): the first of its branch
+    /// point, the next multiple of the checkpoint interval and the last block boundary of
+    /// its prompt that lies past its committed length and before its prompt's end (the
+    /// end is checkpointed as every chunk end is). So the next request sharing a prefix
+    /// hits its last whole block at least, and recomputes less than one interval of it.
+    /// `None` when no such position remains, or the pool takes no checkpoints.
+    pub fn checkpoint_due(&self, id: SeqId) -> Result<Option<usize>> {
+        let s = self.seq(id)?;
+        if self.checkpoints.is_none() || s.state_slot.is_none() {
+            return Ok(None);
+        }
+        let (p, end, bs) = (s.seq_len, s.prompt_len, self.shape.block_size);
+        let every = self.checkpoint_interval;
+        let interval = (every > 0).then(|| (p / every + 1) * every);
+        let last_block = Some(end / bs * bs);
+        Ok([s.branch, interval, last_block]
+            .into_iter()
+            .flatten()
+            .filter(|&q| q > p && q < end)
+            .min())
     }
 
     /// The policy, after a commit of sequence `id` from `from` positions (see the
@@ -192,9 +283,16 @@ impl PoolCore {
                 index.entry(c).is_some_and(|e| !e.published) && self.kv_cached_before(s, p)
             })
             .collect();
+        let through = self.tier_write_mode() == Some(crate::tier::writer::WriteMode::Through);
         for (p, c) in ready {
             let index = self.checkpoints.as_mut().expect("checked");
-            if !index.publish(c) {
+            if index.publish(c) {
+                if through {
+                    // A checkpoint at a block end travels with its blocks.
+                    let index = self.checkpoints.as_ref().expect("checked");
+                    self.write_back_checkpoint(c, index.entry(c).expect("published"));
+                }
+            } else {
                 // Another sequence published this prefix's state first: hold that one.
                 let e = index.entry(c).expect("held");
                 let other = index
@@ -315,32 +413,72 @@ impl PoolCore {
     /// refused when `n` has no checkpoint. Changes nothing.
     pub(crate) fn restore_for(&self, id: SeqId, n: usize, what: &str) -> Result<Option<Restore>> {
         let s = self.seq(id)?;
+        self.restore_to(id, &Chain::of(s), n, what)
+    }
+
+    /// The state sequence `id` restores when it is cut to `n` positions and its token
+    /// ids are then those of `chain` (an edit that moves token ids, as `accept` does,
+    /// names the ids it will leave): the checkpoint of exactly the token ids before `n`,
+    /// held by the sequence or cached; zeros at 0. Refused when none exists. Changes
+    /// nothing.
+    pub(crate) fn restore_to(
+        &self,
+        id: SeqId,
+        chain: &Chain<'_>,
+        n: usize,
+        what: &str,
+    ) -> Result<Option<Restore>> {
+        let s = self.seq(id)?;
         if self.states.is_none() || n >= s.seq_len {
             return Ok(None);
         }
         if n == 0 {
             return Ok(Some(Restore::Zeros));
         }
-        if let Some(&(_, c)) = s.checkpoints.iter().find(|&&(p, _)| p == n) {
-            return Ok(Some(Restore::Checkpoint(c)));
-        }
-        let cached = self
-            .checkpoint_key(s, n)
-            .and_then(|(anchor, extra, run)| self.checkpoints.as_ref()?.find(anchor, extra, &run));
-        if let Some(c) = cached {
-            return Ok(Some(Restore::Checkpoint(c)));
+        if let Some(key) = self.key_at(chain, n) {
+            let held = self.held_checkpoint(s, n, &key);
+            let cached = || {
+                let (anchor, extra, run) = &key;
+                self.checkpoints.as_ref()?.find(*anchor, *extra, run)
+            };
+            if let Some(c) = held.or_else(cached) {
+                return Ok(Some(Restore::Checkpoint(c)));
+            }
         }
         let mut at: Vec<usize> = s.checkpoints.iter().map(|&(p, _)| p).collect();
         at.push(0);
         at.sort_unstable();
         Err(KvError::NotSupported(format!(
             "{what}: sequence {id} has recurrent state, which holds all its {} committed \
-             positions; it can be rolled back only to a position with a state checkpoint \
-             (this sequence holds {at:?}; the prefix cache may hold others), not to {n}. \
-             Take one with checkpoint() at the position you may return to, or fork the \
-             sequence before tokens you may reject",
+             positions; it can be rolled back only to a position with a state checkpoint of \
+             exactly the token ids it keeps there (this sequence holds checkpoints at \
+             {at:?}; the prefix cache may hold others), not to {n}. Take one with \
+             checkpoint() at the position you may return to, or fork the sequence before \
+             tokens you may reject",
             s.seq_len
         )))
+    }
+
+    /// Lets go of the checkpoints sequence `id` holds that are no longer the state after
+    /// its token ids (an edit moved the ids before them), so none can be restored.
+    pub(crate) fn drop_stale_checkpoints(&mut self, id: SeqId) {
+        let Ok(s) = self.seq(id) else { return };
+        let chain = Chain::of(s);
+        let stale: Vec<(usize, CheckpointSlot)> = s
+            .checkpoints
+            .iter()
+            .copied()
+            .filter(|&(p, c)| {
+                p > s.seq_len
+                    || !self
+                        .key_at(&chain, p)
+                        .is_some_and(|key| self.is_checkpoint_of(c, &key))
+            })
+            .collect();
+        if !stale.is_empty() {
+            self.release_checkpoints(&stale);
+            self.seq_mut(id).checkpoints.retain(|x| !stale.contains(x));
+        }
     }
 
     /// Restores the state of sequence `id` as `restore` says (after its cut), and lets

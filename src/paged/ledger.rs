@@ -31,7 +31,15 @@ pub struct Evicted {
     pub meta: CachedBlock,
     /// Its token ids.
     pub tokens: Vec<u32>,
+    /// Whether the offload tiers hold it already (written through, or loaded from them):
+    /// it is not written again.
+    pub stored: bool,
 }
+
+/// What the ledger knows of a cached block's copy in the offload tiers: the tiers hold
+/// it, or how many prefix hits it had since it was cached (write-through-selective
+/// writes it at a threshold).
+const STORED: u32 = u32::MAX;
 
 /// Reference counts, generations, the prefix index and pins of a pool's blocks, and
 /// how far each block may hold K/V.
@@ -51,6 +59,8 @@ pub struct BlockLedger {
     prefix: Option<PrefixIndex>,
     pins: FxHashMap<BlockId, u32>,
     written_end: Vec<u32>,
+    /// Per block: [`STORED`], or the prefix hits it had since it was cached.
+    tier_marks: Vec<u32>,
     block_size: u32,
 }
 
@@ -67,6 +77,7 @@ impl BlockLedger {
             prefix,
             pins: FxHashMap::default(),
             written_end,
+            tier_marks: crate::sizes::filled("the blocks' tier marks", num_blocks, 0)?,
             block_size,
         })
     }
@@ -170,10 +181,12 @@ impl BlockLedger {
         };
         let meta = p.unregister(b);
         p.counters.evictions += 1;
+        let stored = std::mem::take(&mut self.tier_marks[b as usize]) == STORED;
         Some(Evicted {
             block: b,
             meta,
             tokens,
+            stored,
         })
     }
 
@@ -221,8 +234,30 @@ impl BlockLedger {
         let registered = p.register(b, meta, tokens, extra);
         if registered {
             self.alloc.bump(b);
+            self.tier_marks[b as usize] = 0;
         }
         registered
+    }
+
+    /// Records that the offload tiers hold cached block `b` (written through, or loaded
+    /// from them): it is not written to them again while it stays cached.
+    pub fn mark_stored(&mut self, b: BlockId) {
+        self.tier_marks[b as usize] = STORED;
+    }
+
+    /// Whether the offload tiers hold cached block `b` ([`Self::mark_stored`]).
+    pub fn is_stored(&self, b: BlockId) -> bool {
+        self.tier_marks[b as usize] == STORED
+    }
+
+    /// Counts a prefix hit of cached block `b`; returns its hits since it was cached
+    /// (`None` when the tiers hold it already).
+    pub fn count_hit(&mut self, b: BlockId) -> Option<u32> {
+        let m = &mut self.tier_marks[b as usize];
+        (*m != STORED).then(|| {
+            *m = (*m + 1).min(STORED - 1);
+            *m
+        })
     }
 
     /// Takes a free block (never an evictable one) to load a whole cached block into; it
@@ -251,6 +286,7 @@ impl BlockLedger {
         }
         self.alloc.bump(b);
         p.lru.push_back(b);
+        self.tier_marks[b as usize] = 0;
         true
     }
 

@@ -4,7 +4,8 @@
 //! block tables ([`seq`]), where blocks live in storage ([`crate::layout`]), prefix caching on
 //! the pool ([`caching`]), slots and page tables for kernels ([`slots`]), position edits
 //! ([`shift`]) and ollama-style batched forwards ([`forward`]), and hybrid models' recurrent state slots ([`states`])
-//! and their checkpoints ([`checkpoints`], [`checkpointing`], in the tiers [`checkpoint_tiers`]).
+//! and their checkpoints ([`checkpoints`], [`checkpointing`], in the tiers [`checkpoint_tiers`]),
+//! and when cached blocks reach the tiers ([`write_through`]).
 
 pub mod accept;
 pub mod allocator;
@@ -28,6 +29,7 @@ pub mod stats;
 pub mod tier_lookup;
 pub mod tiering;
 pub mod tree_mask;
+pub mod write_through;
 
 pub use crate::layout::BlockId;
 pub use allocator::BlockAllocator;

@@ -89,6 +89,8 @@ pub struct PoolCore {
     pub(crate) tiers: Option<super::tiering::TierSet>,
     /// The model whose K/V the blocks hold ([`PoolCore::with_model_id`]).
     model_id: String,
+    /// The fingerprint of the model the pool serves, once bound ([`PoolCore::bind_model`]).
+    model_fingerprint: Option<String>,
     /// Block copies of the operation in progress, made together by one
     /// [`Storage::copy_blocks`] when it ends ([`PoolCore::batch_copies`]); `None`
     /// outside one, when each copy is made at once.
@@ -198,6 +200,7 @@ impl PoolCore {
             next_id: 0,
             tiers: None,
             model_id: String::new(),
+            model_fingerprint: None,
             pending_copies: None,
             saturated: vec![0; shape.num_layers],
             states: None,
@@ -224,6 +227,46 @@ impl PoolCore {
     /// The model id ([`Self::with_model_id`]); empty when none was given.
     pub fn model_id(&self) -> &str {
         &self.model_id
+    }
+
+    /// Binds the pool to the model of `fingerprint` (what identifies a model's weights
+    /// and configuration): the first binding is kept, a later one of the same
+    /// fingerprint is a no-op, and one of another fingerprint is refused, so K/V that
+    /// one model wrote are never read by another. A pool with no model id takes the
+    /// fingerprint as its model id (prefix-cache files then load only into pools of the
+    /// same model); an explicit model id stays as it was.
+    pub fn bind_model(&mut self, fingerprint: &str) -> Result<()> {
+        if fingerprint.is_empty() {
+            return Err(KvError::InvalidArgument {
+                name: "fingerprint",
+                value: "\"\"".into(),
+                reason: "a model fingerprint must not be empty".into(),
+            });
+        }
+        match &self.model_fingerprint {
+            Some(bound) if bound == fingerprint => Ok(()),
+            Some(bound) => Err(KvError::InvalidArgument {
+                name: "pool",
+                value: format!("bound to model {bound}"),
+                reason: format!(
+                    "this pool holds the K/V of model {bound}, not of model {fingerprint}: \
+                     another model's cached K/V would be served as this one's. Give each \
+                     model its own pool (block_pool_from_config(model, ...))"
+                ),
+            }),
+            None => {
+                if self.model_id.is_empty() {
+                    self.model_id = fingerprint.to_string();
+                }
+                self.model_fingerprint = Some(fingerprint.to_string());
+                Ok(())
+            }
+        }
+    }
+
+    /// The fingerprint of the model the pool is bound to ([`Self::bind_model`]).
+    pub fn model_fingerprint(&self) -> Option<&str> {
+        self.model_fingerprint.as_deref()
     }
 
     /// The fp8 scales (all 1 for other dtypes).
@@ -400,7 +443,7 @@ impl PoolCore {
         if let Some(e) = &evicted {
             self.drop_checkpoints_at(e.meta.hash);
         }
-        if let Some(e) = evicted.filter(|_| self.tiers.is_some()) {
+        if let Some(e) = evicted.filter(|e| self.tiers.is_some() && !e.stored) {
             // The block leaves the pool: its payload goes to the tiers (read before the
             // caller overwrites it).
             self.write_back(b, &e.meta, &e.tokens);

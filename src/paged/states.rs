@@ -165,7 +165,16 @@ impl StateArena {
             .iter()
             .map(|s| {
                 let slots = config.slots + config.checkpoints;
-                allocate(device, s.dtype, s.numel() * config.layers * slots, 1)
+                allocate(device, s.dtype, s.numel() * config.layers * slots, 1).map_err(|e| match e
+                {
+                    KvError::OutOfMemory { bytes, .. } => KvError::OutOfMemory {
+                        what: "the recurrent-state arena (state_slots + state_checkpoints \
+                                   slots of every state layer: lower state_slots or \
+                                   state_checkpoints, or give the pool less memory_bytes)",
+                        bytes,
+                    },
+                    e => e,
+                })
             })
             .collect::<Result<Vec<_>>>()?;
         let free = (0..config.slots as u32).collect();

@@ -228,6 +228,8 @@ impl PoolCore {
                 };
                 let registered = self.blocks.register(b, meta, &c.tokens, extra);
                 debug_assert!(registered, "only blocks the index lacks are loaded");
+                // The tiers hold it: it is not written back to them.
+                self.blocks.mark_stored(b);
                 let tier = &self.tiers().expect("tiers on").tiers[*t];
                 TierCounters::add(&tier.counters().hits, 1);
                 TierCounters::add(&tier.counters().hit_bytes, bytes.len() as u64);

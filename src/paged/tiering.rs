@@ -27,7 +27,7 @@ use crate::prefix::CachedBlock;
 use crate::tier::checkpoint_payload;
 use crate::tier::fetcher::Fetcher;
 use crate::tier::payload::{self, BlockMeta, ConfigKey, Fingerprint, PayloadShape, TierKey};
-use crate::tier::writer::{WritePolicy, Writer};
+use crate::tier::writer::{WriteMode, WritePolicy, Writer};
 use crate::tier::Tier;
 
 /// Tokens of a prompt that each tier served (by the tier's index).
@@ -53,6 +53,8 @@ pub struct TierSet {
     /// Bytes of state in this pool's checkpoint payloads (a pool with state layers that
     /// caches prefixes; `None`: no checkpoints travel).
     pub state_bytes: Option<usize>,
+    /// When cached blocks are written ([`WriteMode`]).
+    pub mode: WriteMode,
     /// The write-back queue and thread.
     pub writer: Arc<Writer>,
     /// The prefetch buffer and thread ([`PoolCore::prefetch_async`]).
@@ -72,6 +74,9 @@ pub struct TierOptions {
     pub queue_bytes: usize,
     /// Which tiers an evicted block is written to.
     pub policy: WritePolicy,
+    /// When cached blocks are written; `None`: through when a tier is persistent (disk,
+    /// Redis), else back.
+    pub mode: Option<WriteMode>,
 }
 
 impl std::fmt::Debug for TierOptions {
@@ -82,6 +87,7 @@ impl std::fmt::Debug for TierOptions {
             .field("queue", &self.queue)
             .field("queue_bytes", &self.queue_bytes)
             .field("policy", &self.policy)
+            .field("mode", &self.mode)
             .finish()
     }
 }
@@ -93,6 +99,7 @@ impl Default for TierOptions {
             queue: 1024,
             queue_bytes: crate::tier::writer::DEFAULT_QUEUE_BYTES,
             policy: WritePolicy::First,
+            mode: None,
         }
     }
 }
@@ -126,10 +133,25 @@ impl PoolCore {
                 reason: "offload tiers hold cached prefixes: turn prefix caching on".into(),
             });
         }
-        self = self.with_model_id(model_id);
         if tiers.is_empty() {
-            return Ok(self);
+            return Ok(self.with_model_id(model_id));
         }
+        if model_id.is_empty() {
+            // Payloads are keyed by the model id: two models sharing a tier under one
+            // id would read each other's K/V.
+            return Err(KvError::InvalidArgument {
+                name: "model_id",
+                value: "\"\"".into(),
+                reason: format!(
+                    "a pool with offload tiers must name the model whose K/V it stores (its \
+                     name and revision, e.g. model_id=\"org/model@rev\"), or be made with \
+                     block_pool_from_config(model, ...), which derives it from the model; \
+                     {} tier(s) given",
+                    tiers.len()
+                ),
+            });
+        }
+        self = self.with_model_id(model_id);
         let key = match options.secret.as_deref() {
             Some(s) if s.len() < payload::MIN_SECRET => {
                 return Err(KvError::InvalidArgument {
@@ -194,6 +216,15 @@ impl PoolCore {
         let buffered = sh.num_blocks.min(PREFETCH_BYTES / *sizes.end()).max(1);
         let fetcher = Fetcher::start(tiers.clone(), sizes, buffered)
             .map_err(|e| thread_error("fetcher", e))?;
+        let writer = Arc::new(writer);
+        crate::tier::writer::register(&writer);
+        let mode = options
+            .mode
+            .unwrap_or(if tiers.iter().any(|t| t.persistent()) {
+                WriteMode::Through
+            } else {
+                WriteMode::Back
+            });
         self.tiers = Some(TierSet {
             tiers,
             fingerprint,
@@ -201,7 +232,8 @@ impl PoolCore {
             keyed: key.is_secret(),
             shape,
             state_bytes,
-            writer: Arc::new(writer),
+            mode,
+            writer,
             fetcher: Arc::new(fetcher),
         });
         Ok(self)
@@ -246,20 +278,22 @@ impl PoolCore {
         Ok(out)
     }
 
-    /// Queues cached block `b` (about to leave the pool) for the tiers; a block that
-    /// cannot be read is counted as unstored, never an error.
-    pub(crate) fn write_back(&self, b: BlockId, meta: &CachedBlock, tokens: &[u32]) {
+    /// Queues cached block `b` for the tiers; returns whether it was queued (a full
+    /// queue drops it, a block that cannot be read is counted as unstored: never an
+    /// error).
+    pub(crate) fn write_back(&self, b: BlockId, meta: &CachedBlock, tokens: &[u32]) -> bool {
         let Some(ts) = self.tiers.as_ref() else {
-            return;
+            return false;
         };
         match self.payload_of(ts, b, meta, tokens) {
             Ok(p) => {
                 let key = payload::block_key(&ts.fingerprint, meta.root, meta.hash);
-                ts.writer.submit(key, p, ts.config_key.namespace(meta.root));
+                ts.writer.submit(key, p, ts.config_key.namespace(meta.root))
             }
             Err(_) => {
                 let c = &ts.writer.counters().unstored;
                 c.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                false
             }
         }
     }

@@ -98,6 +98,7 @@ fn _kvrs(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(attention_simd, m)?)?;
     m.add_function(wrap_pyfunction!(blocks_per_sequence, m)?)?;
     m.add_function(wrap_pyfunction!(dlpack_export::host_array_capsule, m)?)?;
+    m.add_function(wrap_pyfunction!(tiers::_flush_tiers_at_exit, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -126,9 +126,9 @@ impl PyBlockPool {
     }
 
     #[new]
-    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, *, v_head_dim = None, block_size = 16, num_blocks = None, memory_bytes = None, dtype = None, device = None, layout = "NHD", prefix_caching = None, hash = "blake3", seed = None, partial_hits = true, events = false, rope = None, layer_types = None, sliding_window = None, chunk_size = None, swa_memory = 0, k_scale = None, v_scale = None, tiers = None, model_id = "", tier_queue = 1024, tier_write = "first", tier_key = None, tier_queue_bytes = None, state_layers = 0, state_shapes = None, state_slots = None, state_dtype = None, state_checkpoints = None, checkpoint_interval = None))]
+    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, *, v_head_dim = None, block_size = 16, num_blocks = None, memory_bytes = None, dtype = None, device = None, layout = "NHD", prefix_caching = None, hash = "blake3", seed = None, partial_hits = true, events = false, rope = None, layer_types = None, sliding_window = None, chunk_size = None, swa_memory = 0, k_scale = None, v_scale = None, tiers = None, model_id = "", tier_queue = 1024, tier_write = "first", tier_key = None, tier_queue_bytes = None, tier_write_policy = None, tier_write_hits = 2, state_layers = 0, state_shapes = None, state_slots = None, state_dtype = None, state_checkpoints = None, checkpoint_interval = None))]
     #[pyo3(
-        text_signature = "(num_layers, num_kv_heads, head_dim, *, v_head_dim=None, block_size=16, num_blocks=None, memory_bytes=None, dtype='float16', device='cpu', layout='NHD', prefix_caching=None, hash='blake3', seed=None, partial_hits=True, events=False, rope=None, layer_types=None, sliding_window=None, chunk_size=None, swa_memory=0, k_scale=None, v_scale=None, tiers=None, model_id='', tier_queue=1024, tier_write='first', tier_key=None, tier_queue_bytes='256MiB', state_layers=0, state_shapes=None, state_slots=None, state_dtype=None, state_checkpoints=None, checkpoint_interval=None)"
+        text_signature = "(num_layers, num_kv_heads, head_dim, *, v_head_dim=None, block_size=16, num_blocks=None, memory_bytes=None, dtype='float16', device='cpu', layout='NHD', prefix_caching=None, hash='blake3', seed=None, partial_hits=True, events=False, rope=None, layer_types=None, sliding_window=None, chunk_size=None, swa_memory=0, k_scale=None, v_scale=None, tiers=None, model_id='', tier_queue=1024, tier_write='first', tier_key=None, tier_queue_bytes='256MiB', tier_write_policy=None, tier_write_hits=2, state_layers=0, state_shapes=None, state_slots=None, state_dtype=None, state_checkpoints=None, checkpoint_interval=None)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -160,6 +160,8 @@ impl PyBlockPool {
         tier_write: &str,
         tier_key: Option<&Bound<'_, PyAny>>,
         tier_queue_bytes: Option<&Bound<'_, PyAny>>,
+        tier_write_policy: Option<&str>,
+        tier_write_hits: u32,
         state_layers: i64,
         state_shapes: Option<&Bound<'_, PyAny>>,
         state_slots: Option<i64>,
@@ -186,6 +188,9 @@ impl PyBlockPool {
                 None => crate::tier::writer::DEFAULT_QUEUE_BYTES,
             },
             policy: tier_write.parse()?,
+            mode: tier_write_policy
+                .map(|m| crate::tier::writer::WriteMode::parse(m, tier_write_hits))
+                .transpose()?,
         };
         let tiers = super::tiers::parse_tiers(tiers)?;
         let seed = seed.map(pool_args::parse_seed).transpose()?;
@@ -762,6 +767,67 @@ impl PyBlockPool {
             out.append(d)?;
         }
         Ok(out)
+    }
+
+    /// Closes the pool's offload tiers: writes every cached block (and cached state
+    /// checkpoint at a block end) the tiers do not hold yet, waits until written, and
+    /// stops the write-back thread; returns how many blocks were queued. Closing twice,
+    /// or a pool without tiers, is harmless (0). The pool stays usable; later blocks are
+    /// no longer written to the tiers (counted as dropped).
+    fn close(&self, py: Python<'_>) -> usize {
+        // Queued under the pool's lock; written, and the thread stopped, without it.
+        let (n, tiers) = self.core.write_detached(py, |c| match c.tiers().cloned() {
+            Some(ts) if !ts.writer.is_closed() => (c.store_cached(), Some(ts)),
+            _ => (0, None),
+        });
+        if let Some(ts) = tiers {
+            py.detach(|| ts.close());
+        }
+        n
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        _exc_type: &Bound<'_, PyAny>,
+        _exc: &Bound<'_, PyAny>,
+        _tb: &Bound<'_, PyAny>,
+    ) -> bool {
+        self.close(py);
+        false
+    }
+
+    /// When cached blocks are written to the tiers: 'write_through', 'write_back' or
+    /// 'write_through_selective' (None without tiers).
+    #[getter]
+    fn tier_write_policy(&self, py: Python<'_>) -> Option<&'static str> {
+        self.core
+            .read(py, |c| c.tier_write_mode().map(|m| m.name()))
+    }
+
+    /// Binds the pool to the model of `fingerprint` (kvrs.model_fingerprint(model)):
+    /// the first binding is kept, the same one again is a no-op, another raises
+    /// ValueError naming both (one model's cached K/V are never served to another). A
+    /// pool without model_id takes the fingerprint as its model_id.
+    fn bind_model(&self, py: Python<'_>, fingerprint: &str) -> PyResult<()> {
+        Ok(self.core.write(py, |c| c.bind_model(fingerprint))?)
+    }
+
+    /// The fingerprint of the model the pool is bound to (bind_model), or None.
+    #[getter]
+    fn model_fingerprint(&self, py: Python<'_>) -> Option<String> {
+        self.core
+            .read(py, |c| c.model_fingerprint().map(str::to_string))
+    }
+
+    /// The model id that tiers and prefix-cache files key its blocks by ('' for none).
+    #[getter]
+    fn model_id(&self, py: Python<'_>) -> String {
+        self.core.read(py, |c| c.model_id().to_string())
     }
 
     /// Writes every cached block to `path` (safetensors, atomically), with the pool's

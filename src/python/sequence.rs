@@ -554,12 +554,15 @@ impl PySequence {
         })
     }
 
-    /// Where a prefill chunk should end for the state there to be checkpointed: the
-    /// position where this sequence's prompt leaves the K/V the cache held when it
-    /// started (past its state hit), until a commit reaches it; else None.
+    /// Where this sequence's next prefill chunk should end for the state there to be
+    /// checkpointed (pools with state layers that cache prefixes): the first of the
+    /// position where its prompt leaves the K/V the cache held when it started, the next
+    /// multiple of the pool's checkpoint_interval, and its prompt's last block boundary,
+    /// past its committed length and before its prompt's end; else None.
     #[getter]
     fn checkpoint_due(&self, py: Python<'_>) -> PyResult<Option<usize>> {
-        self.with(py, |s, _| s.branch.filter(|&b| b > s.seq_len))
+        let id = self.id;
+        Ok(self.core.read(py, |c| c.checkpoint_due(id))?)
     }
 
     /// Its recurrent-state slot in a pool with state layers (its row of

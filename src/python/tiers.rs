@@ -414,9 +414,12 @@ pub fn parse_tiers(tiers: Option<&Bound<'_, PyList>>) -> PyResult<Vec<Arc<dyn Ti
 
 /// What `BlockPool.stats()` reports of the tiers, read under the pool's lock as plain
 /// data (the dicts are built after it is released).
+/// A tier's name, counters ([`crate::tier::TierCounters::snapshot`]) and last error.
+type TierCountersSnapshot = (String, [(&'static str, u64); 8], Option<String>);
+
 pub struct TierSnapshot {
-    /// Each tier's name and counters.
-    tiers: Vec<(String, [(&'static str, u64); 8])>,
+    /// Each tier's name, counters and last error.
+    tiers: Vec<TierCountersSnapshot>,
     /// The write-back queue's counters.
     queue: [(&'static str, u64); 4],
     /// The prefetch buffer's counters and contents.
@@ -434,7 +437,10 @@ pub fn tier_snapshot(pool: &PoolCore) -> Option<TierSnapshot> {
         tiers: ts
             .tiers
             .iter()
-            .map(|t| (t.name().to_string(), t.counters().snapshot()))
+            .map(|t| {
+                let c = t.counters();
+                (t.name().to_string(), c.snapshot(), c.last_error())
+            })
             .collect(),
         queue: [
             ("queued", get(&w.queued)),
@@ -460,12 +466,13 @@ pub fn tier_stats<'py>(
     d: &Bound<'py, PyDict>,
 ) -> PyResult<()> {
     let list = PyList::empty(py);
-    for (name, counters) in &snap.tiers {
+    for (name, counters, last_error) in &snap.tiers {
         let t = PyDict::new(py);
         t.set_item("name", name)?;
         for (k, v) in counters {
             t.set_item(k, v)?;
         }
+        t.set_item("last_error", last_error)?;
         list.append(t)?;
     }
     d.set_item("tiers", list)?;
@@ -496,4 +503,14 @@ pub fn cached_by_tier(pool: &PoolCore, s: &crate::paged::SeqState) -> Vec<(Strin
         );
     }
     out
+}
+
+/// Waits (at most 10 s, the GIL released) until every pool of this process has written
+/// what it queued for its tiers; returns whether all did in time. `kvrs` registers it
+/// with `atexit`: a process that exits without closing its pools (whose objects Python
+/// may never drop) still leaves its written-through blocks in its tiers.
+#[pyfunction]
+pub fn _flush_tiers_at_exit(py: Python<'_>) -> bool {
+    let deadline = std::time::Instant::now() + crate::tier::writer::DROP_DEADLINE;
+    py.detach(|| crate::tier::writer::flush_all(deadline))
 }

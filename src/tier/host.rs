@@ -80,6 +80,11 @@ impl Tier for HostTier {
         "host"
     }
 
+    /// Host memory ends with the process.
+    fn persistent(&self) -> bool {
+        false
+    }
+
     fn get_many(&self, keys: &[String], sizes: RangeInclusive<usize>) -> Vec<Option<Vec<u8>>> {
         TierCounters::add(&self.counters.lookups, keys.len() as u64);
         let mut inner = self.inner.lock();

@@ -68,6 +68,11 @@ pub trait Tier: Send + Sync + fmt::Debug {
     fn discard(&self, key: &str);
     /// What the tier did.
     fn counters(&self) -> &TierCounters;
+    /// Whether what it stores outlives the process (a disk, a server): a pool with such
+    /// a tier writes its blocks through by default ([`writer::WriteMode`]).
+    fn persistent(&self) -> bool {
+        true
+    }
 }
 
 /// Counters of one tier (monotonic; read with [`TierCounters::snapshot`]).
@@ -90,12 +95,25 @@ pub struct TierCounters {
     pub errors: AtomicU64,
     /// Payloads removed to keep the tier in its size bound (disk).
     pub evictions: AtomicU64,
+    /// What the most recent failure was (its text; no secret), for logs.
+    pub last_error: parking_lot::Mutex<Option<String>>,
 }
 
 impl TierCounters {
     /// Adds `n` to `counter`.
     pub fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Counts a failed request (`errors`) and records what failed (`last_error`).
+    pub fn fail(&self, what: impl std::fmt::Display) {
+        Self::add(&self.errors, 1);
+        *self.last_error.lock() = Some(what.to_string());
+    }
+
+    /// The text of the most recent failure ([`TierCounters::fail`]), if any.
+    pub fn last_error(&self) -> Option<String> {
+        self.last_error.lock().clone()
     }
 
     /// The counters' values, by name.

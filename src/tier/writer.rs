@@ -88,6 +88,50 @@ impl std::str::FromStr for WritePolicy {
     }
 }
 
+/// When a pool writes its cached blocks to its tiers (SGLang's `--hicache-write-policy`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WriteMode {
+    /// Each block once, when it becomes cached (asynchronously: the queue is bounded and
+    /// a full queue drops the write, which the block's eviction then makes).
+    Through,
+    /// A block when it leaves the pool (evicted), or on `store_to_tiers` / `close`.
+    Back,
+    /// A block once it has been hit this many times while cached (and on eviction
+    /// otherwise, as [`WriteMode::Back`]).
+    ThroughSelective(u32),
+}
+
+impl WriteMode {
+    /// The mode of `name` ('write_through', 'write_back', 'write_through_selective': the
+    /// latter writes a block at `hits` prefix hits).
+    pub fn parse(name: &str, hits: u32) -> crate::error::Result<Self> {
+        match name.trim().to_ascii_lowercase().as_str() {
+            "write_through" => Ok(WriteMode::Through),
+            "write_back" => Ok(WriteMode::Back),
+            "write_through_selective" if hits >= 1 => Ok(WriteMode::ThroughSelective(hits)),
+            "write_through_selective" => Err(crate::error::KvError::InvalidArgument {
+                name: "tier_write_hits",
+                value: hits.to_string(),
+                reason: "must be >= 1 (the prefix hits after which a block is written)".into(),
+            }),
+            _ => Err(crate::error::KvError::InvalidArgument {
+                name: "tier_write_policy",
+                value: name.to_string(),
+                reason: "must be 'write_through', 'write_back' or 'write_through_selective'".into(),
+            }),
+        }
+    }
+
+    /// Its name, as [`WriteMode::parse`] takes it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            WriteMode::Through => "write_through",
+            WriteMode::Back => "write_back",
+            WriteMode::ThroughSelective(_) => "write_through_selective",
+        }
+    }
+}
+
 /// Counters of the write-back queue.
 #[derive(Debug, Default)]
 pub struct WriterCounters {
@@ -108,6 +152,8 @@ pub struct Writer {
     policy: WritePolicy,
     running: PerProcess<Running>,
     counters: Arc<WriterCounters>,
+    /// Set by [`Writer::close`]: later payloads are dropped (counted), never queued.
+    closed: std::sync::atomic::AtomicBool,
 }
 
 /// The queue and thread of one process.
@@ -135,6 +181,7 @@ impl Writer {
             policy,
             running: PerProcess::new(),
             counters: Arc::new(WriterCounters::default()),
+            closed: std::sync::atomic::AtomicBool::new(false),
         };
         w.running.with(|| w.spawn(), |_| ())?;
         Ok(w)
@@ -161,30 +208,31 @@ impl Writer {
     /// computed by the thread ([`payload::seal`]), off the caller's path.
     pub fn submit(&self, key: String, payload: Vec<u8>, mac: MacKey) -> bool {
         let len = payload.len();
-        let queued = self
-            .running
-            .with(
-                || self.spawn(),
-                |r| {
-                    let room = r
-                        .bytes
-                        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |b| {
-                            (b + len <= self.max_bytes).then_some(b + len)
-                        })
-                        .is_ok();
-                    if !room {
-                        return false;
-                    }
-                    match r.tx.try_send(Job::Store(key, payload, mac)) {
-                        Ok(()) => true,
-                        Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
-                            r.bytes.fetch_sub(len, Ordering::AcqRel);
-                            false
+        let queued = !self.closed.load(Ordering::Acquire)
+            && self
+                .running
+                .with(
+                    || self.spawn(),
+                    |r| {
+                        let room = r
+                            .bytes
+                            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |b| {
+                                (b + len <= self.max_bytes).then_some(b + len)
+                            })
+                            .is_ok();
+                        if !room {
+                            return false;
                         }
-                    }
-                },
-            )
-            .unwrap_or(false);
+                        match r.tx.try_send(Job::Store(key, payload, mac)) {
+                            Ok(()) => true,
+                            Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
+                                r.bytes.fetch_sub(len, Ordering::AcqRel);
+                                false
+                            }
+                        }
+                    },
+                )
+                .unwrap_or(false);
         let counter = if queued {
             &self.counters.queued
         } else {
@@ -206,6 +254,44 @@ impl Writer {
         }
     }
 
+    /// [`Writer::flush`], giving up at `deadline`; returns whether everything queued
+    /// was written in time.
+    pub fn flush_until(&self, deadline: std::time::Instant) -> bool {
+        let Some(tx) = self.running.with_existing(|r| r.tx.clone()) else {
+            return true;
+        };
+        let (ack, done) = mpsc::channel();
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        // A full queue: the flush job itself waits for room, within the deadline.
+        let sent = match tx.try_send(Job::Flush(ack.clone())) {
+            Ok(()) => true,
+            Err(TrySendError::Full(_)) => {
+                let (tx, ack) = (tx.clone(), ack.clone());
+                std::thread::spawn(move || tx.send(Job::Flush(ack)).is_ok());
+                true
+            }
+            Err(TrySendError::Disconnected(_)) => false,
+        };
+        sent && done.recv_timeout(left).is_ok()
+    }
+
+    /// Writes what is queued, then stops the thread: later payloads are dropped
+    /// (counted), so a closed pool never writes again. Closing twice is harmless.
+    pub fn close(&self) {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        if let Some(Running { tx, thread, .. }) = self.running.take() {
+            drop(tx);
+            let _ = thread.join();
+        }
+    }
+
+    /// Whether [`Writer::close`] was called.
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
     /// Bytes of payloads queued now (this process's).
     pub fn queued_bytes(&self) -> usize {
         self.running
@@ -219,13 +305,41 @@ impl Writer {
     }
 }
 
+/// The writers of this process's pools, for [`flush_all`] at exit.
+static LIVE: parking_lot::Mutex<Vec<std::sync::Weak<Writer>>> = parking_lot::Mutex::new(Vec::new());
+
+/// Records `w` for [`flush_all`] (a pool's writer, once shared).
+pub fn register(w: &Arc<Writer>) {
+    let mut live = LIVE.lock();
+    live.retain(|x| x.strong_count() > 0);
+    live.push(Arc::downgrade(w));
+}
+
+/// Waits, until `deadline`, for every live writer of this process to write what it
+/// queued (what a process about to exit calls: its pools may never be dropped).
+/// Returns whether all were written in time.
+pub fn flush_all(deadline: std::time::Instant) -> bool {
+    let writers: Vec<Arc<Writer>> = LIVE.lock().iter().filter_map(|w| w.upgrade()).collect();
+    writers.iter().all(|w| w.flush_until(deadline))
+}
+
+/// How long a dropped writer waits for its thread to write what is queued.
+pub const DROP_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
+
 impl Drop for Writer {
     fn drop(&mut self) {
-        // Only the process that started the thread joins it (after it wrote what was
-        // queued); a forked child forgets the parent's.
+        // Only the process that started the thread waits for it (to write what was
+        // queued, up to a deadline: a dead tier must not hang the process); a forked
+        // child forgets the parent's.
         if let Some(Running { tx, thread, .. }) = self.running.take() {
             drop(tx);
-            let _ = thread.join();
+            let end = std::time::Instant::now() + DROP_DEADLINE;
+            while !thread.is_finished() && std::time::Instant::now() < end {
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+            if thread.is_finished() {
+                let _ = thread.join();
+            }
         }
     }
 }

@@ -308,6 +308,7 @@ class Env:
             rope=kvrs.RoPE(),
             events=True,
             tiers=[tier],
+            model_id="fuzz",
             seed=1,
         )
         self.foreign_pool = kvrs.BlockPool(2, 2, 4, block_size=4, num_blocks=2)
@@ -417,8 +418,10 @@ ENTRIES: dict[str, dict[str, tuple]] = {
         "values_for": entry(I, I, OPT_I),
     },
     "BlockPool": {
+        "bind_model": entry(mostly(st.one_of(st.text(max_size=4), st.none(), st.binary(max_size=2)))),
         "block_tables": entry(SEQS_ARG, I, OPT_I),
         "check_invariants": entry(),
+        "close": entry(),
         "copy_prefix": entry(SEQ_ARG, SEQ_ARG, I),
         "drain_events": entry(),
         "drop_tier_namespace": entry(KEY),
@@ -760,7 +763,8 @@ for s in SIZES:
     calls += [
         f"kvrs.BlockPool(3, 1, 4, num_blocks=4, layer_types=['full', 'sliding', 'chunked'], "
         f"sliding_window={s or 1}, chunk_size={s or 1}, swa_memory={s})",
-        f"kvrs.BlockPool(1, 1, 4, num_blocks=4, seed=1, tiers=[kvrs.HostTier({s or 1})], tier_queue={s})",
+        f"kvrs.BlockPool(1, 1, 4, num_blocks=4, seed=1, tiers=[kvrs.HostTier({s or 1})], model_id='m', "
+        f"tier_queue={s})",
         f"kvrs.BlockPool(1, 1, 4, memory_bytes='{s}GiB')",
         f"kvrs.BlockPool(1, 1, 4, num_blocks=3, k_scale=[1.0] * 3)",
         f"kvrs.HostTier({s})",

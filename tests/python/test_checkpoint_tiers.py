@@ -37,6 +37,7 @@ def pool(tiers=None, shape=(3,)):
         state_shapes={"h": shape},
         state_slots=2,
         tiers=tiers,
+        model_id="toy",
     )
 
 
@@ -101,4 +102,6 @@ def test_prefix_cache_files_carry_token_granular_checkpoints(tmp_path):
     with pytest.raises(ValueError, match="state_layout is"):
         pool(shape=(4,)).load_prefix_cache(path)
     with pytest.raises(ValueError, match="this pool has none"):
-        kvrs.BlockPool(1, 1, D, block_size=BS, num_blocks=8, dtype="float32", seed=3).load_prefix_cache(path)
+        kvrs.BlockPool(
+            1, 1, D, block_size=BS, num_blocks=8, dtype="float32", seed=3, model_id="toy"
+        ).load_prefix_cache(path)

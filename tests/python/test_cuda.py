@@ -318,7 +318,7 @@ def test_cuda_pools_swap_blocks_through_a_host_tier(dtype):
     load into another CUDA pool (kvrs_load_blocks), bit for bit."""
     g = torch.Generator(device="cuda").manual_seed(6)
     host = kvrs.HostTier("64MiB")
-    kw = dict(block_size=16, num_blocks=32, dtype=dtype, device="cuda", seed=5, tiers=[host])
+    kw = dict(block_size=16, num_blocks=32, dtype=dtype, device="cuda", seed=5, tiers=[host], model_id="m")
     src = kvrs.BlockPool(4, 2, 64, **kw)
     prompt = list(range(70))
     s = src.new_sequence(tokens=prompt)

@@ -57,7 +57,8 @@ def test_a_shared_prefix_inside_a_block_is_hit_whole_with_its_state():
     prompts = [shared + [100 + i] * 12 for i in range(3)]
     pool = toy_pool()
     first = pool.new_sequence(tokens=prompts[0])
-    assert first.checkpoint_due is None and first.seq_len == 0
+    # Alone, its prefill would end a chunk at its last block boundary (48 of 49).
+    assert first.checkpoint_due == 48 and first.seq_len == 0
     compute(first, prompts[0], 37)  # the prefill chunk ends where the prompts branch
     compute(first, prompts[0], len(prompts[0]))
     assert pool.match_prefix(prompts[1]) == 37
@@ -85,7 +86,7 @@ def test_the_branch_point_is_checkpointed_for_the_next_request():
     b = pool.new_sequence(tokens=prompts[1])
     assert b.seq_len == 0 and b.checkpoint_due == 37
     compute(b, prompts[1], b.checkpoint_due)
-    assert b.checkpoint_due is None and 37 in b.checkpoints
+    assert b.checkpoint_due == 48 and 37 in b.checkpoints  # next: its last block boundary
     compute(b, prompts[1], len(prompts[1]))
     c = pool.new_sequence(tokens=prompts[2])
     assert c.seq_len == 37
@@ -170,3 +171,105 @@ def test_generate_batch_hits_a_shared_prefix_token_by_token(hybrid):
         )
         assert ref[0, len(prompt) :].tolist() == out
     assert pool.stats()["checkpoint_hits"] == 2
+
+
+def _cached_per_request(model, prompts, pool, arrivals=None):
+    """generate_batch's outputs and each request's cached prompt tokens."""
+    from kvrs.integrations.transformers import generate_batch
+
+    cached = {}
+
+    def on_step(step, pool, states):
+        for r in states:
+            if r.admitted >= 0:
+                cached[r.index] = r.cached
+
+    outs = generate_batch(model, prompts, pool=pool, max_new_tokens=4, arrivals=arrivals, on_step=on_step)
+    return outs, [cached[i] for i in range(len(prompts))]
+
+
+def _greedy(cfg, model, prompt):
+    from transformers import DynamicCache
+
+    ref = model.generate(
+        torch.tensor([prompt]), past_key_values=DynamicCache(config=cfg), max_new_tokens=4, do_sample=False
+    )
+    return ref[0, len(prompt) :].tolist()
+
+
+def _chat_prompts(cfg, n, shared_len=37, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    shared = torch.randint(0, cfg.vocab_size, (shared_len,), generator=gen).tolist()
+    return [shared + torch.randint(0, cfg.vocab_size, (12,), generator=gen).tolist() for _ in range(n)]
+
+
+def test_requests_one_at_a_time_hit_the_shared_prefix_at_an_interval_boundary(hybrid):
+    """A chat service: each request arrives after the previous one finished. The first
+    request's prefill checkpoints every checkpoint_interval tokens, so the second hits the
+    last interval boundary inside the shared 37-token prefix (32) and recomputes less than
+    one interval of it; the third hits all 37 (the second one's branch point)."""
+    from kvrs.integrations.layout import block_pool_from_config
+
+    cfg, model = hybrid
+    prompts = _chat_prompts(cfg, 3)
+    pool = block_pool_from_config(
+        model, num_blocks=24, block_size=BS, state_slots=1, state_checkpoints=8, checkpoint_interval=BS
+    )
+    try:
+        got = [_cached_per_request(model, [p], pool) for p in prompts]
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert [c for _, (c,) in got] == [0, 32, 37]
+    for prompt, (out, _) in zip(prompts, got, strict=True):
+        assert out == [_greedy(cfg, model, prompt)]
+
+
+def test_requests_of_one_step_compute_a_shared_prefix_once(hybrid):
+    """Seven requests arrive together, six sharing a 37-token prefix: the first computes it
+    and every other one of the six waits and hits all of it."""
+    from kvrs.integrations.layout import block_pool_from_config
+
+    cfg, model = hybrid
+    gen = torch.Generator().manual_seed(5)
+    prompts = _chat_prompts(cfg, 6) + [torch.randint(0, cfg.vocab_size, (20,), generator=gen).tolist()]
+    pool = block_pool_from_config(model, num_blocks=64, block_size=BS, state_slots=7)
+    try:
+        outs, cached = _cached_per_request(model, prompts, pool)
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert cached == [0, 37, 37, 37, 37, 37, 0], cached
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out == _greedy(cfg, model, prompt)
+
+
+def test_a_fresh_pool_hits_the_block_end_checkpoints_a_prefill_left_in_a_disk_tier(hybrid, tmp_path):
+    """A pool served one request and left its blocks and block-end checkpoints on disk; a
+    fresh pool (a restarted server) on the same directory hits the shared prefix's last
+    interval boundary from disk and generates the same tokens."""
+    import kvrs
+    from kvrs.integrations.layout import block_pool_from_config
+
+    cfg, model = hybrid
+    prompts = _chat_prompts(cfg, 2)
+
+    def pool():
+        return block_pool_from_config(
+            model,
+            num_blocks=24,
+            block_size=BS,
+            state_slots=1,
+            checkpoint_interval=BS,
+            seed=7,
+            tiers=[kvrs.DiskTier(tmp_path, "64MiB")],
+        )
+
+    try:
+        first = pool()
+        _cached_per_request(model, prompts[:1], first)
+        first.evict_all()
+        first.flush_tiers()
+        outs, cached = _cached_per_request(model, prompts[1:], pool())
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert cached == [32]
+    assert outs == [_greedy(cfg, model, prompts[1])]

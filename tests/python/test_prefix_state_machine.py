@@ -39,7 +39,15 @@ class PrefixMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.pool = kvrs.BlockPool(
-            L, H, D, block_size=BS, num_blocks=BLOCKS, dtype=self.dtype, seed=5, tiers=self.tiers()
+            L,
+            H,
+            D,
+            block_size=BS,
+            num_blocks=BLOCKS,
+            dtype=self.dtype,
+            seed=5,
+            tiers=self.tiers(),
+            model_id="m",
         )
         self.live: list[tuple[kvrs.Sequence, list[int]]] = []
 

@@ -62,11 +62,13 @@ CASES = [
     ),
     # PanicException "capacity overflow": the write-back queue's channel.
     (
-        "kvrs.BlockPool(1, 1, 4, num_blocks=4, seed=1, tiers=[kvrs.HostTier(1 << 20)], tier_queue=2**62)",
+        "kvrs.BlockPool(1, 1, 4, num_blocks=4, seed=1, tiers=[kvrs.HostTier(1 << 20)], model_id='m', "
+        "tier_queue=2**62)",
         r"ValueError: tier_queue=4611686018427387904: must be in \[1, 1048576\]",
     ),
     (
-        "kvrs.BlockPool(1, 1, 4, num_blocks=4, seed=1, tiers=[kvrs.HostTier(1 << 20)], tier_queue=0)",
+        "kvrs.BlockPool(1, 1, 4, num_blocks=4, seed=1, tiers=[kvrs.HostTier(1 << 20)], model_id='m', "
+        "tier_queue=0)",
         r"ValueError: tier_queue=0: must be in \[1, 1048576\]",
     ),
 ]

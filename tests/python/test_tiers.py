@@ -34,6 +34,10 @@ def kv_of(tokens, start, n):
 def pool(tiers, num_blocks=8, **kw):
     kw.setdefault("seed", 11)
     kw.setdefault("dtype", "float32")
+    if tiers:
+        kw.setdefault("model_id", "model-a")
+        # These tests follow blocks written when evicted (test_tier_write_policy.py: the rest).
+        kw.setdefault("tier_write_policy", "write_back")
     return kvrs.BlockPool(L, H, D, block_size=BS, num_blocks=num_blocks, tiers=tiers, **kw)
 
 
@@ -445,11 +449,14 @@ def test_a_full_disk_drops_writes_and_generation_goes_on(tmp_path):
 def test_tier_arguments_are_checked(tmp_path, redis_url):
     disk = kvrs.DiskTier(tmp_path, "1MiB")
     with pytest.raises(ValueError, match="seed"):
-        kvrs.BlockPool(L, H, D, num_blocks=4, tiers=[disk])
+        kvrs.BlockPool(L, H, D, num_blocks=4, tiers=[disk], model_id="m")
     with pytest.raises(ValueError, match="tiers"):
-        kvrs.BlockPool(L, H, D, num_blocks=4, tiers=[disk], seed=1, prefix_caching=False)
+        kvrs.BlockPool(L, H, D, num_blocks=4, tiers=[disk], seed=1, prefix_caching=False, model_id="m")
     with pytest.raises(TypeError, match="tiers"):
-        kvrs.BlockPool(L, H, D, num_blocks=4, tiers=["disk"], seed=1)
+        kvrs.BlockPool(L, H, D, num_blocks=4, tiers=["disk"], seed=1, model_id="m")
+    # A tier keys blocks by the model: a pool must name its model to use one.
+    with pytest.raises(ValueError, match=r"model_id.*must name the model.*block_pool_from_config"):
+        kvrs.BlockPool(L, H, D, num_blocks=4, tiers=[disk], seed=1)
     for bad in (0, -5):
         with pytest.raises(ValueError, match="max_bytes"):
             kvrs.DiskTier(tmp_path, bad)

@@ -74,7 +74,11 @@ GC_CALLS = {
 
 @pytest.mark.parametrize("call", sorted(GC_CALLS))
 def test_a_collection_inside_a_pool_call_never_hangs(call):
-    tiers = "tiers=[kvrs.HostTier('1MiB')], seed=1," if call in ("stats", "cached_tokens_by_tier") else ""
+    tiers = (
+        "tiers=[kvrs.HostTier('1MiB')], model_id='m', seed=1,"
+        if call in ("stats", "cached_tokens_by_tier")
+        else ""
+    )
     run_child(
         GC_SETUP
         + f"""

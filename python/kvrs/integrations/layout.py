@@ -17,8 +17,9 @@ from kvrs.integrations._torch import (
     text_config,
     torch,
 )
+from kvrs.integrations.fingerprint import model_fingerprint
 
-__all__ = ["LayerPlan", "block_pool_from_config", "check_pool", "layer_plan"]
+__all__ = ["LayerPlan", "bind_pool", "block_pool_from_config", "check_pool", "is_model", "layer_plan"]
 
 _LINEAR_TYPES = frozenset({"linear_attention", "mamba", "mamba2", "linear"})
 """The Hugging Face layer types whose layers keep recurrent state instead of K/V."""
@@ -180,8 +181,19 @@ def block_pool_from_config(
     dtype for a model, the config's `dtype` for a config (float32 when it records none);
     else a kvrs name or a torch dtype. `device` None is the model's (the host for a
     config). Give `num_blocks` or `memory_bytes` (the states' bytes come out of it);
-    other keywords (prefix_caching, swa_memory, ...) go to BlockPool."""
+    other keywords (prefix_caching, swa_memory, tiers, ...) go to BlockPool.
+
+    Made from a model, the pool is bound to it (``BlockPool.bind_model`` with
+    :func:`kvrs.integrations.fingerprint.model_fingerprint`: its configuration and
+    weights), and its ``model_id``, which keys its blocks in tiers and prefix-cache
+    files, is that fingerprint unless `model_id` is given: another model, even one of the
+    same shape, is refused the pool and never reads its blocks from a shared tier. Made
+    from a config, the pool binds to the first model that uses it; give `model_id` to
+    use tiers."""
     config, m_dtype, m_device = model_parts(model_or_config)
+    fingerprint = model_fingerprint(model_or_config) if is_model(model_or_config) else None
+    if fingerprint is not None and not pool_kwargs.get("model_id"):
+        pool_kwargs["model_id"] = fingerprint
     heads, head_dim, v_head_dim = _cache_heads(config)
     layout = _attention_layout(config)
     plan = layer_plan(config) if _layer_types(config) else None
@@ -197,7 +209,7 @@ def block_pool_from_config(
         raise ValueError(
             f"state_slots={state_slots}: {type(text_config(config)).__name__} has no state layers"
         )
-    return kvrs.BlockPool(
+    pool = kvrs.BlockPool(
         len(layout["layer_types"]),
         heads,
         head_dim,
@@ -210,6 +222,21 @@ def block_pool_from_config(
         **layout,
         **pool_kwargs,
     )
+    if fingerprint is not None:
+        pool.bind_model(fingerprint)
+    return pool
+
+
+def is_model(model_or_config: Any) -> bool:
+    """Whether `model_or_config` is a model (a torch module with a config), not a config."""
+    return isinstance(model_or_config, torch.nn.Module) and hasattr(model_or_config, "config")
+
+
+def bind_pool(pool: kvrs.BlockPool, model: Any) -> None:
+    """Binds `pool` to `model` (its first model), or raises ValueError when it serves
+    another model: the one place that keeps one model's cached K/V from another."""
+    if is_model(model):
+        pool.bind_model(model_fingerprint(model))
 
 
 def _pool_layout(pool: kvrs.BlockPool) -> dict[str, Any]:
@@ -227,7 +254,8 @@ def check_pool(pool: kvrs.BlockPool, model_or_config: Any) -> None:
     """Raises ValueError unless `pool` holds what the model's layers write: its attention
     layers (their kinds and windows), KV heads, head sizes and state layers, as
     :func:`block_pool_from_config` makes them (a mismatch would otherwise surface as a
-    shape error deep inside a forward pass)."""
+    shape error deep inside a forward pass), and, given a model, unless the pool serves
+    that model (:func:`bind_pool`: a pool not yet bound binds to it)."""
     config = model_parts(model_or_config)[0]
     heads, head_dim, v_head_dim = _cache_heads(config)
     layout = _attention_layout(config)
@@ -258,3 +286,4 @@ def check_pool(pool: kvrs.BlockPool, model_or_config: Any) -> None:
             f"this pool does not match the model ({type(text_config(config)).__name__}): it has "
             f"{', '.join(differ)}; make it with block_pool_from_config(model, ...)"
         )
+    bind_pool(pool, model_or_config)

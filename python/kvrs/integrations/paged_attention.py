@@ -20,7 +20,7 @@ from typing import Any
 import kvrs
 from kvrs.integrations import hybrid, mla
 from kvrs.integrations._torch import as_torch, torch
-from kvrs.integrations.layout import check_pool, layer_plan
+from kvrs.integrations.layout import bind_pool, check_pool, layer_plan
 
 from transformers import AttentionInterface  # isort: skip
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # isort: skip
@@ -120,6 +120,10 @@ def _attend_in_place(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any
     forward (unless the batch is padded: padding needs the model's mask, or the model's
     attention is no longer kvrs's)."""
     cache = kwargs.get("past_key_values")
+    pool = getattr(cache, "pool", None)
+    if isinstance(pool, kvrs.BlockPool):
+        # A KvrsPagedCache's pool serves one model.
+        bind_pool(pool, module)
     if cache is not None and hasattr(cache, "attend_in_place"):
         mask = kwargs.get("attention_mask")
         padded = mask is not None and mask.ndim == 2 and not bool(mask.all())

@@ -44,6 +44,7 @@ from kvrs.integrations._torch import (
     torch,
 )
 from kvrs.integrations.calibration import KvScales, calibrate_kv_scales
+from kvrs.integrations.fingerprint import model_fingerprint
 from kvrs.integrations.generation import RequestState, generate_batch
 from kvrs.integrations.layout import LayerPlan, _attention_layout, block_pool_from_config, layer_plan
 from kvrs.integrations.paged_attention import (
@@ -73,6 +74,7 @@ __all__ = [
     "calibrate_kv_scales",
     "forward_batch",
     "generate_batch",
+    "model_fingerprint",
     "restore_attention",
     "use_paged_attention",
 ]

@@ -286,8 +286,9 @@ impl DiskTier {
                 true
             }
             Ok(false) => false,
-            Err(_) => {
-                TierCounters::add(&self.counters.errors, 1);
+            Err(e) => {
+                self.counters
+                    .fail(format_args!("writing {}: {e}", path.display()));
                 false
             }
         }
@@ -300,8 +301,9 @@ impl DiskTier {
             TierCounters::add(&self.counters.rejected, 1);
             None
         };
-        let failed = || {
-            TierCounters::add(&self.counters.errors, 1);
+        let failed = |e: std::io::Error| {
+            self.counters
+                .fail(format_args!("reading {}: {e}", path.display()));
             None
         };
         match open_regular(&path) {
@@ -317,10 +319,10 @@ impl DiskTier {
                         Some(bytes)
                     }
                     Ok(None) => rejected(),
-                    Err(_) => failed(),
+                    Err(e) => failed(e),
                 }
             }
-            Err(_) => failed(),
+            Err(e) => failed(e),
         }
     }
 }

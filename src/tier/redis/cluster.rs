@@ -179,7 +179,7 @@ impl Cluster {
     ) -> Vec<Option<Value>> {
         let mut out = vec![None; keys.len()];
         let Some(map) = self.plan(deadline, counters) else {
-            TierCounters::add(&counters.errors, 1);
+            counters.fail("no slot map: no seed node of the cluster answered");
             return out;
         };
         let mut by_node: HashMap<&str, Vec<usize>> = HashMap::new();
@@ -191,7 +191,7 @@ impl Cluster {
             }
         }
         if unmapped {
-            TierCounters::add(&counters.errors, 1);
+            counters.fail("a key's hash slot has no master in the cluster's slot map");
             self.mark_stale();
         }
         let batches = by_node
@@ -289,7 +289,7 @@ impl Cluster {
         counters: &TierCounters,
     ) -> Result<Vec<Value>, Failure> {
         let Some(node) = self.node(&batch.addr) else {
-            TierCounters::add(&counters.errors, 1);
+            counters.fail(format!("no connection to cluster node {}", batch.addr));
             return Err(Failure::Failed);
         };
         let mut p = redis::pipe();
@@ -339,7 +339,7 @@ impl Cluster {
         counters: &TierCounters,
     ) -> usize {
         let Some(map) = self.plan(deadline_in(timeout), counters) else {
-            TierCounters::add(&counters.errors, 1);
+            counters.fail("no slot map: no seed node of the cluster answered");
             return 0;
         };
         let mut serving: Vec<u16> = map.slots.iter().flatten().copied().collect();

@@ -351,7 +351,8 @@ impl Tier for RedisTier {
                         Some(Value::BulkString(b)) => self.sized(Some(b), &sizes),
                         Some(_) => {
                             // An error reply (CLUSTERDOWN, TRYAGAIN, ...): a miss.
-                            TierCounters::add(&self.counters.errors, 1);
+                            self.counters
+                                .fail("the server answered a read with an error reply");
                             None
                         }
                     })

@@ -148,29 +148,33 @@ impl Node {
         each: impl FnMut(Value) -> bool,
     ) -> Result<(), Failure> {
         let Some(probing) = self.admit() else {
-            TierCounters::add(&counters.errors, 1);
+            counters
+                .fail("the server failed recently and is not asked again until its back-off ends");
             return Err(Failure::Down);
         };
         let conn = match self.pooled() {
             Some(c) => Ok(c),
             None => Conn::open(&self.target, deadline),
         };
-        let got = conn.ok().and_then(|mut c| {
+        let got = conn.and_then(|mut c| {
             c.exchange(commands, window, replies, cap, deadline, each)
-                .ok()
                 .map(|()| c)
         });
-        self.finish(probing, got.is_some());
+        self.finish(probing, got.is_ok());
         match got {
-            Some(c) => {
+            Ok(c) => {
                 let mut idle = self.idle.lock();
                 if idle.len() < self.max_idle {
                     idle.push(c);
                 }
                 Ok(())
             }
-            None => {
-                TierCounters::add(&counters.errors, 1);
+            Err(e) => {
+                let at = self.target.tcp().map_or_else(
+                    || "the Unix socket".to_string(),
+                    |(h, p)| format!("{h}:{p}"),
+                );
+                counters.fail(format_args!("{at}: {e}"));
                 // Connections made before the failure may be dead too.
                 self.idle.lock().clear();
                 Err(Failure::Failed)
