@@ -216,6 +216,16 @@ def test_options_with_a_draft_model_stay_exact(model, draft):
     want = generate_batch(model, ps, **kw)
     assert want[0] != alone[0][:3] and len(want[1]) <= 5
     assert generate_batch(model, ps, assistant_model=draft, **kw) == want
+    # Log-probabilities of tokens accepted from drafts are the model's rows for them.
+    lp = dict(max_new_tokens=6, eos_token_id=[], logprobs=2, return_dict=True)
+    for a, b in zip(
+        generate_batch(model, ps, **lp),
+        generate_batch(model, ps, assistant_model=draft, **lp),
+        strict=True,
+    ):
+        assert a.token_ids == b.token_ids and len(b.logprobs) == 6
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
 
 
 def test_stop_sequences_end_requests_and_are_left_out(model, draft):

@@ -222,9 +222,18 @@ def generate_batch(  # type: ignore[misc]
     assistant_pool: kvrs.BlockPool | None = None,
     num_assistant_tokens_schedule: str | None = None,
 ) -> list[list[int]] | list[GenerationResult]:
-    """Generates tokens for every prompt of `inputs` (lists of token ids) with continuous
-    batching over a BlockPool; returns each input's generated ids, in input order (a
-    stop token, when one ended the request, included, as ``model.generate`` does).
+    """Generates tokens for every prompt of `inputs` with continuous batching over a
+    BlockPool; returns each input's generated ids, in input order (a stop token, when
+    one ended the request, included, as ``model.generate`` does; a matched stop
+    sequence left out), or with ``return_dict=True`` one :class:`GenerationResult` per
+    input (token ids, finish reason "stop" or "length", stop reason, cached prompt
+    tokens, logprobs).
+
+    `inputs`: lists of token ids (one per prompt, unpadded), or a padded batch: a
+    tokenizer's ``BatchEncoding`` (``tokenizer(texts, padding=True,
+    return_tensors="pt")``) or a 2-D tensor or array with its `attention_mask`; each
+    row's padding (left or right) is removed. A 2-D tensor without a mask is a
+    ValueError.
 
     Settings not given come from `generation_config`, else ``model.generation_config``
     (``max_new_tokens``: an int, or one per input; default 20; ``eos_token_id``: the stop
@@ -233,6 +242,22 @@ def generate_batch(  # type: ignore[misc]
     seeded from `seed` and its index (the same inputs and seed give the same tokens,
     whatever else shares the batch or the pool has cached). Greedy outputs equal
     ``model.generate`` with ``DynamicCache`` in float32.
+
+    vLLM's options, applied to each step's batched logits (transformers' processors'
+    formulas and order): `repetition_penalty` (over prompt and output), `presence_penalty`
+    and `frequency_penalty` (over the output, vLLM's), `min_p` (sampling),
+    `min_new_tokens` (stop tokens masked until then, stop sequences not matched),
+    `stop_sequences` (token-id lists ending a request when its output ends with one;
+    the match is left out of the output and reported as its stop reason), `logprobs`
+    (the top-n raw log-probabilities of each generated token: ``return_dict=True``).
+    `sampling_params`: per-request options instead of those keywords, a
+    :class:`SamplingParams` (vLLM's names and defaults: ``temperature=0`` is greedy) or a
+    dict of its fields, one for every input or one per input. All of them work with
+    `assistant_model`, exactly: each verified row sees the drafts before it.
+
+    Arguments that are ignored (``temperature`` without ``do_sample``, the
+    ``num_assistant_tokens*`` settings without an assistant, ``seed`` when greedy) warn;
+    tier failures of the pools are logged to the ``kvrs`` logger.
 
     `pool`: where the K/V live (prefix caching on, so shared prompt prefixes are computed
     once); by default one built from the model (its layers, dtype and device) with room
