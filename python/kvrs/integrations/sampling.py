@@ -25,7 +25,7 @@ from typing import Any
 
 from kvrs.integrations._torch import torch
 
-__all__ = ["SamplingParams"]
+__all__ = ["Options", "Plan", "Sampler", "SamplingParams", "plan", "stop_sequence_list", "token_id_list"]
 
 
 @dataclass(frozen=True)
@@ -109,22 +109,6 @@ class Options:
         return (
             (self.sample, self.temperature, self.top_k, self.top_p) if self.sample else (False, 1.0, 0, 1.0)
         )
-
-
-#: The options generate_batch's keyword arguments carry (given explicitly or not).
-KWARGS = (
-    "do_sample",
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "min_new_tokens",
-    "stop_sequences",
-    "logprobs",
-)
 
 
 def _warn(msg: str) -> None:
@@ -397,7 +381,9 @@ class Sampler:
     """Applies every request's options to a step's logits (:meth:`target` for the
     model's rows, :meth:`draft` for a draft model's) and follows what each request
     generates (:meth:`accepted`): its penalty counts, stop tokens and sequences,
-    log-probabilities."""
+    log-probabilities. `options[i]` is request i's; a row's owner is any object with
+    ``index``, ``prompt`` and ``generated`` (generate_batch's :class:`RequestState`), so
+    a server of its own on ``forward_batch`` can sample with it too."""
 
     def __init__(self, options: list[Options], vocab: int):
         self.options = options
