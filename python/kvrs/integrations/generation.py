@@ -329,7 +329,7 @@ def generate_batch(  # type: ignore[misc]
     if seed is not None and not sampling:
         warnings.warn(
             f"seed={seed} is ignored: it seeds sampling, and generate_batch decodes greedily here; pass "
-            "do_sample=True to sample (or unset seed)",
+            "do_sample=True to sample (or a temperature > 0 in sampling_params), or unset seed",
             UserWarning,
             stacklevel=2,
         )

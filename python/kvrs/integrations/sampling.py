@@ -332,9 +332,9 @@ def _from_kwargs(vocab: int, gc: Any, stops: set[int], given: dict[str, Any], bu
     presence = _number(get("presence_penalty", 0.0), "presence_penalty", -2.0, 2.0)
     frequency = _number(get("frequency_penalty", 0.0), "frequency_penalty", -2.0, 2.0)
     min_new = _count(get("min_new_tokens", 0), "min_new_tokens")
-    if min_new and given.get("min_new_tokens") is not None and min_new > min(budgets, default=0):
+    if min_new and given.get("min_new_tokens") is not None and min_new > max(budgets, default=0):
         raise ValueError(
-            f"min_new_tokens={min_new} is more than max_new_tokens={min(budgets)}: give at most "
+            f"min_new_tokens={min_new} is more than max_new_tokens={max(budgets)}: give at most "
             "max_new_tokens"
         )
     sequences = stop_sequence_list(given.get("stop_sequences"), "stop_sequences", vocab)
@@ -482,7 +482,6 @@ class Sampler:
             ] = neg
         if not self.sampling:
             return x
-        x = x.clone() if x is logits else x
         sample = torch.tensor([o.sample for o in opts], device=dev)[:, None]
         temps = torch.tensor([o.temperature if o.sample else 1.0 for o in opts], device=dev)[:, None]
         if bool((temps != 1.0).any()):
