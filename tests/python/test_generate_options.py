@@ -533,3 +533,49 @@ def test_tier_watch_reports_each_cause(caplog, fresh_log):
     # Only growth is reported: the same counts again say nothing.
     watch.check(force=True)
     assert len(caplog.records) == 5
+
+
+def test_a_row_after_drafts_is_processed_as_if_they_were_generated():
+    """Speculative rows: processing a row with drafts `extras` equals processing it for a
+    request that already generated them (penalties, minimum length, warpers)."""
+    import dataclasses
+
+    torch.manual_seed(1)
+    logits = (torch.randn(1, VOCAB) * 2).repeat(3, 1)
+    opts = Options(
+        sample=True,
+        temperature=0.9,
+        top_p=0.9,
+        min_p=0.02,
+        repetition_penalty=1.3,
+        presence_penalty=0.4,
+        frequency_penalty=0.6,
+        min_new_tokens=3,
+        stop_ids=frozenset({7, 9}),
+    )
+
+    class R:
+        def __init__(self, generated):
+            self.index, self.prompt, self.generated = 0, [4, 5, 6], list(generated)
+
+    drafts = [[], [11], [11, 11]]
+    for o in (opts, dataclasses.replace(opts, sample=False)):
+        spec = Sampler([o], VOCAB).target(logits, [R([8])] * 3, drafts)
+        for j, d in enumerate(drafts):
+            alone = Sampler([o], VOCAB).target(logits[j : j + 1], [R([8, *d])], [[]])
+            assert torch.equal(spec[j : j + 1].isinf(), alone.isinf()), j
+            assert torch.allclose(spec[j : j + 1].softmax(-1), alone.softmax(-1), atol=1e-6), j
+    # Processors alone (greedy): the stop tokens are held back until the third token
+    # (rows 0 and 1, not row 2), and repeated drafts count (11 penalized more after two).
+    assert spec[0, 7].isinf() and spec[1, 9].isinf() and not spec[2, 7].isinf() and not spec[2, 9].isinf()
+    assert spec[2, 11] < spec[1, 11] < spec[0, 11] == logits[0, 11]
+
+
+def test_the_generation_config_supplies_the_new_options(model):
+    from transformers import GenerationConfig
+
+    ps = prompts(14)
+    gc = GenerationConfig(max_new_tokens=8, repetition_penalty=1.5, eos_token_id=None, pad_token_id=0)
+    assert generate_batch(model, ps, generation_config=gc) == generate_batch(
+        model, ps, max_new_tokens=8, eos_token_id=[], repetition_penalty=1.5
+    )
