@@ -10,6 +10,9 @@ batched forwards (:class:`ForwardBatch`); evicted cached blocks can go to offloa
 :class:`KvrsError` where they are kvrs-specific (:class:`CacheFullError`,
 :class:`NotSupportedError`, :class:`DeviceError`) and are plain ``ValueError`` /
 ``IndexError`` / ``TypeError`` otherwise.
+
+kvrs logs to the ``kvrs`` logger (``logging.getLogger("kvrs")``, silent until the
+application configures logging): tier failures, dropped write-backs.
 """
 
 import atexit
@@ -37,6 +40,7 @@ from kvrs._kvrs import (
     blocks_per_sequence,
     cuda_available,
 )
+from kvrs._log import logger as _logger  # noqa: F401  (the "kvrs" logger, with its NullHandler)
 
 # Blocks written through to a persistent tier reach it even when the process exits without
 # closing its pools (which Python may never drop): at most 10 s.

@@ -22,6 +22,8 @@ MODULES = [
     "kvrs.integrations.layout",
     "kvrs.integrations.mla",
     "kvrs.integrations.paged_attention",
+    "kvrs.integrations.results",
+    "kvrs.integrations.sampling",
     "kvrs.integrations.transformers",
 ]
 

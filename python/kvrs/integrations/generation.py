@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import itertools
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, overload
 
 import kvrs
+from kvrs._log import TierWatch
 from kvrs.integrations._torch import torch
 from kvrs.integrations.layout import (
     _attention_layout,
@@ -30,9 +32,11 @@ from kvrs.integrations.layout import (
     check_pool,
 )
 from kvrs.integrations.paged_attention import _switched, forward_batch
+from kvrs.integrations.results import GenerationResult, prompt_lists
+from kvrs.integrations.sampling import Sampler, SamplingParams, plan, token_id_list
 from kvrs.integrations.speculative import Speculation, check_assistant, choose, verify
 
-__all__ = ["RequestState", "generate_batch"]
+__all__ = ["GenerationResult", "RequestState", "SamplingParams", "generate_batch"]
 
 #: New tokens per request when neither the call nor the generation config says.
 _DEFAULT_MAX_NEW_TOKENS = 20
@@ -140,17 +144,54 @@ def _per_request(value: int | Sequence[int], n: int, name: str) -> list[int]:
 
 
 def _stop_ids(eos: Any) -> set[int]:
-    if eos is None:
-        return set()
-    if isinstance(eos, int):
-        return {eos}
-    return {int(e) for e in eos}
+    return set(token_id_list(eos, "eos_token_id"))
 
 
+def _check_models(model: Any, assistant_model: Any) -> None:
+    """A loaded causal LM (with its LM head) for `model`, and a loaded model or None for
+    `assistant_model`: else a TypeError naming the argument and what to pass."""
+    for name, m in (("model", model), ("assistant_model", assistant_model)):
+        if m is None and name == "assistant_model":
+            continue
+        if isinstance(m, (str, bytes)) or hasattr(m, "__fspath__"):
+            raise TypeError(
+                f"{name}={m!r} is a name: generate_batch takes a loaded model; load it first, e.g. "
+                f"{name} = AutoModelForCausalLM.from_pretrained({str(m)!r})"
+            )
+        if not hasattr(m, "config") or not callable(m):
+            raise TypeError(
+                f"{name} is a {type(m).__name__}: give a loaded transformers causal LM "
+                "(AutoModelForCausalLM.from_pretrained(...))"
+            )
+        head = getattr(m, "get_output_embeddings", None)
+        if callable(head) and head() is None:
+            cls = type(m).__name__
+            lm = cls[: -len("Model")] + "ForCausalLM" if cls.endswith("Model") else "...ForCausalLM"
+            raise TypeError(
+                f"{name} is a {cls}, a base model without a language-modeling head (it gives hidden states, "
+                f"not logits): load the {lm} class instead (or AutoModelForCausalLM)"
+            )
+
+
+@overload
 def generate_batch(
+    model: Any, inputs: Any, *, return_dict: Literal[False] = False, **options: Any
+) -> list[list[int]]: ...
+
+
+@overload
+def generate_batch(
+    model: Any, inputs: Any, *, return_dict: Literal[True], **options: Any
+) -> list[GenerationResult]: ...
+
+
+# The overloads give callers the return type return_dict selects; they spell the other
+# options as **options, which mypy cannot match with the implementation's keywords.
+def generate_batch(  # type: ignore[misc]
     model: Any,
-    inputs: Sequence[Sequence[int]],
+    inputs: Sequence[Sequence[int]] | Any,
     *,
+    attention_mask: Any = None,
     pool: kvrs.BlockPool | None = None,
     generation_config: Any = None,
     max_new_tokens: int | Sequence[int] | None = None,
@@ -158,6 +199,18 @@ def generate_batch(
     temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    min_new_tokens: int | None = None,
+    stop_sequences: Sequence[Sequence[int]] | None = None,
+    logprobs: int | None = None,
+    sampling_params: SamplingParams
+    | dict[str, Any]
+    | Sequence[SamplingParams | dict[str, Any]]
+    | None = None,
+    return_dict: bool = False,
     eos_token_id: int | Sequence[int] | None = None,
     seed: int | None = None,
     progress_bar: bool = False,
@@ -165,13 +218,22 @@ def generate_batch(
     arrivals: Sequence[int] | None = None,
     on_step: Callable[[int, kvrs.BlockPool, list[RequestState]], None] | None = None,
     assistant_model: Any = None,
-    num_assistant_tokens: int = 4,
+    num_assistant_tokens: int | None = None,
     assistant_pool: kvrs.BlockPool | None = None,
-    num_assistant_tokens_schedule: str = "constant",
-) -> list[list[int]]:
-    """Generates tokens for every prompt of `inputs` (lists of token ids) with continuous
-    batching over a BlockPool; returns each input's generated ids, in input order (a
-    stop token, when one ended the request, included, as ``model.generate`` does).
+    num_assistant_tokens_schedule: str | None = None,
+) -> list[list[int]] | list[GenerationResult]:
+    """Generates tokens for every prompt of `inputs` with continuous batching over a
+    BlockPool; returns each input's generated ids, in input order (a stop token, when
+    one ended the request, included, as ``model.generate`` does; a matched stop
+    sequence left out), or with ``return_dict=True`` one :class:`GenerationResult` per
+    input (token ids, finish reason "stop" or "length", stop reason, cached prompt
+    tokens, logprobs).
+
+    `inputs`: lists of token ids (one per prompt, unpadded), or a padded batch: a
+    tokenizer's ``BatchEncoding`` (``tokenizer(texts, padding=True,
+    return_tensors="pt")``) or a 2-D tensor or array with its `attention_mask`; each
+    row's padding (left or right) is removed. A 2-D tensor without a mask is a
+    ValueError.
 
     Settings not given come from `generation_config`, else ``model.generation_config``
     (``max_new_tokens``: an int, or one per input; default 20; ``eos_token_id``: the stop
@@ -180,6 +242,22 @@ def generate_batch(
     seeded from `seed` and its index (the same inputs and seed give the same tokens,
     whatever else shares the batch or the pool has cached). Greedy outputs equal
     ``model.generate`` with ``DynamicCache`` in float32.
+
+    vLLM's options, applied to each step's batched logits (transformers' processors'
+    formulas and order): `repetition_penalty` (over prompt and output), `presence_penalty`
+    and `frequency_penalty` (over the output, vLLM's), `min_p` (sampling),
+    `min_new_tokens` (stop tokens masked until then, stop sequences not matched),
+    `stop_sequences` (token-id lists ending a request when its output ends with one;
+    the match is left out of the output and reported as its stop reason), `logprobs`
+    (the top-n raw log-probabilities of each generated token: ``return_dict=True``).
+    `sampling_params`: per-request options instead of those keywords, a
+    :class:`SamplingParams` (vLLM's names and defaults: ``temperature=0`` is greedy) or a
+    dict of its fields, one for every input or one per input. All of them work with
+    `assistant_model`, exactly: each verified row sees the drafts before it.
+
+    Arguments that are ignored (``temperature`` without ``do_sample``, the
+    ``num_assistant_tokens*`` settings without an assistant, ``seed`` when greedy) warn;
+    tier failures of the pools are logged to the ``kvrs`` logger.
 
     `pool`: where the K/V live (prefix caching on, so shared prompt prefixes are computed
     once); by default one built from the model (its layers, dtype and device) with room
@@ -210,8 +288,9 @@ def generate_batch(
     and what it was on return, also after an exception: a model the caller switched
     stays switched.
     """
-    gc = generation_config if generation_config is not None else model.generation_config
-    prompts = _token_ids(inputs)
+    _check_models(model, assistant_model)
+    gc = generation_config if generation_config is not None else getattr(model, "generation_config", None)
+    prompts = _token_ids(prompt_lists(inputs, attention_mask))
     n = len(prompts)
     if n == 0:
         return []
@@ -221,20 +300,54 @@ def generate_batch(
             raise ValueError(f"inputs[{i}] is empty: every prompt needs at least one token")
         if min(p) < 0 or max(p) >= vocab:
             raise ValueError(f"inputs[{i}]: token ids must lie in [0, {vocab}) (the model's vocab_size)")
-    budget = max_new_tokens if max_new_tokens is not None else gc.max_new_tokens
+    budget = max_new_tokens if max_new_tokens is not None else getattr(gc, "max_new_tokens", None)
     budgets = _per_request(_DEFAULT_MAX_NEW_TOKENS if budget is None else budget, n, "max_new_tokens")
     steps_in = _per_request(list(arrivals) if arrivals is not None else 0, n, "arrivals")
-    stops = _stop_ids(eos_token_id if eos_token_id is not None else gc.eos_token_id)
-    sampling = bool(do_sample if do_sample is not None else gc.do_sample)
-    temp = float(temperature if temperature is not None else (gc.temperature or 1.0))
-    k = int(top_k if top_k is not None else (gc.top_k or 0))
-    p_top = float(top_p if top_p is not None else (gc.top_p or 1.0))
-    if sampling and temp <= 0:
-        raise ValueError(f"temperature={temp}: sampling needs a temperature > 0")
-    if k < 0:
-        raise ValueError(f"top_k={k}: give a count >= 0 (0: no top-k filtering)")
-    if not 0.0 < p_top <= 1.0:
-        raise ValueError(f"top_p={p_top}: give a probability in (0, 1] (1: no nucleus filtering)")
+    stops = _stop_ids(eos_token_id if eos_token_id is not None else getattr(gc, "eos_token_id", None))
+    given = {
+        "do_sample": do_sample,
+        "temperature": temperature,
+        "top_k": top_k,
+        "top_p": top_p,
+        "min_p": min_p,
+        "repetition_penalty": repetition_penalty,
+        "presence_penalty": presence_penalty,
+        "frequency_penalty": frequency_penalty,
+        "min_new_tokens": min_new_tokens,
+        "stop_sequences": stop_sequences,
+        "logprobs": logprobs,
+    }
+    options = plan(n, vocab, gc, stops, budgets, given, sampling_params)
+    budgets = options.budgets
+    scalar = options.scalar
+    sampler = None if scalar is not None else Sampler(options.options, vocab)
+    sampling, temp, k, p_top = (
+        scalar if scalar is not None else (sampler is not None and sampler.sampling, 1.0, 0, 1.0)
+    )
+    if scalar is not None:
+        stops = set(options.options[0].stop_ids)
+    if seed is not None and not sampling:
+        warnings.warn(
+            f"seed={seed} is ignored: it seeds sampling, and generate_batch decodes greedily here; pass "
+            "do_sample=True to sample (or a temperature > 0 in sampling_params), or unset seed",
+            UserWarning,
+            stacklevel=2,
+        )
+    if assistant_model is None:
+        for name, value in (
+            ("num_assistant_tokens", num_assistant_tokens),
+            ("num_assistant_tokens_schedule", num_assistant_tokens_schedule),
+        ):
+            if value is not None:
+                warnings.warn(
+                    f"{name}={value!r} is ignored: it is a setting of speculative decoding, which needs a "
+                    "draft model; pass assistant_model=<a loaded draft model of the same vocabulary>, "
+                    f"or unset {name}",
+                    UserWarning,
+                    stacklevel=2,
+                )
+    num_assistant_tokens = 4 if num_assistant_tokens is None else num_assistant_tokens
+    num_assistant_tokens_schedule = num_assistant_tokens_schedule or "constant"
     if assistant_model is not None:
         check_assistant(model, assistant_model, num_assistant_tokens)
     if num_assistant_tokens_schedule not in ("constant", "heuristic"):
@@ -305,18 +418,61 @@ def generate_batch(
             # One generator per request, from (seed, its index): its draws do not depend on
             # the batches it shares with others (or on what the pool had cached).
             r.generator = torch.Generator(device=model.device)
-            if seed is None:
+            own = options.options[r.index].seed
+            if own is not None:
+                r.generator.manual_seed(own)
+            elif seed is None:
                 r.generator.seed()
             else:
                 r.generator.manual_seed(hash((seed, r.index)) & (2**63 - 1))
     progress = _Progress(n) if progress_bar else None
+    watches = [TierWatch(p) for p in (pool, assistant_pool) if p is not None]
     try:
         with _switched(model), _switched(assistant_model) if spec is not None else nullcontext():
-            _run(model, pool, states, peaks, stops, sampling, temp, k, p_top, progress, on_step, spec)
+            _run(
+                model, pool, states, peaks, stops, sampling, temp, k, p_top, progress, on_step, spec, sampler,
+                watches,
+            )  # fmt: skip
     finally:
         if progress is not None:
             progress.close()
-    return [r.generated for r in states]
+        for w in watches:
+            w.check(force=True)
+    return _outputs(states, sampler, return_dict)
+
+
+def _outputs(
+    states: list[RequestState], sampler: Sampler | None, return_dict: bool
+) -> list[list[int]] | list[GenerationResult]:
+    """Each request's generated ids (a matched stop sequence left out), or its
+    GenerationResult."""
+    trim = sampler.trim if sampler is not None else {}
+    ids = [r.generated[: len(r.generated) - trim.get(r.index, 0)] for r in states]
+    if not return_dict:
+        return ids
+    out = []
+    for r, tokens in zip(states, ids, strict=True):
+        reason: int | list[int] | None = None
+        if r.stopped:
+            reason = sampler.stop_reason.get(r.index) if sampler is not None else r.generated[-1]
+        lps = sampler.logprobs.get(r.index) if sampler is not None else None
+        if lps is not None:
+            lps = lps[: len(tokens)]
+        out.append(
+            GenerationResult(
+                index=r.index,
+                prompt_token_ids=r.prompt,
+                token_ids=tokens,
+                finish_reason="stop" if r.stopped else "length",
+                stop_reason=reason,
+                num_cached_tokens=r.cached,
+                logprobs=lps,
+                cumulative_logprob=None
+                if lps is None
+                else sum(d[t] for d, t in zip(lps, tokens, strict=True)),
+            )
+        )
+    return out
 
 
 def _peak(pool: kvrs.BlockPool, prompt: int, new: int, chunk: int) -> int:
@@ -372,8 +528,13 @@ def _run(
     progress: _Progress | None,
     on_step: Any,
     spec: Speculation | None,
+    sampler: Sampler | None = None,
+    watches: Sequence[TierWatch] = (),
 ) -> None:
-    """The scheduler: admits, runs one forward pass per step, samples, finishes."""
+    """The scheduler: admits, runs one forward pass per step, samples, finishes.
+    `sampler` (per-request options) processes the logits the model and the draft give,
+    and decides when a request stops; without it every request samples with the scalar
+    settings and stops on `stops`."""
     bs = pool.block_size
     waiting = sorted((r for r in states if r.max_new_tokens > 0), key=lambda r: r.arrival)
     running: list[tuple[RequestState, kvrs.Sequence]] = []
@@ -443,7 +604,10 @@ def _run(
                         drafting.append((r, min(r.draft_len, left - 1)))
             proposal = None
             if drafting and spec is not None:
-                proposal = spec.propose(drafting, sampling, temperature, top_k, top_p)
+                proposal = spec.propose(
+                    drafting, sampling, temperature, top_k, top_p,
+                    process=sampler.draft if sampler is not None else None,
+                )  # fmt: skip
             drafts = proposal.drafts if proposal is not None else {}
             seqs: list[kvrs.Sequence] = []
             ids: list[int] = []
@@ -470,19 +634,21 @@ def _run(
                 with torch.no_grad(), batch:
                     logits = forward_batch(model, batch, logits_to_keep=rows)
                 sampled = [r for (r, _), p in zip(running, prefilling, strict=True) if not p]
+                if sampler is not None:
+                    logits = sampler.target(logits, sampled, [[] for _ in sampled])
                 chosen = choose(logits, sampled, sampling, temperature, top_k, top_p)
             else:
                 chosen = verify(
                     model, batch, rows, running, todos, prefilling, proposal, spec, sampling, temperature,
-                    top_k, top_p,
+                    top_k, top_p, process=sampler.target if sampler is not None else None,
                 )  # fmt: skip
             generated = 0
             for r, tokens in chosen:
-                for token in tokens:
+                for j, token in enumerate(tokens):
                     if r.done:
                         break
                     r.generated.append(int(token))
-                    r.stopped = int(token) in stops
+                    r.stopped = sampler.accepted(r, j) if sampler is not None else int(token) in stops
                     generated += 1
             done = [(r, s) for r, s in running if r.done]
             for r, seq in done:
@@ -495,6 +661,8 @@ def _run(
                 progress.step(admitted, generated, len(done))
             if on_step is not None:
                 on_step(step, pool, states)
+            for w in watches:
+                w.check()
             step += 1
     finally:
         for _, seq in running:

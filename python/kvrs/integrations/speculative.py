@@ -16,7 +16,7 @@ layer's recorded inputs (:class:`kvrs.integrations.hybrid.MixerRecorder`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +27,10 @@ from kvrs.integrations._torch import as_torch, torch
 from kvrs.integrations.paged_attention import forward_batch
 
 __all__ = ["filtered_probs", "greedy_accept", "speculative_sample"]
+
+#: Per-request logits processing: (logits [rows, vocab], each row's request, the drafts
+#: each row follows) -> the logits to choose from.
+Process = Callable[[torch.Tensor, list[Any], list[list[int]]], torch.Tensor]
 
 
 def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -236,11 +240,13 @@ class Speculation:
         temperature: float,
         top_k: int,
         top_p: float,
+        process: Process | None = None,
     ) -> Proposal:
         """Drafts `kr` tokens for each (request, kr) of `items`: kr draft forwards, the
         first catching the draft sequence up with the request's tokens (its last
         generated token included), each later one the previous draft. Nothing is
-        committed: :meth:`settle` keeps what the target accepts."""
+        committed: :meth:`settle` keeps what the target accepts. `process` (per-request
+        options) transforms each round's logits before they are sampled from."""
         seqs = [self.seqs[r.index] for r, _ in items]
         snapshot = StateSnapshot(seqs) if self.hybrid else None
         out = Proposal({r.index: [] for r, _ in items}, {r.index: [] for r, _ in items}, {}, [], snapshot)
@@ -261,6 +267,8 @@ class Speculation:
                 batch = self.pool.start_forward(placed, tokens=ids if j == 0 else None)
                 out.batches.append(batch)
                 logits = forward_batch(self.model, batch, ids, logits_to_keep="last")
+                if process is not None:
+                    logits = process(logits, [r for r, _ in active], [out.drafts[r.index] for r, _ in active])
                 if sampling:
                     probs = filtered_probs(logits, temperature, top_k, top_p)
                     for (r, _), row in zip(active, probs, strict=True):
@@ -316,12 +324,14 @@ def verify(
     temperature: float,
     top_k: int,
     top_p: float,
+    process: Process | None = None,
 ) -> list[tuple[Any, list[int]]]:
     """The speculative step's target forward: every request's tokens, a drafting
     request's drafts after its last token, with logits for all of those rows. Each
     drafting request keeps the drafts the target accepts and one token of the
     target's; then every sequence commits only what it keeps (both pools), its
-    recurrent state rolled back to there."""
+    recurrent state rolled back to there. `process` (per-request options) transforms
+    the logits first, each row seeing the drafts before it."""
     drafting = [seq for (r, seq) in running if r.index in proposal.drafts]
     snapshot = StateSnapshot(drafting) if running and running[0][1].pool.state_layers else None
     recording = snapshot.recorder.recording() if snapshot is not None else nullcontext()
@@ -333,6 +343,18 @@ def verify(
         for b in proposal.batches:
             b.cancel()
         raise
+    if process is not None:
+        owners: list[Any] = []
+        extras: list[list[int]] = []
+        for (r, _), pre in zip(running, prefilling, strict=True):
+            d = proposal.drafts.get(r.index)
+            if d is not None:
+                owners += [r] * (len(d) + 1)
+                extras += [d[:j] for j in range(len(d) + 1)]
+            elif not pre:
+                owners.append(r)
+                extras.append([])
+        logits = process(logits, owners, extras)
     chosen: list[tuple[Any, list[int]]] = []
     keep: dict[int, list[int]] = {}
     accepted: dict[int, int] = {}

@@ -45,7 +45,7 @@ from kvrs.integrations._torch import (
 )
 from kvrs.integrations.calibration import KvScales, calibrate_kv_scales
 from kvrs.integrations.fingerprint import model_fingerprint
-from kvrs.integrations.generation import RequestState, generate_batch
+from kvrs.integrations.generation import GenerationResult, RequestState, SamplingParams, generate_batch
 from kvrs.integrations.layout import LayerPlan, _attention_layout, block_pool_from_config, layer_plan
 from kvrs.integrations.paged_attention import (
     ATTN_IMPLEMENTATION,
@@ -63,6 +63,7 @@ from transformers.cache_utils import (  # isort: skip
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "GenerationResult",
     "KvScales",
     "KvrsCache",
     "KvrsLayer",
@@ -70,6 +71,7 @@ __all__ = [
     "KvrsPagedLayer",
     "KvrsStateLayer",
     "RequestState",
+    "SamplingParams",
     "block_pool_from_config",
     "calibrate_kv_scales",
     "forward_batch",
