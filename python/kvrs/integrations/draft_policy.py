@@ -7,8 +7,11 @@
 none when the drafts would cost more time than the tokens they are expected to save:
 
 - **Acceptance.** Each request keeps a per-token acceptance rate ``a`` (accepted drafts
-  over drafts up to and including the first rejected one, a decayed count with a prior
-  of one half), so its j-th draft is accepted with probability about ``a**j``.
+  over drafts up to and including the first rejected one, a decayed count), so its j-th
+  draft is accepted with probability about ``a**j``. Its prior is the rate of all
+  requests so far (one pseudo-observation; 0.3 before any), so a new request starts
+  where the workload stands. Prompt lookup keeps one rate per n-gram size matched (a
+  1-gram match predicts less than a 2-gram one).
 - **Cost.** Every decode step's wall time ``t`` is fitted as ``t = c0 + c1 * rows``
   (least squares over recent steps, older ones weighing less; ``rows`` the query rows
   of the target's forward). A plain step of ``n`` decode requests costs ``c0 + c1 * n``,
@@ -29,7 +32,7 @@ draft lengths), which is why ``generate_batch`` uses "schedule" there when given
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["POLICIES", "DraftPolicy"]
 
@@ -43,21 +46,32 @@ _TIME_DECAY = 0.95
 _MAX_BACKOFF = 32
 
 
+#: The acceptance rate assumed before anything was observed.
+_PRIOR = 0.3
+
+
 @dataclass
-class _Request:
+class _Rate:
+    """A decayed count of accepted and rejected drafts."""
+
     hits: float = 0.0
     misses: float = 0.0
+
+    def rate(self, prior: float, weight: float = 1.0) -> float:
+        return (self.hits + weight * prior) / (self.hits + self.misses + weight)
+
+    def observe(self, hits: int, misses: int, decay: float = _ACCEPT_DECAY) -> None:
+        self.hits = self.hits * decay + hits
+        self.misses = self.misses * decay + misses
+
+
+@dataclass
+class _Request:
+    rates: dict[int, _Rate] = field(default_factory=dict)  # per n-gram size (0: a draft model)
+    kind: int = 0  # the n-gram size of its last draft (or watched one)
     watched: int | None = None  # prompt lookup: the first draft token it did not verify
     wait: int = 0  # draft model: steps before its next probe
     backoff: int = 1
-
-    @property
-    def rate(self) -> float:
-        return (self.hits + 0.5) / (self.hits + self.misses + 1.0)
-
-    def observe(self, hits: int, misses: int) -> None:
-        self.hits = self.hits * _ACCEPT_DECAY + hits
-        self.misses = self.misses * _ACCEPT_DECAY + misses
 
 
 class DraftPolicy:
@@ -70,6 +84,7 @@ class DraftPolicy:
             raise ValueError(f"draft_policy={mode!r}: give 'adaptive' or 'schedule'")
         self.mode, self.probes = mode, probes
         self.requests: dict[int, _Request] = {}
+        self.overall: dict[int, _Rate] = {}  # every request's drafts, per n-gram size
         # Decayed least-squares sums over decode steps: weight, rows, rows², time, rows·time.
         self.w = self.sx = self.sxx = self.sy = self.sxy = 0.0
         self.slope: float | None = None  # the last identifiable seconds per row
@@ -130,12 +145,22 @@ class DraftPolicy:
 
     # --- per request ------------------------------------------------------------------
 
-    def length(self, index: int, cap: int) -> int:
-        """How many of its up to `cap` drafts request `index` proposes this step."""
+    def rate(self, index: int, kind: int = 0) -> float:
+        """Request `index`'s acceptance rate for drafts of `kind` (an n-gram size)."""
+        overall = self.overall.get(kind)
+        prior = overall.rate(_PRIOR, 1.0) if overall is not None else _PRIOR
+        st = self.requests.get(index)
+        own = st.rates.get(kind) if st is not None else None
+        return own.rate(prior) if own is not None else prior
+
+    def length(self, index: int, cap: int, kind: int = 0) -> int:
+        """How many of its up to `cap` drafts request `index` proposes this step
+        (`kind`: the n-gram size its prompt-lookup match has)."""
         if self.mode != "adaptive" or cap < 1:
             return max(cap, 0)
         st = self.requests.setdefault(index, _Request())
-        k = _worth(st.rate, self.threshold, cap)
+        st.kind = kind
+        k = _worth(self.rate(index, kind), self.threshold, cap)
         if k > 0:
             st.backoff, st.wait = 1, 0
             return k
@@ -149,21 +174,26 @@ class DraftPolicy:
         return 1
 
     def watch(self, index: int, token: int) -> None:
-        """Request `index` does not draft this step; its first draft would be `token`."""
+        """Request `index` does not draft this step (after :meth:`length` said 0); its
+        first draft would be `token`."""
         if self.mode == "adaptive":
             self.requests.setdefault(index, _Request()).watched = token
 
     def verified(self, index: int, proposed: int, accepted: int) -> None:
         """Request `index`'s `proposed` drafts were verified, `accepted` of them kept."""
         st = self.requests.setdefault(index, _Request())
-        st.observe(accepted, 1 if accepted < proposed else 0)
+        self._observe(st, accepted, 1 if accepted < proposed else 0)
 
     def generated(self, index: int, token: int) -> None:
         """Request `index` generated `token` at a step it only watched."""
         st = self.requests.get(index)
         if st is not None and st.watched is not None:
-            st.observe(int(token == st.watched), int(token != st.watched))
+            self._observe(st, int(token == st.watched), int(token != st.watched))
             st.watched = None
+
+    def _observe(self, st: _Request, hits: int, misses: int) -> None:
+        st.rates.setdefault(st.kind, _Rate()).observe(hits, misses)
+        self.overall.setdefault(st.kind, _Rate()).observe(hits, misses, 0.95)
 
     def forget(self, index: int) -> None:
         self.requests.pop(index, None)

@@ -76,6 +76,8 @@ class NgramIndex:
         self.max_ngram = max_ngram
         self.tokens: list[int] = []
         self.first: dict[tuple[int, ...], int] = {}
+        #: The n-gram size the last :meth:`lookup` matched (0: none).
+        self.matched = 0
         self.extend(tokens)
 
     def __len__(self) -> int:
@@ -95,6 +97,7 @@ class NgramIndex:
         :func:`find_candidates`); empty when no n-gram matches or `num_tokens` < 1."""
         seq = self.tokens
         end = len(seq)
+        self.matched = 0
         if num_tokens < 1:
             return []
         for n in range(min(self.max_ngram, end - 1), 0, -1):
@@ -102,6 +105,7 @@ class NgramIndex:
             # The leftmost occurrence is the last n tokens themselves only when they
             # occur nowhere before: nothing follows it, and no other occurrence exists.
             if start is not None and start + n < end:
+                self.matched = n
                 return _cut(seq[start + n : start + n + num_tokens], stops)
         return []
 
@@ -177,7 +181,7 @@ class PromptLookup:
             match = index.lookup(cap, self.stops)
             if not match:
                 continue
-            k = min(self.policy.length(r.index, cap), len(match))
+            k = min(self.policy.length(r.index, cap, index.matched), len(match))
             if k > 0:
                 self.planned[r.index] = match[:k]
                 out.append((r, k))
