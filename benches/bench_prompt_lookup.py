@@ -8,7 +8,10 @@
 - the same with ``draft_policy="schedule"`` (K drafts whenever an n-gram matches);
 - transformers' ``model.generate(prompt_lookup_num_tokens=K)`` on its ``DynamicCache``,
   one request at a time (transformers' assisted generation takes no batches), and
-  whether its tokens equal kvrs's plain greedy.
+  whether its tokens equal kvrs's plain greedy;
+- with ``DRAFT_LAYERS=L``: ``generate_batch(..., assistant_model=draft)``, the draft the
+  model's first L layers (a truncated copy), 4 drafts a step, with the "schedule" and
+  the "adaptive" draft policy.
 
 Two workloads, through the model's chat template:
 
@@ -22,8 +25,8 @@ prompts in one call. Every row of a workload and batch runs in turn, `REPEAT` ro
 keeps its fastest run (other work on a shared host slows some runs, never speeds one up);
 the speedups over plain are the figures to quote. Run:
 ``OMP_NUM_THREADS=1 python benches/bench_prompt_lookup.py`` (after ``make install``);
-``NEW=48 K=10 NGRAM=2 B1=4 REPEAT=2 HF=1`` change the workload (``HF=0`` skips
-transformers' rows).
+``NEW=48 K=10 NGRAM=2 B1=4 REPEAT=2 HF=1 DRAFT_LAYERS=0 WORKLOADS=copy,quiz BATCHES=1,8``
+change the workload (``HF=0`` skips transformers' rows).
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ NGRAM = int(os.environ.get("NGRAM", "2"))
 B1 = int(os.environ.get("B1", "4"))
 REPEAT = int(os.environ.get("REPEAT", "2"))
 HF = os.environ.get("HF", "1") != "0"
+DRAFT_LAYERS = int(os.environ.get("DRAFT_LAYERS", "0"))
+WORKLOADS = os.environ.get("WORKLOADS", "copy,quiz").split(",")
+BATCHES = [int(b) for b in os.environ.get("BATCHES", "1,8").split(",")]
 
 TEXT = (
     "The old lighthouse stood at the edge of the cliff for more than a hundred years. Every night its "
@@ -121,6 +127,17 @@ def hf_run(model: Any, batches: list[list[list[int]]], eos: Any) -> tuple[list, 
     return outs, time.perf_counter() - start, 0, 0
 
 
+def truncated(model: Any, layers: int) -> Any:
+    """The model's first `layers` layers with its embeddings and head."""
+    import copy
+
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = layers
+    draft = type(model)(config).eval()
+    draft.load_state_dict(model.state_dict(), strict=False)
+    return draft
+
+
 def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     model, tokenizer = real_model.load()
@@ -141,8 +158,10 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     generate_batch(model, workloads["quiz"][:1], max_new_tokens=4)  # warm-up
-    for name, prompts in workloads.items():
-        for batch in (1, 8):
+    draft = truncated(model, DRAFT_LAYERS) if DRAFT_LAYERS else None
+    for name in WORKLOADS:
+        prompts = workloads[name]
+        for batch in BATCHES:
             batches = [[p] for p in prompts[:B1]] if batch == 1 else [prompts[:8]]
             rows: list[tuple[str, Any]] = [
                 ("plain", lambda b=batches: kvrs_run(model, b, eos)),
@@ -164,6 +183,21 @@ def main() -> None:
                     ),
                 ),
             ]
+            if draft is not None:
+                for policy in ("schedule", "adaptive"):
+                    rows.append(
+                        (
+                            f"{DRAFT_LAYERS}-layer draft ({policy})",
+                            lambda b=batches, policy=policy: kvrs_run(
+                                model,
+                                b,
+                                eos,
+                                assistant_model=draft,
+                                num_assistant_tokens=4,
+                                draft_policy=policy,
+                            ),
+                        )
+                    )
             if HF:
                 rows.append(("transformers prompt lookup", lambda b=batches: hf_run(model, b, eos)))
             best: dict[int, float] = {}
@@ -177,7 +211,11 @@ def main() -> None:
             for i, (method, _) in enumerate(rows):
                 outs, accepted, proposed = results[i]
                 tokens = sum(len(o) for o in outs)
-                rate = f"{accepted / proposed:.2f}" if proposed else ("" if i in (0, 3) else "0 drafts")
+                rate = (
+                    f"{accepted / proposed:.2f}"
+                    if proposed
+                    else ("" if i == 0 or "transformers" in method else "0 drafts")
+                )
                 same = "" if i == 0 else ("yes" if outs == plain else "no")
                 print(
                     f"{name:<8} {batch:>5}  {method:<28} {tokens / best[i]:>9.1f} "

@@ -6,6 +6,7 @@ draft policy stops drafting where drafts do not pay, and bad arguments are refus
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -286,15 +287,19 @@ def test_the_policy_watches_for_free_and_probes_a_draft_model():
         policy.generated(0, 7)  # the watched draft would have been right, every step
     assert policy.length(0, 4, kind=2) > 0
     assert policy.rate(0, 1) < 0.5  # 1-gram matches keep their own rate
-    # A draft model cannot watch: a request that stopped probes one draft after
-    # 2, 4, 8 ... steps.
+    # A draft model cannot watch: a request that stopped drafting probes one draft
+    # after 1 step, then 2, 4, ... while the probes find nothing.
     model = timed_policy(0.1, 0.05, probes=True)
-    for _ in range(5):
-        model.length(0, 4)
-        model.verified(0, 4, 0)
-    model.requests[0].wait, model.requests[0].backoff = 0, 1  # as a request that just stopped
-    picks = [model.length(0, 4) for _ in range(16)]
-    assert picks[:8] == [1, 0, 0, 1, 0, 0, 0, 0] and sum(picks) == 3
+    picks = []
+    for _ in range(40):
+        k = model.length(0, 4)
+        picks.append(k)
+        if k:
+            model.verified(0, k, 0)
+    probes = [i for i, k in enumerate(picks) if k]
+    assert [b - a for a, b in itertools.pairwise(probes)] == [2, 3, 5, 9, 17]
+    # A new request of that workload waits as long before its first probe.
+    assert [model.length(1, 4) for _ in range(33)].index(1) == 32
     # Until a decode step was timed, nobody drafts.
     fresh = DraftPolicy("adaptive")
     fresh.begin(4)

@@ -21,8 +21,10 @@ none when the drafts would cost more time than the tokens they are expected to s
   is expected to save more than it costs. When even the first does not pay, it drafts
   nothing, and the step costs what a plain step costs. Prompt lookup keeps learning
   for free: a request that does not draft compares its n-gram match's first token with
-  the token the step generates. A draft model's request probes one draft after 2, 4, 8,
-  ... (at most 32) steps without drafts instead.
+  the token the step generates. A draft model's request that does not draft probes one
+  draft now and then instead: after 1 step, then 2, 4, ... (at most 32) while probes find
+  nothing accepted, the wait shared by all requests (a new request of a workload where
+  the draft has not been paying waits as long before its first probe).
 
 Until a decode step has been timed nobody drafts. Greedy outputs never depend on the
 policy; sampled ones do with a draft model (speculative sampling's draws depend on the
@@ -70,8 +72,8 @@ class _Request:
     rates: dict[int, _Rate] = field(default_factory=dict)  # per n-gram size (0: a draft model)
     kind: int = 0  # the n-gram size of its last draft (or watched one)
     watched: int | None = None  # prompt lookup: the first draft token it did not verify
-    wait: int = 0  # draft model: steps before its next probe
-    backoff: int = 1
+    wait: int | None = None  # draft model: steps before its next probe
+    probing: bool = False
 
 
 class DraftPolicy:
@@ -92,6 +94,7 @@ class DraftPolicy:
         self.prefill_rows = 0
         self.draft_per_token = 0.0  # a draft model's seconds per drafted token
         self.threshold = math.inf  # acceptance probability a draft must reach, this step
+        self.backoff = 1  # a draft model: steps between probes
 
     # --- the cost model ---------------------------------------------------------------
 
@@ -162,15 +165,16 @@ class DraftPolicy:
         st.kind = kind
         k = _worth(self.rate(index, kind), self.threshold, cap)
         if k > 0:
-            st.backoff, st.wait = 1, 0
+            st.wait = None
             return k
         if not self.probes or self.threshold == math.inf:
             return 0
+        if st.wait is None:
+            st.wait = self.backoff
         if st.wait > 0:
             st.wait -= 1
             return 0
-        st.backoff = min(2 * st.backoff, _MAX_BACKOFF)
-        st.wait = st.backoff
+        st.wait, st.probing = self.backoff, True
         return 1
 
     def watch(self, index: int, token: int) -> None:
@@ -183,6 +187,9 @@ class DraftPolicy:
         """Request `index`'s `proposed` drafts were verified, `accepted` of them kept."""
         st = self.requests.setdefault(index, _Request())
         self._observe(st, accepted, 1 if accepted < proposed else 0)
+        if st.probing:
+            st.probing = False
+            self.backoff = max(1, self.backoff // 2) if accepted else min(2 * self.backoff, _MAX_BACKOFF)
 
     def generated(self, index: int, token: int) -> None:
         """Request `index` generated `token` at a step it only watched."""

@@ -210,7 +210,8 @@ def generate_batch(
     ``RequestState.proposed`` and ``accepted`` count the drafts per request.
     `num_assistant_tokens_schedule` is transformers' setting: "constant", or
     "heuristic" (each request drafts 2 more after a step whose drafts were all accepted,
-    1 fewer after a rejection; between 1 and `num_assistant_tokens`).
+    1 fewer after a rejection; between 1 and `num_assistant_tokens`, or
+    `prompt_lookup_num_tokens`); it sets the cap `draft_policy` drafts under.
 
     `prompt_lookup_num_tokens` turns on prompt lookup decoding instead, transformers'
     setting (no draft model, no draft pool): each decode request's draft is up to that
