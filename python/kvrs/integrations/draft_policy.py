@@ -113,6 +113,11 @@ class DraftPolicy:
             if rows >= self.prefill_rows:
                 self.prefill_rows, self.per_row_prefill = rows, seconds / rows
             return
+        fit = self.costs()
+        if fit is not None and self.slope is not None:
+            # A step the host stalled (other work on its cores) says nothing about rows:
+            # at most twice what the fit (once it has seen different row counts) expects.
+            seconds = min(seconds, 2.0 * (fit[0] + fit[1] * rows))
         g = _TIME_DECAY
         self.w = self.w * g + 1.0
         self.sx = self.sx * g + rows
