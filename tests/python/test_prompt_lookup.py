@@ -126,13 +126,15 @@ def test_sampling_draws_what_plain_sampling_draws(model):
     assert generate_batch(model, ps, seed=6, prompt_lookup_num_tokens=4, **kw) != a
 
 
-def test_a_hybrid_model_rolls_rejected_drafts_back():
-    """Qwen3-Next (gated delta-net layers): a partial acceptance restores the recurrent
-    state and replays the accepted tokens; the outputs are plain greedy's."""
-    from hybrid_models import qwen3_next
+@pytest.mark.parametrize(("build", "seed"), [("qwen3_next", 2), ("bamba", 1)])
+def test_a_hybrid_model_rolls_rejected_drafts_back(build, seed):
+    """Qwen3-Next (gated delta-net layers) and Bamba (Mamba-2): a partial acceptance
+    restores the recurrent state and replays the accepted tokens; the outputs are plain
+    greedy's."""
+    import hybrid_models
 
-    _, hybrid = qwen3_next()
-    ps = repeating(2)[:3]
+    _, hybrid = getattr(hybrid_models, build)()
+    ps = repeating(seed)[:3]
     plain = generate_batch(hybrid, ps, max_new_tokens=14, eos_token_id=[])
     seen: list = []
     got = generate_batch(
