@@ -12,10 +12,13 @@ larger `eps` makes the two disagree more often. Rows:
 - no draft: ``generate_batch`` as it is (the baseline of each `eps`);
 - draft = 1-layer copy: ``generate_batch(..., assistant_model=draft,
   num_assistant_tokens=K)``, its acceptance rate (accepted / proposed drafts) measured,
-  with K drafts every step ("constant") and with transformers' "heuristic" schedule
-  (2 more drafts after a full acceptance, 1 fewer after a rejection, at most K);
+  with K drafts every step ("constant", ``draft_policy="schedule"``), with transformers'
+  "heuristic" schedule (2 more drafts after a full acceptance, 1 fewer after a
+  rejection, at most K), and with the default "adaptive" draft policy under the
+  constant cap (drafts only where they pay, by measured step costs);
 - draft = the target itself (acceptance 1, but the draft costs as much as the target);
-- draft = a random 1-layer model (acceptance about 0: the overhead of drafting).
+- draft = a random 1-layer model (acceptance about 0: the overhead of drafting), with the
+  same three settings.
 
 Every run is greedy and checked to give the no-draft tokens. Each row prints tokens per
 second (the fastest of `REPEAT` rounds that run every row in turn), the acceptance rate
@@ -102,7 +105,7 @@ def main() -> None:
         f"target: Llama {LAYERS} layers, hidden 512; draft: 1 layer; {N} requests of {PROMPT} prompt + "
         f"{NEW} new tokens, greedy, {K} draft tokens a step; torch threads {torch.get_num_threads()}"
     )
-    header = f"{'eps':>5}  {'draft':<14} {'schedule':<9} {'tokens/s':>9} {'acceptance':>10} {'speedup':>8}"
+    header = f"{'eps':>5}  {'draft':<14} {'policy':<9} {'tokens/s':>9} {'acceptance':>10} {'speedup':>8}"
     print(header)
     print("-" * len(header))
     generate_batch(base, prompts[:1], max_new_tokens=4)  # warm-up
@@ -112,8 +115,10 @@ def main() -> None:
         drafts = [
             ("1-layer copy", copy, "constant"),
             ("1-layer copy", copy, "heuristic"),
+            ("1-layer copy", copy, "adaptive"),
             ("random 1-layer", random_draft, "constant"),
             ("random 1-layer", random_draft, "heuristic"),
+            ("random 1-layer", random_draft, "adaptive"),
         ]
         if eps == EPS[0]:
             drafts.append(("target itself", target, "constant"))
@@ -132,7 +137,10 @@ def main() -> None:
                     else {
                         "assistant_model": draft,
                         "num_assistant_tokens": K,
-                        "num_assistant_tokens_schedule": schedule,
+                        # "adaptive": the constant cap under the default policy; the
+                        # schedules alone draft their cap every step.
+                        "num_assistant_tokens_schedule": "constant" if schedule == "adaptive" else schedule,
+                        "draft_policy": "adaptive" if schedule == "adaptive" else "schedule",
                     }
                 )
                 out, seconds, accepted, proposed = timed(target, prompts, **kw)

@@ -85,7 +85,13 @@ def test_greedy_outputs_equal_those_without_a_draft(target, draft_kind):
     plain, _, plain_blocks = run(target, ps, budgets)
     dpool = block_pool_from_config(draft, num_blocks=64, block_size=4, events=True, seed=1)
     got, states, blocks = run(
-        target, ps, budgets, assistant_model=draft, num_assistant_tokens=3, assistant_pool=dpool
+        target,
+        ps,
+        budgets,
+        assistant_model=draft,
+        num_assistant_tokens=3,
+        assistant_pool=dpool,
+        draft_policy="schedule",  # every step drafts: the counts below are exact
     )
     assert got == plain
     # Only committed tokens were cached: the same blocks as without a draft.
@@ -108,7 +114,11 @@ def test_steps_shrink_with_acceptance(target):
     steps = {}
     for name, draft in (("none", None), ("same", target)):
         seen: list[int] = []
-        kw = {} if draft is None else {"assistant_model": draft, "num_assistant_tokens": 4}
+        kw = (
+            {}
+            if draft is None
+            else {"assistant_model": draft, "num_assistant_tokens": 4, "draft_policy": "schedule"}
+        )
         generate_batch(
             target,
             ps,
@@ -136,6 +146,7 @@ def test_the_heuristic_schedule_drafts_less_after_rejections(target):
             assistant_model=draft,
             num_assistant_tokens=4,
             num_assistant_tokens_schedule="heuristic",
+            draft_policy="schedule",
             on_step=lambda s, p, st, seen=seen: seen.append([r.draft_len for r in st]),
         )
         assert got == plain
@@ -244,6 +255,7 @@ def test_qwen3_next_greedy_outputs_equal_those_without_a_draft():
         eos_token_id=[],
         assistant_model=draft,
         num_assistant_tokens=4,
+        draft_policy="schedule",
         on_step=lambda s, p, st: seen.append(st),
     )
     assert got == plain

@@ -24,6 +24,7 @@ from typing import Any, Literal, overload
 import kvrs
 from kvrs._log import TierWatch
 from kvrs.integrations._torch import torch
+from kvrs.integrations.draft_policy import POLICIES, DraftPolicy
 from kvrs.integrations.layout import (
     _attention_layout,
     _is_hybrid,
@@ -32,6 +33,7 @@ from kvrs.integrations.layout import (
     check_pool,
 )
 from kvrs.integrations.paged_attention import _switched, forward_batch
+from kvrs.integrations.prompt_lookup import PromptLookup, check_prompt_lookup
 from kvrs.integrations.results import GenerationResult, prompt_lists
 from kvrs.integrations.sampling import Sampler, SamplingParams, plan, token_id_list
 from kvrs.integrations.speculative import Speculation, check_assistant, choose, verify
@@ -60,12 +62,13 @@ class RequestState:
     stopped: bool = False
     #: The generator its sampled tokens are drawn with (None when greedy).
     generator: Any = None
-    #: Draft tokens the assistant proposed for it, and how many of them the target
-    #: accepted (speculative decoding; 0 without an assistant).
+    #: Draft tokens proposed for it (by the assistant, or by prompt lookup), and how
+    #: many of them the target accepted (speculative decoding; 0 without drafts).
     proposed: int = 0
     accepted: int = 0
-    #: Drafts it asks for at its next step (num_assistant_tokens, or less where the
-    #: "heuristic" schedule lowered it after rejections).
+    #: The most drafts it asks for at its next step (num_assistant_tokens or
+    #: prompt_lookup_num_tokens, or less where the "heuristic" schedule lowered it after
+    #: rejections); the "adaptive" draft_policy may draft fewer, or none.
     draft_len: int = 0
 
     @property
@@ -221,6 +224,9 @@ def generate_batch(  # type: ignore[misc]
     num_assistant_tokens: int | None = None,
     assistant_pool: kvrs.BlockPool | None = None,
     num_assistant_tokens_schedule: str | None = None,
+    prompt_lookup_num_tokens: int | None = None,
+    max_matching_ngram_size: int | None = None,
+    draft_policy: str | None = None,
 ) -> list[list[int]] | list[GenerationResult]:
     """Generates tokens for every prompt of `inputs` with continuous batching over a
     BlockPool; returns each input's generated ids, in input order (a stop token, when
@@ -282,7 +288,25 @@ def generate_batch(  # type: ignore[misc]
     ``RequestState.proposed`` and ``accepted`` count the drafts per request.
     `num_assistant_tokens_schedule` is transformers' setting: "constant", or
     "heuristic" (each request drafts 2 more after a step whose drafts were all accepted,
-    1 fewer after a rejection; between 1 and `num_assistant_tokens`).
+    1 fewer after a rejection; between 1 and `num_assistant_tokens`, or
+    `prompt_lookup_num_tokens`); it sets the cap `draft_policy` drafts under.
+
+    `prompt_lookup_num_tokens` turns on prompt lookup decoding instead, transformers'
+    setting (no draft model, no draft pool): each decode request's draft is up to that
+    many tokens that followed an earlier occurrence of its last n tokens in its own
+    prompt and output (n from `max_matching_ngram_size`, default 2, down to 1; the
+    leftmost occurrence), verified as a draft model's are; a request whose tokens match
+    nothing decodes as without drafts that step. Sampling keeps a draft while the
+    model's own draw equals it (transformers' rule), so a seed gives the tokens it gives
+    without drafts. Giving it with `assistant_model` is a ValueError.
+
+    `draft_policy`: "adaptive" drafts at most what the schedule says, fewer or none
+    where the drafts' expected accepted tokens do not pay for the time they cost
+    (measured per step), so drafting that cannot help costs about nothing; "schedule"
+    drafts what the schedule says every step. Default "adaptive", except "schedule" when
+    sampling with an `assistant_model` and a `seed` (speculative sampling's draws depend
+    on the draft lengths, which "adaptive" takes from timings: only "schedule" keeps a
+    seed's tokens reproducible there).
 
     The model's attention is kvrs's while the call runs (:func:`use_paged_attention`)
     and what it was on return, also after an exception: a model the caller switched
@@ -350,13 +374,19 @@ def generate_batch(  # type: ignore[misc]
     num_assistant_tokens_schedule = num_assistant_tokens_schedule or "constant"
     if assistant_model is not None:
         check_assistant(model, assistant_model, num_assistant_tokens)
+    ngram = check_prompt_lookup(prompt_lookup_num_tokens, max_matching_ngram_size, assistant_model)
+    if draft_policy is None:
+        keep_seed = sampling and seed is not None and assistant_model is not None
+        draft_policy = "schedule" if keep_seed else "adaptive"
+    if draft_policy not in POLICIES:
+        raise ValueError(f"draft_policy={draft_policy!r}: give 'adaptive' or 'schedule'")
     if num_assistant_tokens_schedule not in ("constant", "heuristic"):
         raise ValueError(
             f"num_assistant_tokens_schedule={num_assistant_tokens_schedule!r}: give 'constant' or 'heuristic'"
         )
     if assistant_model is None and assistant_pool is not None:
         raise ValueError("assistant_pool was given without assistant_model: give both, or neither")
-    lookahead = num_assistant_tokens if assistant_model is not None else 0
+    lookahead = num_assistant_tokens if assistant_model is not None else (prompt_lookup_num_tokens or 0)
     if pool is None:
         # Each request's peak, its prompt computed in one step: every table of the
         # model's layer kinds (a sliding table holds its window, not the whole request).
@@ -372,7 +402,15 @@ def generate_batch(  # type: ignore[misc]
         pool = block_pool_from_config(model, num_blocks=need, block_size=block_size, **slots)
     else:
         check_pool(pool, model)
-    spec = None
+    spec: Speculation | PromptLookup | None = None
+    if prompt_lookup_num_tokens is not None:
+        spec = PromptLookup(
+            prompt_lookup_num_tokens,
+            ngram,
+            stops,
+            num_assistant_tokens_schedule,
+            DraftPolicy(draft_policy),
+        )
     if assistant_model is not None:
         if assistant_pool is None:
             layout = _attention_layout(assistant_model.config)
@@ -397,7 +435,12 @@ def generate_batch(  # type: ignore[misc]
                     f"the assistant_pool's {assistant_pool.num_blocks}: give a larger assistant_pool"
                 )
         spec = Speculation(
-            assistant_model, assistant_pool, num_assistant_tokens, draft_peaks, num_assistant_tokens_schedule
+            assistant_model,
+            assistant_pool,
+            num_assistant_tokens,
+            draft_peaks,
+            num_assistant_tokens_schedule,
+            DraftPolicy(draft_policy, probes=True),
         )
     states = [
         RequestState(i, p, b, a) for i, (p, b, a) in enumerate(zip(prompts, budgets, steps_in, strict=True))
@@ -428,7 +471,8 @@ def generate_batch(  # type: ignore[misc]
     progress = _Progress(n) if progress_bar else None
     watches = [TierWatch(p) for p in (pool, assistant_pool) if p is not None]
     try:
-        with _switched(model), _switched(assistant_model) if spec is not None else nullcontext():
+        drafter = _switched(assistant_model) if assistant_model is not None else nullcontext()
+        with _switched(model), drafter:
             _run(
                 model, pool, states, peaks, stops, sampling, temp, k, p_top, progress, on_step, spec, sampler,
                 watches,
@@ -527,7 +571,7 @@ def _run(
     top_p: float,
     progress: _Progress | None,
     on_step: Any,
-    spec: Speculation | None,
+    spec: Speculation | PromptLookup | None,
     sampler: Sampler | None = None,
     watches: Sequence[TierWatch] = (),
 ) -> None:
@@ -595,13 +639,18 @@ def _run(
                     if ends:
                         todo = todo[: min(ends) - computed]
                 todos.append(todo)
-            # Decode requests with at least two tokens to go draft (at most all but one of them).
+            # Decode requests with at least two tokens to go may draft (at most all but one
+            # of them), as the draft policy says.
+            start = time.perf_counter()
             drafting = []
             if spec is not None:
-                for r, seq in running:
-                    left = r.max_new_tokens - len(r.generated)
-                    if r.generated and seq.seq_len == len(r.prompt) + len(r.generated) - 1 and left > 1:
-                        drafting.append((r, min(r.draft_len, left - 1)))
+                decoding = [
+                    (r, min(r.draft_len, r.max_new_tokens - len(r.generated) - 1))
+                    for r, seq in running
+                    if r.generated and seq.seq_len == len(r.prompt) + len(r.generated) - 1
+                ]
+                spec.policy.begin(len(decoding))
+                drafting = spec.plan([(r, cap) for r, cap in decoding if cap > 0])
             proposal = None
             if drafting and spec is not None:
                 proposal = spec.propose(
@@ -609,6 +658,7 @@ def _run(
                     process=sampler.draft if sampler is not None else None,
                 )  # fmt: skip
             drafts = proposal.drafts if proposal is not None else {}
+            drafted = time.perf_counter()
             seqs: list[kvrs.Sequence] = []
             ids: list[int] = []
             rows: list[int] = []
@@ -642,6 +692,8 @@ def _run(
                     model, batch, rows, running, todos, prefilling, proposal, spec, sampling, temperature,
                     top_k, top_p, process=sampler.target if sampler is not None else None,
                 )  # fmt: skip
+            if spec is not None:
+                _observe(spec.policy, start, drafted, ids, running, todos, drafts, chosen)
             generated = 0
             for r, tokens in chosen:
                 for j, token in enumerate(tokens):
@@ -669,6 +721,29 @@ def _run(
             seq.free()
         if spec is not None:
             spec.close()
+
+
+def _observe(
+    policy: DraftPolicy,
+    start: float,
+    drafted: float,
+    ids: list[int],
+    running: list[tuple[RequestState, kvrs.Sequence]],
+    todos: list[list[int]],
+    drafts: dict[int, list[int]],
+    chosen: list[tuple[RequestState, list[int]]],
+) -> None:
+    """Tells the draft policy what a step cost and what its drafts (or the drafts it
+    only watched) were worth."""
+    decode = all(len(todo) == 1 for todo in todos)
+    n_drafts = sum(len(d) for d in drafts.values())
+    policy.timed(len(ids), time.perf_counter() - drafted, decode, drafted - start, n_drafts)
+    for r, new in chosen:
+        d = drafts.get(r.index)
+        if d is None:
+            policy.generated(r.index, new[0])
+        else:
+            policy.verified(r.index, len(d), len(new) - 1)
 
 
 def _refuse(pool: kvrs.BlockPool, r: RequestState, peaks: dict[int, int]) -> None:

@@ -19,14 +19,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import kvrs
 from kvrs.integrations import hybrid
 from kvrs.integrations._torch import as_torch, torch
+from kvrs.integrations.draft_policy import DraftPolicy
 from kvrs.integrations.paged_attention import forward_batch
 
-__all__ = ["filtered_probs", "greedy_accept", "speculative_sample"]
+__all__ = ["filtered_probs", "greedy_accept", "lookup_sample", "speculative_sample"]
 
 #: Per-request logits processing: (logits [rows, vocab], each row's request, the drafts
 #: each row follows) -> the logits to choose from.
@@ -113,6 +114,31 @@ def speculative_sample(
     return out
 
 
+def lookup_sample(
+    p: torch.Tensor, drafts: Sequence[int], generator: torch.Generator | None = None
+) -> list[int]:
+    """Verification of deterministic drafts (prompt lookup) under sampling, transformers'
+    rule: `p` [k + 1, vocab] the target's sampling probabilities at the last committed
+    token and after each of the k `drafts`. A token is drawn from each row in turn with
+    `generator`; draft j is kept while the draw equals it, and the first draw that
+    differs (or the draw from the last row when every draft is kept) ends the step. So
+    draft x is accepted with probability p(x), and a rejection yields a token from p with
+    x removed, renormalised: speculative sampling for a point-mass draft distribution.
+    Each output token is the draw plain sampling makes with the same generator state
+    (one ``torch.multinomial`` per output token, in order). Returns 1 to k + 1 tokens."""
+    k = len(drafts)
+    if p.shape[0] != k + 1:
+        raise ValueError(f"lookup_sample: p has {p.shape[0]} rows for {k} drafts (give p {k + 1} rows)")
+    out: list[int] = []
+    for j, d in enumerate(drafts):
+        token = int(torch.multinomial(p[j], 1, generator=generator))
+        out.append(token)
+        if token != d:
+            return out
+    out.append(int(torch.multinomial(p[k], 1, generator=generator)))
+    return out
+
+
 def check_assistant(model: Any, assistant: Any, num_assistant_tokens: int) -> None:
     """The draft must share the target's vocabulary and device; at least one draft token
     a step."""
@@ -192,6 +218,19 @@ class Proposal:
     snapshot: StateSnapshot | None
 
 
+class Drafter(Protocol):
+    """What :func:`verify` needs of the draft side: a draft model's
+    :class:`Speculation` or prompt lookup's
+    :class:`kvrs.integrations.prompt_lookup.PromptLookup`."""
+
+    k: int
+    schedule: str
+    seqs: Any
+    policy: DraftPolicy
+
+    def settle(self, proposal: Proposal, accepted: dict[int, int], tokens: dict[int, list[int]]) -> None: ...
+
+
 class Speculation:
     """The draft side of speculative :func:`generate_batch`: the assistant model, its
     pool and one sequence per admitted request, which catches up with the request's
@@ -204,11 +243,13 @@ class Speculation:
         num_tokens: int,
         peaks: dict[int, int],
         schedule: str = "constant",
+        policy: DraftPolicy | None = None,
     ):
         self.model, self.pool, self.k, self.schedule = assistant, pool, num_tokens, schedule
         self.peaks = peaks  # each request's most blocks in the draft pool
         self.seqs: dict[int, kvrs.Sequence] = {}
         self.hybrid = bool(pool.state_layers)
+        self.policy = policy if policy is not None else DraftPolicy("schedule")
 
     def admit(self, index: int, prompt: list[int]) -> bool:
         """Starts request `index`'s draft sequence (attaching the draft pool's cached
@@ -228,6 +269,17 @@ class Speculation:
         seq = self.seqs.pop(index, None)
         if seq is not None:
             seq.free()
+        self.policy.forget(index)
+
+    def plan(self, items: list[tuple[Any, int]]) -> list[tuple[Any, int]]:
+        """The requests that draft this step and how many tokens each, from (request,
+        most drafts) `items`, as the policy says."""
+        out = []
+        for r, cap in items:
+            k = self.policy.length(r.index, cap)
+            if k > 0:
+                out.append((r, k))
+        return out
 
     def close(self) -> None:
         for index in list(self.seqs):
@@ -319,7 +371,7 @@ def verify(
     todos: list[list[int]],
     prefilling: list[bool],
     proposal: Proposal,
-    spec: Speculation,
+    spec: Drafter,
     sampling: bool,
     temperature: float,
     top_k: int,
@@ -372,7 +424,11 @@ def verify(
             at += len(d) + 1
             if sampling:
                 p = filtered_probs(rows_r, temperature, top_k, top_p)
-                new = speculative_sample(p, torch.stack(proposal.q[r.index]), d, r.generator)
+                q = proposal.q.get(r.index)
+                if q:
+                    new = speculative_sample(p, torch.stack(q), d, r.generator)
+                else:  # deterministic drafts (prompt lookup): q is a point mass
+                    new = lookup_sample(p, d, r.generator)
             else:
                 new = greedy_accept(rows_r, d)
             r.proposed += len(d)
@@ -394,7 +450,7 @@ def verify(
         tokens = {
             r.index: (r.prompt + r.generated + news[r.index])[spec.seqs[r.index].seq_len :]
             for r, _ in running
-            if r.index in proposal.drafts
+            if r.index in proposal.written
         }
         spec.settle(proposal, accepted, tokens)
     return chosen

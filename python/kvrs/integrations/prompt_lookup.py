@@ -1,0 +1,207 @@
+"""Prompt lookup (n-gram) drafts for :func:`kvrs.integrations.generation.generate_batch`:
+``prompt_lookup_num_tokens=`` and ``max_matching_ngram_size=``, transformers' names and
+semantics (``PromptLookupCandidateGenerator``).
+
+A request's draft is what followed an earlier occurrence of its last n tokens in its own
+prompt and output so far: n from `max_matching_ngram_size` down to 1, the leftmost
+occurrence that has a token after it, at most `prompt_lookup_num_tokens` tokens of what
+follows it. No draft model and no draft pool: the drafts go straight into the batched
+verify forward of the draft-model path (:func:`kvrs.integrations.speculative.verify`),
+which keeps the accepted ones and rolls back the rest (a hybrid model's recurrent state
+included).
+
+:class:`NgramIndex` keeps, per n-gram size, the first position of every n-gram of a
+request's tokens, extended as tokens are generated: a lookup costs `max_matching_ngram_size`
+dictionary reads, not a scan of the history. :func:`find_candidates` is the same search
+written out over a list (the reference the tests compare both with transformers' own).
+
+Sampling follows transformers' rule for drafts without probabilities
+(:func:`kvrs.integrations.speculative.lookup_sample`): at each draft position a token is
+drawn from the target's probabilities with the request's generator, and the draft is
+kept while the draw equals it. That is speculative sampling with a point-mass draft
+distribution (accept ``x`` with probability ``p(x)``, else a token from ``p`` with ``x``
+removed, renormalised), and it draws exactly one token per output token, in order, as
+plain sampling does: a seed gives the tokens it gives without drafts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvrs.integrations.draft_policy import DraftPolicy
+from kvrs.integrations.speculative import Proposal, lookup_sample
+
+__all__ = ["NgramIndex", "PromptLookup", "check_prompt_lookup", "find_candidates", "lookup_sample"]
+
+#: transformers' default n-gram size ("max_matching_ngram_size or 2" in generate()).
+DEFAULT_NGRAM = 2
+
+
+def find_candidates(
+    tokens: Sequence[int], num_tokens: int, max_ngram: int = DEFAULT_NGRAM, stops: Sequence[int] = ()
+) -> list[int]:
+    """The prompt-lookup draft after `tokens` (a request's prompt and output so far), as
+    transformers' ``PromptLookupCandidateGenerator.get_candidates`` finds it: for n from
+    ``min(max_ngram, len(tokens) - 1)`` down to 1, the leftmost earlier occurrence of the
+    last n tokens with a token after it; the draft is up to `num_tokens` tokens after it
+    (possibly running into the last n tokens themselves). Empty when no n-gram matches.
+    A draft holding a stop token (one of `stops`) ends with it: nothing after a stop is
+    ever used (transformers cuts *before* an EOS because its assisted loop could run past
+    one; here an accepted stop ends the request as without drafts)."""
+    n_tokens = len(tokens)
+    for n in range(min(max_ngram, n_tokens - 1), 0, -1):
+        tail = list(tokens[n_tokens - n :])
+        for start in range(n_tokens - n):
+            if list(tokens[start : start + n]) == tail:
+                return _cut(list(tokens[start + n : start + n + num_tokens]), stops)
+    return []
+
+
+def _cut(draft: list[int], stops: Sequence[int] | set[int]) -> list[int]:
+    for i, t in enumerate(draft):
+        if t in stops:
+            return draft[: i + 1]
+    return draft
+
+
+class NgramIndex:
+    """The first position of every n-gram (n = 1 to `max_ngram`) of a growing token
+    list: :meth:`extend` adds tokens, :meth:`lookup` finds what :func:`find_candidates`
+    finds, in `max_ngram` dictionary reads. Memory: at most `max_ngram` entries a token."""
+
+    def __init__(self, tokens: Sequence[int], max_ngram: int = DEFAULT_NGRAM):
+        if max_ngram < 1:
+            raise ValueError(f"max_matching_ngram_size={max_ngram}: give an int >= 1")
+        self.max_ngram = max_ngram
+        self.tokens: list[int] = []
+        self.first: dict[tuple[int, ...], int] = {}
+        #: The n-gram size the last :meth:`lookup` matched (0: none).
+        self.matched = 0
+        self.extend(tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Appends `tokens`, indexing the n-grams that end at each."""
+        seq, first = self.tokens, self.first
+        for t in tokens:
+            seq.append(int(t))
+            end = len(seq)
+            for n in range(1, min(self.max_ngram, end) + 1):
+                first.setdefault(tuple(seq[end - n :]), end - n)
+
+    def lookup(self, num_tokens: int, stops: set[int] | Sequence[int] = ()) -> list[int]:
+        """Up to `num_tokens` draft tokens after the current tokens (see
+        :func:`find_candidates`); empty when no n-gram matches or `num_tokens` < 1."""
+        seq = self.tokens
+        end = len(seq)
+        self.matched = 0
+        if num_tokens < 1:
+            return []
+        for n in range(min(self.max_ngram, end - 1), 0, -1):
+            start = self.first.get(tuple(seq[end - n :]))
+            # The leftmost occurrence is the last n tokens themselves only when they
+            # occur nowhere before: nothing follows it, and no other occurrence exists.
+            if start is not None and start + n < end:
+                self.matched = n
+                return _cut(seq[start + n : start + n + num_tokens], stops)
+        return []
+
+
+def check_prompt_lookup(num_tokens: Any, max_ngram: Any, assistant_model: Any) -> int:
+    """generate_batch's prompt-lookup arguments: the n-gram size to use (default 2)."""
+    if num_tokens is None:
+        if max_ngram is not None:
+            raise ValueError(
+                f"max_matching_ngram_size={max_ngram!r} was given without prompt_lookup_num_tokens: "
+                "give prompt_lookup_num_tokens (drafts a step) to turn prompt lookup on"
+            )
+        return DEFAULT_NGRAM
+    if assistant_model is not None:
+        raise ValueError(
+            "prompt_lookup_num_tokens and assistant_model were both given: drafts come either from "
+            "the prompt (prompt lookup) or from a draft model; give one of them"
+        )
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+        raise TypeError(f"prompt_lookup_num_tokens={num_tokens!r}: give an int >= 1 (drafts a step)")
+    if num_tokens < 1:
+        raise ValueError(
+            f"prompt_lookup_num_tokens={num_tokens}: prompt lookup drafts at least 1 token a step "
+            "(leave it None to decode without drafts)"
+        )
+    if max_ngram is None:
+        return DEFAULT_NGRAM
+    if isinstance(max_ngram, bool) or not isinstance(max_ngram, int):
+        raise TypeError(f"max_matching_ngram_size={max_ngram!r}: give an int >= 1")
+    if max_ngram < 1:
+        raise ValueError(
+            f"max_matching_ngram_size={max_ngram}: give an int >= 1 (the longest n-gram matched)"
+        )
+    return max_ngram
+
+
+class PromptLookup:
+    """The draft side of prompt-lookup :func:`generate_batch`: one :class:`NgramIndex`
+    per admitted request; the same interface as
+    :class:`kvrs.integrations.speculative.Speculation` (no draft pool: nothing to catch
+    up, settle or free but the index)."""
+
+    hybrid = False
+
+    def __init__(self, num_tokens: int, max_ngram: int, stops: set[int], schedule: str, policy: DraftPolicy):
+        self.k, self.max_ngram, self.stops, self.schedule = num_tokens, max_ngram, stops, schedule
+        self.policy = policy
+        self.indexes: dict[int, NgramIndex] = {}
+        self.seqs: dict[int, Any] = {}  # no draft sequences
+        self.planned: dict[int, list[int]] = {}
+
+    def admit(self, index: int, prompt: list[int]) -> bool:
+        self.indexes[index] = NgramIndex(prompt, self.max_ngram)
+        return True
+
+    def free(self, index: int) -> None:
+        self.indexes.pop(index, None)
+        self.policy.forget(index)
+
+    def close(self) -> None:
+        self.indexes.clear()
+
+    def plan(self, items: list[tuple[Any, int]]) -> list[tuple[Any, int]]:
+        """The requests that draft this step and how many tokens each, from (request,
+        most drafts) `items`: the n-gram match of each, cut to the policy's length. A
+        request whose match the policy does not verify is watched instead (its first
+        draft token compared with the token the step generates, which costs nothing)."""
+        self.planned = {}
+        out = []
+        for r, cap in items:
+            index = self.indexes[r.index]
+            index.extend(r.generated[len(index) - len(r.prompt) :])
+            match = index.lookup(cap, self.stops)
+            if not match:
+                continue
+            k = min(self.policy.length(r.index, cap, index.matched), len(match))
+            if k > 0:
+                self.planned[r.index] = match[:k]
+                out.append((r, k))
+            else:
+                self.policy.watch(r.index, match[0])
+        return out
+
+    def propose(
+        self,
+        items: list[tuple[Any, int]],
+        sampling: bool,
+        temperature: float,
+        top_k: int,
+        top_p: float,
+        process: Any = None,
+    ) -> Proposal:
+        """The drafts :meth:`plan` found for `items` (no forward pass; `process`, the
+        per-request logits options, has nothing to process: the drafts are tokens, not
+        distributions)."""
+        return Proposal({r.index: self.planned[r.index] for r, _ in items}, {}, {}, [], None)
+
+    def settle(self, proposal: Proposal, accepted: dict[int, int], tokens: dict[int, list[int]]) -> None:
+        """Nothing to keep or drop: the index learns a request's tokens once generated."""
