@@ -89,6 +89,19 @@ def test_greedy_outputs_equal_those_without_drafts(model, policy):
         assert steps < plain_steps
 
 
+def test_vllm_options_combine_with_prompt_lookup_exactly(model):
+    """Repetition and presence penalties, min_new_tokens and stop sequences see each draft
+    row as if its earlier drafts were generated: the same tokens as without drafts."""
+    ps, budgets = repeating(2), [16, 12, 16, 4]
+    options = dict(repetition_penalty=1.3, presence_penalty=0.4, min_new_tokens=3, stop_sequences=[[7, 7]])
+    plain, *_ = run(model, ps, budgets, **options)
+    got, states, _, _ = run(
+        model, ps, budgets, prompt_lookup_num_tokens=5, draft_policy="schedule", **options
+    )
+    assert got == plain
+    assert sum(s.proposed for s in states) > 0
+
+
 def test_drafts_come_from_the_request_own_tokens(model):
     """A prompt of one repeated phrase makes the greedy output copy it (on this model):
     with drafts verified every step most of them are accepted and the request needs far
