@@ -70,7 +70,7 @@ _QUEUE_CAUSES = (
     ),
     (
         "unstored",
-        "evicted blocks were stored by no tier (each refused or failed them)",
+        "blocks written to the tiers were stored by no tier (each refused or failed them)",
         "see the tiers' errors, or give a disk tier more room",
     ),
 )

@@ -470,23 +470,28 @@ def dead_url() -> str:
 def test_a_redis_tier_with_nothing_listening_is_logged_once_a_minute(model, caplog, fresh_log, monkeypatch):
     url = dead_url()
     tier = kvrs.RedisTier(url, timeout=0.05, retry_after=0.001)
-    pool = block_pool_from_config(model.config, num_blocks=64, block_size=4, tiers=[tier], seed=11)
+    pool = block_pool_from_config(model, num_blocks=64, block_size=4, tiers=[tier], seed=11)
     caplog.set_level(logging.WARNING, logger="kvrs")
     generate_batch(model, prompts(11), pool=pool, max_new_tokens=2)
     assert pool.stats()["tiers"][0]["errors"] > 0
-    records = [r for r in caplog.records if r.name == "kvrs"]
+
+    def tier_records():
+        return [r for r in caplog.records if r.name == "kvrs" and url in r.getMessage()]
+
+    records = tier_records()
     assert len(records) == 1, [r.getMessage() for r in records]
     msg = records[0].getMessage()
-    assert url in msg and "failed requests" in msg and "server is down" in msg
+    # The tier's own error text: nothing listens there.
+    assert "failed requests" in msg and "refused" in msg.lower(), msg
     assert records[0].levelno == logging.WARNING
     # Within the minute: counted, not repeated.
     generate_batch(model, prompts(12), pool=pool, max_new_tokens=2)
-    assert len([r for r in caplog.records if r.name == "kvrs"]) == 1
+    assert len(tier_records()) == 1
     # A minute later the next record carries what the suppressed one would have said.
     monkeypatch.setattr(_log, "INTERVAL", 0.0)
     before = pool.stats()["tiers"][0]["errors"]
     generate_batch(model, prompts(13), pool=pool, max_new_tokens=2)
-    later = [r for r in caplog.records if r.name == "kvrs"]
+    later = tier_records()
     assert len(later) == 2
     count = int(later[1].getMessage().split(": ")[1].split()[0])
     assert count >= pool.stats()["tiers"][0]["errors"] - before + 1
@@ -526,8 +531,8 @@ def test_tier_watch_reports_each_cause(caplog, fresh_log):
             f"kvrs tier host: 1 {failed}: out of memory",
             "kvrs tiers: 5 evicted blocks were dropped, not offloaded: the write-back queue was full; give "
             "the pool a larger tier_queue / tier_queue_bytes, or a faster tier",
-            "kvrs tiers: 1 evicted blocks were stored by no tier (each refused or failed them); see the "
-            "tiers' errors, or give a disk tier more room",
+            "kvrs tiers: 1 blocks written to the tiers were stored by no tier (each refused or failed "
+            "them); see the tiers' errors, or give a disk tier more room",
         ]
     )
     # Only growth is reported: the same counts again say nothing.

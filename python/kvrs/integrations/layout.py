@@ -232,11 +232,14 @@ def is_model(model_or_config: Any) -> bool:
     return isinstance(model_or_config, torch.nn.Module) and hasattr(model_or_config, "config")
 
 
-def bind_pool(pool: kvrs.BlockPool, model: Any) -> None:
+def bind_pool(pool: kvrs.BlockPool, model: Any, *, recheck: bool = True) -> None:
     """Binds `pool` to `model` (its first model), or raises ValueError when it serves
-    another model: the one place that keeps one model's cached K/V from another."""
+    another model: the one place that keeps one model's cached K/V from another.
+    `recheck=False` (every forward pass) trusts the model's kept fingerprint instead of
+    checking its parameters for changes (done when a pool is made or given to
+    generate_batch)."""
     if is_model(model):
-        pool.bind_model(model_fingerprint(model))
+        pool.bind_model(model_fingerprint(model, recheck=recheck))
 
 
 def _pool_layout(pool: kvrs.BlockPool) -> dict[str, Any]:
@@ -250,7 +253,7 @@ def _pool_layout(pool: kvrs.BlockPool) -> dict[str, Any]:
     }
 
 
-def check_pool(pool: kvrs.BlockPool, model_or_config: Any) -> None:
+def check_pool(pool: kvrs.BlockPool, model_or_config: Any, *, recheck: bool = True) -> None:
     """Raises ValueError unless `pool` holds what the model's layers write: its attention
     layers (their kinds and windows), KV heads, head sizes and state layers, as
     :func:`block_pool_from_config` makes them (a mismatch would otherwise surface as a
@@ -286,4 +289,4 @@ def check_pool(pool: kvrs.BlockPool, model_or_config: Any) -> None:
             f"this pool does not match the model ({type(text_config(config)).__name__}): it has "
             f"{', '.join(differ)}; make it with block_pool_from_config(model, ...)"
         )
-    bind_pool(pool, model_or_config)
+    bind_pool(pool, model_or_config, recheck=recheck)

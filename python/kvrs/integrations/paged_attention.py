@@ -123,7 +123,7 @@ def _attend_in_place(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any
     pool = getattr(cache, "pool", None)
     if isinstance(pool, kvrs.BlockPool):
         # A KvrsPagedCache's pool serves one model.
-        bind_pool(pool, module)
+        bind_pool(pool, module, recheck=False)
     if cache is not None and hasattr(cache, "attend_in_place"):
         mask = kwargs.get("attention_mask")
         padded = mask is not None and mask.ndim == 2 and not bool(mask.all())
@@ -304,7 +304,7 @@ def forward_batch(
             "call kvrs.integrations.transformers.use_paged_attention(model) first"
         )
     if batch.sequences:
-        check_pool(batch.sequences[0].pool, model)
+        check_pool(batch.sequences[0].pool, model, recheck=False)
     known = torch.from_numpy(batch.token_ids)
     if token_ids is None:
         unknown = (known < 0).nonzero().flatten().tolist()

@@ -148,8 +148,8 @@ impl Node {
         each: impl FnMut(Value) -> bool,
     ) -> Result<(), Failure> {
         let Some(probing) = self.admit() else {
-            counters
-                .fail("the server failed recently and is not asked again until its back-off ends");
+            // In its back-off after a failure: counted, and that failure's text is kept.
+            TierCounters::add(&counters.errors, 1);
             return Err(Failure::Down);
         };
         let conn = match self.pooled() {
