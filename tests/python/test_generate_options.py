@@ -492,9 +492,10 @@ def test_a_redis_tier_with_nothing_listening_is_logged_once_a_minute(model, capl
     before = pool.stats()["tiers"][0]["errors"]
     generate_batch(model, prompts(13), pool=pool, max_new_tokens=2)
     later = tier_records()
-    assert len(later) == 2
-    count = int(later[1].getMessage().split(": ")[1].split()[0])
-    assert count >= pool.stats()["tiers"][0]["errors"] - before + 1
+    # One record at the end of the call at least (one a second while a slow call runs).
+    assert len(later) >= 2
+    counts = [int(r.getMessage().split(": ")[1].split()[0]) for r in later[1:]]
+    assert sum(counts) >= pool.stats()["tiers"][0]["errors"] - before + 1
 
 
 class FakePool:
