@@ -25,6 +25,7 @@ pub(crate) mod writer;
 
 pub use disk::DiskTier;
 pub use host::HostTier;
+pub use writer::flush_all;
 #[cfg(feature = "redis")]
 pub use redis::{RedisTier, TlsOptions};
 
