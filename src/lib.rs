@@ -111,6 +111,8 @@ mod manual {
     pub struct Quantized;
     #[doc = include_str!("../docs/transformers.md")]
     pub struct Transformers;
+    #[doc = include_str!("../docs/serve.md")]
+    pub struct Serve;
     #[doc = include_str!("../docs/speculative.md")]
     pub struct Speculative;
     #[doc = include_str!("../docs/architectures.md")]

@@ -1,14 +1,16 @@
 """kvrs: KV-cache storage for LLM inference, with a Rust core.
 
-The contiguous cache (:class:`KVCache`) preallocates K and V for every layer of one
+The contiguous cache ([`KVCache`][kvrs.KVCache]) preallocates K and V for every layer of one
 sequence and hands them out as zero-copy NumPy views (bfloat16 and fp8 ones as
-:class:`HostArray`, which torch imports through DLPack). The paged pool
-(:class:`BlockPool`) shares fixed-size blocks between many :class:`Sequence` objects,
+[`HostArray`][kvrs.HostArray], which torch imports through DLPack). The paged pool
+([`BlockPool`][kvrs.BlockPool]) shares fixed-size blocks between many [`Sequence`][kvrs.Sequence] objects,
 with copy-on-write forks, vLLM slot mappings, FlashInfer page tables and ollama-style
-batched forwards (:class:`ForwardBatch`); evicted cached blocks can go to offload tiers
-(:class:`HostTier`, :class:`DiskTier`, :class:`RedisTier`) and come back from them. Errors derive from
-:class:`KvrsError` where they are kvrs-specific (:class:`CacheFullError`,
-:class:`NotSupportedError`, :class:`DeviceError`) and are plain ``ValueError`` /
+batched forwards ([`ForwardBatch`][kvrs.ForwardBatch]); evicted cached blocks can go to offload tiers
+([`HostTier`][kvrs.HostTier], [`DiskTier`][kvrs.DiskTier], [`RedisTier`][kvrs.RedisTier]) and come back from
+them. Errors derive from
+[`KvrsError`][kvrs.KvrsError] where they are kvrs-specific ([`CacheFullError`][kvrs.CacheFullError],
+[`NotSupportedError`][kvrs.NotSupportedError], [`DeviceError`][kvrs.DeviceError]) and are plain ``ValueError``
+/
 ``IndexError`` / ``TypeError`` otherwise.
 
 kvrs logs to the ``kvrs`` logger (``logging.getLogger("kvrs")``, silent until the
@@ -46,9 +48,9 @@ from kvrs._log import logger as _logger  # noqa: F401  (the "kvrs" logger, with 
 # closing its pools (which Python may never drop): at most 10 s.
 atexit.register(_flush_tiers_at_exit)
 
-#: Any offload tier, for annotations: ``tiers: list[kvrs.Tier] = [HostTier(...), RedisTier(...)]``
-#: (a list of different tier classes is otherwise inferred as ``list[object]``).
 Tier: TypeAlias = HostTier | DiskTier | RedisTier
+"""Any offload tier, for annotations: ``tiers: list[kvrs.Tier] = [HostTier(...), RedisTier(...)]``
+(a list of different tier classes is otherwise inferred as ``list[object]``)."""
 
 __all__ = [
     "BlockPool",

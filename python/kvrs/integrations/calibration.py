@@ -1,12 +1,13 @@
 """fp8 K/V scales from calibration prompts, as vLLM's ``calculate_kv_scales`` computes them.
 
-:func:`calibrate_kv_scales` runs a transformers model over a few prompts and records, for
+[`calibrate_kv_scales`][kvrs.integrations.transformers.calibrate_kv_scales] runs a transformers model over a
+few prompts and records, for
 every layer and KV head, the largest magnitude of the keys and values the layer would
 store (K after the rotary embedding: what ``Cache.update`` receives), over the prompts'
 real tokens only. Each scale is that amax divided by the fp8 format's largest finite
 value (448 for E4M3, 57344 for E5M2), so the calibration K/V fill the format's range
-without saturating. The result plugs into :class:`~kvrs.integrations.transformers.KvrsCache`,
-:class:`~kvrs.integrations.transformers.KvrsPagedCache` and :class:`kvrs.BlockPool`.
+without saturating. The result plugs into [`KvrsCache`][kvrs.integrations.transformers.KvrsCache],
+[`KvrsPagedCache`][kvrs.integrations.transformers.KvrsPagedCache] and [`BlockPool`][kvrs.BlockPool].
 """
 
 from __future__ import annotations
@@ -215,7 +216,8 @@ def calibrate_kv_scales(
     smaller scale would saturate whatever it stores later. Non-finite K/V are a
     ``ValueError``.
 
-    Returns a :class:`KvScales`; ``scales.as_kwargs()`` gives ``dtype``, ``k_scale`` and
+    Returns a [`KvScales`][kvrs.integrations.transformers.KvScales]; ``scales.as_kwargs()`` gives ``dtype``,
+    ``k_scale`` and
     ``v_scale`` for ``KvrsCache``, ``KvrsPagedCache.from_config`` and ``kvrs.BlockPool``.
     """
     name = _fp8_dtype(dtype)

@@ -1,6 +1,6 @@
 """How many tokens each request drafts at a step of speculative
-:func:`kvrs.integrations.generation.generate_batch` (a draft model or prompt lookup):
-:class:`DraftPolicy`.
+[`generate_batch`][kvrs.integrations.transformers.generate_batch] (a draft model or prompt lookup):
+`DraftPolicy`.
 
 ``draft_policy="schedule"`` drafts what ``num_assistant_tokens_schedule`` says (its cap,
 "constant" or "heuristic"), every step. ``"adaptive"`` drafts at most that, and fewer or
@@ -40,16 +40,16 @@ __all__ = ["POLICIES", "DraftPolicy"]
 
 POLICIES = ("adaptive", "schedule")
 
-#: Weight of a request's older acceptance observations after each new one.
 _ACCEPT_DECAY = 0.8
-#: Weight of older step timings after each new decode step.
+"""Weight of a request's older acceptance observations after each new one."""
 _TIME_DECAY = 0.95
-#: A draft model's longest wait between probes of a request that stopped drafting.
+"""Weight of older step timings after each new decode step."""
 _MAX_BACKOFF = 32
+"""A draft model's longest wait between probes of a request that stopped drafting."""
 
 
-#: The acceptance rate assumed before anything was observed.
 _PRIOR = 0.3
+"""The acceptance rate assumed before anything was observed."""
 
 
 @dataclass
@@ -183,7 +183,7 @@ class DraftPolicy:
         return 1
 
     def watch(self, index: int, token: int) -> None:
-        """Request `index` does not draft this step (after :meth:`length` said 0); its
+        """Request `index` does not draft this step (after `length` said 0); its
         first draft would be `token`."""
         if self.mode == "adaptive":
             self.requests.setdefault(index, _Request()).watched = token

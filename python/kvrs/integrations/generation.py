@@ -1,9 +1,9 @@
-"""Continuous batching of a transformers model over a :class:`kvrs.BlockPool`:
-:func:`generate_batch`.
+"""Continuous batching of a transformers model over a [`BlockPool`][kvrs.BlockPool]:
+[`generate_batch`][kvrs.integrations.transformers.generate_batch].
 
-Every step is one :class:`kvrs.ForwardBatch` holding the uncached prompt of each newly
+Every step is one [`ForwardBatch`][kvrs.ForwardBatch] holding the uncached prompt of each newly
 admitted request beside the last generated token of every running request, run in one
-forward pass by :func:`kvrs.integrations.paged_attention.forward_batch`, which computes
+forward pass by [`forward_batch`][kvrs.integrations.transformers.forward_batch], which computes
 logits only for the rows to sample. Admission is prefix-aware: a request is admitted
 when the pool can grow every admitted request to its end (so nothing is ever preempted),
 and a request whose first block another request admitted in the same step computes waits
@@ -40,36 +40,37 @@ from kvrs.integrations.speculative import Speculation, check_assistant, choose, 
 
 __all__ = ["GenerationResult", "RequestState", "SamplingParams", "generate_batch"]
 
-#: New tokens per request when neither the call nor the generation config says.
 _DEFAULT_MAX_NEW_TOKENS = 20
+"""New tokens per request when neither the call nor the generation config says."""
 
 
 @dataclass
 class RequestState:
-    """One input of :func:`generate_batch` while it runs (what ``on_step`` sees)."""
+    """One input of [`generate_batch`][kvrs.integrations.transformers.generate_batch] while it runs (what
+    ``on_step`` sees)."""
 
     index: int
     prompt: list[int]
     max_new_tokens: int
     arrival: int = 0
     generated: list[int] = field(default_factory=list)
-    #: Prompt tokens the pool's prefix cache served (not computed).
     cached: int = 0
-    #: The step it was admitted at (-1: waiting), and the step it finished at.
+    """Prompt tokens the pool's prefix cache served (not computed)."""
     admitted: int = -1
+    """The step it was admitted at (-1: waiting), and the step it finished at."""
     finished: int = -1
-    #: Whether it ended on a stop token (else on max_new_tokens).
     stopped: bool = False
-    #: The generator its sampled tokens are drawn with (None when greedy).
+    """Whether it ended on a stop token (else on max_new_tokens)."""
     generator: Any = None
-    #: Draft tokens proposed for it (by the assistant, or by prompt lookup), and how
-    #: many of them the target accepted (speculative decoding; 0 without drafts).
+    """The generator its sampled tokens are drawn with (None when greedy)."""
     proposed: int = 0
+    """Draft tokens proposed for it (by the assistant, or by prompt lookup), and how
+    many of them the target accepted (speculative decoding; 0 without drafts)."""
     accepted: int = 0
-    #: The most drafts it asks for at its next step (num_assistant_tokens or
-    #: prompt_lookup_num_tokens, or less where the "heuristic" schedule lowered it after
-    #: rejections); the "adaptive" draft_policy may draft fewer, or none.
     draft_len: int = 0
+    """The most drafts it asks for at its next step (num_assistant_tokens or
+    prompt_lookup_num_tokens, or less where the "heuristic" schedule lowered it after
+    rejections); the "adaptive" draft_policy may draft fewer, or none."""
 
     @property
     def done(self) -> bool:
@@ -231,7 +232,8 @@ def generate_batch(  # type: ignore[misc]
     """Generates tokens for every prompt of `inputs` with continuous batching over a
     BlockPool; returns each input's generated ids, in input order (a stop token, when
     one ended the request, included, as ``model.generate`` does; a matched stop
-    sequence left out), or with ``return_dict=True`` one :class:`GenerationResult` per
+    sequence left out), or with ``return_dict=True`` one
+    [`GenerationResult`][kvrs.integrations.transformers.GenerationResult] per
     input (token ids, finish reason "stop" or "length", stop reason, cached prompt
     tokens, logprobs).
 
@@ -257,7 +259,8 @@ def generate_batch(  # type: ignore[misc]
     the match is left out of the output and reported as its stop reason), `logprobs`
     (the top-n raw log-probabilities of each generated token: ``return_dict=True``).
     `sampling_params`: per-request options instead of those keywords, a
-    :class:`SamplingParams` (vLLM's names and defaults: ``temperature=0`` is greedy) or a
+    [`SamplingParams`][kvrs.integrations.transformers.SamplingParams] (vLLM's names and defaults:
+    ``temperature=0`` is greedy) or a
     dict of its fields, one for every input or one per input. All of them work with
     `assistant_model`, exactly: each verified row sees the drafts before it.
 
@@ -268,7 +271,7 @@ def generate_batch(  # type: ignore[misc]
     `pool`: where the K/V live (prefix caching on, so shared prompt prefixes are computed
     once); by default one built from the model (its layers, dtype and device) with room
     for every request at once, each table of the model's layer kinds sized by
-    :func:`kvrs.blocks_per_sequence`; a given pool must match the model (ValueError
+    [`blocks_per_sequence`][kvrs.blocks_per_sequence]; a given pool must match the model (ValueError
     otherwise). `arrivals` (the step each input arrives at; default all at step 0) and
     `on_step` (called after every step with the step, the pool and every request's
     state) let a caller replay a server's workload and trace it. `progress_bar` shows
@@ -308,9 +311,55 @@ def generate_batch(  # type: ignore[misc]
     on the draft lengths, which "adaptive" takes from timings: only "schedule" keeps a
     seed's tokens reproducible there).
 
-    The model's attention is kvrs's while the call runs (:func:`use_paged_attention`)
+    The model's attention is kvrs's while the call runs
+    ([`use_paged_attention`][kvrs.integrations.transformers.use_paged_attention])
     and what it was on return, also after an exception: a model the caller switched
     stays switched.
+
+    Args:
+        model: A transformers causal LM (its attention runs on kvrs's while the call runs).
+        inputs: Token-id lists, one per prompt, or a padded batch (``BatchEncoding``, 2-D
+            tensor or array) with its `attention_mask`.
+        attention_mask: The padded batch's mask, when `inputs` is a tensor or array.
+        pool: The [`BlockPool`][kvrs.BlockPool] holding the K/V; default: one built from
+            the model.
+        generation_config: Where settings not given come from; default
+            ``model.generation_config``.
+        max_new_tokens: Tokens to generate, one int or one per input; default 20.
+        do_sample: Sample instead of greedy decoding.
+        temperature: Sampling temperature.
+        top_k: Sample from the `top_k` most likely tokens.
+        top_p: Nucleus sampling threshold.
+        min_p: vLLM's minimum probability, relative to the most likely token.
+        repetition_penalty: Penalty on tokens of the prompt and output.
+        presence_penalty: vLLM's penalty on tokens present in the output.
+        frequency_penalty: vLLM's penalty per occurrence in the output.
+        min_new_tokens: Stop tokens masked until this many tokens are generated.
+        stop_sequences: Token-id lists that end a request (left out of its output).
+        logprobs: Top-n log-probabilities of each generated token (with `return_dict`).
+        sampling_params: Per-request options: a
+            [`SamplingParams`][kvrs.integrations.transformers.SamplingParams]
+            or dict, one for all inputs or one per input.
+        return_dict: Return [`GenerationResult`][kvrs.integrations.transformers.GenerationResult]s
+            instead of token-id lists.
+        eos_token_id: Stop token(s); default the generation config's.
+        seed: Seeds each request's own generator (reproducible sampling).
+        progress_bar: Show vLLM's progress line (tqdm).
+        block_size: Tokens per block of the default pool.
+        arrivals: The step each input arrives at (default all at step 0).
+        on_step: Called after every step with the step, the pool and every request's state.
+        assistant_model: A draft model for speculative decoding.
+        num_assistant_tokens: Drafted tokens per step (the cap of the schedule).
+        assistant_pool: The draft model's pool; default: one built from it.
+        num_assistant_tokens_schedule: "constant" or "heuristic".
+        prompt_lookup_num_tokens: Prompt lookup decoding: at most this many drafted tokens.
+        max_matching_ngram_size: Prompt lookup's longest n-gram (default 2).
+        draft_policy: "adaptive" or "schedule".
+
+    Returns:
+        Each input's generated token ids, or its
+        [`GenerationResult`][kvrs.integrations.transformers.GenerationResult]
+            with `return_dict=True`, in input order.
     """
     _check_models(model, assistant_model)
     gc = generation_config if generation_config is not None else getattr(model, "generation_config", None)

@@ -3,10 +3,11 @@ over kvrs: their attention layers keep K/V in a pool's blocks, their linear laye
 fixed-size recurrent state (a convolution window and an SSM / delta-rule matrix) in the
 pool's state slots, one per sequence (see ``BlockPool(state_layers=...)``).
 
-:func:`kvrs.integrations.layout.layer_plan` reads a config into the pool's two kinds
+`kvrs.integrations.layout.layer_plan` reads a config into the pool's two kinds
 of layers; this module updates the states: the cache classes
-(:mod:`kvrs.integrations.transformers`) and :func:`forward_batch`
-(:mod:`kvrs.integrations.paged_attention`) use it. The state is updated exactly as
+([`kvrs.integrations.transformers`][kvrs.integrations.transformers]) and
+[`forward_batch`][kvrs.integrations.transformers.forward_batch]
+(`kvrs.integrations.paged_attention`) use it. The state is updated exactly as
 transformers' own ``LinearAttentionLayer`` updates it, but in kvrs's memory: the model's
 kernels read and write the slot views in place.
 """
@@ -53,7 +54,7 @@ def check_state(name: str, view: torch.Tensor, got: torch.Tensor, layer: int) ->
 class _SequenceStates:
     """A cache-like object over one sequence's state slot: what a linear layer's own
     forward calls (``get_conv_state``, ``update_conv_state``, ...) when
-    :func:`forward_batch` runs it on that sequence's tokens."""
+    [`forward_batch`][kvrs.integrations.transformers.forward_batch] runs it on that sequence's tokens."""
 
     def __init__(self, seq: kvrs.Sequence, state_layer: int, layer_idx: int, has_previous: bool):
         views = seq.state(state_layer)
@@ -101,9 +102,9 @@ class _Chunk:
 
 
 class MixerRecorder:
-    """Records, while :meth:`recording`, each linear layer's input for each sequence of
+    """Records, while `recording`, each linear layer's input for each sequence of
     the ForwardBatches run (the hidden states its mixer saw), so that a rollback can
-    advance a restored state over a prefix of those tokens (:meth:`replay`) without
+    advance a restored state over a prefix of those tokens (`replay`) without
     running the model again: a state layer's new state depends only on its old state
     and its inputs, which the forward already computed."""
 

@@ -1,7 +1,7 @@
 """A model's layers as kvrs holds them: K/V layers of each attention kind (full,
 sliding, chunked) and head sizes (an MLA model's latent), and for hybrid models the
 state layers of their linear-attention or Mamba layers; and the BlockPool that holds
-them (:func:`block_pool_from_config`)."""
+them ([`block_pool_from_config`][kvrs.integrations.transformers.block_pool_from_config])."""
 
 from __future__ import annotations
 
@@ -173,8 +173,8 @@ def block_pool_from_config(
 ) -> kvrs.BlockPool:
     """A BlockPool shaped for a transformers model (or its config): its attention layers
     (and their kinds), KV heads and head sizes (an MLA model's latent: see
-    :func:`_cache_heads`), and for a hybrid model its linear layers as state layers
-    (:func:`layer_plan`) with `state_slots` slots (default 8: sequences that can run at
+    `_cache_heads`), and for a hybrid model its linear layers as state layers
+    (`layer_plan`) with `state_slots` slots (default 8: sequences that can run at
     once) and, with prefix caching (the default), ``state_checkpoints`` checkpoint
     slots (default two per state slot) so that prefix hits restore the recurrent
     state. `dtype` 'auto' (or None) is the model's: its parameters'
@@ -184,7 +184,7 @@ def block_pool_from_config(
     other keywords (prefix_caching, swa_memory, tiers, ...) go to BlockPool.
 
     Made from a model, the pool is bound to it (``BlockPool.bind_model`` with
-    :func:`kvrs.integrations.fingerprint.model_fingerprint`: its configuration and
+    [`model_fingerprint`][kvrs.integrations.transformers.model_fingerprint]: its configuration and
     weights), and its ``model_id``, which keys its blocks in tiers and prefix-cache
     files, is that fingerprint unless `model_id` is given: another model, even one of the
     same shape, is refused the pool and never reads its blocks from a shared tier. Made
@@ -243,8 +243,8 @@ def bind_pool(pool: kvrs.BlockPool, model: Any, *, recheck: bool = True) -> None
 
 
 def _pool_layout(pool: kvrs.BlockPool) -> dict[str, Any]:
-    """The layer kinds of `pool` as :func:`kvrs.blocks_per_sequence` takes them (what
-    :func:`_attention_layout` gives for a config, with `swa_memory`)."""
+    """The layer kinds of `pool` as [`blocks_per_sequence`][kvrs.blocks_per_sequence] takes them (what
+    `_attention_layout` gives for a config, with `swa_memory`)."""
     return {
         "layer_types": pool.layer_types,
         "sliding_window": pool.sliding_window,
@@ -256,9 +256,10 @@ def _pool_layout(pool: kvrs.BlockPool) -> dict[str, Any]:
 def check_pool(pool: kvrs.BlockPool, model_or_config: Any, *, recheck: bool = True) -> None:
     """Raises ValueError unless `pool` holds what the model's layers write: its attention
     layers (their kinds and windows), KV heads, head sizes and state layers, as
-    :func:`block_pool_from_config` makes them (a mismatch would otherwise surface as a
+    [`block_pool_from_config`][kvrs.integrations.transformers.block_pool_from_config] makes them (a mismatch
+    would otherwise surface as a
     shape error deep inside a forward pass), and, given a model, unless the pool serves
-    that model (:func:`bind_pool`: a pool not yet bound binds to it)."""
+    that model (`bind_pool`: a pool not yet bound binds to it)."""
     config = model_parts(model_or_config)[0]
     heads, head_dim, v_head_dim = _cache_heads(config)
     layout = _attention_layout(config)

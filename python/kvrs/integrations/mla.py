@@ -3,7 +3,7 @@
 transformers' DeepSeek attention caches the compressed latent (``kv_nope``:
 ``kv_lora_rank`` values, and the rotary key ``k_rot``: ``qk_rope_head_dim`` values; one
 shared head), then expands the whole history into per-head keys and values with
-``kv_b_proj`` at every step. Under :func:`~kvrs.integrations.transformers.use_paged_attention`
+``kv_b_proj`` at every step. Under [`use_paged_attention`][kvrs.integrations.transformers.use_paged_attention]
 kvrs instead absorbs ``kv_b_proj`` into the queries and the output, as vLLM's and
 FlashInfer's MLA kernels do: with ``W_UK`` and ``W_UV`` the key and value halves of
 ``kv_b_proj``, each head's score is ``(q_nope W_UK) . c + q_rope . k_rot`` and its output

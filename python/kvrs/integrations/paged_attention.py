@@ -1,7 +1,7 @@
-"""Continuous batching of a transformers model over a :class:`kvrs.BlockPool`.
+"""Continuous batching of a transformers model over a [`BlockPool`][kvrs.BlockPool].
 
 ``use_paged_attention(model)`` switches a model's attention to ``"kvrs_paged"``: when a
-forward pass carries a :class:`kvrs.ForwardBatch` (``forward_batch`` passes it), every
+forward pass carries a [`ForwardBatch`][kvrs.ForwardBatch] (``forward_batch`` passes it), every
 attention layer writes its new K/V into the pool with ``batch.put`` and computes
 attention with ``batch.attention``, which reads each sequence's blocks in place, so one
 forward pass serves a ragged batch of many sequences (prefill chunks beside decode
@@ -89,7 +89,8 @@ def paged_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention computed by kvrs over its cache, read in place: through
     ``kwargs["kvrs_batch"]`` (a ForwardBatch) when given, through a kvrs cache that
-    attends in place when `key` comes from one (see :func:`use_paged_attention`), else
+    attends in place when `key` comes from one (see
+    [`use_paged_attention`][kvrs.integrations.transformers.use_paged_attention]), else
     plain SDPA."""
     batch: kvrs.ForwardBatch | None = kwargs.pop("kvrs_batch", None)
     layer = int(module.layer_idx)  # type: ignore[arg-type]  # an int on every attention module
@@ -163,8 +164,10 @@ def _set_implementations(saved: list[tuple[Any, Any]]) -> None:
 
 
 class _Switch:
-    """What :func:`use_paged_attention` changed on a model, kept on the model so that
-    :func:`restore_attention` puts it back: each config's attention implementation (the
+    """What [`use_paged_attention`][kvrs.integrations.transformers.use_paged_attention] changed on a model,
+    kept on the model so that
+    [`restore_attention`][kvrs.integrations.transformers.restore_attention] puts it back: each config's
+    attention implementation (the
     configs are shared with any model built from them), the module attributes it set
     (wrapped forwards of MLA layers and linear mixers, layer numbers), its hook."""
 
@@ -193,18 +196,21 @@ class _Switch:
 
 
 def use_paged_attention(model: Any) -> Any:
-    """Switches `model`'s attention to kvrs (until :func:`restore_attention`): a
-    ForwardBatch (:func:`forward_batch`) or a kvrs cache (``KvrsCache``,
+    """Switches `model`'s attention to kvrs (until
+    [`restore_attention`][kvrs.integrations.transformers.restore_attention]): a
+    ForwardBatch ([`forward_batch`][kvrs.integrations.transformers.forward_batch]) or a kvrs cache
+    (``KvrsCache``,
     ``KvrsPagedCache``) passed as ``past_key_values`` makes each layer attend over kvrs's
     memory in place, with no gathered history and no dense mask; anything else runs SDPA.
     DeepSeek-style MLA layers attend over the cached latent in absorbed form
-    (:mod:`kvrs.integrations.mla`); a hybrid model's linear layers run each sequence of a
-    ForwardBatch against its state slot (:mod:`kvrs.integrations.hybrid`).
+    (`kvrs.integrations.mla`); a hybrid model's linear layers run each sequence of a
+    ForwardBatch against its state slot (`kvrs.integrations.hybrid`).
 
     The switch is transformers' ``set_attn_implementation("kvrs_paged")``, which writes the
     model's config: a model built from the same config object afterwards starts switched
     too, and transformers' own ``generate_batch`` refuses a switched model.
-    :func:`restore_attention` undoes all of it. :func:`generate_batch` switches a model
+    [`restore_attention`][kvrs.integrations.transformers.restore_attention] undoes all of it.
+    [`generate_batch`][kvrs.integrations.transformers.generate_batch] switches a model
     only while it runs. Returns `model`."""
     switch: _Switch | None = model.__dict__.get("_kvrs_switch")
     if switch is None:
@@ -253,7 +259,8 @@ def _assisted_generate(model: Any, generate: Any) -> Any:
 
 
 def restore_attention(model: Any) -> Any:
-    """Undoes :func:`use_paged_attention`: the attention implementation every config of
+    """Undoes [`use_paged_attention`][kvrs.integrations.transformers.use_paged_attention]: the attention
+    implementation every config of
     `model` had before (so new models from the same config, and transformers' own
     ``generate_batch``, see the original), the modules' own forwards, no kvrs hook.
     A model that is not switched is left as it is. Returns `model`."""
@@ -286,7 +293,8 @@ def _switched(model: Any) -> Iterator[None]:
 def forward_batch(
     model: Any, batch: kvrs.ForwardBatch, token_ids: Any = None, *, logits_to_keep: Any = None
 ) -> torch.Tensor:
-    """Runs one ForwardBatch through `model` (switched by :func:`use_paged_attention`) and
+    """Runs one ForwardBatch through `model` (switched by
+    [`use_paged_attention`][kvrs.integrations.transformers.use_paged_attention]) and
     returns the logits of its tokens [num_tokens, vocab], or of the rows `logits_to_keep`
     names: ``"last"`` (each sequence's last token, ``batch.last_token_indices``: the rows a
     sampler reads, in ``batch.sequences`` order) or a list of batch indices. Keeping only

@@ -1,4 +1,4 @@
-"""Prompt lookup (n-gram) drafts for :func:`kvrs.integrations.generation.generate_batch`:
+"""Prompt lookup (n-gram) drafts for [`generate_batch`][kvrs.integrations.transformers.generate_batch]:
 ``prompt_lookup_num_tokens=`` and ``max_matching_ngram_size=``, transformers' names and
 semantics (``PromptLookupCandidateGenerator``).
 
@@ -6,17 +6,17 @@ A request's draft is what followed an earlier occurrence of its last n tokens in
 prompt and output so far: n from `max_matching_ngram_size` down to 1, the leftmost
 occurrence that has a token after it, at most `prompt_lookup_num_tokens` tokens of what
 follows it. No draft model and no draft pool: the drafts go straight into the batched
-verify forward of the draft-model path (:func:`kvrs.integrations.speculative.verify`),
+verify forward of the draft-model path (`kvrs.integrations.speculative.verify`),
 which keeps the accepted ones and rolls back the rest (a hybrid model's recurrent state
 included).
 
-:class:`NgramIndex` keeps, per n-gram size, the first position of every n-gram of a
+`NgramIndex` keeps, per n-gram size, the first position of every n-gram of a
 request's tokens, extended as tokens are generated: a lookup costs `max_matching_ngram_size`
-dictionary reads, not a scan of the history. :func:`find_candidates` is the same search
+dictionary reads, not a scan of the history. `find_candidates` is the same search
 written out over a list (the reference the tests compare both with transformers' own).
 
 Sampling follows transformers' rule for drafts without probabilities
-(:func:`kvrs.integrations.speculative.lookup_sample`): at each draft position a token is
+(`kvrs.integrations.speculative.lookup_sample`): at each draft position a token is
 drawn from the target's probabilities with the request's generator, and the draft is
 kept while the draw equals it. That is speculative sampling with a point-mass draft
 distribution (accept ``x`` with probability ``p(x)``, else a token from ``p`` with ``x``
@@ -34,8 +34,8 @@ from kvrs.integrations.speculative import Proposal, lookup_sample
 
 __all__ = ["NgramIndex", "PromptLookup", "check_prompt_lookup", "find_candidates", "lookup_sample"]
 
-#: transformers' default n-gram size ("max_matching_ngram_size or 2" in generate()).
 DEFAULT_NGRAM = 2
+"""transformers' default n-gram size ("max_matching_ngram_size or 2" in generate())."""
 
 
 def find_candidates(
@@ -67,7 +67,7 @@ def _cut(draft: list[int], stops: Sequence[int] | set[int]) -> list[int]:
 
 class NgramIndex:
     """The first position of every n-gram (n = 1 to `max_ngram`) of a growing token
-    list: :meth:`extend` adds tokens, :meth:`lookup` finds what :func:`find_candidates`
+    list: `extend` adds tokens, `lookup` finds what `find_candidates`
     finds, in `max_ngram` dictionary reads. Memory: at most `max_ngram` entries a token."""
 
     def __init__(self, tokens: Sequence[int], max_ngram: int = DEFAULT_NGRAM):
@@ -76,8 +76,8 @@ class NgramIndex:
         self.max_ngram = max_ngram
         self.tokens: list[int] = []
         self.first: dict[tuple[int, ...], int] = {}
-        #: The n-gram size the last :meth:`lookup` matched (0: none).
         self.matched = 0
+        """The n-gram size the last `lookup` matched (0: none)."""
         self.extend(tokens)
 
     def __len__(self) -> int:
@@ -94,7 +94,7 @@ class NgramIndex:
 
     def lookup(self, num_tokens: int, stops: set[int] | Sequence[int] = ()) -> list[int]:
         """Up to `num_tokens` draft tokens after the current tokens (see
-        :func:`find_candidates`); empty when no n-gram matches or `num_tokens` < 1."""
+        `find_candidates`); empty when no n-gram matches or `num_tokens` < 1."""
         seq = self.tokens
         end = len(seq)
         self.matched = 0
@@ -143,9 +143,10 @@ def check_prompt_lookup(num_tokens: Any, max_ngram: Any, assistant_model: Any) -
 
 
 class PromptLookup:
-    """The draft side of prompt-lookup :func:`generate_batch`: one :class:`NgramIndex`
+    """The draft side of prompt-lookup [`generate_batch`][kvrs.integrations.transformers.generate_batch]: one
+    `NgramIndex`
     per admitted request; the same interface as
-    :class:`kvrs.integrations.speculative.Speculation` (no draft pool: nothing to catch
+    `kvrs.integrations.speculative.Speculation` (no draft pool: nothing to catch
     up, settle or free but the index)."""
 
     hybrid = False
@@ -198,7 +199,7 @@ class PromptLookup:
         top_p: float,
         process: Any = None,
     ) -> Proposal:
-        """The drafts :meth:`plan` found for `items` (no forward pass; `process`, the
+        """The drafts `plan` found for `items` (no forward pass; `process`, the
         per-request logits options, has nothing to process: the drafts are tokens, not
         distributions)."""
         return Proposal({r.index: self.planned[r.index] for r, _ in items}, {}, {}, [], None)

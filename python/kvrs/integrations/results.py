@@ -1,6 +1,7 @@
-"""What :func:`kvrs.integrations.generation.generate_batch` takes and gives beyond lists
+"""What [`generate_batch`][kvrs.integrations.transformers.generate_batch] takes and gives beyond lists
 of token ids: padded batches (a tokenizer's ``BatchEncoding``, or a 2-D tensor or array
-with its ``attention_mask``) in, and :class:`GenerationResult` out (``return_dict=True``).
+with its ``attention_mask``) in, and [`GenerationResult`][kvrs.integrations.transformers.GenerationResult] out
+(``return_dict=True``).
 """
 
 from __future__ import annotations
@@ -17,24 +18,24 @@ class GenerationResult:
     """One input's outcome (``generate_batch(..., return_dict=True)``), with vLLM's
     ``RequestOutput`` / ``CompletionOutput`` names."""
 
-    #: The input's position in `inputs`.
     index: int
-    #: Its prompt (padding removed).
+    """The input's position in `inputs`."""
     prompt_token_ids: list[int]
-    #: What it generated (what the plain list return holds).
+    """Its prompt (padding removed)."""
     token_ids: list[int]
-    #: "stop" (a stop token or stop sequence ended it) or "length" (its max_new_tokens).
+    """What it generated (what the plain list return holds)."""
     finish_reason: Literal["stop", "length"]
-    #: What stopped it: the stop token's id, or the stop sequence (left out of
-    #: token_ids); None when it ran to its length.
+    """"stop" (a stop token or stop sequence ended it) or "length" (its max_new_tokens)."""
     stop_reason: int | list[int] | None
-    #: Prompt tokens the pool's prefix cache (or its tiers) served instead of computing.
+    """What stopped it: the stop token's id, or the stop sequence (left out of
+    token_ids); None when it ran to its length."""
     num_cached_tokens: int
-    #: With logprobs=n: per generated token, {token id: log-probability} of the n most
-    #: likely tokens and the generated one (from the model's raw logits); else None.
+    """Prompt tokens the pool's prefix cache (or its tiers) served instead of computing."""
     logprobs: list[dict[int, float]] | None = None
-    #: The sum of the generated tokens' log-probabilities (with logprobs), else None.
+    """With logprobs=n: per generated token, {token id: log-probability} of the n most
+    likely tokens and the generated one (from the model's raw logits); else None."""
     cumulative_logprob: float | None = None
+    """The sum of the generated tokens' log-probabilities (with logprobs), else None."""
 
 
 def _rows(value: Any, name: str) -> list[list[Any]]:

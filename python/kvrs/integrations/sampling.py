@@ -1,7 +1,7 @@
-"""Per-request sampling options of :func:`kvrs.integrations.generation.generate_batch`:
+"""Per-request sampling options of [`generate_batch`][kvrs.integrations.transformers.generate_batch]:
 vLLM's ``SamplingParams`` options (penalties, ``min_p``, minimum lengths, stop token ids
-and stop sequences, log-probabilities), resolved per request (:func:`plan`) and applied
-to a step's batched logits at once (:class:`Sampler`).
+and stop sequences, log-probabilities), resolved per request (`plan`) and applied
+to a step's batched logits at once (`Sampler`).
 
 The logits processors follow transformers' (``RepetitionPenaltyLogitsProcessor``,
 ``MinNewTokensLengthLogitsProcessor``, then the warpers ``TemperatureLogitsWarper``,
@@ -30,7 +30,8 @@ __all__ = ["Options", "Plan", "Sampler", "SamplingParams", "plan", "stop_sequenc
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """One request's sampling options for :func:`generate_batch` (``sampling_params=``:
+    """One request's sampling options for [`generate_batch`][kvrs.integrations.transformers.generate_batch]
+    (``sampling_params=``:
     one for every input, or one per input), with vLLM's names, defaults and meanings:
     ``SamplingParams()`` samples at temperature 1 as vLLM does, ``temperature=0`` is
     greedy.
@@ -72,7 +73,7 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class Options:
-    """One request's resolved options (what :class:`Sampler` applies)."""
+    """One request's resolved options (what `Sampler` applies)."""
 
     sample: bool = False
     temperature: float = 1.0
@@ -378,30 +379,31 @@ def _from_kwargs(vocab: int, gc: Any, stops: set[int], given: dict[str, Any], bu
 
 
 class Sampler:
-    """Applies every request's options to a step's logits (:meth:`target` for the
-    model's rows, :meth:`draft` for a draft model's) and follows what each request
-    generates (:meth:`accepted`): its penalty counts, stop tokens and sequences,
+    """Applies every request's options to a step's logits (`target` for the
+    model's rows, `draft` for a draft model's) and follows what each request
+    generates (`accepted`): its penalty counts, stop tokens and sequences,
     log-probabilities. `options[i]` is request i's; a row's owner is any object with
-    ``index``, ``prompt`` and ``generated`` (generate_batch's :class:`RequestState`), so
+    ``index``, ``prompt`` and ``generated`` (generate_batch's
+    [`RequestState`][kvrs.integrations.transformers.RequestState]), so
     a server of its own on ``forward_batch`` can sample with it too."""
 
     def __init__(self, options: list[Options], vocab: int):
         self.options = options
         self.vocab = vocab
         self.sampling = any(o.sample for o in options)
-        #: Per penalized request: its output tokens' counts and which tokens its prompt
-        #: and output hold ([vocab] each, on the logits' device), made at its first row.
         self.counts: dict[int, torch.Tensor] = {}
+        """Per penalized request: its output tokens' counts and which tokens its prompt
+        and output hold ([vocab] each, on the logits' device), made at its first row."""
         self.seen: dict[int, torch.Tensor] = {}
-        #: Per request asking for logprobs: the raw log-softmax rows of this step's
-        #: positions, in order; and what it generated.
         self.pending: dict[int, list[torch.Tensor]] = {}
+        """Per request asking for logprobs: the raw log-softmax rows of this step's
+        positions, in order; and what it generated."""
         self.logprobs: dict[int, list[dict[int, float]]] = {
             i: [] for i, o in enumerate(options) if o.logprobs is not None
         }
-        #: Why each stopped request stopped (a stop token, or a stop sequence), and how
-        #: many tokens at its end the output leaves out (a matched stop sequence).
         self.stop_reason: dict[int, int | list[int]] = {}
+        """Why each stopped request stopped (a stop token, or a stop sequence), and how
+        many tokens at its end the output leaves out (a matched stop sequence)."""
         self.trim: dict[int, int] = {}
         self._device: Any = None
 

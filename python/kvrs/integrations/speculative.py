@@ -1,5 +1,5 @@
-"""Speculative decoding for :func:`kvrs.integrations.generation.generate_batch`: a draft
-model proposes tokens over its own :class:`kvrs.BlockPool`, the target verifies them in
+"""Speculative decoding for [`generate_batch`][kvrs.integrations.transformers.generate_batch]: a draft
+model proposes tokens over its own [`BlockPool`][kvrs.BlockPool], the target verifies them in
 one forward pass, and both pools keep only what was accepted.
 
 Rollback is exact and leaves no trace: a verify or draft forward is never *finished*
@@ -8,9 +8,9 @@ Rollback is exact and leaves no trace: a verify or draft forward is never *finis
 the positions past them (``Sequence.set_seq_len``), so draft tokens never enter the
 prefix cache. A hybrid model's recurrent state is restored from a copy taken before
 the forward and advanced over the accepted tokens only, by replaying each linear
-layer's recorded inputs (:class:`kvrs.integrations.hybrid.MixerRecorder`).
+layer's recorded inputs (`kvrs.integrations.hybrid.MixerRecorder`).
 
-:func:`speculative_sample` is the standard speculative sampling rule (Leviathan et al.
+`speculative_sample` is the standard speculative sampling rule (Leviathan et al.
 2023; Chen et al. 2023): its output is distributed as the target's own sampling.
 """
 
@@ -29,9 +29,9 @@ from kvrs.integrations.paged_attention import forward_batch
 
 __all__ = ["filtered_probs", "greedy_accept", "lookup_sample", "speculative_sample"]
 
-#: Per-request logits processing: (logits [rows, vocab], each row's request, the drafts
-#: each row follows) -> the logits to choose from.
 Process = Callable[[torch.Tensor, list[Any], list[list[int]]], torch.Tensor]
+"""Per-request logits processing: (logits [rows, vocab], each row's request, the drafts
+each row follows) -> the logits to choose from."""
 
 
 def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -165,7 +165,7 @@ def check_assistant(model: Any, assistant: Any, num_assistant_tokens: int) -> No
 
 class StateSnapshot:
     """Copies of the recurrent states of some sequences of a hybrid pool, taken before
-    a forward that may be rolled back; :meth:`rollback` puts a sequence's state back
+    a forward that may be rolled back; `rollback` puts a sequence's state back
     and replays the recorded inputs of its first `m` tokens (the accepted ones)."""
 
     def __init__(self, seqs: Sequence[kvrs.Sequence]):
@@ -219,9 +219,9 @@ class Proposal:
 
 
 class Drafter(Protocol):
-    """What :func:`verify` needs of the draft side: a draft model's
-    :class:`Speculation` or prompt lookup's
-    :class:`kvrs.integrations.prompt_lookup.PromptLookup`."""
+    """What `verify` needs of the draft side: a draft model's
+    `Speculation` or prompt lookup's
+    `kvrs.integrations.prompt_lookup.PromptLookup`."""
 
     k: int
     schedule: str
@@ -232,7 +232,8 @@ class Drafter(Protocol):
 
 
 class Speculation:
-    """The draft side of speculative :func:`generate_batch`: the assistant model, its
+    """The draft side of speculative [`generate_batch`][kvrs.integrations.transformers.generate_batch]: the
+    assistant model, its
     pool and one sequence per admitted request, which catches up with the request's
     tokens when it drafts and keeps only what the target accepted."""
 
@@ -297,7 +298,7 @@ class Speculation:
         """Drafts `kr` tokens for each (request, kr) of `items`: kr draft forwards, the
         first catching the draft sequence up with the request's tokens (its last
         generated token included), each later one the previous draft. Nothing is
-        committed: :meth:`settle` keeps what the target accepts. `process` (per-request
+        committed: `settle` keeps what the target accepts. `process` (per-request
         options) transforms each round's logits before they are sampled from."""
         seqs = [self.seqs[r.index] for r, _ in items]
         snapshot = StateSnapshot(seqs) if self.hybrid else None

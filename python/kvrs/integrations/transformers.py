@@ -1,8 +1,9 @@
 """A Hugging Face ``transformers`` cache backed by kvrs, and continuous batching of a
-transformers model over a :class:`kvrs.BlockPool`.
+transformers model over a [`BlockPool`][kvrs.BlockPool].
 
-``KvrsCache`` subclasses ``transformers.Cache`` with one :class:`KvrsLayer` per model
-layer. Each layer keeps its keys and values in a :class:`kvrs.KVCache` allocated once, on
+``KvrsCache`` subclasses ``transformers.Cache`` with one
+[`KvrsLayer`][kvrs.integrations.transformers.KvrsLayer] per model
+layer. Each layer keeps its keys and values in a [`KVCache`][kvrs.KVCache] allocated once, on
 first use, for the batch it sees: ``batch * num_kv_heads`` heads of ``max_seq_len``
 positions, so the tensors handed back to the model are zero-copy views of kvrs's memory
 (``[batch, heads, seq_len, head_dim]``), cast to the model's dtype only when the storage
@@ -11,12 +12,12 @@ releases what sliding-window layers no longer see. Both work with
 ``model.generate(..., past_key_values=cache)`` and with manual forward loops (greedy,
 sampling, beam search, assisted decoding, cropping).
 
-``calibrate_kv_scales`` (from :mod:`kvrs.integrations.calibration`) computes fp8 K/V scales
-from calibration prompts, in the form both caches and :class:`kvrs.BlockPool` take.
+``calibrate_kv_scales`` (from `kvrs.integrations.calibration`) computes fp8 K/V scales
+from calibration prompts, in the form both caches and [`BlockPool`][kvrs.BlockPool] take.
 
-``use_paged_attention`` and ``forward_batch`` (from :mod:`kvrs.integrations.paged_attention`)
+``use_paged_attention`` and ``forward_batch`` (from `kvrs.integrations.paged_attention`)
 run ragged batches of many sequences through one forward pass; ``generate_batch`` (from
-:mod:`kvrs.integrations.generation`) serves a list of prompts with continuous batching.
+`kvrs.integrations.generation`) serves a list of prompts with continuous batching.
 
 Needs ``torch`` and ``transformers`` (5.x); importing this module without them raises an
 ``ImportError`` that says what to install.
@@ -147,7 +148,7 @@ class _CheckedLayers(Cache):
 
 
 class KvrsLayer(CacheLayerMixin):
-    """One model layer's keys and values in a :class:`kvrs.KVCache`."""
+    """One model layer's keys and values in a [`KVCache`][kvrs.KVCache]."""
 
     is_sliding = False
     is_croppable = True
@@ -337,13 +338,16 @@ class KvrsCache(_CheckedLayers):
     """A ``transformers`` cache whose keys and values live in kvrs (one KVCache per layer).
 
     Every layer stores all ``max_seq_len`` positions, sliding-window layers included (the
-    model's mask restricts what they see); :class:`KvrsPagedCache` releases what windows
-    no longer see. Under :func:`use_paged_attention` the model attends over the cache in
+    model's mask restricts what they see); [`KvrsPagedCache`][kvrs.integrations.transformers.KvrsPagedCache]
+    releases what windows
+    no longer see. Under [`use_paged_attention`][kvrs.integrations.transformers.use_paged_attention] the model
+    attends over the cache in
     place (``attend_in_place``, set for each forward)."""
 
     @property
     def attend_in_place(self) -> bool:
-        """Whether `update` leaves attention to kvrs (set by :func:`use_paged_attention`'s
+        """Whether `update` leaves attention to kvrs (set by
+        [`use_paged_attention`][kvrs.integrations.transformers.use_paged_attention]'s
         hook for each forward of an unpadded batch)."""
         return any(getattr(layer, "in_place", False) for layer in self.layers)
 
@@ -397,7 +401,8 @@ class KvrsCache(_CheckedLayers):
         first forward writes), 'float32', 'float16', 'bfloat16' (or the torch dtype), or
         8-bit 'fp8_e4m3', 'fp8_e5m2', 'int8'. `device` None is the model's (the host for a
         config). fp8 takes a checkpoint's `k_scale` and `v_scale`: a float, one per layer,
-        or [num_layers, num_kv_heads] (see :func:`calibrate_kv_scales`)."""
+        or [num_layers, num_kv_heads] (see
+        [`calibrate_kv_scales`][kvrs.integrations.transformers.calibrate_kv_scales])."""
         config, m_dtype, m_device = model_parts(model_or_config)
         layers = text_config(config).num_hidden_layers
         dtype = resolve_dtype(dtype, m_dtype if isinstance(model_or_config, torch.nn.Module) else None)
@@ -407,7 +412,8 @@ class KvrsCache(_CheckedLayers):
 
 
 class KvrsPagedLayer(CacheLayerMixin):
-    """One model layer of a :class:`KvrsPagedCache`: its keys and values live in the
+    """One model layer of a [`KvrsPagedCache`][kvrs.integrations.transformers.KvrsPagedCache]: its keys and
+    values live in the
     cache's pool, in the sequences of the batch rows."""
 
     is_croppable = True
@@ -457,7 +463,8 @@ class KvrsPagedLayer(CacheLayerMixin):
 
 
 class KvrsStateLayer(LinearAttentionCacheLayerMixin):
-    """One linear-attention or Mamba layer of a :class:`KvrsPagedCache`: its convolution
+    """One linear-attention or Mamba layer of a
+    [`KvrsPagedCache`][kvrs.integrations.transformers.KvrsPagedCache]: its convolution
     window and recurrent state live in the pool's state slots of the batch rows, updated
     in place as transformers' ``LinearAttentionLayer`` updates its own tensors."""
 
@@ -526,7 +533,7 @@ class KvrsStateLayer(LinearAttentionCacheLayerMixin):
 
     def activate_past_recording(self) -> None:
         """From now on the owner keeps what a crop needs to roll this layer's state back
-        (see :meth:`KvrsPagedCache.crop`)."""
+        (see `KvrsPagedCache.crop`)."""
         self.record_past = True
 
     @property
@@ -552,7 +559,8 @@ def _check_state_index(state_idx: int) -> None:
 
 @dataclass
 class _StateRecord:
-    """One linear layer of a :class:`KvrsPagedCache` since its last crop: its states
+    """One linear layer of a [`KvrsPagedCache`][kvrs.integrations.transformers.KvrsPagedCache] since its last
+    crop: its states
     before (None: it held none), and its inputs since, with its forward's arguments."""
 
     own: Any
@@ -563,13 +571,14 @@ class _StateRecord:
 
 
 class KvrsPagedCache(_CheckedLayers):
-    """A ``transformers`` cache whose keys and values live in a :class:`kvrs.BlockPool`,
+    """A ``transformers`` cache whose keys and values live in a [`BlockPool`][kvrs.BlockPool],
     one pool sequence per batch row.
 
     Blocks are allocated as sequences grow; sliding-window layers release the blocks their
     window has left. Beam search reorders rows by forking sequences (blocks are shared,
     copied on write), and ``copy.deepcopy`` forks every row, so a reused prompt cache
-    shares its blocks. Under :func:`use_paged_attention` each layer attends over the
+    shares its blocks. Under [`use_paged_attention`][kvrs.integrations.transformers.use_paged_attention] each
+    layer attends over the
     pool's blocks in place (``attend_in_place``, set for each forward); otherwise the
     attended K/V are gathered from the blocks at every step (one copy per layer and step).
     """
@@ -629,14 +638,16 @@ class KvrsPagedCache(_CheckedLayers):
         `max_batch_size` state slots).
 
         Its size: room for `max_batch_size` rows of `max_seq_len` positions, counted per
-        block table (:func:`kvrs.blocks_per_sequence`): a full-attention table needs every
+        block table ([`blocks_per_sequence`][kvrs.blocks_per_sequence]): a full-attention table needs every
         block of `max_seq_len`, a sliding-window or chunked table only its window plus
         what one forward pass adds, at most `max_prompt_len` tokens (the longest prompt
         ``generate()`` prefills at once; default `max_seq_len`). Or exactly `num_blocks`
         blocks or `memory_bytes` bytes; given beside `max_seq_len`, the pool must hold
         those rows (ValueError otherwise). `dtype` and `device` as for
-        :func:`block_pool_from_config` ('auto' and None: the model's; 8-bit dtypes as for
-        :class:`KvrsCache`, with fp8 `k_scale` / `v_scale`). `swa_memory` positions are
+        [`block_pool_from_config`][kvrs.integrations.transformers.block_pool_from_config] ('auto' and None:
+        the model's; 8-bit dtypes as for
+        [`KvrsCache`][kvrs.integrations.transformers.KvrsCache], with fp8 `k_scale` / `v_scale`). `swa_memory`
+        positions are
         kept beyond sliding windows so that `crop` (assisted decoding) can roll back that
         far from the longest length reached.
 
@@ -730,7 +741,8 @@ class KvrsPagedCache(_CheckedLayers):
     def rolls_back_states(self) -> bool:
         """Whether a crop can roll the model's recurrent states back: a cache of a
         hybrid model recording past states (transformers' assisted generation turns it
-        on) whose linear layers run under :func:`use_paged_attention`."""
+        on) whose linear layers run under
+        [`use_paged_attention`][kvrs.integrations.transformers.use_paged_attention]."""
         return bool(self.state_layers) and self._recording()
 
     def _recording(self) -> bool:
@@ -739,10 +751,11 @@ class KvrsPagedCache(_CheckedLayers):
     def record_mixer(
         self, module: torch.nn.Module, own: Any, hidden: torch.Tensor, args: tuple, kwargs: dict[str, Any]
     ) -> None:
-        """Called by a linear layer switched by :func:`use_paged_attention` before it
+        """Called by a linear layer switched by
+        [`use_paged_attention`][kvrs.integrations.transformers.use_paged_attention] before it
         runs on this cache: while recording past states, the first call since the last
         crop copies the layer's states, and every call keeps its inputs, so that
-        :meth:`crop` can restore the states and replay the tokens it keeps."""
+        `crop` can restore the states and replay the tokens it keeps."""
         if self._replaying or not self._recording():
             return
         j = self.plan.state_of[int(module.layer_idx)]  # type: ignore[arg-type]  # an int on every mixer
@@ -917,7 +930,8 @@ class KvrsPagedCache(_CheckedLayers):
         A hybrid model's recurrent states hold every token, so they are rolled back
         only while recording past states (``activate_past_recording``, which
         transformers' assisted generation calls) with the model switched by
-        :func:`use_paged_attention`: the tokens written since the last crop stay
+        [`use_paged_attention`][kvrs.integrations.transformers.use_paged_attention]: the tokens written since
+        the last crop stay
         uncommitted, each linear layer's states before them are copied and its inputs
         kept, and a crop restores the copies and replays the kept tokens (the pool never
         holds a rejected token's K/V or state). ``crop(0)`` commits them."""
