@@ -119,6 +119,14 @@ struct World {
 }
 
 impl World {
+    /// A fresh pool, nothing live.
+    fn new() -> Self {
+        World {
+            pool: pool(),
+            live: Vec::new(),
+        }
+    }
+
     fn pick(&self, i: usize) -> Option<usize> {
         (!self.live.is_empty()).then(|| i % self.live.len())
     }
@@ -474,7 +482,7 @@ proptest! {
 
     #[test]
     fn restored_states_equal_running_from_scratch(ops in prop::collection::vec(op(), 1..70)) {
-        let mut w = World { pool: pool(), live: Vec::new() };
+        let mut w = World::new();
         for op in &ops {
             w.apply(op);
             w.check();
@@ -486,10 +494,7 @@ proptest! {
 /// point and checkpoints it, and the third hits all 7 tokens, not 4.
 #[test]
 fn hits_are_token_granular() {
-    let mut w = World {
-        pool: pool(),
-        live: Vec::new(),
-    };
+    let mut w = World::new();
     let shared: Vec<u32> = (1..=7).collect();
     let with = |tail: &[u32]| [shared.as_slice(), tail].concat();
     for (k, tail) in [[40u32, 41, 42], [50, 51, 52], [60, 61, 62]]
@@ -522,10 +527,7 @@ fn hits_are_token_granular() {
 /// with a checkpoint, or to 0, it restores the state there.
 #[test]
 fn rollbacks_restore_a_checkpoint_or_refuse() {
-    let mut w = World {
-        pool: pool(),
-        live: Vec::new(),
-    };
+    let mut w = World::new();
     let t: Vec<u32> = (1..=6).collect();
     let id = w.pool.new_sequence_with(&t, b"", b"");
     w.live.push(Live { id, tokens: t });
@@ -558,10 +560,7 @@ fn rollbacks_restore_a_checkpoint_or_refuse() {
 /// checkpoint at 6 is that of `P + [10, 11]`, not of the kept tokens).
 #[test]
 fn accept_never_restores_the_state_of_rejected_drafts() {
-    let mut w = World {
-        pool: pool(),
-        live: Vec::new(),
-    };
+    let mut w = World::new();
     let p: Vec<u32> = vec![1, 2, 3, 4];
     let id = w.pool.new_sequence_with(&p, b"", b"");
     w.live.push(Live {
@@ -593,10 +592,7 @@ fn accept_never_restores_the_state_of_rejected_drafts() {
 /// checkpoint there is restored.
 #[test]
 fn accept_restores_only_a_cached_checkpoint_of_the_kept_tokens() {
-    let mut w = World {
-        pool: pool(),
-        live: Vec::new(),
-    };
+    let mut w = World::new();
     let p: Vec<u32> = vec![1, 2, 3, 4];
     let run = |w: &mut World, tokens: Vec<u32>, at: usize| {
         let id = w.pool.new_sequence_with(&tokens[..at], b"", b"");
@@ -632,10 +628,7 @@ fn accept_restores_only_a_cached_checkpoint_of_the_kept_tokens() {
 /// `accept` never moves a position that was not committed into the committed range.
 #[test]
 fn accept_refuses_to_commit_an_uncommitted_draft() {
-    let mut w = World {
-        pool: pool(),
-        live: Vec::new(),
-    };
+    let mut w = World::new();
     let t: Vec<u32> = (1..=6).collect();
     let id = w.pool.new_sequence_with(&t, b"", b"");
     w.live.push(Live { id, tokens: t });

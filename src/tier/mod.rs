@@ -25,9 +25,9 @@ pub(crate) mod writer;
 
 pub use disk::DiskTier;
 pub use host::HostTier;
-pub use writer::flush_all;
 #[cfg(feature = "redis")]
 pub use redis::{RedisTier, TlsOptions};
+pub use writer::flush_all;
 
 use std::fmt;
 use std::ops::RangeInclusive;
