@@ -6,7 +6,9 @@ sequence and hands them out as zero-copy NumPy views (bfloat16 and fp8 ones as
 (:class:`BlockPool`) shares fixed-size blocks between many :class:`Sequence` objects,
 with copy-on-write forks, vLLM slot mappings, FlashInfer page tables and ollama-style
 batched forwards (:class:`ForwardBatch`); evicted cached blocks can go to offload tiers
-(:class:`HostTier`, :class:`DiskTier`, :class:`RedisTier`) and come back from them. Errors derive from
+(:class:`HostTier`, :class:`DiskTier`, :class:`RedisTier`) and come back from them;
+an inference engine's own pages go to the same tiers through :class:`PageStore`
+(``kvrs.integrations.sglang`` plugs it into SGLang's HiCache). Errors derive from
 :class:`KvrsError` where they are kvrs-specific (:class:`CacheFullError`,
 :class:`NotSupportedError`, :class:`DeviceError`) and are plain ``ValueError`` /
 ``IndexError`` / ``TypeError`` otherwise.
@@ -27,6 +29,7 @@ from kvrs._kvrs import (
     KVCache,
     KvrsError,
     NotSupportedError,
+    PageStore,
     RedisTier,
     RoPE,
     Sequence,
@@ -53,6 +56,7 @@ __all__ = [
     "KVCache",
     "KvrsError",
     "NotSupportedError",
+    "PageStore",
     "RedisTier",
     "RoPE",
     "Sequence",
