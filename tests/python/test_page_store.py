@@ -162,7 +162,20 @@ def test_redis_tier_pages(redis_url):
     assert store.get_into(["a", "b", "c"], list(out), namespace=ns) == [True] * 3
     assert (out == src).all()
     assert store.exists_prefix(["a", "b", "z", "c"], namespace=ns) == 2
-    assert store.drop_namespace(ns) == 3
+    # Presence is asked with STRLEN: a value of another length is not a page, and a bad
+    # page of the right length is a miss when read, then gone.
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    client.set(store.tier_key("b", namespace=ns), b"short")
+    assert store.exists_prefix(["a", "b"], namespace=ns) == 1
+    bad = bytearray(client.get(store.tier_key("c", namespace=ns)))
+    bad[-1] ^= 1
+    client.set(store.tier_key("c", namespace=ns), bytes(bad))
+    assert store.exists_prefix(["c"], namespace=ns) == 1
+    assert store.get_into(["c"], [np.zeros(PAGE, np.uint8)], namespace=ns) == [False]
+    assert store.exists_prefix(["c"], namespace=ns) == 0
+    assert store.drop_namespace(ns) == 2
     assert store.exists_prefix(["a"], namespace=ns) == 0
 
 
