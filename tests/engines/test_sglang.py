@@ -330,3 +330,114 @@ def test_bad_configs_are_refused_by_name(tmp_path):
             config("page_first", {**kvrs_extra(tmp_path), "tiers": [{"type": "disk", "size": 1}]}),
             host,
         )
+
+
+@pytest.fixture(scope="module")
+def controller_env(tmp_path_factory):
+    """What SGLang's HiCacheController needs on the CPU: a gloo group of one process, the
+    parallel widths published, and ninja on PATH for its page-hash extension (built on
+    first use by torch, with g++ and OpenSSL's headers)."""
+    import os
+    import shutil
+    import sys
+
+    import torch.distributed as dist
+    from sglang.srt.runtime_context import get_parallel
+
+    os.environ["PATH"] = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
+    if shutil.which("ninja") is None or shutil.which("g++") is None:
+        pytest.skip("SGLang's page-hash extension needs ninja (tests/engines/requirements.txt) and g++")
+    store = tmp_path_factory.mktemp("gloo") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    get_parallel().override_permanently(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_size=1, attn_dcp_rank=0
+    )
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_sglangs_controller_backs_up_and_prefetches_through_kvrs(tmp_path, controller_env):
+    """SGLang's own HiCacheController threads: the backup thread stores pages through
+    batch_set_v1 (interface_v1), the prefetch thread finds them with batch_exists, and the
+    prefetch I/O path loads them with batch_get_v1 into other host pages, byte-equal; a
+    corrupted page stops the prefetch there, its host page untouched."""
+    import threading
+    import time
+
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.utils import get_hash_str
+
+    dev = MHATokenToKVPool(
+        size=64,
+        page_size=PAGE_SIZE,
+        dtype=torch.float16,
+        head_num=2,
+        head_dim=8,
+        layer_num=3,
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
+    host = MHATokenToKVPoolHost(
+        dev._mha_buffer_info(),
+        2.0,
+        0,
+        PAGE_SIZE,
+        "page_first",
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=64,
+        start_layer=0,
+        end_layer=2,
+    )
+    host.kv_buffer.copy_(torch.randn(host.kv_buffer.shape, generator=torch.Generator().manual_seed(5)).half())
+    alloc = PagedTokenToKVPoolAllocator(64, PAGE_SIZE, torch.float16, "cpu", dev, need_sort=False)
+    ctl = HiCacheController(
+        alloc,
+        host,
+        PAGE_SIZE,
+        tp_group=controller_env,
+        load_cache_event=threading.Event(),
+        write_policy="write_through",
+        storage_backend="dynamic",
+        storage_backend_extra_config=kvrs_extra(tmp_path / "kvrs"),
+        model_name="org/llama-3-8b",
+    )
+    backend = ctl.storage_backend
+    assert isinstance(backend, KvrsHiCacheStorage)
+    assert ctl.page_get_func == ctl._page_get_zero_copy  # SGLang calls the v1 methods
+
+    def wait(cond, what: str) -> None:
+        deadline = time.monotonic() + 30
+        while not cond():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.02)
+
+    tokens = list(range(4 * PAGE_SIZE))
+    hashes = get_hash_str(tokens, None, page_size=PAGE_SIZE)
+    written = host.alloc(len(tokens))
+    ctl.write_storage(written, tokens, hash_value=hashes)
+    wait(lambda: backend.batch_exists(hashes) == 4, "the backup thread stores 4 pages")
+
+    # Page 2's file is corrupted: the prefetch stops before it.
+    store = backend.store_of()
+    *dirs, last = store.tier_key(hashes[2]).removeprefix("kvrs:").split(":")
+    bad = Path(tmp_path / "kvrs", *dirs, f"{last}.kvb")
+    data = bytearray(bad.read_bytes())
+    data[-100] ^= 0x40
+    bad.write_bytes(bytes(data))
+
+    op = ctl.prefetch("req-1", tokens + [7] * PAGE_SIZE)
+    wait(lambda: op.hash_value, "the prefetch thread's hit query")
+    assert len(op.hash_value) == 4  # present at the right length: the MAC is checked on load
+    op.host_indices = host.alloc(len(op.hash_value) * PAGE_SIZE)
+    before = page_bytes(host, int(op.host_indices[2 * PAGE_SIZE]) // PAGE_SIZE)
+    assert ctl._page_transfer(op) == 2
+    for p in range(2):
+        assert page_bytes(host, int(op.host_indices[p * PAGE_SIZE]) // PAGE_SIZE) == page_bytes(
+            host, int(written[p * PAGE_SIZE]) // PAGE_SIZE
+        )
+    assert page_bytes(host, int(op.host_indices[2 * PAGE_SIZE]) // PAGE_SIZE) == before
+    assert backend.batch_exists(hashes) == 2, "the bad page was discarded"
+    assert store.stats()["rejected"] == 1
