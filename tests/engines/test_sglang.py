@@ -314,8 +314,12 @@ def test_v2_extra_pools_follow_hicache_files_hit_policies(tmp_path):
     assert ours.store_of(PoolName.MAMBA).exists_prefix(keys[:2]) == 0
 
 
-def test_bad_configs_are_refused_by_name(tmp_path):
+def test_bad_configs_are_refused_by_name(tmp_path, monkeypatch):
     host = make_host("page_first")
+    monkeypatch.setenv("KVRS_TIER_KEY", "short")
+    with pytest.raises(ValueError, match=r"\$KVRS_TIER_KEY holds 5 bytes"):
+        StorageBackendFactory.create_backend("dynamic", config("page_first", kvrs_extra(tmp_path)), host)
+    monkeypatch.setenv("KVRS_TIER_KEY", SECRET)
     with pytest.raises(ValueError, match="tiers"):
         StorageBackendFactory.create_backend(
             "dynamic", config("page_first", {**kvrs_extra(tmp_path), "tiers": []}), host

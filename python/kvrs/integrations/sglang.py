@@ -206,6 +206,11 @@ class KvrsHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 "write to the tiers is trusted)",
                 env,
             )
+        if secret is not None and len(secret.encode()) < 16:
+            raise ValueError(
+                f"${env} holds {len(secret.encode())} bytes: the tier key must be at least 16 "
+                "(e.g. python -c 'import secrets; print(secrets.token_hex(32))')"
+            )
         self._secret = secret.encode() if secret is not None else None
         namespace = extra.get("namespace", "")
         if not isinstance(namespace, str):
