@@ -9,7 +9,7 @@ PIP    := $(PY) -m pip
 SOURCES := Cargo.toml Cargo.lock pyproject.toml $(shell find src python -type f \( -name '*.rs' -o -name '*.py' -o -name '*.pyi' \) 2>/dev/null)
 
 .DEFAULT_GOAL := help
-.PHONY: help redis demo docs test test-rust test-python test-wheel stubtest check-ptx ptx lint miri fmt bench bench-peers bench-rust install wheel clean
+.PHONY: help redis demo docs test test-rust test-python test-engines test-wheel stubtest check-ptx ptx lint miri fmt bench bench-peers bench-rust install wheel clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "} {printf "  make %-12s %s\n", $$1, $$2}'
@@ -55,6 +55,18 @@ test-rust: ## cargo test (the core without Python, doc examples, the Rust progra
 
 test-python: .stamp-install redis ## pytest (hypothesis state machines, errors, interop, every Python example of the README and docs/; a real Redis server for the tier tests)
 	$(PY) -m pytest
+
+# The engines the adapters are tested against (tests/engines/requirements.txt: SGLang and
+# the packages its storage and memory-pool modules import), installed into .venv without
+# their own dependencies (they pin other torch builds and GPU-only kernels), once.
+ENGINES_REQ := tests/engines/requirements.txt
+
+.stamp-engines: .stamp-install $(ENGINES_REQ)
+	$(PIP) install --quiet --no-deps -r $(ENGINES_REQ)
+	@touch $@
+
+test-engines: .stamp-engines ## the engine adapters against the real engines (kvrs.integrations.sglang through SGLang 0.5.23's own classes; installs tests/engines/requirements.txt into .venv the first time)
+	$(PY) -m pytest -p no:cacheprovider tests/engines
 
 # The manual needs only the docs extra's pinned packages (MkDocs, mkdocstrings): the API
 # reference is read statically from the stubs and sources, without the compiled extension.

@@ -105,6 +105,8 @@ mod manual {
     pub struct PrefixCaching;
     #[doc = include_str!("../docs/tiers.md")]
     pub struct Tiers;
+    #[doc = include_str!("../docs/engines.md")]
+    pub struct Engines;
     #[doc = include_str!("../docs/attention.md")]
     pub struct Attention;
     #[doc = include_str!("../docs/quantized.md")]

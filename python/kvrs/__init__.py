@@ -7,10 +7,10 @@ sequence and hands them out as zero-copy NumPy views (bfloat16 and fp8 ones as
 with copy-on-write forks, vLLM slot mappings, FlashInfer page tables and ollama-style
 batched forwards ([`ForwardBatch`][kvrs.ForwardBatch]); evicted cached blocks can go to offload tiers
 ([`HostTier`][kvrs.HostTier], [`DiskTier`][kvrs.DiskTier], [`RedisTier`][kvrs.RedisTier]) and come back from
-them. Errors derive from
+them; an inference engine's own pages go to the same tiers through [`PageStore`][kvrs.PageStore]
+(``kvrs.integrations.sglang`` plugs it into SGLang's HiCache). Errors derive from
 [`KvrsError`][kvrs.KvrsError] where they are kvrs-specific ([`CacheFullError`][kvrs.CacheFullError],
-[`NotSupportedError`][kvrs.NotSupportedError], [`DeviceError`][kvrs.DeviceError]) and are plain ``ValueError``
-/
+[`NotSupportedError`][kvrs.NotSupportedError], [`DeviceError`][kvrs.DeviceError]) and are plain ``ValueError`` /
 ``IndexError`` / ``TypeError`` otherwise.
 
 kvrs logs to the ``kvrs`` logger (``logging.getLogger("kvrs")``, silent until the
@@ -33,6 +33,7 @@ from kvrs._kvrs import (
     KVCache,
     KvrsError,
     NotSupportedError,
+    PageStore,
     RedisTier,
     RoPE,
     Sequence,
@@ -65,6 +66,7 @@ __all__ = [
     "KVCache",
     "KvrsError",
     "NotSupportedError",
+    "PageStore",
     "RedisTier",
     "RoPE",
     "Sequence",

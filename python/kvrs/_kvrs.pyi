@@ -21,6 +21,7 @@ __all__ = [
     "KVCache",
     "KvrsError",
     "NotSupportedError",
+    "PageStore",
     "RedisTier",
     "RoPE",
     "Sequence",
@@ -357,6 +358,48 @@ class RedisTier:
         batched request."""
     def stats(self) -> dict[str, Any]:
         """What the tier did, as a dict of counters."""
+
+@final
+class PageStore:
+    """An inference engine's own KV pages (opaque bytes in the engine's page layout) in kvrs
+    tiers (fastest first), each sealed in a kvrs payload whose header and keyed MAC bind it to
+    the store's `fingerprint` (the engine's facts: model, KV dtype, layout, page bytes, TP/PP
+    ranks, ...), its namespace (a tenant) and its key, under the secret `tier_key`. A lookup
+    copies a page into the caller's buffer only after every check passed; anything else is a
+    miss. Pages and buffers are NumPy arrays, CPU tensors (DLPack) or bytes-like objects, read
+    and written in place."""
+
+    def __new__(
+        cls,
+        tiers: list[HostTier | DiskTier | RedisTier],
+        *,
+        fingerprint: Mapping[str, str | int | float | bool],
+        tier_key: bytes | str | None = None,
+        write: Literal["all", "first"] = "all",
+    ) -> PageStore: ...
+    @property
+    def fingerprint(self) -> dict[str, str]:
+        """The engine's facts the store was made with (values as text)."""
+    @property
+    def page_bytes(self) -> int | None:
+        """The length every page has (``fingerprint["page_bytes"]``), or None."""
+    def tier_key(self, key: str, namespace: str | None = None) -> str:
+        """The name the tiers file page `key` of `namespace` under."""
+    def put_many(
+        self, keys: Sequence_[str], pages: Sequence_[Any], namespace: str | None = None
+    ) -> list[bool]:
+        """Seals each page and stores it under its key; per page, whether a tier took it."""
+    def get_into(
+        self, keys: Sequence_[str], buffers: Sequence_[Any], namespace: str | None = None
+    ) -> list[bool]:
+        """Copies each key's verified page into its writable buffer; per key, whether it was loaded
+        (False: a miss, the buffer untouched)."""
+    def exists_prefix(self, keys: Sequence_[str], namespace: str | None = None) -> int:
+        """How many of `keys`, from the first, are stored."""
+    def drop_namespace(self, namespace: str) -> int:
+        """Removes every page of `namespace` from every tier; how many tier entries were removed."""
+    def stats(self) -> dict[str, Any]:
+        """The store's counters, and each tier's under ``tiers``."""
 
 @final
 class BlockPool(Generic[_View_co]):

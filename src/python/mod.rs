@@ -12,6 +12,8 @@ mod input;
 mod kv_cache;
 mod masks;
 mod output;
+mod page_bytes;
+mod pages;
 mod pool;
 mod pool_args;
 mod pool_stats;
@@ -94,6 +96,7 @@ fn _kvrs(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<tiers::PyHostTier>()?;
     m.add_class::<tiers::PyDiskTier>()?;
     m.add_class::<tiers::PyRedisTier>()?;
+    m.add_class::<pages::PyPageStore>()?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(attention_simd, m)?)?;
     m.add_function(wrap_pyfunction!(blocks_per_sequence, m)?)?;

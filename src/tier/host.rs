@@ -101,6 +101,18 @@ impl Tier for HostTier {
             .collect()
     }
 
+    fn contains_many(&self, keys: &[String], sizes: RangeInclusive<usize>) -> Vec<bool> {
+        let inner = self.inner.lock();
+        keys.iter()
+            .map(|k| {
+                inner
+                    .by_key
+                    .get(k)
+                    .is_some_and(|(p, _)| sizes.contains(&p.len()))
+            })
+            .collect()
+    }
+
     fn put_many(&self, items: &[(String, Arc<Vec<u8>>)]) -> Vec<bool> {
         let mut inner = self.inner.lock();
         items

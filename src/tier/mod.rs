@@ -7,6 +7,7 @@
 //! - `disk`: [`DiskTier`], a size-bounded directory (LRU by last use);
 //! - `redis`: `RedisTier`, a Redis (or Valkey) server shared by many processes (cargo
 //!   feature `redis`; `rediss://` needs `redis-tls`);
+//! - `pages`: [`PageStore`], an inference engine's own pages sealed in payloads, in tiers;
 //! - `writer`: the background thread that writes evicted blocks, off the caller's path;
 //! - `fetcher`: the background thread that fetches a prefix ahead of its lookup.
 //!
@@ -18,6 +19,7 @@ pub(crate) mod checkpoint_payload;
 pub(crate) mod disk;
 pub(crate) mod fetcher;
 pub(crate) mod host;
+pub(crate) mod pages;
 pub(crate) mod payload;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
@@ -25,6 +27,7 @@ pub(crate) mod writer;
 
 pub use disk::DiskTier;
 pub use host::HostTier;
+pub use pages::{PageCounters, PageStore};
 #[cfg(feature = "redis")]
 pub use redis::{RedisTier, TlsOptions};
 pub use writer::flush_all;
@@ -59,6 +62,14 @@ pub trait Tier: Send + Sync + fmt::Debug {
                 .filter_map(|(i, p)| p.map(|p| (i, p)))
                 .collect(),
         );
+    }
+    /// Whether each of `keys` holds a payload of a length in `sizes`, without reading
+    /// or checking it (by default: read with [`Tier::get_many`]).
+    fn contains_many(&self, keys: &[String], sizes: RangeInclusive<usize>) -> Vec<bool> {
+        self.get_many(keys, sizes)
+            .into_iter()
+            .map(|p| p.is_some())
+            .collect()
     }
     /// Stores `items`; returns, per item, whether the tier took it (a refusal or a
     /// failure leaves it for the next tier). One batched request.

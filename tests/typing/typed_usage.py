@@ -101,3 +101,19 @@ def tiered_pool(tmp: str) -> None:
     assert_type(seq.cached_tokens_by_tier, dict[str, int])
     assert_type(pool.store_to_tiers([seq]), int)
     pool.flush_tiers()
+
+
+def page_store(tmp: str) -> None:
+    """An engine's own pages in kvrs tiers: a fingerprint of facts, per-page results."""
+    store = kvrs.PageStore(
+        [kvrs.DiskTier(tmp, "1GiB")],
+        fingerprint={"model": "m", "kv_dtype": "bfloat16", "page_bytes": 64, "tp_rank": 0, "mla": False},
+        tier_key=b"0123456789abcdef",
+    )
+    page = np.zeros(64, np.uint8)
+    assert_type(store.put_many(["a"], [page], namespace="tenant"), list[bool])
+    assert_type(store.get_into(["a"], [page]), list[bool])
+    assert_type(store.exists_prefix(["a"]), int)
+    assert_type(store.drop_namespace("tenant"), int)
+    assert_type(store.page_bytes, int | None)
+    assert_type(store.stats(), dict[str, Any])

@@ -62,6 +62,13 @@ with tempfile.TemporaryDirectory() as tier_dir:
     )
     assert again.new_sequence(tokens=list(range(9))).num_cached_tokens == 8
     assert callable(kvrs.RedisTier)
+    # An engine's own pages, sealed and verified, in the same tiers.
+    pages = kvrs.PageStore(
+        [kvrs.DiskTier(tier_dir, "1MiB")], fingerprint={"model": "m", "page_bytes": 64}, tier_key=b"k" * 32
+    )
+    assert pages.put_many(["p"], [np.arange(64, dtype=np.uint8)]) == [True]
+    back = np.zeros(64, np.uint8)
+    assert pages.get_into(["p"], [back]) == [True] and (back == np.arange(64)).all()
 
 # EncoderCache, RoPE, the errors and the device probe.
 enc = kvrs.EncoderCache(1, 2, 8, 16, dtype="float16")

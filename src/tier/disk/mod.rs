@@ -337,6 +337,19 @@ impl Tier for DiskTier {
         keys.iter().map(|k| self.get_one(k, &sizes)).collect()
     }
 
+    fn contains_many(&self, keys: &[String], sizes: RangeInclusive<usize>) -> Vec<bool> {
+        keys.iter()
+            .map(|k| {
+                let Some(path) = self.path_of(k, true) else {
+                    return false;
+                };
+                // Opened as a read is (never following a link, never blocking), not read.
+                matches!(open_regular(&path), Ok(Opened::File(_, len))
+                    if usize::try_from(len).is_ok_and(|l| sizes.contains(&l)))
+            })
+            .collect()
+    }
+
     fn put_many(&self, items: &[(String, Arc<Vec<u8>>)]) -> Vec<bool> {
         items.iter().map(|(k, p)| self.put_one(k, p)).collect()
     }

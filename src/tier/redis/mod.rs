@@ -443,6 +443,41 @@ impl Tier for RedisTier {
         );
     }
 
+    /// One pipeline of `STRLEN`s (per node, on a cluster): whether each key holds a
+    /// payload of a length in `sizes`, without moving the payloads.
+    fn contains_many(&self, keys: &[String], sizes: RangeInclusive<usize>) -> Vec<bool> {
+        if keys.is_empty() {
+            return Vec::new();
+        }
+        let fits = |v: &Value| matches!(v, Value::Int(n) if *n > 0 && usize::try_from(*n).is_ok_and(|n| sizes.contains(&n)));
+        let node = match &self.servers {
+            Servers::Single(node) => node,
+            Servers::Cluster(c) => {
+                let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+                let build = |i: usize, p: &mut redis::Pipeline| {
+                    p.cmd("STRLEN").arg(&keys[i]);
+                };
+                let got = c.run(
+                    &refs,
+                    &build,
+                    PER_VALUE,
+                    deadline_in(self.timeout),
+                    &self.counters,
+                );
+                return got.iter().map(|v| v.as_ref().is_some_and(fits)).collect();
+            }
+        };
+        let mut p = redis::pipe();
+        for k in keys {
+            p.cmd("STRLEN").arg(k);
+        }
+        let cap = keys.len().saturating_mul(PER_VALUE).saturating_add(SLACK);
+        let got = self.request(node, &p.get_packed_pipeline(), keys.len(), cap, |r| {
+            (r.len() == keys.len()).then(|| r.iter().map(fits).collect::<Vec<bool>>())
+        });
+        got.unwrap_or_else(|| vec![false; keys.len()])
+    }
+
     fn put_many(&self, items: &[(String, Arc<Vec<u8>>)]) -> Vec<bool> {
         if items.is_empty() {
             return Vec::new();

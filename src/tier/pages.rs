@@ -1,0 +1,466 @@
+//! [`PageStore`]: an inference engine's own KV pages (opaque bytes of the engine's page
+//! layout) in kvrs tiers, each sealed in a kvrs payload envelope.
+//!
+//! A page is stored as a [`payload`] of one tensor and no tokens: the same magic, header
+//! and keyed BLAKE3 MAC as a `BlockPool`'s blocks. What identifies it:
+//!
+//! - the store's **fingerprint**, made of the engine's facts (model, KV dtype, layout,
+//!   page bytes, TP/PP ranks, ...), the secret's public tag and a page-store marker: it
+//!   is in every tier key, in every envelope's header and in the MAC key, so a page of
+//!   another model, dtype, layout or rank is never found, and one planted under this
+//!   store's name fails its header and MAC;
+//! - the **namespace** (a tenant's salt), hashed into the tier key and the MAC key;
+//! - the engine's **key**, hashed (keyed BLAKE3, 128 bits) into the tier key and the
+//!   envelope header.
+//!
+//! Reads verify before they copy: a page whose length, header or MAC is wrong (torn,
+//! truncated, corrupted, forged, or another configuration's) is a miss, discarded from
+//! its tier so later lookups do not find it again, and never a byte in the caller's
+//! buffer. Stores are as atomic as the tiers make them (a `DiskTier` writes a temporary
+//! file and renames it), so a store that fails is never visible.
+
+use std::ops::RangeInclusive;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+
+use super::payload::{self, BlockMeta, ConfigKey, Fingerprint, PayloadShape, TierKey};
+use super::writer::WritePolicy;
+use super::{Tier, TierCounters};
+use crate::error::{KvError, Result};
+use crate::prefix::BlockHash;
+
+/// Counters of a [`PageStore`] (monotonic), beside its tiers' own.
+#[derive(Debug, Default)]
+pub struct PageCounters {
+    /// Pages asked to be stored.
+    pub puts: AtomicU64,
+    /// Pages some tier took.
+    pub stored: AtomicU64,
+    /// Pages asked for.
+    pub gets: AtomicU64,
+    /// Pages found, verified and copied into the caller's buffer.
+    pub hits: AtomicU64,
+    /// Bytes of those pages.
+    pub hit_bytes: AtomicU64,
+    /// Payloads found but refused (header, key or MAC mismatch) and discarded.
+    pub rejected: AtomicU64,
+    /// Pages copied into a faster tier after a hit in a slower one.
+    pub promoted: AtomicU64,
+}
+
+impl PageCounters {
+    /// The counters' values, by name.
+    pub fn snapshot(&self) -> [(&'static str, u64); 7] {
+        let g = |c: &AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+        [
+            ("puts", g(&self.puts)),
+            ("stored", g(&self.stored)),
+            ("gets", g(&self.gets)),
+            ("hits", g(&self.hits)),
+            ("hit_bytes", g(&self.hit_bytes)),
+            ("rejected", g(&self.rejected)),
+            ("promoted", g(&self.promoted)),
+        ]
+    }
+}
+
+/// Engine-owned pages in kvrs tiers, sealed and verified (see the module docs).
+#[derive(Debug)]
+pub struct PageStore {
+    tiers: Vec<Arc<dyn Tier>>,
+    fp: Fingerprint,
+    config: ConfigKey,
+    key: TierKey,
+    page_bytes: Option<usize>,
+    policy: WritePolicy,
+    counters: PageCounters,
+}
+
+/// The shape of the envelope of a page of `n` bytes.
+fn shape(n: usize) -> PayloadShape {
+    PayloadShape {
+        block_size: 0,
+        tensors: 1,
+        tensor_bytes: n,
+        scale_bytes: 0,
+    }
+}
+
+/// A 128-bit keyed hash of `bytes` in the domain `context`.
+fn hash128(context: &str, bytes: &[u8]) -> BlockHash {
+    let k = blake3::derive_key(context, b"");
+    let h = blake3::keyed_hash(&k, bytes);
+    u128::from_le_bytes(h.as_bytes()[..16].try_into().expect("16 bytes"))
+}
+
+/// The root of namespace `ns` (`""`: the default namespace).
+fn namespace_root(ns: &str) -> BlockHash {
+    hash128("kvrs 2026-11 page store namespace", ns.as_bytes())
+}
+
+/// The hash of the engine's key `key`.
+fn key_hash(key: &str) -> BlockHash {
+    hash128("kvrs 2026-11 page store key", key.as_bytes())
+}
+
+impl PageStore {
+    /// A store over `tiers` (fastest first; at least one) whose pages are MACed under
+    /// `secret` (at least [`payload::MIN_SECRET`] bytes; `None`: a public key, a
+    /// checksum only) and identified by the engine's `facts` (name, value pairs; at
+    /// least one; their order does not matter). A fact `page_bytes` makes every page
+    /// that length. `policy` says which tiers a page is written to.
+    pub fn new(
+        tiers: Vec<Arc<dyn Tier>>,
+        secret: Option<&[u8]>,
+        facts: &[(String, String)],
+        policy: WritePolicy,
+    ) -> Result<Self> {
+        if tiers.is_empty() {
+            return Err(KvError::InvalidArgument {
+                name: "tiers",
+                value: "[]".into(),
+                reason: "a page store needs at least one tier".into(),
+            });
+        }
+        if let Some(s) = secret.filter(|s| s.len() < payload::MIN_SECRET) {
+            return Err(KvError::InvalidArgument {
+                name: "tier_key",
+                value: format!("{} bytes", s.len()),
+                reason: format!(
+                    "must be at least {} bytes (e.g. secrets.token_bytes(32))",
+                    payload::MIN_SECRET
+                ),
+            });
+        }
+        if facts.is_empty() {
+            return Err(KvError::InvalidArgument {
+                name: "fingerprint",
+                value: "{}".into(),
+                reason: "give the engine's facts (model, dtype, layout, page_bytes, tp_rank, ...)"
+                    .into(),
+            });
+        }
+        let mut sorted: Vec<&(String, String)> = facts.iter().collect();
+        sorted.sort();
+        if let Some(w) = sorted.windows(2).find(|w| w[0].0 == w[1].0) {
+            return Err(KvError::InvalidArgument {
+                name: "fingerprint",
+                value: w[0].0.clone(),
+                reason: "a fact is given twice".into(),
+            });
+        }
+        let page_bytes = match sorted.iter().find(|(k, _)| k == "page_bytes") {
+            None => None,
+            Some((_, v)) => match v.parse::<usize>() {
+                Ok(n) if n > 0 => Some(n),
+                _ => {
+                    return Err(KvError::InvalidArgument {
+                        name: "fingerprint",
+                        value: format!("page_bytes={v}"),
+                        reason: "must be a positive integer".into(),
+                    })
+                }
+            },
+        };
+        let key = TierKey::new(secret);
+        let tag = key.tag();
+        let fp = payload::fingerprint(
+            sorted
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .chain([("kvrs_page_store", "1"), ("tier_key", tag.as_str())]),
+        );
+        Ok(PageStore {
+            config: key.config(&fp),
+            tiers,
+            fp,
+            key,
+            page_bytes,
+            policy,
+            counters: PageCounters::default(),
+        })
+    }
+
+    /// The tiers, fastest first.
+    pub fn tiers(&self) -> &[Arc<dyn Tier>] {
+        &self.tiers
+    }
+
+    /// The fingerprint's hex (the tier keys' first part).
+    pub fn fingerprint_hex(&self) -> String {
+        payload::hex(&self.fp)
+    }
+
+    /// Whether the MACs are keyed by a secret.
+    pub fn is_keyed(&self) -> bool {
+        self.key.is_secret()
+    }
+
+    /// The page length every page must have, if the facts give one.
+    pub fn page_bytes(&self) -> Option<usize> {
+        self.page_bytes
+    }
+
+    /// What the store did.
+    pub fn counters(&self) -> &PageCounters {
+        &self.counters
+    }
+
+    /// The tier key of page `key` in namespace `ns`.
+    pub fn tier_key(&self, key: &str, ns: &str) -> String {
+        payload::block_key(&self.fp, namespace_root(ns), key_hash(key))
+    }
+
+    /// Checks that a page of `len` bytes is one this store takes.
+    pub fn check_len(&self, name: &'static str, index: usize, len: usize) -> Result<()> {
+        match self.page_bytes {
+            Some(n) if n != len => Err(KvError::InvalidArgument {
+                name,
+                value: format!("item {index} of {len} bytes"),
+                reason: format!("the fingerprint's page_bytes is {n}"),
+            }),
+            None if len == 0 => Err(KvError::InvalidArgument {
+                name,
+                value: format!("item {index} of 0 bytes"),
+                reason: "a page holds at least one byte".into(),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// The envelope lengths a lookup accepts (exact when `page_bytes` is known).
+    fn sizes(&self) -> RangeInclusive<usize> {
+        match self.page_bytes {
+            Some(n) => shape(n).len()..=shape(n).len(),
+            None => shape(1).len()..=usize::MAX,
+        }
+    }
+
+    /// The sealed envelope of `page` under `key` in namespace `ns`.
+    fn seal(&self, key: &str, page: &[u8], ns: &str) -> (String, Arc<Vec<u8>>) {
+        let (root, k) = (namespace_root(ns), key_hash(key));
+        let sh = shape(page.len());
+        let meta = BlockMeta {
+            key: k,
+            parent: 0,
+            root,
+            first: true,
+        };
+        let mut env = payload::begin(&self.fp, &sh, &meta, &[]);
+        env[sh.kv_range(0)].copy_from_slice(page);
+        payload::seal(&mut env, &self.config.namespace(root));
+        (payload::block_key(&self.fp, root, k), Arc::new(env))
+    }
+
+    /// Seals and stores `pages` under `keys` in namespace `ns` (as the policy says: every
+    /// tier, or the first that takes each); per page, whether some tier took it. The
+    /// caller has checked the lengths ([`PageStore::check_len`]); pages of other lengths
+    /// than `page_bytes` are not stored.
+    pub fn put_many(&self, keys: &[&str], pages: &[&[u8]], ns: &str) -> Vec<bool> {
+        assert_eq!(keys.len(), pages.len(), "one page per key");
+        TierCounters::add(&self.counters.puts, keys.len() as u64);
+        let mut stored = vec![false; keys.len()];
+        let ok: Vec<usize> = (0..keys.len())
+            .filter(|&i| self.check_len("pages", i, pages[i].len()).is_ok())
+            .collect();
+        let items: Vec<(String, Arc<Vec<u8>>)> = ok
+            .iter()
+            .map(|&i| self.seal(keys[i], pages[i], ns))
+            .collect();
+        for tier in &self.tiers {
+            let ask: Vec<usize> = (0..ok.len())
+                .filter(|&j| self.policy == WritePolicy::All || !stored[ok[j]])
+                .collect();
+            if ask.is_empty() {
+                break;
+            }
+            let batch: Vec<(String, Arc<Vec<u8>>)> =
+                ask.iter().map(|&j| items[j].clone()).collect();
+            for (&j, taken) in ask.iter().zip(tier.put_many(&batch)) {
+                stored[ok[j]] |= taken;
+            }
+        }
+        let n = stored.iter().filter(|&&s| s).count();
+        TierCounters::add(&self.counters.stored, n as u64);
+        stored
+    }
+
+    /// Looks `keys` up in namespace `ns`, tier by tier, and copies each page found and
+    /// verified into its buffer in `bufs` (whose length is the page's); per key, whether
+    /// it was loaded. A buffer is written only with a verified page of its exact length.
+    /// A page found in a slower tier is copied into the faster tiers that missed it.
+    pub fn get_into(&self, keys: &[&str], bufs: &mut [&mut [u8]], ns: &str) -> Vec<bool> {
+        assert_eq!(keys.len(), bufs.len(), "one buffer per key");
+        TierCounters::add(&self.counters.gets, keys.len() as u64);
+        let root = namespace_root(ns);
+        let mac = self.config.namespace(root);
+        let mut loaded = vec![false; keys.len()];
+        let ok: Vec<usize> = (0..keys.len())
+            .filter(|&i| self.check_len("buffers", i, bufs[i].len()).is_ok())
+            .collect();
+        let names: Vec<String> = keys
+            .iter()
+            .map(|k| payload::block_key(&self.fp, root, key_hash(k)))
+            .collect();
+        // Per tier, the keys it missed (promotion targets).
+        let mut missed: Vec<Vec<usize>> = Vec::with_capacity(self.tiers.len());
+        for tier in &self.tiers {
+            let ask: Vec<usize> = ok.iter().copied().filter(|&i| !loaded[i]).collect();
+            if ask.is_empty() {
+                break;
+            }
+            // Per size, one batched request (the sizes a tier accepts are one range).
+            let mut by_len: Vec<(usize, Vec<usize>)> = Vec::new();
+            for &i in &ask {
+                let n = bufs[i].len();
+                match by_len.iter_mut().find(|(len, _)| *len == n) {
+                    Some((_, v)) => v.push(i),
+                    None => by_len.push((n, vec![i])),
+                }
+            }
+            for (n, group) in by_len {
+                let sh = shape(n);
+                let want: Vec<String> = group.iter().map(|&i| names[i].clone()).collect();
+                let got = tier.get_many(&want, sh.len()..=sh.len());
+                for (&i, p) in group.iter().zip(got) {
+                    let Some(p) = p else { continue };
+                    match payload::decode(&p, &self.fp, &sh, key_hash(keys[i]), &mac) {
+                        Ok(c) if c.meta.root == root => {
+                            bufs[i].copy_from_slice(&p[sh.kv_range(0)]);
+                            loaded[i] = true;
+                            TierCounters::add(&self.counters.hits, 1);
+                            TierCounters::add(&self.counters.hit_bytes, n as u64);
+                        }
+                        _ => {
+                            TierCounters::add(&self.counters.rejected, 1);
+                            TierCounters::add(&tier.counters().rejected, 1);
+                            tier.discard(&names[i]);
+                        }
+                    }
+                }
+            }
+            missed.push(ask.into_iter().filter(|&i| !loaded[i]).collect());
+        }
+        // Pages served by a slower tier go to the faster ones that missed them.
+        for (t, tier_missed) in missed.iter().enumerate() {
+            let up: Vec<(String, Arc<Vec<u8>>)> = tier_missed
+                .iter()
+                .filter(|&&i| loaded[i])
+                .map(|&i| self.seal(keys[i], bufs[i], ns))
+                .collect();
+            if !up.is_empty() {
+                let n = self.tiers[t].put_many(&up).iter().filter(|&&s| s).count();
+                TierCounters::add(&self.counters.promoted, n as u64);
+            }
+        }
+        loaded
+    }
+
+    /// How many of `keys`, from the first, are present in namespace `ns` in some tier
+    /// (a payload of an accepted length at the key's name; its MAC is checked when it
+    /// is read, and a page that fails it is then discarded).
+    pub fn exists_prefix(&self, keys: &[&str], ns: &str) -> usize {
+        let root = namespace_root(ns);
+        let names: Vec<String> = keys
+            .iter()
+            .map(|k| payload::block_key(&self.fp, root, key_hash(k)))
+            .collect();
+        let mut present = vec![false; keys.len()];
+        let sizes = self.sizes();
+        for tier in &self.tiers {
+            // Only up to the first key no tier asked so far has.
+            let first_absent = present.iter().position(|p| !p).unwrap_or(keys.len());
+            let ask: Vec<usize> = (first_absent..keys.len())
+                .filter(|&i| !present[i])
+                .collect();
+            if ask.is_empty() {
+                break;
+            }
+            let want: Vec<String> = ask.iter().map(|&i| names[i].clone()).collect();
+            for (&i, has) in ask.iter().zip(tier.contains_many(&want, sizes.clone())) {
+                present[i] |= has;
+            }
+        }
+        present.iter().take_while(|&&p| p).count()
+    }
+
+    /// Removes every page of namespace `ns` (this fingerprint's) from every tier; how
+    /// many tier entries were removed.
+    pub fn drop_namespace(&self, ns: &str) -> usize {
+        let prefix = payload::namespace_prefix(&self.fp, namespace_root(ns));
+        self.tiers.iter().map(|t| t.drop_prefix(&prefix)).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tier::HostTier;
+
+    fn facts(model: &str) -> Vec<(String, String)> {
+        vec![
+            ("model".into(), model.into()),
+            ("dtype".into(), "float16".into()),
+        ]
+    }
+
+    fn store(host: &Arc<HostTier>, model: &str, secret: &[u8]) -> PageStore {
+        PageStore::new(
+            vec![host.clone() as Arc<dyn Tier>],
+            Some(secret),
+            &facts(model),
+            WritePolicy::All,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn pages_round_trip_only_for_their_model_secret_and_namespace() {
+        let host = Arc::new(HostTier::new(1 << 20));
+        let s = store(&host, "m", b"a-sixteen-byte-secret");
+        let page = [7u8; 100];
+        assert_eq!(s.put_many(&["k1"], &[&page], "t1"), [true]);
+        let mut buf = [0u8; 100];
+        assert_eq!(s.get_into(&["k1"], &mut [&mut buf], "t1"), [true]);
+        assert_eq!(buf, page);
+        let mut other = [0u8; 100];
+        assert_eq!(s.get_into(&["k1"], &mut [&mut other], "t2"), [false]);
+        let m2 = store(&host, "m2", b"a-sixteen-byte-secret");
+        assert_eq!(m2.get_into(&["k1"], &mut [&mut other], "t1"), [false]);
+        let k2 = store(&host, "m", b"another-16-byte-secret");
+        assert_eq!(k2.get_into(&["k1"], &mut [&mut other], "t1"), [false]);
+        let mut short = [0u8; 99];
+        assert_eq!(s.get_into(&["k1"], &mut [&mut short], "t1"), [false]);
+        assert_eq!(other, [0u8; 100]);
+        assert_eq!(s.exists_prefix(&["k1", "k2", "k1"], "t1"), 1);
+        assert_eq!(s.drop_namespace("t1"), 1);
+        assert_eq!(s.exists_prefix(&["k1"], "t1"), 0);
+    }
+
+    #[test]
+    fn bad_arguments_are_refused_by_name() {
+        let host = Arc::new(HostTier::new(1 << 20)) as Arc<dyn Tier>;
+        let err = |r: Result<PageStore>| r.unwrap_err().to_string();
+        assert!(
+            err(PageStore::new(vec![], None, &facts("m"), WritePolicy::All)).starts_with("tiers=")
+        );
+        assert!(err(PageStore::new(
+            vec![host.clone()],
+            Some(b"short"),
+            &facts("m"),
+            WritePolicy::All
+        ))
+        .starts_with("tier_key="));
+        assert!(err(PageStore::new(
+            vec![host.clone()],
+            None,
+            &[],
+            WritePolicy::All
+        ))
+        .starts_with("fingerprint="));
+        let bad = vec![("page_bytes".to_string(), "x".to_string())];
+        assert!(
+            err(PageStore::new(vec![host], None, &bad, WritePolicy::All)).contains("page_bytes=x")
+        );
+    }
+}
