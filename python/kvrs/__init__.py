@@ -10,8 +10,8 @@ batched forwards ([`ForwardBatch`][kvrs.ForwardBatch]); evicted cached blocks ca
 them; an inference engine's own pages go to the same tiers through [`PageStore`][kvrs.PageStore]
 (``kvrs.integrations.sglang`` plugs it into SGLang's HiCache). Errors derive from
 [`KvrsError`][kvrs.KvrsError] where they are kvrs-specific ([`CacheFullError`][kvrs.CacheFullError],
-[`NotSupportedError`][kvrs.NotSupportedError], [`DeviceError`][kvrs.DeviceError]) and are plain ``ValueError`` /
-``IndexError`` / ``TypeError`` otherwise.
+[`NotSupportedError`][kvrs.NotSupportedError], [`DeviceError`][kvrs.DeviceError]) and are plain
+``ValueError`` / ``IndexError`` / ``TypeError`` otherwise.
 
 kvrs logs to the ``kvrs`` logger (``logging.getLogger("kvrs")``, silent until the
 application configures logging): tier failures, dropped write-backs.

@@ -26,6 +26,7 @@ __all__ = [
     "RoPE",
     "Sequence",
     "__version__",
+    "_flush_tiers_at_exit",
     "_host_array_capsule",
     "attention_simd",
     "blocks_per_sequence",

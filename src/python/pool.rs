@@ -790,13 +790,9 @@ impl PyBlockPool {
         slf
     }
 
-    fn __exit__(
-        &self,
-        py: Python<'_>,
-        _exc_type: &Bound<'_, PyAny>,
-        _exc: &Bound<'_, PyAny>,
-        _tb: &Bound<'_, PyAny>,
-    ) -> bool {
+    /// Closes the pool's tiers (close); an exception in the block propagates.
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, PyTuple>) -> bool {
         self.close(py);
         false
     }

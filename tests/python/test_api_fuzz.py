@@ -293,6 +293,22 @@ PATH = st.sampled_from(["saved", "junk", "dir", "missing", "", "nul", "wrong"])
 ATTN = {"out": OUT, "scale": OPT_F, "softcap": OPT_F, "sinks": FLOATS, "alibi_slopes": FLOATS}
 
 
+# PageStore: keys, pages (and buffers) of 16 bytes, or anything else; namespaces.
+PAGE_KEYS = mostly(st.lists(st.text(max_size=4), max_size=3))
+PAGES = mostly(
+    st.lists(
+        st.one_of(
+            st.builds(lambda: np.zeros(16, np.uint8)),
+            st.builds(lambda: bytearray(16)),
+            st.binary(max_size=20),
+            st.builds(lambda: np.zeros(4, np.float32)),
+        ),
+        max_size=3,
+    )
+)
+NS = mostly(st.one_of(st.none(), st.text(max_size=3)))
+
+
 class Env:
     """The objects a fuzz run calls, and the arguments that name them."""
 
@@ -321,6 +337,9 @@ class Env:
         self.enc = kvrs.EncoderCache(2, 2, 4, 8, dtype=dtype)
         self.rope = kvrs.RoPE(rotary_dim=2, style="gptj")
         self.tiers = [tier, kvrs.DiskTier(tmp / "disk", "1MiB"), kvrs.RedisTier("redis://127.0.0.1:1/0")]
+        self.pages = kvrs.PageStore(
+            [kvrs.HostTier(1 << 16), self.tiers[1]], fingerprint={"model": "fuzz", "page_bytes": 16}
+        )
         self.paths = {
             "saved": str(tmp / "saved.safetensors"),
             "junk": str(tmp / "junk.safetensors"),
@@ -506,6 +525,14 @@ ENTRIES: dict[str, dict[str, tuple]] = {
         "used_bytes": entry(),
     },
     "RedisTier": {"get": entry(st.just([])), "stats": entry()},
+    "PageStore": {
+        "put_many": entry(PAGE_KEYS, PAGES, NS),
+        "get_into": entry(PAGE_KEYS, PAGES, NS),
+        "exists_prefix": entry(PAGE_KEYS, NS),
+        "drop_namespace": entry(mostly(st.one_of(st.text(max_size=3), st.none()))),
+        "stats": entry(),
+        "tier_key": entry(mostly(st.text(max_size=4)), NS),
+    },
 }
 
 
@@ -581,6 +608,7 @@ def test_every_method_with_extreme_arguments(fuzz_dir, data, dtype):
             "HostTier": env.tiers[0],
             "DiskTier": env.tiers[1],
             "RedisTier": env.tiers[2],
+            "PageStore": env.pages,
         }[cls]
         if obj is None:
             continue
@@ -594,7 +622,8 @@ def test_every_method_with_extreme_arguments(fuzz_dir, data, dtype):
         elif after is not None and result is not None:
             checked(f"after {what}", after, result)
         env.pool.check_invariants()
-        for o in (env.pool, env.seq, env.batch, env.cache, env.int8_cache, env.enc, env.rope, *env.tiers):
+        objects = (env.pool, env.seq, env.batch, env.cache, env.int8_cache, env.enc, env.rope, env.pages)
+        for o in (*objects, *env.tiers):
             if o is not None:
                 read_everything(o)
         env.refresh()
@@ -715,6 +744,14 @@ def constructors(d, tmp: Path) -> dict:
         ),
         "RedisTier": lambda: kvrs.RedisTier(
             d(st.one_of(URLS, wrong)), timeout=d(F), ttl=d(OPT_I), max_idle=d(I), retry_after=d(F)
+        ),
+        "PageStore": lambda: kvrs.PageStore(
+            d(st.one_of(TIERS, wrong)),
+            fingerprint=d(
+                st.one_of(st.dictionaries(st.text(max_size=3), st.one_of(I, st.text(max_size=3))), wrong)
+            ),
+            tier_key=d(st.one_of(st.none(), st.binary(max_size=20), wrong)),
+            write=d(st.one_of(st.sampled_from(["all", "first", "x"]), wrong)),
         ),
         "Sequence": lambda: kvrs.Sequence(*d(st.lists(I, max_size=2))),
         "ForwardBatch": lambda: kvrs.ForwardBatch(*d(st.lists(I, max_size=2))),

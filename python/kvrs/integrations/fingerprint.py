@@ -83,7 +83,7 @@ def _sample(t: torch.Tensor) -> bytes:
     starts = [(n - WINDOW_BYTES) * i // (WINDOWS - 1) for i in range(WINDOWS)]
     if raw.device.type == "cpu":
         # Slices of the tensor's own memory (a gather through torch costs ~100x more).
-        view = memoryview(raw.numpy())
+        view = raw.numpy().data
         return b"".join(view[s : s + WINDOW_BYTES] for s in starts)
     index = torch.tensor(starts, device=raw.device)[:, None] + torch.arange(WINDOW_BYTES, device=raw.device)
     return raw[index.reshape(-1)].cpu().numpy().tobytes()
