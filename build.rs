@@ -1,8 +1,14 @@
-//! With the `cuda-sim` feature, compiles the CUDA kernels for the host (the simulated
-//! device that tests the CUDA backend without a GPU). Otherwise does nothing.
+//! Sets `kvrs_avx512` where the compiler has the AVX-512 intrinsics (stable since Rust
+//! 1.89; the crate builds from 1.88, where the write loops keep to AVX2). With the
+//! `cuda-sim` feature, compiles the CUDA kernels for the host (the simulated device that
+//! tests the CUDA backend without a GPU).
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo::rustc-check-cfg=cfg(kvrs_avx512)");
+    if rustc_minor().is_some_and(|minor| minor >= 89) {
+        println!("cargo:rustc-cfg=kvrs_avx512");
+    }
     if std::env::var_os("CARGO_FEATURE_CUDA_SIM").is_none() {
         return;
     }
@@ -32,4 +38,20 @@ fn main() {
         // The kernels' `#pragma unroll` is nvcc's; the host compiler unrolls as it sees fit.
         .flag_if_supported("-Wno-unknown-pragmas")
         .compile("kvrs_sim");
+}
+
+/// The minor version of the compiler Cargo runs (`1.89.0` gives 89), if it says.
+fn rustc_minor() -> Option<u32> {
+    let rustc = std::env::var_os("RUSTC")?;
+    let out = std::process::Command::new(rustc)
+        .arg("--version")
+        .output()
+        .ok()?;
+    let version = String::from_utf8(out.stdout).ok()?;
+    // "rustc 1.95.0 (59807616e 2026-04-14)"
+    let mut parts = version.split_whitespace().nth(1)?.split('.');
+    match (parts.next()?, parts.next()?) {
+        ("1", minor) => minor.parse().ok(),
+        _ => None,
+    }
 }

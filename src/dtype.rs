@@ -183,10 +183,13 @@ pub unsafe fn convert_contiguous(
         if src_dtype == DType::F16 && aligned && crate::write_avx2::available() {
             use crate::write_avx2::fp8::encode_fp8_f16;
             let (codes, halves) = (slice_mut::<u8>(dst, n), slice::<f16>(src, n));
-            // SAFETY: the CPU has AVX2 and F16C.
-            (done, saturated) = match f {
-                Fp8::E4M3 => encode_fp8_f16::<true>(codes, halves),
-                Fp8::E5M2 => encode_fp8_f16::<false>(codes, halves),
+            use crate::write_avx2::avx512;
+            // SAFETY: the CPU has AVX2 and F16C, and AVX-512 F, BW and VL where checked.
+            (done, saturated) = match (f, avx512::available()) {
+                (Fp8::E4M3, true) => avx512::encode_fp8_f16::<true>(codes, halves),
+                (Fp8::E5M2, true) => avx512::encode_fp8_f16::<false>(codes, halves),
+                (Fp8::E4M3, false) => encode_fp8_f16::<true>(codes, halves),
+                (Fp8::E5M2, false) => encode_fp8_f16::<false>(codes, halves),
             };
         }
         let (dst, src, n) = (dst.add(done), src.add(done * src_dtype.size()), n - done);

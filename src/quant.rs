@@ -85,14 +85,18 @@ impl Fp8 {
 
     /// Encodes every element of `src` into `dst` (same length), as [`Fp8::encode`], and
     /// returns how many of them saturated ([`Fp8::saturates`]): 32 elements at a time
-    /// with AVX2 where the CPU has it (chosen at run time), the rest by one branch-free
+    /// with AVX-512 or AVX2 where the CPU has it (chosen at run time), the rest by one branch-free
     /// loop per format. The count costs an add per element: its compare is the one the
     /// clamp makes.
     pub fn encode_slice(self, dst: &mut [u8], src: &[f32]) -> usize {
         let n = dst.len().min(src.len());
         let (mut done, mut saturated) = (0, 0);
         #[cfg(target_arch = "x86_64")]
-        if write_avx2::available() {
+        if write_avx2::avx512::available() {
+            // SAFETY: the CPU has AVX-512 F, BW and VL.
+            (done, saturated) =
+                unsafe { write_avx2::avx512::encode_fp8(&mut dst[..n], &src[..n], self.format()) };
+        } else if write_avx2::available() {
             // SAFETY: the CPU has AVX2.
             (done, saturated) =
                 unsafe { write_avx2::fp8::encode_fp8(&mut dst[..n], &src[..n], self.format()) };
@@ -107,7 +111,7 @@ impl Fp8 {
 
     /// The constants of [`Fp8::encode`], for the vectorised encoder.
     #[cfg(target_arch = "x86_64")]
-    fn format(self) -> write_avx2::fp8::Format {
+    pub(crate) fn format(self) -> write_avx2::fp8::Format {
         let (max, nan) = match self {
             Fp8::E4M3 => (0x7e, 0x7f),
             Fp8::E5M2 => (0x7b, 0x7e),

@@ -130,21 +130,39 @@ impl Int8Storage {
         let (first, step) = (offset / d, [strides[0] / d, strides[1] / d]);
         let codes = self.codes.data_ptr() as *mut i8;
         let scales = self.scales.data_ptr() as *mut f32;
-        // The region's chunks in row-major order ([`Self::vectors`]), each beside its source.
-        let rows = (0..a).flat_map(move |i| {
-            (0..b).flat_map(move |j| {
-                (0..c / d).map(move |k| {
-                    let at = offset + i * strides[0] + j * strides[1] + k * d;
-                    let from = i as isize * s0 + j as isize * s1 + (k * d) as isize;
-                    // SAFETY: the region was checked against both allocations and the
-                    // source holds its shape (the caller's checks).
-                    let scale = first + i * step[0] + j * step[1] + k;
-                    unsafe { (codes.add(at), scales.add(scale), base.offset(from)) }
-                })
-            })
+        // The region's chunks in row-major order ([`Self::vectors`]), each beside its source,
+        // counted by hand: three nested `flat_map`s cost as much as a row's codes.
+        let kn = c / d;
+        let (mut i, mut j, mut k) = (0, 0, 0);
+        let rows = std::iter::from_fn(move || {
+            if i >= a || b == 0 || kn == 0 {
+                return None;
+            }
+            let at = offset + i * strides[0] + j * strides[1] + k * d;
+            let from = i as isize * s0 + j as isize * s1 + (k * d) as isize;
+            let scale = first + i * step[0] + j * step[1] + k;
+            k += 1;
+            if k == kn {
+                k = 0;
+                j += 1;
+                if j == b {
+                    j = 0;
+                    i += 1;
+                }
+            }
+            // SAFETY: the region was checked against both allocations and the source
+            // holds its shape (the caller's checks).
+            Some(unsafe { (codes.add(at), scales.add(scale), base.offset(from)) })
         });
-        // SAFETY: as above; the CPU has AVX2 and F16C; the region's chunks are distinct.
-        unsafe { quantize_rows_f16(d, rows) };
+        // SAFETY: as above; the CPU has AVX2 and F16C (and AVX-512 F, BW and VL where
+        // checked); the region's chunks are distinct.
+        unsafe {
+            if crate::write_avx2::avx512::available() {
+                crate::write_avx2::avx512::quantize_rows_f16(d, rows)
+            } else {
+                quantize_rows_f16(d, rows)
+            }
+        };
         true
     }
 }

@@ -2,10 +2,39 @@
 //! floats to fp8 codes with the saturation count ([`fp8`]) and rows to int8 codes and
 //! their scale ([`int8`]), each bit for bit what the scalar codec gives
 //! ([`crate::quant::Fp8::encode`], [`crate::quant::quantize_row_i8`]), eight or sixteen
-//! lanes at a time. Callers check [`available`] first.
+//! lanes at a time. Callers check [`available`] first, and [`avx512::available`] for the
+//! float16 loops' AVX-512 variants, which they then take instead.
 
 use std::arch::x86_64::*;
 
+// The AVX-512 intrinsics are stable from Rust 1.89 (`kvrs_avx512`, set by build.rs); on
+// older compilers a stand-in that is never available.
+#[cfg(kvrs_avx512)]
+#[clippy::msrv = "1.89"]
+pub mod avx512;
+#[cfg(not(kvrs_avx512))]
+pub mod avx512 {
+    //! AVX-512 needs Rust 1.89: never available in this build.
+    #![allow(clippy::missing_safety_doc, missing_docs)]
+    pub fn available() -> bool {
+        false
+    }
+    pub unsafe fn encode_fp8_f16<const E4M3: bool>(
+        _: &mut [u8],
+        _: &[half::f16],
+    ) -> (usize, usize) {
+        unreachable!("AVX-512 loops need Rust 1.89")
+    }
+    pub unsafe fn encode_fp8(_: &mut [u8], _: &[f32], _: super::fp8::Format) -> (usize, usize) {
+        unreachable!("AVX-512 loops need Rust 1.89")
+    }
+    pub unsafe fn quantize_rows_f16(
+        _: usize,
+        _: impl Iterator<Item = (*mut i8, *mut f32, *const half::f16)>,
+    ) {
+        unreachable!("AVX-512 loops need Rust 1.89")
+    }
+}
 pub mod fp8;
 pub mod int8;
 

@@ -52,7 +52,9 @@ fn every_float16_and_bfloat16_encodes_to_the_scalar_fp8_code() {
                 scalar_fp8(f, &xs),
                 "{f:?} f16"
             );
+            check_f32_encoders(f, &xs);
             let xs: Vec<f32> = brains[skip..].iter().map(|h| h.to_f32()).collect();
+            check_f32_encoders(f, &xs);
             assert_eq!(
                 converted(dt, &brains[skip..], DType::BF16),
                 scalar_fp8(f, &xs),
@@ -62,28 +64,114 @@ fn every_float16_and_bfloat16_encodes_to_the_scalar_fp8_code() {
     }
 }
 
-#[test]
-fn the_direct_float16_encoder_equals_the_scalar_one() {
-    if !available() {
-        return;
-    }
-    let halves: Vec<f16> = all_bits().map(f16::from_bits).collect();
-    for (f, _) in FORMATS {
-        let mut out = vec![0u8; halves.len()];
-        // SAFETY: checked above.
-        let (n, saturated) = unsafe {
-            match f {
-                Fp8::E4M3 => super::fp8::encode_fp8_f16::<true>(&mut out, &halves),
-                Fp8::E5M2 => super::fp8::encode_fp8_f16::<false>(&mut out, &halves),
+/// The float16 loops each CPU runs: AVX2, and AVX-512 where it has it (each skipped
+/// where it does not).
+fn f16_encoders() -> Vec<(&'static str, F16Encoder)> {
+    let mut all: Vec<(&'static str, F16Encoder)> = Vec::new();
+    if available() {
+        all.push(("avx2", |e4m3, dst, src| {
+            // SAFETY: checked above.
+            unsafe {
+                if e4m3 {
+                    super::fp8::encode_fp8_f16::<true>(dst, src)
+                } else {
+                    super::fp8::encode_fp8_f16::<false>(dst, src)
+                }
             }
-        };
-        assert_eq!(n, halves.len() / 32 * 32);
-        let xs: Vec<f32> = halves[..n].iter().map(|h| h.to_f32()).collect();
-        let (codes, count) = scalar_fp8(f, &xs);
-        for (h, (a, b)) in halves.iter().zip(out.iter().zip(&codes)) {
-            assert_eq!(a, b, "{f:?} {:#06x}", h.to_bits());
+        }));
+    }
+    if super::avx512::available() {
+        all.push(("avx512", |e4m3, dst, src| {
+            // SAFETY: checked above.
+            unsafe {
+                if e4m3 {
+                    super::avx512::encode_fp8_f16::<true>(dst, src)
+                } else {
+                    super::avx512::encode_fp8_f16::<false>(dst, src)
+                }
+            }
+        }));
+    }
+    all
+}
+
+type F32Encoder = fn(&mut [u8], &[f32], Fp8) -> (usize, usize);
+
+/// The f32 encoders each CPU runs, as [`f16_encoders`].
+fn f32_encoders() -> Vec<(&'static str, F32Encoder)> {
+    let mut all: Vec<(&'static str, F32Encoder)> = Vec::new();
+    if available() {
+        // SAFETY: checked above.
+        all.push(("avx2", |dst, src, f| unsafe {
+            super::fp8::encode_fp8(dst, src, f.format())
+        }));
+    }
+    if super::avx512::available() {
+        // SAFETY: checked above.
+        all.push(("avx512", |dst, src, f| unsafe {
+            super::avx512::encode_fp8(dst, src, f.format())
+        }));
+    }
+    all
+}
+
+/// Each f32 encoder's codes and count for the leading whole blocks of `xs` against the
+/// scalar ones.
+fn check_f32_encoders(f: Fp8, xs: &[f32]) {
+    for (name, encode) in f32_encoders() {
+        let mut out = vec![0u8; xs.len()];
+        let (n, saturated) = encode(&mut out, xs, f);
+        assert_eq!(n, xs.len() / 32 * 32, "{name}");
+        let (codes, count) = scalar_fp8(f, &xs[..n]);
+        for (x, (a, b)) in xs.iter().zip(out.iter().zip(&codes)) {
+            assert_eq!(a, b, "{name} {f:?} {:#010x}", x.to_bits());
         }
-        assert_eq!(saturated, count, "{f:?}");
+        assert_eq!(saturated, count, "{name} {f:?}");
+    }
+}
+
+type F16Encoder = fn(bool, &mut [u8], &[f16]) -> (usize, usize);
+type F16Quantizer = fn(usize, &mut [i8], &mut f32, &[f16]);
+
+/// The int8 float16 row loops each CPU runs, as [`f16_encoders`].
+fn f16_quantizers() -> Vec<(&'static str, F16Quantizer)> {
+    let mut all: Vec<(&'static str, F16Quantizer)> = Vec::new();
+    if available() {
+        all.push(("avx2", |d, codes, scale, row| {
+            let rows = std::iter::once((codes.as_mut_ptr(), scale as *mut f32, row.as_ptr()));
+            // SAFETY: checked above; the pointers hold the row.
+            unsafe { super::int8::quantize_rows_f16(d, rows) }
+        }));
+    }
+    if super::avx512::available() {
+        all.push(("avx512", |d, codes, scale, row| {
+            let rows = std::iter::once((codes.as_mut_ptr(), scale as *mut f32, row.as_ptr()));
+            // SAFETY: checked above; the pointers hold the row.
+            unsafe { super::avx512::quantize_rows_f16(d, rows) }
+        }));
+    }
+    all
+}
+
+#[test]
+fn the_direct_float16_encoders_equal_the_scalar_one() {
+    let halves: Vec<f16> = all_bits().map(f16::from_bits).collect();
+    for (name, encode) in f16_encoders() {
+        for (f, _) in FORMATS {
+            // From odd starts too, so the blocks and the tail fall elsewhere.
+            for skip in [0, 7, 39] {
+                let halves = &halves[skip..];
+                let mut out = vec![0u8; halves.len()];
+                let (n, saturated) = encode(f == Fp8::E4M3, &mut out, halves);
+                assert_eq!(n, halves.len() / 32 * 32);
+                let xs: Vec<f32> = halves[..n].iter().map(|h| h.to_f32()).collect();
+                let (codes, count) = scalar_fp8(f, &xs);
+                for (h, (a, b)) in halves.iter().zip(out.iter().zip(&codes)) {
+                    assert_eq!(a, b, "{name} {f:?} {:#06x}", h.to_bits());
+                }
+                assert_eq!(saturated, count, "{name} {f:?}");
+            }
+        }
     }
 }
 
@@ -196,6 +284,7 @@ proptest! {
             let saturated = f.encode_slice(&mut codes, &xs);
             prop_assert_eq!((codes, saturated), scalar_fp8(f, &xs));
             prop_assert_eq!(converted(dt, &xs, DType::F32), scalar_fp8(f, &xs));
+            check_f32_encoders(f, &xs);
         }
     }
 
@@ -207,17 +296,16 @@ proptest! {
         let scale = quantize_row_i8(&mut got, &row);
         prop_assert_eq!(scale.to_bits(), want_scale.to_bits());
         prop_assert_eq!(&got, &want);
-        // The same row as float16 values, straight from their bits.
-        if available() {
-            let halves: Vec<f16> = row.iter().map(|&x| f16::from_f32(x)).collect();
-            let widened: Vec<f32> = halves.iter().map(|h| h.to_f32()).collect();
-            let want_scale = quantize_row_i8_scalar(&mut want, &widened);
-            // SAFETY: checked above.
+        // The same row as float16 values, straight from their bits, by each loop.
+        let halves: Vec<f16> = row.iter().map(|&x| f16::from_f32(x)).collect();
+        let widened: Vec<f32> = halves.iter().map(|h| h.to_f32()).collect();
+        let want_scale = quantize_row_i8_scalar(&mut want, &widened);
+        for (name, quantize) in f16_quantizers() {
             let mut scale = 0f32;
-            let row = (got.as_mut_ptr(), &mut scale as *mut f32, halves.as_ptr());
-            unsafe { super::int8::quantize_rows_f16(halves.len(), std::iter::once(row)) };
-            prop_assert_eq!(scale.to_bits(), want_scale.to_bits());
-            prop_assert_eq!(&got, &want);
+            got.fill(0);
+            quantize(halves.len(), &mut got, &mut scale, &halves);
+            prop_assert_eq!(scale.to_bits(), want_scale.to_bits(), "{}", name);
+            prop_assert_eq!(&got, &want, "{}", name);
         }
     }
 }
@@ -237,9 +325,6 @@ fn int8_ties_round_to_even_in_both_loops() {
 
 #[test]
 fn every_finite_float16_quantizes_to_the_scalar_int8_code() {
-    if !available() {
-        return;
-    }
     // The finite values, spread over rows of 128 by a multiplicative permutation (so rows
     // mix subnormals, whose vectors convert in integers, with normals), then the small
     // ones alone (rows whose scale makes the subnormals' codes large).
@@ -256,15 +341,62 @@ fn every_finite_float16_quantizes_to_the_scalar_int8_code() {
         .filter(|h| h.to_f32().abs() < 1e-3)
         .collect();
     for values in [&spread, &small] {
-        for row in values.chunks(128) {
+        // Rows of 128, and of 100 (a tail past the 32-element blocks).
+        for row in values.chunks(128).chain(values.chunks(100)) {
             let widened: Vec<f32> = row.iter().map(|h| h.to_f32()).collect();
             let mut want = vec![0i8; row.len()];
             let want_scale = quantize_row_i8_scalar(&mut want, &widened);
-            let (mut got, mut scale) = (vec![0i8; row.len()], 0f32);
-            let rows = std::iter::once((got.as_mut_ptr(), &mut scale as *mut f32, row.as_ptr()));
-            // SAFETY: checked above; the pointers hold the row.
-            unsafe { super::int8::quantize_rows_f16(row.len(), rows) };
-            assert_eq!((scale.to_bits(), &got), (want_scale.to_bits(), &want));
+            for (name, quantize) in f16_quantizers() {
+                let (mut got, mut scale) = (vec![0i8; row.len()], 0f32);
+                quantize(row.len(), &mut got, &mut scale, row);
+                assert_eq!(
+                    (scale.to_bits(), &got),
+                    (want_scale.to_bits(), &want),
+                    "{name}"
+                );
+            }
         }
+    }
+}
+
+#[test]
+fn many_float16_rows_in_one_call_equal_the_scalar_int8_rows() {
+    // Every float16 in rows of 128 (specials, subnormals, zeros and normals mixed within
+    // the loops' batches), with a zero row and a row of NaNs, all in one call.
+    let mut values: Vec<f16> = all_bits().map(f16::from_bits).collect();
+    values.extend([f16::ZERO; 128]);
+    values.extend([f16::NAN; 128]);
+    let d = 128;
+    let rows = values.len() / d;
+    let (mut want, mut want_scales) = (vec![0i8; rows * d], vec![0f32; rows]);
+    for (i, row) in values.chunks(d).take(rows).enumerate() {
+        let widened: Vec<f32> = row.iter().map(|h| h.to_f32()).collect();
+        want_scales[i] = quantize_row_i8_scalar(&mut want[i * d..(i + 1) * d], &widened);
+    }
+    let mut loops: Vec<&str> = Vec::new();
+    if available() {
+        loops.push("avx2");
+    }
+    if super::avx512::available() {
+        loops.push("avx512");
+    }
+    for name in loops {
+        let (mut got, mut scales) = (vec![0i8; rows * d], vec![0f32; rows]);
+        let (q, s) = (got.as_mut_ptr(), scales.as_mut_ptr());
+        // Out of order, so that each row's pointers matter.
+        let all = (0..rows)
+            .rev()
+            .map(|i| unsafe { (q.add(i * d), s.add(i), values.as_ptr().add(i * d)) });
+        // SAFETY: checked above; the pointers hold distinct rows.
+        unsafe {
+            if name == "avx2" {
+                super::int8::quantize_rows_f16(d, all)
+            } else {
+                super::avx512::quantize_rows_f16(d, all)
+            }
+        }
+        let bits = |s: &[f32]| s.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&scales), bits(&want_scales), "{name}");
+        assert_eq!(got, want, "{name}");
     }
 }
