@@ -94,7 +94,7 @@ def generic_code(cache: kvrs.KVCache[Any]) -> int:
 def tiered_pool(tmp: str) -> None:
     """Offload tiers: the tier classes, background prefetch and the per-tier counts."""
     tiers: list[kvrs.Tier] = [kvrs.HostTier("1GiB"), kvrs.DiskTier(tmp, max_bytes="20GiB")]
-    pool = kvrs.BlockPool(2, 4, 64, num_blocks=64, seed=7, tiers=tiers, tier_write="all")
+    pool = kvrs.BlockPool(2, 4, 64, num_blocks=64, seed=7, tiers=tiers, tier_write="all", model_id="typed")
     prompt = list(range(40))
     assert_type(pool.prefetch(prompt, wait=False), int)
     seq = pool.new_sequence(tokens=prompt)

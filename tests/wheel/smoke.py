@@ -49,7 +49,7 @@ pool.check_invariants()
 # An offload tier: evicted blocks go to disk and come back to a new pool.
 with tempfile.TemporaryDirectory() as tier_dir:
     tiered = kvrs.BlockPool(
-        1, 2, 8, block_size=4, num_blocks=8, seed=3, tiers=[kvrs.DiskTier(tier_dir, "1MiB")]
+        1, 2, 8, block_size=4, num_blocks=8, seed=3, model_id="smoke", tiers=[kvrs.DiskTier(tier_dir, "1MiB")]
     )
     s = tiered.new_sequence(tokens=list(range(9)))
     s.append(0, np.ones((9, 2, 8), np.float32), np.ones((9, 2, 8), np.float32))
@@ -58,7 +58,7 @@ with tempfile.TemporaryDirectory() as tier_dir:
     tiered.evict_all()
     tiered.flush_tiers()
     again = kvrs.BlockPool(
-        1, 2, 8, block_size=4, num_blocks=8, seed=3, tiers=[kvrs.DiskTier(tier_dir, "1MiB")]
+        1, 2, 8, block_size=4, num_blocks=8, seed=3, model_id="smoke", tiers=[kvrs.DiskTier(tier_dir, "1MiB")]
     )
     assert again.new_sequence(tokens=list(range(9))).num_cached_tokens == 8
     assert callable(kvrs.RedisTier)
