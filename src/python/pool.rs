@@ -161,7 +161,7 @@ impl PyBlockPool {
         tier_key: Option<&Bound<'_, PyAny>>,
         tier_queue_bytes: Option<&Bound<'_, PyAny>>,
         tier_write_policy: Option<&str>,
-        tier_write_hits: u32,
+        tier_write_hits: i64,
         state_layers: i64,
         state_shapes: Option<&Bound<'_, PyAny>>,
         state_slots: Option<i64>,
@@ -180,6 +180,18 @@ impl PyBlockPool {
             checkpoint_interval,
             block,
         )?;
+        let write_hits = u32::try_from(tier_write_hits)
+            .ok()
+            .filter(|&h| h >= 1)
+            .ok_or_else(|| KvError::InvalidArgument {
+                name: "tier_write_hits",
+                value: tier_write_hits.to_string(),
+                reason: format!(
+                    "must be in [1, {}]: the prefix hits after which write_through_selective \
+                     writes a block",
+                    u32::MAX
+                ),
+            })?;
         let tier_options = crate::paged::tiering::TierOptions {
             secret: tier_key.map(super::tiers::secret).transpose()?,
             queue: tier_queue,
@@ -189,7 +201,7 @@ impl PyBlockPool {
             },
             policy: tier_write.parse()?,
             mode: tier_write_policy
-                .map(|m| crate::tier::writer::WriteMode::parse(m, tier_write_hits))
+                .map(|m| crate::tier::writer::WriteMode::parse(m, write_hits))
                 .transpose()?,
         };
         let tiers = super::tiers::parse_tiers(tiers)?;

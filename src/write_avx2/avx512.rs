@@ -262,24 +262,7 @@ unsafe fn scan_f16(src: &[half::f16]) -> (u16, u16) {
         _mm512_castsi512_si256(low),
         _mm512_extracti64x4_epi64::<1>(low),
     );
-    // Across the lanes: the maximum as the minimum of the complements (phminposuw).
-    let t = _mm_max_epu16(
-        _mm256_castsi256_si128(top),
-        _mm256_extracti128_si256::<1>(top),
-    );
-    let t = _mm_minpos_epu16(_mm_xor_si128(t, _mm_set1_epi16(-1)));
-    let l = _mm_min_epu16(
-        _mm256_castsi256_si128(low),
-        _mm256_extracti128_si256::<1>(low),
-    );
-    let l = _mm_minpos_epu16(l);
-    let mut top = !(_mm_extract_epi16::<0>(t) as u16);
-    let mut low = _mm_extract_epi16::<0>(l) as u16;
-    for h in &src[whole..] {
-        let a = h.to_bits() & 0x7fff;
-        (top, low) = (top.max(a), low.min(a.wrapping_sub(1)));
-    }
-    (top, low)
+    super::int8::fold_range(top, low, &src[whole..])
 }
 
 /// Sixteen float16s as f32: by F16C, or where the row holds subnormals (`SUBNORMAL`),

@@ -134,23 +134,7 @@ impl Row for &[half::f16] {
             top = _mm256_max_epu16(top, a);
             low = _mm256_min_epu16(low, _mm256_sub_epi16(a, one));
         }
-        // Across the lanes: the maximum as the minimum of the complements (phminposuw).
-        let t = _mm_max_epu16(
-            _mm256_castsi256_si128(top),
-            _mm256_extracti128_si256::<1>(top),
-        );
-        let t = _mm_minpos_epu16(_mm_xor_si128(t, _mm_set1_epi16(-1)));
-        let l = _mm_min_epu16(
-            _mm256_castsi256_si128(low),
-            _mm256_extracti128_si256::<1>(low),
-        );
-        let l = _mm_minpos_epu16(l);
-        let mut top = !(_mm_extract_epi16::<0>(t) as u16);
-        let mut low = _mm_extract_epi16::<0>(l) as u16;
-        for h in &self[whole..] {
-            let a = h.to_bits() & 0x7fff;
-            (top, low) = (top.max(a), low.min(a.wrapping_sub(1)));
-        }
+        let (top, low) = fold_range(top, low, &self[whole..]);
         let subnormal = low < 0x3ff;
         if top < 0x7c00 {
             let amax = half::f16::from_bits(top).to_f32_const();
@@ -301,4 +285,28 @@ impl Codes {
         let back = _mm256_sub_ps(shifted, self.magic);
         (q, _mm256_and_ps(_mm256_sub_ps(y, back), self.abs_mask))
     }
+}
+
+/// The largest magnitude bits of sixteen lanes and of the row's `tail` past them, and
+/// the smallest less one: where the AVX2 and AVX-512 scans of a float16 row end.
+#[inline(always)]
+pub(super) unsafe fn fold_range(top: __m256i, low: __m256i, tail: &[half::f16]) -> (u16, u16) {
+    // Across the lanes: the maximum as the minimum of the complements (phminposuw).
+    let t = _mm_max_epu16(
+        _mm256_castsi256_si128(top),
+        _mm256_extracti128_si256::<1>(top),
+    );
+    let t = _mm_minpos_epu16(_mm_xor_si128(t, _mm_set1_epi16(-1)));
+    let l = _mm_min_epu16(
+        _mm256_castsi256_si128(low),
+        _mm256_extracti128_si256::<1>(low),
+    );
+    let l = _mm_minpos_epu16(l);
+    let mut top = !(_mm_extract_epi16::<0>(t) as u16);
+    let mut low = _mm_extract_epi16::<0>(l) as u16;
+    for h in tail {
+        let a = h.to_bits() & 0x7fff;
+        (top, low) = (top.max(a), low.min(a.wrapping_sub(1)));
+    }
+    (top, low)
 }

@@ -49,8 +49,9 @@ def test_the_policy_defaults_to_write_through_with_a_persistent_tier(tmp_path):
     assert p.tier_write_policy == "write_through_selective"
     with pytest.raises(ValueError, match=r"tier_write_policy.*write_through"):
         pool([kvrs.HostTier("1MiB")], tier_write_policy="eager")
-    with pytest.raises(ValueError, match="tier_write_hits"):
-        pool([kvrs.HostTier("1MiB")], tier_write_policy="write_through_selective", tier_write_hits=0)
+    for hits in (0, -1, 2**40):
+        with pytest.raises(ValueError, match=rf"tier_write_hits={hits}: must be in \[1, "):
+            pool([kvrs.HostTier("1MiB")], tier_write_policy="write_through_selective", tier_write_hits=hits)
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_back", "write_through_selective"])
