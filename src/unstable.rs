@@ -8,7 +8,7 @@
 //! that uses it pins kvrs to an exact version. `BlockPool::core`, `BlockPool::core_mut`
 //! and `KvCache::core` (hidden too) hand out the cores of the typed API's values.
 
-pub use crate::attention::{segment_packbits, simd_level, CustomMask};
+pub use crate::attention::{segment_packbits, set_simd_level, simd_level, simd_levels, CustomMask};
 pub use crate::bytes::parse_size;
 pub use crate::dtype::convert_contiguous;
 pub use crate::encoder_cache::EncoderCache;

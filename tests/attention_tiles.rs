@@ -2,9 +2,11 @@
 //! extend, wide GQA groups, MLA's heads over one latent) against a float64 reference over
 //! the K/V the pool gathers: lengths that are not multiples of a tile, one-token prompts,
 //! windows crossing tiles, GQA ratios 1 to 16, head sizes 64, 128, 192 and 256 and MLA's
-//! 512 + 64 latent, every storage dtype, soft-capping, sinks and ALiBi.
+//! 512 + 64 latent, every storage dtype, soft-capping, sinks and ALiBi; each case at
+//! every vector level this CPU runs (portable, AVX2, AVX-512, AVX512-BF16), with
+//! bfloat16 queries over bfloat16 storage (what takes `vdpbf16ps`).
 
-use kvrs::unstable::{PoolCore, TensorMut, TensorRef};
+use kvrs::unstable::{set_simd_level, simd_levels, PoolCore, TensorMut, TensorRef};
 use kvrs::{Attention, AttnOptions, DType, Device, KvLayout, LayerKind, PagedShape};
 use proptest::prelude::*;
 
@@ -141,7 +143,17 @@ proptest! {
         }
         let (dq, dout) = if latent { (head_dim + v_head_dim, head_dim) } else { (head_dim, v_head_dim) };
         let hq = h * ratio;
-        let q = values(seed ^ 0x77, new * hq * dq);
+        let mut q = values(seed ^ 0x77, new * hq * dq);
+        // Bfloat16 storage takes bfloat16 queries (the reference reads the same values).
+        let q_bf16: Vec<u8> = if dtype == DType::BF16 {
+            q.iter_mut().flat_map(|x| {
+                let b = half::bf16::from_f32(*x);
+                *x = b.to_f32();
+                b.to_bits().to_le_bytes()
+            }).collect()
+        } else {
+            Vec::new()
+        };
         let sinks = values(seed ^ 0x99, hq);
         let slopes: Vec<f32> = (0..hq).map(|i| 0.5f32.powi(i as i32 % 8 + 1)).collect();
         let scale = 1.0 / (dq as f32).sqrt();
@@ -153,9 +165,21 @@ proptest! {
             latent,
             mask: None,
         };
-        let mut out = vec![0f32; new * hq * dout];
-        let mut out_t = TensorMut::from_f32_mut(&mut out, &[new, hq, dout]).unwrap();
-        pool.seq_attention(id, 0, &tensor(&q, &[new, hq, dq]), &mut out_t, &opts).unwrap();
+        let q_t = if dtype == DType::BF16 {
+            TensorRef::from_bytes(&q_bf16, DType::BF16, &[new, hq, dq]).unwrap()
+        } else {
+            tensor(&q, &[new, hq, dq])
+        };
+        let levels = simd_levels();
+        let mut outs = Vec::new();
+        for level in &levels {
+            prop_assert_eq!(set_simd_level(Some(level)), Some(*level));
+            let mut out = vec![0f32; new * hq * dout];
+            let mut out_t = TensorMut::from_f32_mut(&mut out, &[new, hq, dout]).unwrap();
+            pool.seq_attention(id, 0, &q_t, &mut out_t, &opts).unwrap();
+            outs.push(out);
+        }
+        set_simd_level(None);
 
         let (first, end) = pool.layer_span(id, 0).unwrap();
         let len = end - first;
@@ -178,10 +202,12 @@ proptest! {
                 };
                 let row = &q[(t * hq + qh) * dq..(t * hq + qh + 1) * dq];
                 let want = reference(row, qh, &seen, heads, &opts);
-                let got = &out[(t * hq + qh) * dout..(t * hq + qh + 1) * dout];
-                for (e, (&g, &w)) in got.iter().zip(&want).enumerate() {
-                    prop_assert!((g as f64 - w).abs() <= tol * (1.0 + w.abs()),
-                        "token {t} head {qh} elem {e}: {g} vs {w}");
+                for (level, out) in levels.iter().zip(&outs) {
+                    let got = &out[(t * hq + qh) * dout..(t * hq + qh + 1) * dout];
+                    for (e, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                        prop_assert!((g as f64 - w).abs() <= tol * (1.0 + w.abs()),
+                            "{level}: token {t} head {qh} elem {e}: {g} vs {w}");
+                    }
                 }
             }
         }

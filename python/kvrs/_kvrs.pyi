@@ -28,6 +28,7 @@ __all__ = [
     "__version__",
     "_flush_tiers_at_exit",
     "_host_array_capsule",
+    "_set_attention_simd",
     "attention_simd",
     "blocks_per_sequence",
     "cuda_available",
@@ -36,7 +37,12 @@ __all__ = [
 __version__: str
 
 def attention_simd() -> str:
-    """The vector instructions the attention core uses on this CPU ("avx2+fma+f16c" or "portable")."""
+    """The vector instructions the attention core uses on this CPU ("avx512f+bw+vl+dq+bf16",
+    "avx512f+bw+vl+dq", "avx2+fma+f16c" or "portable")."""
+
+def _set_attention_simd(level: str | None = None) -> str:
+    """Sets the vector level attention runs with ("portable", "avx2", "avx512", "avx512bf16";
+    None: the detected one; capped at the CPU's) and returns the level now in use."""
 
 def blocks_per_sequence(
     seq_len: int,

@@ -4,10 +4,10 @@
 //! [`super::tiled`]; this module also holds the loads and stores both kinds share.
 
 use std::cell::RefCell;
-use std::sync::OnceLock;
 
 use super::math::{axpy, dot, exp, load_row, scale};
 use super::schedule::{Item, Problem};
+use super::simd::{level, Level};
 use crate::dtype::{convert_contiguous, read_f32, DType};
 
 /// Positions converted to f32 at a time (at most a block).
@@ -60,35 +60,10 @@ pub(super) enum Dest {
     Partial(usize),
 }
 
-/// The vector instructions attention runs with on this CPU: `"avx2+fma+f16c"`, or
-/// `"portable"` (whatever the compiler vectorises for the baseline target; also what
-/// `KVRS_SIMD=portable` in the environment selects, to compare the two).
-pub fn simd_level() -> &'static str {
-    if has_avx2() {
-        "avx2+fma+f16c"
-    } else {
-        "portable"
-    }
-}
-
-/// Whether the AVX2 + FMA + F16C kernel runs (decided once per process).
+/// Whether the AVX2 + FMA + F16C kernel runs (every level from [`Level::Avx2`] up).
+#[inline]
 pub(super) fn has_avx2() -> bool {
-    static AVX2: OnceLock<bool> = OnceLock::new();
-    *AVX2.get_or_init(|| {
-        let portable = std::env::var("KVRS_SIMD").is_ok_and(|v| v == "portable");
-        #[cfg(target_arch = "x86_64")]
-        {
-            !portable
-                && std::is_x86_feature_detected!("avx2")
-                && std::is_x86_feature_detected!("fma")
-                && std::is_x86_feature_detected!("f16c")
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            let _ = portable;
-            false
-        }
-    })
+    level() >= Level::Avx2
 }
 
 /// Runs one item on the calling thread: a tiled one ([`super::tiled`]) or a streamed one.
@@ -471,6 +446,18 @@ pub(super) unsafe fn load_query<const SIMD: bool>(
     head: usize,
     dst: &mut [f32],
 ) {
+    load_query_unscaled::<SIMD>(p, token, head, dst);
+    scale(dst, p.scale);
+}
+
+/// Reads query row `(token, head)` into `dst` as f32, as stored.
+#[inline(always)]
+pub(super) unsafe fn load_query_unscaled<const SIMD: bool>(
+    p: &Problem<'_>,
+    token: usize,
+    head: usize,
+    dst: &mut [f32],
+) {
     let q = p.q;
     let st = q.strides3();
     let size = q.dtype().size();
@@ -483,7 +470,6 @@ pub(super) unsafe fn load_query<const SIMD: bool>(
             *x = read_f32(base.offset(i as isize * st[2] * size as isize), q.dtype());
         }
     }
-    scale(dst, p.scale);
 }
 
 /// Finishes row `(token, head)` from its running `(m, l, o)`: adds the head's sink to

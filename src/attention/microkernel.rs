@@ -43,13 +43,15 @@ pub(super) struct Product {
     pub accumulate: bool,
 }
 
-/// Computes `p`; `SIMD`: the caller runs with AVX2 and FMA.
+/// Computes `p`; `SIMD`: the caller runs with AVX2 and FMA; `WIDE`: with AVX-512 F too
+/// (blocks of 16-lane vectors, [`super::avx512`]).
 ///
 /// # Safety
 /// Every element the strides name must be readable (`A`, `B`) or writable (`C`), `C`
-/// overlapping neither; with `SIMD`, the CPU must have AVX2 and FMA.
+/// overlapping neither; with `SIMD`, the CPU must have AVX2 and FMA, with `WIDE`
+/// AVX-512 F.
 #[inline(always)]
-pub(super) unsafe fn product<const SIMD: bool>(p: &Product) {
+pub(super) unsafe fn product<const SIMD: bool, const WIDE: bool>(p: &Product) {
     debug_assert!(p.lanes.is_multiple_of(LANES));
     // Long sums go in parts of at most KC steps, so that the part of `B` one block column
     // reads (KC rows of 16 lanes) stays in L1 while every block of rows reuses it.
@@ -57,7 +59,7 @@ pub(super) unsafe fn product<const SIMD: bool>(p: &Product) {
     let kc = p.k.div_ceil(parts);
     for part in 0..parts {
         let k0 = part * kc;
-        columns::<SIMD>(&Product {
+        columns::<SIMD, WIDE>(&Product {
             a: Strided {
                 ptr: p.a.ptr.add(k0 * p.a.ks),
                 ..p.a
@@ -73,10 +75,15 @@ pub(super) unsafe fn product<const SIMD: bool>(p: &Product) {
 /// Steps of `k` per pass over the block columns.
 const KC: usize = 256;
 
-/// [`product`] over its block columns of 16 (or 8) lanes, each over its blocks of rows.
+/// [`product`] over its block columns of 16 (or 8) lanes, each over its blocks of rows;
+/// with `WIDE`, first those of 32 or 16 lanes in AVX-512 registers.
 #[inline(always)]
-unsafe fn columns<const SIMD: bool>(p: &Product) {
+unsafe fn columns<const SIMD: bool, const WIDE: bool>(p: &Product) {
     let mut l0 = 0;
+    #[cfg(all(target_arch = "x86_64", kvrs_avx512))]
+    if WIDE {
+        l0 = super::avx512::columns(p);
+    }
     while l0 < p.lanes {
         let nv = if p.lanes - l0 >= 2 * LANES { 2 } else { 1 };
         let mut r0 = 0;
@@ -112,10 +119,10 @@ unsafe fn columns<const SIMD: bool>(p: &Product) {
 
 /// The corner of one block in each operand.
 #[derive(Clone, Copy)]
-struct Block {
-    a: *const f32,
-    b: *const f32,
-    c: *mut f32,
+pub(super) struct Block {
+    pub a: *const f32,
+    pub b: *const f32,
+    pub c: *mut f32,
 }
 
 /// One block of `R` rows x `NV` vectors of lanes.
@@ -236,7 +243,7 @@ mod tests {
                 };
                 let at = |r: usize, kk: usize| a[r * a_op.rs + kk * a_op.ks] as f64;
                 for accumulate in [false, true] {
-                    for use_simd in [false, simd] {
+                    for (use_simd, wide) in [(false, false), (simd, false), (simd, wide())] {
                         let mut c = vec![1f32; rows * lanes];
                         let p = Product {
                             a: a_op,
@@ -251,10 +258,12 @@ mod tests {
                         };
                         // SAFETY: the operands hold the sizes named.
                         unsafe {
-                            if use_simd {
+                            if wide {
+                                test_avx512(&p)
+                            } else if use_simd {
                                 test_avx2(&p)
                             } else {
-                                product::<false>(&p)
+                                product::<false, false>(&p)
                             }
                         };
                         for r in 0..rows {
@@ -274,11 +283,27 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn test_avx2(p: &Product) {
-        product::<true>(p)
+        product::<true, false>(p)
     }
 
     #[cfg(not(target_arch = "x86_64"))]
     unsafe fn test_avx2(p: &Product) {
-        product::<false>(p)
+        product::<false, false>(p)
+    }
+
+    /// Whether this CPU (and build) runs the AVX-512 blocks.
+    fn wide() -> bool {
+        super::super::simd::detected_at_least(super::super::simd::Level::Avx512)
+    }
+
+    #[cfg(all(target_arch = "x86_64", kvrs_avx512))]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+    unsafe fn test_avx512(p: &Product) {
+        product::<true, true>(p)
+    }
+
+    #[cfg(not(all(target_arch = "x86_64", kvrs_avx512)))]
+    unsafe fn test_avx512(p: &Product) {
+        product::<false, false>(p)
     }
 }

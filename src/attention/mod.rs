@@ -18,12 +18,15 @@
 //! num_kv_heads)`, and each K/V run is converted once for the whole group.
 
 #[cfg(target_arch = "x86_64")]
+#[cfg(all(target_arch = "x86_64", kvrs_avx512))]
+mod avx512;
 mod fused;
 mod kernel;
 mod mask;
 mod math;
 mod microkernel;
 mod schedule;
+mod simd;
 mod tiled;
 
 use std::ops::Range;
@@ -33,8 +36,8 @@ use crate::error::{KvError, Result};
 use crate::layout::Device;
 use crate::tensor::{TensorMut, TensorRef};
 
-pub use kernel::simd_level;
 pub use mask::{segment_packbits, CustomMask};
+pub use simd::{set_simd_level, simd_level, simd_levels};
 
 /// Model-specific parts of the attention formula.
 #[derive(Clone, Copy, Debug, Default)]

@@ -15,14 +15,23 @@
 //!
 //! For latent attention (MLA) the key tile is `[c, r]` (the latent and its rotary part)
 //! and the value tile is its first `v_head_dim` columns, read in place from the key tile.
+//!
+//! With AVX-512 the products take 16-lane registers ([`super::avx512`]); with AVX512-BF16,
+//! bfloat16 queries over a bfloat16 cache score with `vdpbf16ps` straight from the
+//! stored key bits (the queries packed in pairs, unscaled, the scale applied to the
+//! scores), the outputs summed in f32 as before.
 
 use std::cell::RefCell;
 
-use super::kernel::{has_avx2, load_query, load_vector, prefetch, write_row, Dest};
+use super::kernel::{
+    has_avx2, load_query, load_query_unscaled, load_vector, prefetch, write_row, Dest,
+};
 use super::math::exp;
 use super::microkernel::{product, Product, Strided, LANES};
 use super::schedule::{Item, Problem};
+use super::simd::{level, Level};
 use super::KvPages;
+use crate::dtype::DType;
 
 /// Query rows an item holds (the tokens of a tile times the group's heads), where the
 /// group allows: its transposed queries, outputs and scores stay in L2.
@@ -36,6 +45,10 @@ const KV_TILE: usize = 64;
 struct Scratch {
     /// Queries, scaled and transposed: `[head_dim][lanes]`.
     qt: Vec<f32>,
+    /// Bfloat16 queries, unscaled, transposed in pairs: `[head_dim / 2][lanes]`.
+    qt2: Vec<u32>,
+    /// The bfloat16 key tile as stored: `[KV_TILE][head_dim]`.
+    kt2: Vec<u16>,
     /// Unnormalised outputs, transposed: `[v_head_dim][lanes]`.
     ot: Vec<f32>,
     /// Scores, then weights, of one tile: `[KV_TILE][lanes]`.
@@ -87,6 +100,12 @@ impl Scratch {
                 buf.resize(lanes, 0);
             }
         }
+        if self.qt2.len() < d.div_ceil(2) * lanes {
+            self.qt2.resize(d.div_ceil(2) * lanes, 0);
+        }
+        if self.kt2.len() < KV_TILE * d {
+            self.kt2.resize(KV_TILE * d, 0);
+        }
     }
 }
 
@@ -98,25 +117,60 @@ thread_local! {
 pub(super) fn run_item(p: &Problem<'_>, it: &Item, dest: Dest) {
     SCRATCH.with(|sc| {
         let sc = &mut sc.borrow_mut();
+        #[cfg(all(target_arch = "x86_64", kvrs_avx512))]
+        match level() {
+            // SAFETY (both): the CPU has the features the function is compiled for.
+            Level::Avx512Bf16 if bf16_scores(p) => {
+                return unsafe { run_avx512_bf16(p, it, dest, sc) }
+            }
+            Level::Avx512 | Level::Avx512Bf16 => return unsafe { run_avx512(p, it, dest, sc) },
+            _ => {}
+        }
         #[cfg(target_arch = "x86_64")]
         if has_avx2() {
             // SAFETY: the CPU has the features the function is compiled for.
             return unsafe { run_avx2(p, it, dest, sc) };
         }
         // SAFETY: plain code for any CPU; the problem was validated by `attend`.
-        unsafe { run_with::<false>(p, it, dest, sc) }
+        unsafe { run_with::<false, false, false>(p, it, dest, sc) }
     })
+}
+
+/// Whether the scores of `p` take `vdpbf16ps`: bfloat16 queries (exact as packed) over
+/// a bfloat16 cache, keys of an even size.
+fn bf16_scores(p: &Problem<'_>) -> bool {
+    p.q.dtype() == DType::BF16
+        && p.seqs.iter().all(|s| s.kv.dtype == DType::BF16)
+        && p.heads.head_dim.is_multiple_of(2)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn run_avx2(p: &Problem<'_>, it: &Item, dest: Dest, sc: &mut Scratch) {
-    run_with::<true>(p, it, dest, sc)
+    run_with::<true, false, false>(p, it, dest, sc)
 }
 
-/// The item's loop; `SIMD`: compiled with AVX2, FMA and F16C.
+#[cfg(all(target_arch = "x86_64", kvrs_avx512))]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn run_avx512(p: &Problem<'_>, it: &Item, dest: Dest, sc: &mut Scratch) {
+    run_with::<true, true, false>(p, it, dest, sc)
+}
+
+#[cfg(all(target_arch = "x86_64", kvrs_avx512))]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")]
+unsafe fn run_avx512_bf16(p: &Problem<'_>, it: &Item, dest: Dest, sc: &mut Scratch) {
+    run_with::<true, true, true>(p, it, dest, sc)
+}
+
+/// The item's loop; `SIMD`: compiled with AVX2, FMA and F16C; `WIDE`: with AVX-512 F,
+/// BW, VL and DQ too; `BF16`: with AVX512-BF16, for a problem [`bf16_scores`] takes.
 #[inline(always)]
-unsafe fn run_with<const SIMD: bool>(p: &Problem<'_>, it: &Item, dest: Dest, sc: &mut Scratch) {
+unsafe fn run_with<const SIMD: bool, const WIDE: bool, const BF16: bool>(
+    p: &Problem<'_>,
+    it: &Item,
+    dest: Dest,
+    sc: &mut Scratch,
+) {
     let (d, dv) = (p.heads.head_dim, p.heads.v_head_dim);
     let g = p.num_q_heads / p.heads.num_kv_heads;
     let head = it.heads.start;
@@ -126,7 +180,7 @@ unsafe fn run_with<const SIMD: bool>(p: &Problem<'_>, it: &Item, dest: Dest, sc:
     let real = rows.len() * g;
     let lanes = real.next_multiple_of(LANES);
     sc.fit(lanes, d, dv);
-    pack_queries::<SIMD>(p, rows, head * g, g, sc, lanes);
+    pack_queries::<SIMD, BF16>(p, rows, head * g, g, sc, lanes);
     sc.ot[..dv * lanes].fill(0.0);
     sc.m[..lanes].fill(f32::NEG_INFINITY);
     sc.l[..lanes].fill(0.0);
@@ -142,7 +196,11 @@ unsafe fn run_with<const SIMD: bool>(p: &Problem<'_>, it: &Item, dest: Dest, sc:
             continue;
         }
         let whole = p.opts.mask.is_none() && lo.iter().zip(hi).all(|(&a, &b)| a <= p0 && p1 <= b);
-        load_tile::<SIMD>(kv, latent, pos, n, head, [d, dv], sc);
+        if BF16 {
+            load_tile_bf16::<SIMD>(kv, latent, pos, n, head, [d, dv], sc);
+        } else {
+            load_tile::<SIMD>(kv, latent, pos, n, head, [d, dv], sc);
+        }
         if pos + n < it.hi {
             let lens = KvPages::stored_lens([d, dv], latent);
             prefetch::<false>(kv, pos + n..(pos + 2 * n).min(it.hi), head, lens);
@@ -153,23 +211,39 @@ unsafe fn run_with<const SIMD: bool>(p: &Problem<'_>, it: &Item, dest: Dest, sc:
         } else {
             (sc.vt.as_ptr(), dv)
         };
-        product::<SIMD>(&Product {
-            a: Strided {
-                ptr: sc.kt.as_ptr(),
-                rs: d,
-                ks: 1,
-            },
-            b: sc.qt.as_ptr(),
-            b_ks: lanes,
-            c: sc.st.as_mut_ptr(),
-            c_rs: lanes,
-            rows: n,
-            lanes,
-            k: d,
-            accumulate: false,
-        });
+        if BF16 {
+            #[cfg(all(target_arch = "x86_64", kvrs_avx512))]
+            super::avx512::scores_bf16(&super::avx512::Bf16Product {
+                a: sc.kt2.as_ptr(),
+                a_rs: d,
+                b: sc.qt2.as_ptr(),
+                c: sc.st.as_mut_ptr(),
+                rows: n,
+                lanes,
+                pairs: d / 2,
+            });
+            for s in &mut sc.st[..n * lanes] {
+                *s *= p.scale;
+            }
+        } else {
+            product::<SIMD, WIDE>(&Product {
+                a: Strided {
+                    ptr: sc.kt.as_ptr(),
+                    rs: d,
+                    ks: 1,
+                },
+                b: sc.qt.as_ptr(),
+                b_ks: lanes,
+                c: sc.st.as_mut_ptr(),
+                c_rs: lanes,
+                rows: n,
+                lanes,
+                k: d,
+                accumulate: false,
+            });
+        }
         softmax(p, sc, pos, n, lanes, whole, dv);
-        product::<SIMD>(&Product {
+        product::<SIMD, WIDE>(&Product {
             a: Strided {
                 ptr: v,
                 rs: 1,
@@ -216,10 +290,11 @@ unsafe fn run_with<const SIMD: bool>(p: &Problem<'_>, it: &Item, dest: Dest, sc:
 }
 
 /// Packs the queries of `rows` (query heads `first_head..first_head + g` of each) into
-/// `sc.qt` (`[head_dim][lanes]`, scaled, zero past the real lanes) and records each
-/// lane's visible span, position and ALiBi slope.
+/// `sc.qt` (`[head_dim][lanes]`, scaled, zero past the real lanes; with `BF16`, into
+/// `sc.qt2` in bfloat16 pairs, unscaled) and records each lane's visible span, position
+/// and ALiBi slope.
 #[inline(always)]
-unsafe fn pack_queries<const SIMD: bool>(
+unsafe fn pack_queries<const SIMD: bool, const BF16: bool>(
     p: &Problem<'_>,
     rows: &[super::QueryRow],
     first_head: usize,
@@ -237,7 +312,11 @@ unsafe fn pack_queries<const SIMD: bool>(
             if r < real {
                 let row = &rows[r / g];
                 let qh = first_head + r % g;
-                load_query::<SIMD>(p, row.token, qh, buf);
+                if BF16 {
+                    load_query_unscaled::<SIMD>(p, row.token, qh, buf);
+                } else {
+                    load_query::<SIMD>(p, row.token, qh, buf);
+                }
                 (sc.lo[r], sc.hi[r]) = (row.lo as u32, row.hi as u32);
                 sc.token[r] = row.token as u32;
                 sc.pos[r] = row.pos as f32;
@@ -247,6 +326,16 @@ unsafe fn pack_queries<const SIMD: bool>(
                 (sc.lo[r], sc.hi[r], sc.token[r]) = (0, 0, u32::MAX);
                 (sc.pos[r], sc.slope[r]) = (0.0, 0.0);
             }
+        }
+        if BF16 {
+            #[cfg(all(target_arch = "x86_64", kvrs_avx512))]
+            for i in 0..d / 2 {
+                for k in 0..LANES {
+                    let (x, y) = (sc.rows[k * d + 2 * i], sc.rows[k * d + 2 * i + 1]);
+                    sc.qt2[i * lanes + r0 + k] = super::avx512::pack_pair(x, y);
+                }
+            }
+            continue;
         }
         for i in 0..d {
             for k in 0..LANES {
@@ -284,6 +373,43 @@ unsafe fn load_tile<const SIMD: bool>(
                 load_vector::<SIMD>(kv, v_at, head, true, r);
             } else {
                 load_vector::<SIMD>(kv, k_at, head, false, key);
+                let value = &mut sc.vt[(j + t) * dv..(j + t + 1) * dv];
+                load_vector::<SIMD>(kv, v_at, head, true, value);
+            }
+        }
+        j += run;
+    }
+}
+
+/// [`load_tile`] for the bfloat16 scores: the keys as stored into `sc.kt2`, the values
+/// (or, for latent attention, the keys) in f32 as [`load_tile`] loads them.
+#[inline(always)]
+unsafe fn load_tile_bf16<const SIMD: bool>(
+    kv: &KvPages<'_>,
+    latent: bool,
+    pos: usize,
+    n: usize,
+    head: usize,
+    dims: [usize; 2],
+    sc: &mut Scratch,
+) {
+    let [d, dv] = dims;
+    let data = kv.data as *const u16;
+    let mut j = 0;
+    while j < n {
+        let run = (kv.block_size - (pos + j) % kv.block_size).min(n - j);
+        let (k0, v0) = (kv.key_offset(pos + j, head), kv.value_offset(pos + j, head));
+        for t in 0..run {
+            let (k_at, v_at) = (k0 + t * kv.pos_stride, v0 + t * kv.v_pos_stride);
+            let key = &mut sc.kt2[(j + t) * d..(j + t + 1) * d];
+            if latent {
+                let (c, r) = key.split_at_mut(dv);
+                c.copy_from_slice(std::slice::from_raw_parts(data.add(k_at), dv));
+                r.copy_from_slice(std::slice::from_raw_parts(data.add(v_at), d - dv));
+                let c = &mut sc.kt[(j + t) * d..(j + t) * d + dv];
+                load_vector::<SIMD>(kv, k_at, head, false, c);
+            } else {
+                key.copy_from_slice(std::slice::from_raw_parts(data.add(k_at), d));
                 let value = &mut sc.vt[(j + t) * dv..(j + t + 1) * dv];
                 load_vector::<SIMD>(kv, v_at, head, true, value);
             }

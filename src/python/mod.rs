@@ -46,10 +46,22 @@ fn cuda_available() -> bool {
 }
 
 /// The vector instructions the attention core runs with on this CPU
-/// ("avx2+fma+f16c" or "portable").
+/// ("avx512f+bw+vl+dq+bf16", "avx512f+bw+vl+dq", "avx2+fma+f16c" or "portable").
 #[pyfunction]
 fn attention_simd() -> &'static str {
     crate::attention::simd_level()
+}
+
+/// Sets the vector level attention runs with (`None`: the detected one; a level above
+/// the CPU's is capped) and returns it: for tests and benchmarks comparing the kernels.
+#[pyfunction]
+#[pyo3(signature = (level=None))]
+fn _set_attention_simd(level: Option<&str>) -> PyResult<&'static str> {
+    crate::attention::set_simd_level(level).ok_or_else(|| {
+        pyo3::exceptions::PyValueError::new_err(format!(
+            "level={level:?}: not one of portable, avx2, avx512, avx512bf16"
+        ))
+    })
 }
 
 /// The most blocks of `block_size` positions one sequence holds in a pool of these
@@ -99,6 +111,7 @@ fn _kvrs(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pages::PyPageStore>()?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(attention_simd, m)?)?;
+    m.add_function(wrap_pyfunction!(_set_attention_simd, m)?)?;
     m.add_function(wrap_pyfunction!(blocks_per_sequence, m)?)?;
     m.add_function(wrap_pyfunction!(dlpack_export::host_array_capsule, m)?)?;
     m.add_function(wrap_pyfunction!(tiers::_flush_tiers_at_exit, m)?)?;
