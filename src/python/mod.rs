@@ -59,7 +59,8 @@ fn attention_simd() -> &'static str {
 fn _set_attention_simd(level: Option<&str>) -> PyResult<&'static str> {
     crate::attention::set_simd_level(level).ok_or_else(|| {
         pyo3::exceptions::PyValueError::new_err(format!(
-            "level={level:?}: not one of portable, avx2, avx512, avx512bf16"
+            "level={:?}: not one of portable, avx2, avx512, avx512bf16",
+            level.unwrap_or_default()
         ))
     })
 }

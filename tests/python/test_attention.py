@@ -184,7 +184,8 @@ def test_prefill_and_extend_over_tile_edges_match_the_reference(data):
     """Many query rows per KV head take the tiled kernel (64-position K/V tiles, up to 128
     query rows per item): prompts and extensions whose lengths fall on either side of a
     tile, windows crossing tiles, wide GQA groups, every storage dtype (the reference reads
-    the stored values back with get(dequantize=True))."""
+    the stored values back with get(dequantize=True)); bfloat16 storage with bfloat16
+    queries (the scores AVX512-BF16's `vdpbf16ps` computes, where the CPU has it)."""
     dtype = data.draw(st.sampled_from([*DTYPES, "fp8_e4m3", "int8"]), label="dtype")
     h, ratio = data.draw(st.sampled_from([(1, 1), (2, 4), (1, 16)]), label="heads")
     d = data.draw(st.sampled_from([64, 128]), label="head_dim")
@@ -210,8 +211,10 @@ def test_prefill_and_extend_over_tile_edges_match_the_reference(data):
     seq.append(0, *rng.standard_normal((2, n, h, d)).astype(np.float32))
     hq = h * ratio
     q = rng.standard_normal((n, hq, d)).astype(np.float32)
+    if dtype == "bfloat16":
+        q = q.astype(ml_dtypes.bfloat16)
     opts = data.draw(options(hq))
-    got = seq.attention(0, q, **opts)
+    got = np.asarray(seq.attention(0, q, **opts), np.float32)
     k, v = (np.asarray(x, np.float64).transpose(1, 0, 2) for x in seq.get(0, dequantize=True))
     first = cached + n - k.shape[0]
     for t in range(n):
@@ -219,7 +222,7 @@ def test_prefill_and_extend_over_tile_edges_match_the_reference(data):
         lo = max(first, first_visible("sliding" if window else "full", pos, window or 0, 0))
         # Positions count from the first one kept (ALiBi sees only their differences).
         want = reference(q[t].astype(np.float64), k, v, pos - first, lo - first, **ref_options(opts))
-        close(got[t], want, "float32")
+        close(got[t], want, "bfloat16" if dtype == "bfloat16" else "float32")
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -354,25 +357,37 @@ def test_bad_arguments_raise_and_change_nothing():
         enc.attention(0, q)
 
 
-def test_the_portable_kernel_passes_the_same_tests():
-    """KVRS_SIMD=portable selects the kernel compiled for any CPU (what a machine without
-    AVX2 runs): the reference tests must pass on it too."""
+# The levels `kvrs.attention_simd()` names, lowest first, by their KVRS_SIMD names.
+LEVELS = {
+    "portable": "portable",
+    "avx2": "avx2+fma+f16c",
+    "avx512": "avx512f+bw+vl+dq",
+    "avx512bf16": "avx512f+bw+vl+dq+bf16",
+}
+
+
+@pytest.mark.parametrize("level", ["portable", "avx2", "avx512"])
+def test_lower_simd_levels_pass_the_same_tests(level):
+    """KVRS_SIMD caps the vector level (portable: the kernel compiled for any CPU, what a
+    machine without AVX2 runs; avx2: what one without AVX-512 runs): the reference tests
+    must pass at every level below the one this process runs."""
     import os
     import subprocess
     import sys
 
-    if kvrs.attention_simd() == "portable":
-        pytest.skip("this process already runs the portable kernel")
-    env = dict(os.environ, KVRS_SIMD="portable")
+    names = list(LEVELS.values())
+    if names.index(kvrs.attention_simd()) <= names.index(LEVELS[level]):
+        pytest.skip(f"this process runs {kvrs.attention_simd()}, not above {LEVELS[level]}")
+    env = dict(os.environ, KVRS_SIMD=level)
     check = subprocess.run(
         [sys.executable, "-c", "import kvrs; print(kvrs.attention_simd())"],
         env=env,
         capture_output=True,
         text=True,
     )
-    assert check.stdout.strip() == "portable"
+    assert check.stdout.strip() == LEVELS[level]
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not portable"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not simd_levels"],
         env=env,
         capture_output=True,
         text=True,
