@@ -1,8 +1,9 @@
 """Time to first token: kvrs's ``generate_batch`` against transformers' ``generate`` with
-SDPA attention, the same model and prompts, in one process, in interleaved rounds (best of
-each) after one untimed call of each. Both generate one token (greedy), so the time is the prompt's prefill, the first
-token's logits and everything around them (kvrs: building the pool, writing the K/V into
-its pages, its paged attention; transformers: its cache and SDPA over it).
+SDPA attention, the same model and prompts, in one process, in interleaved rounds (best
+of each) after one untimed call of each. Both generate one token (greedy), so the time is
+the prompt's prefill, the first token's logits and everything around them (kvrs: building
+the pool, writing the K/V into its pages, its paged attention; transformers: its cache
+and SDPA over it).
 
 Rows:
 - SmolLM2-135M-Instruct (:mod:`kvrs.real_model`, float32 on the host; 30 layers, 9 query /
@@ -31,13 +32,12 @@ os.environ.setdefault("RAYON_NUM_THREADS", str(THREADS))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import kvrs  # noqa: E402
 from kvrs import real_model  # noqa: E402
 from kvrs.integrations import paged_attention as paged  # noqa: E402
 from kvrs.integrations.transformers import generate_batch  # noqa: E402
-from transformers import AttentionInterface  # noqa: E402
 
 ROUNDS = int(os.environ.get("ROUNDS", "2"))
 QUICK = os.environ.get("QUICK") == "1"

@@ -18,7 +18,9 @@
 //! num_kv_heads)`, and each K/V run is converted once for the whole group.
 
 #[cfg(target_arch = "x86_64")]
+// The AVX-512 intrinsics are stable from Rust 1.89 (`kvrs_avx512`, set by build.rs).
 #[cfg(all(target_arch = "x86_64", kvrs_avx512))]
+#[clippy::msrv = "1.89"]
 mod avx512;
 mod fused;
 mod kernel;
