@@ -16,8 +16,8 @@ Each row prints both times, their ratio, whether the first tokens agree, and kvr
 in its attention layers (K/V written into the pages and attention read from them). Run:
 ``python benches/bench_ttft.py`` (after ``make install``, which installs the model);
 torch and kvrs each run on ``OMP_NUM_THREADS`` threads (default: the CPUs), as the
-attention benchmark does; ``ROUNDS=3`` for more rounds, ``QUICK=1`` for 256- and
-512-token prompts (seconds).
+attention benchmark does; ``ROUNDS=3`` for more rounds, ``ONLY=1024`` for the rows whose
+name contains that text, ``QUICK=1`` for 256- and 512-token prompts (seconds).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from kvrs.integrations.transformers import generate_batch  # noqa: E402
 
 ROUNDS = int(os.environ.get("ROUNDS", "2"))
 QUICK = os.environ.get("QUICK") == "1"
+ONLY = os.environ.get("ONLY", "")
 
 
 def prompts(vocab: int, count: int, length: int, seed: int) -> list[list[int]]:
@@ -121,6 +122,7 @@ def main() -> None:
             prompts(wide.config.vocab_size, 8, many, 3),
         ),
     }
+    cases = {name: case for name, case in cases.items() if ONLY in name}
     print(
         f"time to first token, float32, torch {torch.__version__} ({torch.get_num_threads()} threads), "
         f"kvrs {kvrs.__version__} (attention {kvrs.attention_simd()}, "

@@ -134,3 +134,26 @@ pub fn set_simd_level(name: Option<&str>) -> Option<&'static str> {
 pub(super) fn detected_at_least(l: Level) -> bool {
     detected() >= l
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every level parses from its long and short names, and no other name parses.
+    #[test]
+    fn names_parse_to_their_levels() {
+        for (l, short) in Level::ALL
+            .into_iter()
+            .zip(["portable", "avx2", "avx512", "avx512bf16"])
+        {
+            assert_eq!(Level::parse(l.name()), Some(l));
+            assert_eq!(Level::parse(short), Some(l));
+            assert_eq!(Level::from_u8(l as u8), Some(l));
+        }
+        assert_eq!(Level::parse("avx512fp16"), None);
+        assert_eq!(Level::from_u8(0), None);
+        let levels = simd_levels();
+        assert_eq!(levels[0], "portable");
+        assert_eq!(*levels.last().unwrap(), detected().name());
+    }
+}
