@@ -78,6 +78,7 @@ mod rope;
 mod scales;
 mod sizes;
 mod storage;
+mod suffix;
 mod tensor;
 pub mod tier;
 mod typed;
@@ -134,6 +135,7 @@ mod manual {
 }
 
 pub use attention::AttnOptions;
+pub use suffix::{SuffixDraft, SuffixIndex, SuffixParams, SuffixStats};
 pub use dtype::DType;
 pub use error::{KvError, Result, Unit};
 pub use layout::{Device, Kv, KvLayout, PagedShape};

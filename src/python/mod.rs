@@ -22,6 +22,7 @@ mod rope;
 mod sequence;
 mod shared_pool;
 mod states;
+mod suffix;
 mod tiers;
 mod views;
 
@@ -97,6 +98,7 @@ fn _kvrs(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<tiers::PyDiskTier>()?;
     m.add_class::<tiers::PyRedisTier>()?;
     m.add_class::<pages::PyPageStore>()?;
+    m.add_class::<suffix::PySuffixIndex>()?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(attention_simd, m)?)?;
     m.add_function(wrap_pyfunction!(blocks_per_sequence, m)?)?;

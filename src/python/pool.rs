@@ -30,6 +30,8 @@ use crate::storage::Device;
 #[pyclass(frozen, name = "BlockPool", module = "kvrs")]
 pub struct PyBlockPool {
     core: Arc<SharedPool>,
+    /// Its suffix index (speculative drafts from the tokens it served).
+    suffix: parking_lot::Mutex<super::suffix::SharedSuffix>,
 }
 
 impl Deref for PyBlockPool {
@@ -263,6 +265,7 @@ impl PyBlockPool {
         }
         Ok(PyBlockPool {
             core: Arc::new(SharedPool::new(pool)),
+            suffix: parking_lot::Mutex::new(super::suffix::default_index()),
         })
     }
 
@@ -594,7 +597,24 @@ impl PyBlockPool {
         let (s, tiers) = self
             .core
             .read(py, |c| (c.stats(), super::tiers::tier_snapshot(c)));
-        super::pool_stats::stats_dict(py, &s, tiers.as_ref())
+        let d = super::pool_stats::stats_dict(py, &s, tiers.as_ref())?;
+        let suffix = self.suffix.lock().lock().stats();
+        super::suffix::put_stats(&d, &suffix, "suffix_")?;
+        Ok(d)
+    }
+
+    /// The pool's suffix index: speculative drafts from the tokens its requests held
+    /// (``generate_batch``'s suffix method); assign a `SuffixIndex` to resize it.
+    #[getter]
+    fn suffix_index(&self) -> super::suffix::PySuffixIndex {
+        super::suffix::PySuffixIndex {
+            inner: self.suffix.lock().clone(),
+        }
+    }
+
+    #[setter]
+    fn set_suffix_index(&self, index: PyRef<'_, super::suffix::PySuffixIndex>) {
+        *self.suffix.lock() = index.inner.clone();
     }
 
     /// Starts a sequence; with `tokens` (the prompt's ids) it attaches the longest cached
