@@ -197,7 +197,7 @@ fn namespaces_are_isolated() {
     let mut index = SuffixIndex::new(1000, 8).unwrap();
     index.insert(b"tenant-a", b"", &[1, 2, 3, 4, 5, 6]);
     let p = SuffixParams::default();
-    assert_eq!(index.speculate(b"tenant-a", b"", &[9, 2, 3], &p).tokens, vec![4, 5, 6]);
+    assert_eq!(index.speculate(b"tenant-a", b"", &[9, 2, 3], &p).tokens, vec![4, 5]);
     assert!(index.speculate(b"tenant-b", b"", &[9, 2, 3], &p).tokens.is_empty());
     assert!(index.speculate(b"tenant-a", b"lora", &[9, 2, 3], &p).tokens.is_empty());
     // The key is (namespace, extra), not their concatenation.
@@ -215,17 +215,18 @@ fn frequency_scores_the_draft() {
     index.insert(b"", b"", &[1, 2, 7, 7]);
     let p = SuffixParams::default();
     let d = index.speculate(b"", b"", &[1, 2], &p);
-    assert_eq!(d.tokens, vec![3]);
+    assert_eq!(d.tokens, vec![3, 4]);
     assert_eq!(d.match_len, 2);
-    assert!((d.probs[0] - 0.75).abs() < 1e-12);
-    let more = SuffixParams {
-        max_spec_offset: 2.0,
+    assert!((d.probs[0] - 0.75).abs() < 1e-12 && (d.score - 1.5).abs() < 1e-12);
+    // A shorter match allows fewer tokens: half a token per matched token here.
+    let half = SuffixParams {
+        max_spec_factor: 0.5,
         ..p
     };
-    assert_eq!(index.speculate(b"", b"", &[1, 2], &more).tokens, vec![3, 4]);
+    assert_eq!(index.speculate(b"", b"", &[1, 2], &half).tokens, vec![3]);
     let strict = SuffixParams {
         min_token_prob: 0.8,
-        ..more
+        ..p
     };
     assert!(index.speculate(b"", b"", &[1, 2], &strict).tokens.is_empty());
 }

@@ -73,7 +73,7 @@ pub fn put_stats(d: &Bound<'_, PyDict>, s: &SuffixStats, prefix: &str) -> PyResu
 impl PySuffixIndex {
     /// An empty index of at most `max_tokens` tokens, windows of at most `max_depth`.
     #[new]
-    #[pyo3(signature = (max_tokens = DEFAULT_MAX_TOKENS as i64, max_depth = DEFAULT_MAX_DEPTH as i64))]
+    #[pyo3(signature = (max_tokens = 1_048_576, max_depth = 24))]
     fn new(max_tokens: i64, max_depth: i64) -> PyResult<Self> {
         let t = size(max_tokens, "max_tokens", 1)?;
         let d = size(max_depth, "max_depth", 2)?;

@@ -208,7 +208,7 @@ def test_the_pool_counts_its_index():
 def test_greedy_outputs_equal_those_without_drafts(model, policy):
     ps, budgets = templated(0), [16, 16, 12, 1]
     plain, _, plain_steps, _ = run(model, ps, budgets)
-    got, states, steps, pool = run(model, ps, budgets, speculative_config=SUFFIX, draft_policy=policy)
+    got, states, _, pool = run(model, ps, budgets, speculative_config=SUFFIX, draft_policy=policy)
     assert got == plain
     assert states[3].proposed == 0
     assert pool.stats()["suffix_lookups"] > 0

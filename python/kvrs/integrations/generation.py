@@ -494,7 +494,12 @@ def generate_batch(  # type: ignore[misc]
     spec: Speculation | PromptLookup | SuffixDrafts | None = None
     if suffix is not None:
         spec = SuffixDrafts(
-            pool.suffix_index, suffix, namespaces, stops, num_assistant_tokens_schedule, DraftPolicy(draft_policy)
+            pool.suffix_index,
+            suffix,
+            namespaces,
+            stops,
+            num_assistant_tokens_schedule,
+            DraftPolicy(draft_policy),
         )
     if prompt_lookup_num_tokens is not None:
         spec = PromptLookup(

@@ -100,7 +100,9 @@ def check_speculative_config(config: Any) -> tuple[str, SuffixConfig | tuple[int
         if "num_speculative_tokens" in config:
             c.num_speculative_tokens = _int("num_speculative_tokens", config["num_speculative_tokens"], 1)
         if "suffix_decoding_max_tree_depth" in config:
-            c.max_tree_depth = _int("suffix_decoding_max_tree_depth", config["suffix_decoding_max_tree_depth"], 2)
+            c.max_tree_depth = _int(
+                "suffix_decoding_max_tree_depth", config["suffix_decoding_max_tree_depth"], 2
+            )
         if "suffix_decoding_max_spec_factor" in config:
             c.max_spec_factor = _float(
                 "suffix_decoding_max_spec_factor", config["suffix_decoding_max_spec_factor"], 0.0, 1e6
@@ -118,7 +120,8 @@ def check_speculative_config(config: Any) -> tuple[str, SuffixConfig | tuple[int
         unknown = sorted(set(config) - set(_NGRAM_KEYS) - {"method"})
         if unknown:
             raise ValueError(
-                f"speculative_config: unknown key(s) {unknown} for method 'ngram'; known: {sorted(_NGRAM_KEYS)}"
+                f"speculative_config: unknown key(s) {unknown} for method 'ngram'; "
+                f"known: {sorted(_NGRAM_KEYS)}"
             )
         low = config.get("prompt_lookup_min")
         if low is not None and _int("prompt_lookup_min", low, 1) != 1:
@@ -153,7 +156,12 @@ class SuffixDrafts:
         policy: DraftPolicy,
     ):
         self.index, self.config, self.namespaces = index, config, namespaces
-        self.k, self.stops, self.schedule, self.policy = config.num_speculative_tokens, stops, schedule, policy
+        self.k, self.stops, self.schedule, self.policy = (
+            config.num_speculative_tokens,
+            stops,
+            schedule,
+            policy,
+        )
         self.depth = min(config.max_tree_depth, index.max_depth)
         self.handles: dict[int, int] = {}
         self.indexed: dict[int, int] = {}  # tokens of each request's output in the index
