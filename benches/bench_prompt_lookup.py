@@ -33,8 +33,9 @@ learn from the run's earlier calls, for every method alike). Every row of a work
 batch runs in turn, `REPEAT` rounds, and keeps its fastest run (other work on a shared
 host slows some runs, never speeds one up); the speedups over plain are the figures to quote. Run:
 ``OMP_NUM_THREADS=1 python benches/bench_prompt_lookup.py`` (after ``make install``);
-``NEW=48 K=10 NGRAM=2 B1=4 REPEAT=2 HF=1 DRAFT_LAYERS=0 WORKLOADS=copy,tools,quiz BATCHES=1,8``
-change the workload (``HF=0`` skips transformers' rows).
+``NEW=48 K=10 NGRAM=2 B1=4 REPEAT=2 HF=1 DRAFT_LAYERS=0 WORKLOADS=copy,tools,quiz BATCHES=1,8
+TOOLS_N=16 METHODS=`` change the workload (``HF=0`` skips transformers' rows; ``METHODS="prompt
+lookup (adaptive),suffix (adaptive)"`` runs plain and the rows whose names start so).
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ HF = os.environ.get("HF", "1") != "0"
 DRAFT_LAYERS = int(os.environ.get("DRAFT_LAYERS", "0"))
 WORKLOADS = os.environ.get("WORKLOADS", "copy,tools,quiz").split(",")
 BATCHES = [int(b) for b in os.environ.get("BATCHES", "1,8").split(",")]
+TOOLS_N = int(os.environ.get("TOOLS_N", "16"))
+METHODS = os.environ.get("METHODS", "")  # comma-separated row-name prefixes to run (plain always runs)
 
 TEXT = (
     "The old lighthouse stood at the edge of the cliff for more than a hundred years. Every night its "
@@ -198,7 +201,12 @@ def main() -> None:
         prompts = workloads[name]
         for batch in BATCHES:
             if name == "tools":
-                batches = [[p] for p in prompts] if batch == 1 else [prompts[:8], prompts[8:16]]
+                tools = prompts[:TOOLS_N]
+                batches = (
+                    [[p] for p in tools]
+                    if batch == 1
+                    else [tools[i : i + 8] for i in range(0, len(tools), 8)]
+                )
             else:
                 batches = [[p] for p in prompts[:B1]] if batch == 1 else [prompts[:8]]
             rows: list[tuple[str, Any]] = [
@@ -251,6 +259,11 @@ def main() -> None:
                     )
             if HF:
                 rows.append(("transformers prompt lookup", lambda b=batches: hf_run(model, b, eos)))
+            if METHODS:
+                wanted = METHODS.split(",")
+                rows = [
+                    row for i, row in enumerate(rows) if i == 0 or any(row[0].startswith(w) for w in wanted)
+                ]
             best: dict[int, float] = {}
             results: dict[int, tuple[list, int, int]] = {}
             for _ in range(REPEAT):

@@ -135,7 +135,6 @@ mod manual {
 }
 
 pub use attention::AttnOptions;
-pub use suffix::{SuffixDraft, SuffixIndex, SuffixParams, SuffixStats};
 pub use dtype::DType;
 pub use error::{KvError, Result, Unit};
 pub use layout::{Device, Kv, KvLayout, PagedShape};
@@ -143,5 +142,6 @@ pub use paged::checkpoints::CheckpointCounters;
 pub use paged::{Attention, KindStats, LayerKind, PoolStats, PrefixConfig, SeqId, StateStats};
 pub use prefix::{HashKind, PrefixCounters};
 pub use scales::KvScales;
+pub use suffix::{SuffixDraft, SuffixIndex, SuffixParams, SuffixStats};
 pub use tier::writer::{WriteMode, WritePolicy};
 pub use typed::{BlockPool, Element, KvCache, PoolConfig, TierConfig, TierOptions};

@@ -98,7 +98,9 @@ impl Model {
                 break;
             }
             let cap = (p as f64 * params.max_spec_factor + params.max_spec_offset).floor();
-            let cap = (cap.max(0.0) as usize).min(params.max_tokens).min(DEPTH - p);
+            let cap = (cap.max(0.0) as usize)
+                .min(params.max_tokens)
+                .min(DEPTH - p);
             let mut d = SuffixDraft {
                 match_len: p,
                 ..SuffixDraft::default()
@@ -197,9 +199,18 @@ fn namespaces_are_isolated() {
     let mut index = SuffixIndex::new(1000, 8).unwrap();
     index.insert(b"tenant-a", b"", &[1, 2, 3, 4, 5, 6]);
     let p = SuffixParams::default();
-    assert_eq!(index.speculate(b"tenant-a", b"", &[9, 2, 3], &p).tokens, vec![4, 5]);
-    assert!(index.speculate(b"tenant-b", b"", &[9, 2, 3], &p).tokens.is_empty());
-    assert!(index.speculate(b"tenant-a", b"lora", &[9, 2, 3], &p).tokens.is_empty());
+    assert_eq!(
+        index.speculate(b"tenant-a", b"", &[9, 2, 3], &p).tokens,
+        vec![4, 5]
+    );
+    assert!(index
+        .speculate(b"tenant-b", b"", &[9, 2, 3], &p)
+        .tokens
+        .is_empty());
+    assert!(index
+        .speculate(b"tenant-a", b"lora", &[9, 2, 3], &p)
+        .tokens
+        .is_empty());
     // The key is (namespace, extra), not their concatenation.
     index.insert(b"ab", b"", &[7, 8, 9]);
     assert!(index.speculate(b"a", b"b", &[7, 8], &p).tokens.is_empty());
@@ -228,7 +239,10 @@ fn frequency_scores_the_draft() {
         min_token_prob: 0.8,
         ..p
     };
-    assert!(index.speculate(b"", b"", &[1, 2], &strict).tokens.is_empty());
+    assert!(index
+        .speculate(b"", b"", &[1, 2], &strict)
+        .tokens
+        .is_empty());
 }
 
 /// One sequence longer than the budget keeps its first `max_tokens` tokens; the

@@ -51,7 +51,9 @@ fn unknown(h: u64) -> PyErr {
 
 fn size(value: i64, name: &'static str, min: i64) -> PyResult<usize> {
     if value < min {
-        return Err(PyValueError::new_err(format!("{name}={value}: must be >= {min}")));
+        return Err(PyValueError::new_err(format!(
+            "{name}={value}: must be >= {min}"
+        )));
     }
     usize::try_from(value).map_err(|_| PyValueError::new_err(format!("{name}={value}: too large")))
 }

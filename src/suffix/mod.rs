@@ -184,7 +184,9 @@ impl SuffixIndex {
             Some(sp) => sp,
             None => {
                 let root = self.trie.root();
-                self.spaces.entry(space.clone()).or_insert(Space { root, sequences: 0 })
+                self.spaces
+                    .entry(space.clone())
+                    .or_insert(Space { root, sequences: 0 })
             }
         };
         sp.sequences += 1;
@@ -236,7 +238,10 @@ impl SuffixIndex {
 
     fn append(&mut self, id: u64, tokens: &[u32]) {
         let depth = self.max_depth as u32;
-        let e = self.entries.get_mut(&id).expect("appending to a retained entry");
+        let e = self
+            .entries
+            .get_mut(&id)
+            .expect("appending to a retained entry");
         let root = self.spaces[&e.space].root;
         let take = tokens.len().min(self.max_tokens - e.tokens.len());
         for &t in &tokens[..take] {
@@ -350,7 +355,10 @@ impl SuffixIndex {
                 let Some(c) = self.trie.best_child(node) else {
                     break;
                 };
-                let (cn, nn) = (&self.trie.nodes[c as usize], &self.trie.nodes[node as usize]);
+                let (cn, nn) = (
+                    &self.trie.nodes[c as usize],
+                    &self.trie.nodes[node as usize],
+                );
                 prob *= cn.count as f64 / nn.count as f64;
                 if prob < params.min_token_prob {
                     break;
