@@ -187,7 +187,8 @@ def main() -> None:
     print(
         f"{real_model.NAME}, float32, {torch.get_num_threads()} torch threads; greedy, {NEW} new tokens "
         f"(stopping at EOS), prompt_lookup_num_tokens={K}, max_matching_ngram_size={NGRAM}; "
-        f"batch 1: {B1} prompts (tools: {TOOLS_N}) one call each, batch 8: calls of 8; fastest of {REPEAT} interleaved rounds"
+        f"batch 1: {B1} prompts (tools: {TOOLS_N}) one call each, batch 8: calls of 8; "
+        f"fastest of {REPEAT} interleaved rounds"
     )
     header = (
         f"{'workload':<8} {'batch':>5}  {'method':<28} {'tokens/s':>9} {'vs plain':>8} "
