@@ -367,7 +367,7 @@ class SuffixIndex:
     them (SuffixDecoding): bounded to `max_tokens` tokens, least recently written sequences
     evicted first; thread-safe."""
 
-    def __new__(cls, max_tokens: int = 1048576, max_depth: int = 24) -> SuffixIndex: ...
+    def __new__(cls, max_tokens: int = 262144, max_depth: int = 24) -> SuffixIndex: ...
     @property
     def max_tokens(self) -> int:
         """The token budget."""

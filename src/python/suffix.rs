@@ -16,8 +16,8 @@ use crate::{SuffixIndex, SuffixParams, SuffixStats};
 /// The index a pool holds and its Python handles share.
 pub type SharedSuffix = Arc<Mutex<SuffixIndex>>;
 
-/// Default token budget of an index (vLLM's Model Runner V2 corpus: 1M tokens).
-pub const DEFAULT_MAX_TOKENS: usize = 1 << 20;
+/// Default token budget of an index (at most about 0.5 GiB at the default depth).
+pub const DEFAULT_MAX_TOKENS: usize = 1 << 18;
 /// Default longest window, match plus draft (vLLM's `suffix_decoding_max_tree_depth`).
 pub const DEFAULT_MAX_DEPTH: usize = 24;
 
@@ -75,7 +75,7 @@ pub fn put_stats(d: &Bound<'_, PyDict>, s: &SuffixStats, prefix: &str) -> PyResu
 impl PySuffixIndex {
     /// An empty index of at most `max_tokens` tokens, windows of at most `max_depth`.
     #[new]
-    #[pyo3(signature = (max_tokens = 1_048_576, max_depth = 24))]
+    #[pyo3(signature = (max_tokens = 262_144, max_depth = 24))]
     fn new(max_tokens: i64, max_depth: i64) -> PyResult<Self> {
         let t = size(max_tokens, "max_tokens", 1)?;
         let d = size(max_depth, "max_depth", 2)?;

@@ -201,6 +201,35 @@ def test_the_pool_counts_its_index():
     assert s["suffix_sequences"] == 3 and s["suffix_bytes"] > 0
 
 
+def test_threads_share_one_index():
+    """Threads adding, extending and drafting at once (the GIL released while they wait
+    for the index's lock): every operation lands, and the retained tokens add up."""
+    import threading
+
+    index = kvrs.SuffixIndex(max_tokens=10_000, max_depth=6)
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        try:
+            rng = np.random.default_rng(seed)
+            for _ in range(50):
+                h = index.add(rng.integers(0, 5, 20).tolist(), namespace=str(seed % 2))
+                index.extend(h, rng.integers(0, 5, 5).tolist())
+                index.speculate(rng.integers(0, 5, 4).tolist(), namespace=str(seed % 2))
+        except BaseException as e:  # reported by the assert below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    s = index.stats()
+    assert s["sequences"] == 200 and s["tokens"] == 200 * 25 and s["lookups"] == 200
+    assert sum(len(index.tokens(h)) for h in index.handles()) == s["tokens"]
+
+
 # --- generate_batch ----------------------------------------------------------------------
 
 
