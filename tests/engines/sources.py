@@ -5,6 +5,8 @@ repository root, its SHA-256 checked, and its ``tests/`` (and vLLM's
 the engine's own sources so that the installed engine is the one imported.
 
     python tests/engines/sources.py vllm      # prints the directory holding vLLM's tests/
+
+It also writes the one model config vLLM's test utilities read (``HF_HOME``, offline).
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = ROOT / ".engines"
+#: The Hugging Face home the engine tests run with (offline): only generated configs.
+HF_HOME = CACHE / "hf"
+#: The Hub id vLLM's test utilities build their ModelConfig from.
+OPT_MODEL = "facebook/opt-125m"
 
 #: name -> (version, sdist URL on PyPI, SHA-256, members to unpack). The versions are
 #: those of tests/engines/requirements.txt.
@@ -69,5 +75,32 @@ def engine_tests(name: str) -> Path:
     return out
 
 
+def write_opt_config() -> None:
+    """facebook/opt-125m's config.json in a Hub cache layout under `HF_HOME` (no weights:
+    none are read), generated with transformers rather than downloaded."""
+    snap = "0" * 40
+    repo = HF_HOME / "hub" / ("models--" + OPT_MODEL.replace("/", "--"))
+    target = repo / "snapshots" / snap / "config.json"
+    if target.exists():
+        return
+    from transformers import OPTConfig
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(snap)
+    OPTConfig(
+        vocab_size=50272,
+        hidden_size=768,
+        num_hidden_layers=12,
+        ffn_dim=3072,
+        num_attention_heads=12,
+        max_position_embeddings=2048,
+        word_embed_proj_dim=768,
+        dtype="float16",
+    ).to_json_file(str(target))
+
+
 if __name__ == "__main__":
     print(engine_tests(sys.argv[1]))
+    if sys.argv[1] == "vllm":
+        write_opt_config()

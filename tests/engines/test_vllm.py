@@ -29,30 +29,30 @@ import pytest
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 pytest.importorskip("vllm")
 
-from vllm.v1.kv_offload.base import (  # noqa: E402
+from vllm.v1.kv_offload.base import (
     LookupResult,
     OffloadingKVEventsConfig,
     ReqContext,
     ScheduleEndContext,
     make_offload_key,
 )
-from vllm.v1.kv_offload.config import (  # noqa: E402
+from vllm.v1.kv_offload.config import (
     OffloadingCacheConfig,
     OffloadingConfig,
     OffloadingGroupConfig,
     OffloadingModelConfig,
     OffloadingParallelConfig,
 )
-from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
-from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: E402
-from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager  # noqa: E402
-from vllm.v1.kv_offload.tiering.manager import (  # noqa: E402
+from vllm.v1.kv_offload.tiering.base import TransferJob
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
+from vllm.v1.kv_offload.tiering.manager import (
     CPUPrimaryTierOffloadingManager,
     TieringOffloadingManager,
 )
 
-import kvrs  # noqa: E402
-from kvrs.integrations.vllm import KvrsSecondaryTier, offloading_fingerprint  # noqa: E402
+import kvrs
+from kvrs.integrations.vllm import KvrsSecondaryTier, offloading_fingerprint
 
 SECRET = "vllm-test-tier-key-0123456789abcdef"
 ROW = 4096  # bytes per chunk (one row of the CPU tier)
@@ -128,7 +128,9 @@ def disk(path: Path, max_bytes: int | str = "64MiB") -> list[dict[str, Any]]:
 
 def make_tier(region: Region, tiers: list[dict[str, Any]], **kw: Any) -> KvrsSecondaryTier:
     """The tier as vLLM's factory builds it from a ``secondary_tiers`` entry."""
-    cls = SecondaryTierFactory.get_tier_class({"type": "KvrsSecondaryTier", "module_path": "kvrs.integrations.vllm"})
+    cls = SecondaryTierFactory.get_tier_class(
+        {"type": "KvrsSecondaryTier", "module_path": "kvrs.integrations.vllm"}
+    )
     assert cls is KvrsSecondaryTier
     return cls(
         offloading_spec=kw.pop("offloading_spec", None) or spec(),
@@ -393,8 +395,8 @@ def test_a_writer_killed_mid_write_leaves_nothing_wrong(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
         import json, sys, numpy as np, kvrs
-        store = kvrs.PageStore([kvrs.DiskTier({str(tmp_path)!r}, "64MiB")], fingerprint=json.loads(sys.argv[1]),
-                               tier_key={SECRET!r})
+        tiers = [kvrs.DiskTier({str(tmp_path)!r}, "64MiB")]
+        store = kvrs.PageStore(tiers, fingerprint=json.loads(sys.argv[1]), tier_key={SECRET!r})
         i = 0
         while True:
             page = np.full({ROW}, i % 251, dtype=np.uint8)

@@ -85,6 +85,12 @@ def store_prompt(sched: Any, request: Any, path: Path, seed: int) -> np.ndarray:
     return rows
 
 
+def cpu_rows(sched: Any) -> np.ndarray:
+    """The engine's CPU tier: one row of bytes per chunk."""
+    view = np.asarray(sched.connector.connector_scheduler.manager.primary_tier.get_kv_memoryview())
+    return view.reshape(view.shape[0], -1).view(np.uint8)
+
+
 def first_load(sched: Any, request: Any, deadline_s: float = 10.0) -> tuple[int, Any]:
     """Steps the scheduler until it hands the worker a load for `request` (or schedules
     it to compute); the tokens it took from the connector and that load (or None)."""
@@ -112,8 +118,7 @@ def test_a_restarted_engine_loads_the_prompt_from_kvrs(vllm_tests: Path, tmp_pat
     tokens, load = first_load(sched, request)
     assert tokens == 5 * BLOCK
     assert load is not None and len(load.src_spec.chunk_ids) == 5
-    primary = np.asarray(sched.connector.connector_scheduler.manager.primary_tier.get_kv_memoryview())
-    assert np.array_equal(primary.reshape(primary.shape[0], -1).view(np.uint8)[load.src_spec.chunk_ids], want)
+    assert np.array_equal(cpu_rows(sched)[load.src_spec.chunk_ids], want)
 
 
 def test_a_damaged_chunk_shortens_the_match(vllm_tests: Path, tmp_path: Path) -> None:
@@ -134,7 +139,9 @@ def test_a_damaged_chunk_shortens_the_match(vllm_tests: Path, tmp_path: Path) ->
     assert tokens == 2 * BLOCK, "the match must stop before the damaged chunk"
     primary = np.asarray(sched.connector.connector_scheduler.manager.primary_tier.get_kv_memoryview())
     assert load is not None
-    assert np.array_equal(primary.reshape(primary.shape[0], -1).view(np.uint8)[load.src_spec.chunk_ids], want[:2])
+    assert np.array_equal(
+        primary.reshape(primary.shape[0], -1).view(np.uint8)[load.src_spec.chunk_ids], want[:2]
+    )
 
 
 def test_another_tenants_prompt_is_not_matched(vllm_tests: Path, tmp_path: Path) -> None:
