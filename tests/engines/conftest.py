@@ -18,6 +18,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["HF_HOME"] = str(HF_HOME)
 
+
 @pytest.fixture(scope="session")
 def vllm_tests() -> Path:
     """vLLM's own ``tests`` package importable (``tests.v1.kv_connector.unit.utils``)."""

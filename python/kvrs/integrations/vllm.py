@@ -1,5 +1,7 @@
-"""kvrs as a secondary tier of vLLM's KV offloading: `KvrsSecondaryTier`, under vLLM's CPU
-tier (``TieringOffloadingSpec``), loaded by module path with no change to vLLM.
+"""kvrs inside vLLM, loaded by module path with no change to vLLM: `KvrsSecondaryTier`, a
+secondary tier of vLLM's KV offloading under its CPU tier (``TieringOffloadingSpec``), and
+`KvrsConnector` (``kv_connector_module_path``, see `kvrs.integrations.vllm_connector`), a
+whole KV connector.
 
 vLLM moves K/V from the GPU into its CPU tier (the primary), and from there cascades chunks
 to its secondary tiers; a lookup that misses the CPU tier asks the secondary tiers and a hit
@@ -75,13 +77,15 @@ try:
         SecondaryTierManager,
         TransferJob,
     )
+
+    from kvrs.integrations.vllm_connector import KvrsConnector
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
         f"kvrs.integrations.vllm needs vLLM ({e}): tested with vllm==0.33.0, installed by "
         "`make test-engines` (tests/engines/requirements.txt)"
     ) from e
 
-__all__ = ["TESTED_VLLM", "KvrsSecondaryTier", "offloading_fingerprint"]
+__all__ = ["TESTED_VLLM", "KvrsConnector", "KvrsSecondaryTier", "offloading_fingerprint"]
 
 _logger = logging.getLogger(__name__)
 
