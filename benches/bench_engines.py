@@ -19,6 +19,10 @@ vLLM's tiers move chunks between their files and vLLM's CPU tier (a page-aligned
 they address by row) in jobs of `--job` chunks, asynchronously; a round submits every job
 and waits for all of them. Median of the rounds.
 
+Redis (`--redis-pages`, when a redis-server is installed: `make redis`): the same pages
+through kvrs.PageStore on a RedisTier against a raw pipelined SET/MGET of the same bytes
+with redis-py, on a server started on a loopback port.
+
 Faults (`--fault-pages` pages per method and fault, after a clean store): a byte flipped in
 the middle of every file, every file truncated by 100 bytes, and every file's contents
 swapped with the next key's (a valid file of another key at this key's name). A load
@@ -230,6 +234,52 @@ def raw_method(root: Path, page_bytes: int) -> tuple[Callable, Callable]:
     return put, get
 
 
+def redis_methods(pages: int, page_bytes: int) -> tuple[dict[str, tuple[Callable, Callable]], object] | None:
+    """kvrs on a RedisTier and a raw redis-py pipeline, on a fresh loopback server."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "python"))
+    try:
+        from redis_server import RedisServer, server_binary
+    except ImportError:
+        return None
+    binary = server_binary()
+    if binary is None:
+        return None
+    server = RedisServer(binary)
+    server.extra = ["--maxmemory", f"{max(512, 4 * pages * page_bytes >> 20)}mb"]
+    server.start()
+    store = kvrs.PageStore(
+        [kvrs.RedisTier(server.url, timeout=10.0)],
+        fingerprint={"model": "bench", "kv_dtype": "bfloat16", "page_bytes": page_bytes},
+        tier_key=SECRET,
+    )
+    client = server.client()
+
+    def kput(keys: list[str], pgs: np.ndarray) -> None:
+        assert all(store.put_many(keys, list(pgs)))
+
+    def kget(keys: list[str], out: np.ndarray) -> None:
+        assert all(store.get_into(keys, list(out)))
+
+    def rput(keys: list[str], pgs: np.ndarray) -> None:
+        pipe = client.pipeline(transaction=False)
+        for k, p in zip(keys, pgs, strict=True):
+            pipe.set(k, memoryview(p))
+        assert all(pipe.execute())
+
+    def rget(keys: list[str], out: np.ndarray) -> None:
+        for o, v in zip(out, client.mget(keys), strict=True):
+            assert v is not None
+            o[:] = np.frombuffer(v, np.uint8)
+
+    methods = {
+        "kvrs PageStore (RedisTier)": (kput, kget),
+        "raw pipelined SET / MGET (redis-py)": (rput, rget),
+    }
+    return methods, server
+
+
 def _flip(p: Path) -> None:
     b = bytearray(p.read_bytes())
     b[len(b) // 2] ^= 0x5A
@@ -284,6 +334,36 @@ def inject_faults(
     return out
 
 
+def run_redis(args: argparse.Namespace, pages: np.ndarray) -> dict[str, dict[str, list[float]]]:
+    """Store and load times per method on Redis, interleaved round by round."""
+    made = redis_methods(len(pages), pages.shape[1])
+    if made is None:
+        print("no redis-server: run `make redis` for the Redis rows", flush=True)
+        return {}
+    methods, server = made
+    out = np.empty_like(pages)
+    times: dict[str, dict[str, list[float]]] = {m: {"store": [], "load": []} for m in methods}
+    try:
+        for r in range(args.rounds):
+            keys = [uuid.uuid4().hex for _ in range(len(pages))]
+            names = list(methods)
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                put, get = methods[name]
+                t0 = time.perf_counter()
+                put(keys, pages)
+                t1 = time.perf_counter()
+                out.fill(0)
+                t2 = time.perf_counter()
+                get(keys, out)
+                t3 = time.perf_counter()
+                assert np.array_equal(out, pages), name
+                times[name]["store"].append(t1 - t0)
+                times[name]["load"].append(t3 - t2)
+    finally:
+        server.stop()  # type: ignore[attr-defined]
+    return times
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pages", type=int, default=128, help="pages per round (SGLang's batch is 128)")
@@ -292,6 +372,7 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
     ap.add_argument("--job", type=int, default=8, help="chunks per vLLM tier job")
     ap.add_argument("--fault-pages", type=int, default=16, help="pages per method and fault")
+    ap.add_argument("--redis-pages", type=int, default=32, help="pages per round on Redis (0: no Redis rows)")
     args = ap.parse_args()
     page_bytes = int(args.page_mib * (1 << 20))
     root = Path(tempfile.mkdtemp(prefix="kvrs-bench-engines-", dir=args.dir))
@@ -329,6 +410,7 @@ def main() -> None:
                 times[name]["load"].append(t3 - t2)
             print(f"round {r + 1}/{args.rounds} done", flush=True)
         faults = inject_faults(root, methods, pages[: args.fault_pages])
+        redis_times = run_redis(args, pages[: args.redis_pages]) if args.redis_pages else {}
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(
@@ -341,6 +423,16 @@ def main() -> None:
         store = total / statistics.median(t["store"]) / 1e9
         load = total / statistics.median(t["load"]) / 1e9
         print(f"| {name} | {store:.2f} | {load:.2f} |")
+    if redis_times:
+        n = min(args.redis_pages, args.pages) * page_bytes
+        print(f"\nRedis on loopback: {min(args.redis_pages, args.pages)} pages per round\n")
+        print("| method | store GB/s | load GB/s |")
+        print("|---|---:|---:|")
+        for name, t in redis_times.items():
+            print(
+                f"| {name} | {n / statistics.median(t['store']) / 1e9:.2f} | "
+                f"{n / statistics.median(t['load']) / 1e9:.2f} |"
+            )
     print(f"\nFaults: {args.fault_pages} pages per method and fault; loads returning wrong bytes / refused\n")
     kinds = list(FAULTS)
     print("| method | " + " | ".join(kinds) + " |")
