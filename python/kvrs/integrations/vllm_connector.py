@@ -67,6 +67,8 @@ def connector_fingerprint(vllm_config: Any, kv_cache_config: Any, extra: Any = N
     """The facts that identify the blocks of an engine configured by `vllm_config` whose KV
     cache is laid out by `kv_cache_config`, plus the deployment's `extra` facts."""
     par = vllm_config.parallel_config
+    # vLLM's global rank: TP innermost, then PP.
+    rank, tp = int(getattr(par, "rank", 0)), max(int(par.tensor_parallel_size), 1)
     groups = []
     page = 0
     for g in kv_cache_config.kv_cache_groups:
@@ -84,8 +86,9 @@ def connector_fingerprint(vllm_config: Any, kv_cache_config: Any, extra: Any = N
         "kv_cache_layout": str(kv_cache_config.kv_cache_layout),
         "groups": ";".join(groups),
         "page_bytes": page,
-        "tp_rank": int(getattr(par, "rank", 0)) % max(int(par.tensor_parallel_size), 1),
-        "tp_size": int(par.tensor_parallel_size),
+        "tp_rank": rank % tp,
+        "tp_size": tp,
+        "pp_rank": rank // tp,
         "pp_size": int(par.pipeline_parallel_size),
         "dcp_size": int(getattr(par, "decode_context_parallel_size", 1)),
     }
