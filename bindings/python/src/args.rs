@@ -23,11 +23,11 @@ pub fn parse_dtype(obj: &Bound<'_, PyAny>) -> PyResult<DType> {
             }
             .py());
         }
-        return Ok(s.parse().py()?);
+        return s.parse().py();
     }
     let text = obj.str()?.to_string();
     if let Some(name) = text.strip_prefix("torch.") {
-        return Ok(name.parse().py()?);
+        return name.parse().py();
     }
     let py = obj.py();
     let name = py
@@ -36,13 +36,13 @@ pub fn parse_dtype(obj: &Bound<'_, PyAny>) -> PyResult<DType> {
         .and_then(|d| d.getattr("name"))
         .and_then(|n| n.extract::<String>())
         .unwrap_or(text);
-    Ok(name.parse().py()?)
+    name.parse().py()
 }
 
 /// Parses `"cpu"`, `"cuda"`, `"cuda:N"` (or anything whose `str()` is one of those, such
 /// as a `torch.device`).
 pub fn parse_device(obj: &Bound<'_, PyAny>) -> PyResult<Device> {
-    Ok(obj.str()?.to_str()?.parse().py()?)
+    obj.str()?.to_str()?.parse().py()
 }
 
 /// Parses a CUDA stream: `None` (kvrs's own stream), an integer handle, or a stream

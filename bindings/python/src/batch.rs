@@ -142,10 +142,9 @@ impl PyForwardBatch {
     #[pyo3(signature = (layer = 0))]
     fn history_len(&self, py: Python<'_>, layer: i64) -> PyResult<usize> {
         let plan = &self.plan;
-        Ok(self
-            .pool
+        self.pool
             .read(py, |c| c.forward_history_len(plan, layer))
-            .py()?)
+            .py()
     }
 
     /// Writes this layer's K and V for the batch's tokens ([n_tokens, heads, head_dim]).

@@ -150,10 +150,9 @@ impl PyEncoderCache {
 
     /// Whether `layer` holds its K/V.
     fn is_set(&self, py: Python<'_>, layer: i64) -> PyResult<bool> {
-        Ok(self
-            .core
+        self.core
             .read(py, |c| c.cache().check_layer(layer).map(|l| c.is_set(l)))
-            .py()?)
+            .py()
     }
 
     /// Writes `layer`'s K and V ([n, num_kv_heads, head_dim], the same n for every layer),
@@ -170,10 +169,9 @@ impl PyEncoderCache {
             read_tensor(v, "v", &self.target)?,
         );
         let (kt, vt) = (k.tensor(), v.tensor());
-        Ok(self
-            .core
+        self.core
             .write_moving(py, kt.nbytes() + vt.nbytes(), |c| c.set(layer, &kt, &vt))
-            .py()?)
+            .py()
     }
 
     /// The fp8 key scales, [num_layers, num_kv_heads] float32 (None for other dtypes).

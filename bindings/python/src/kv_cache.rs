@@ -288,7 +288,7 @@ impl PyKVCache {
     /// The device address of the int64 position counter (CUDA caches), set to seq_len
     /// now: call it before capturing a decode loop in a CUDA graph.
     fn gpu_counter_ptr(&self, py: Python<'_>) -> PyResult<u64> {
-        Ok(self.core.read(py, |c| c.gpu_counter_ptr()).py()?)
+        self.core.read(py, |c| c.gpu_counter_ptr()).py()
     }
 
     /// Appends k, v [n_tokens, num_kv_heads, head_dim] (tensors on the cache's device) to
@@ -306,10 +306,9 @@ impl PyKVCache {
             read_tensor(v, "v", &self.target)?,
         );
         let (kt, vt) = (k.tensor(), v.tensor());
-        Ok(self
-            .core
+        self.core
             .read(py, |c| c.append_at_counter(layer, &kt, &vt))
-            .py()?)
+            .py()
     }
 
     /// Sends later launches to `stream` (an integer handle such as
@@ -318,21 +317,20 @@ impl PyKVCache {
     #[pyo3(signature = (stream))]
     fn set_stream(&self, py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let stream = super::args::parse_stream(stream)?;
-        Ok(self.core.read(py, |c| c.set_stream(stream)).py()?)
+        self.core.read(py, |c| c.set_stream(stream)).py()
     }
 
     /// Adds n to the device counter on the device (the end of a captured decode step).
     fn advance_counter(&self, py: Python<'_>, n: i64) -> PyResult<()> {
-        Ok(self.core.read(py, |c| c.advance_counter(n)).py()?)
+        self.core.read(py, |c| c.advance_counter(n)).py()
     }
 
     /// Waits for the device, reads the counter back and makes it seq_len (and every
     /// layer's length); returns it. CacheFullError if appends ran past max_seq_len.
     fn sync_counter_from_gpu(&self, py: Python<'_>) -> PyResult<usize> {
-        Ok(self
-            .core
+        self.core
             .write_moving(py, usize::MAX, |c| c.sync_counter_from_gpu())
-            .py()?)
+            .py()
     }
 
     #[new]
@@ -467,10 +465,9 @@ impl PyKVCache {
 
     /// Positions written into `layer` (committed and appended).
     fn layer_len(&self, py: Python<'_>, layer: i64) -> PyResult<usize> {
-        Ok(self
-            .core
+        self.core
             .read(py, |c| c.check_layer(layer).map(|l| c.layer_len(l)))
-            .py()?)
+            .py()
     }
 
     /// Writes one key vector of `head_dim` at (layer, head, pos); the layer holds pos after.
@@ -511,16 +508,15 @@ impl PyKVCache {
             read_tensor(v, "v", &self.target)?,
         );
         let (kt, vt) = (k.tensor(), v.tensor());
-        Ok(self
-            .core
+        self.core
             .write_moving(py, kt.nbytes() + vt.nbytes(), |c| c.append(layer, &kt, &vt))
-            .py()?)
+            .py()
     }
 
     /// Commits `n` tokens: `seq_len += n`. Every layer must hold them already.
     #[pyo3(signature = (n = 1))]
     fn advance(&self, py: Python<'_>, n: i64) -> PyResult<()> {
-        Ok(self.core.write(py, |c| c.advance(n)).py()?)
+        self.core.write(py, |c| c.advance(n)).py()
     }
 
     /// Zero-copy read-only views (K, V) of shape [num_kv_heads, length, head_dim], where
@@ -611,7 +607,7 @@ impl PyKVCache {
 
     /// Drops positions >= n from every layer; a no-op when n >= seq_len.
     fn truncate(&self, py: Python<'_>, n: i64) -> PyResult<()> {
-        Ok(self.core.write(py, |c| c.truncate(n)).py()?)
+        self.core.write(py, |c| c.truncate(n)).py()
     }
 
     /// Empties the cache; memory stays allocated.
@@ -622,7 +618,7 @@ impl PyKVCache {
     /// Sets seq_len and every layer's length to min(n, max_seq_len); positions no write
     /// reached read as zeros.
     fn set_seq_len(&self, py: Python<'_>, n: i64) -> PyResult<()> {
-        Ok(self.core.write(py, |c| c.set_seq_len(n)).py()?)
+        self.core.write(py, |c| c.set_seq_len(n)).py()
     }
 
     /// Copies [num_kv_heads, block_size, head_dim] keys and values from start_pos (of the

@@ -409,7 +409,7 @@ impl PyBlockPool {
 
     /// The group (row of reserve()'s slot mapping, block table) of `layer`.
     fn layer_group(&self, py: Python<'_>, layer: i64) -> PyResult<usize> {
-        Ok(self.core.read(py, |c| c.group_for(Some(layer))).py()?)
+        self.core.read(py, |c| c.group_for(Some(layer))).py()
     }
 
     /// The fp8 key scales, [num_layers, num_kv_heads] float32 (None for other dtypes).
@@ -542,11 +542,7 @@ impl PyBlockPool {
         if ids.is_empty() {
             return Ok(0);
         }
-        Ok(slf
-            .get()
-            .core
-            .write(slf.py(), |c| c.pack_states(&ids))
-            .py()?)
+        slf.get().core.write(slf.py(), |c| c.pack_states(&ids)).py()
     }
 
     /// Zero-copy writable views (K, V) of one layer's cache tensor: FlashInfer's separate
@@ -709,15 +705,14 @@ impl PyBlockPool {
     /// layers); returns how many blocks were queued. flush_tiers() waits for them.
     fn store_to_tiers(slf: &Bound<'_, Self>, seqs: &Bound<'_, PyAny>) -> PyResult<usize> {
         let ids = Self::ids(slf, seqs, "seqs")?;
-        Ok(slf
-            .get()
+        slf.get()
             .core
             .read(slf.py(), |c| {
                 ids.iter()
                     .map(|&id| c.store_to_tiers(id))
                     .sum::<kvrs::Result<usize>>()
             })
-            .py()?)
+            .py()
     }
 
     /// Waits until every block queued for the offload tiers is written (or refused).
@@ -758,10 +753,9 @@ impl PyBlockPool {
         extra_key: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
         let (t, ns, extra) = prefix_args(tokens, namespace, extra_key)?;
-        Ok(self
-            .core
+        self.core
             .write_moving(py, 4 * t.len(), |c| c.pin(&t, &ns, &extra))
-            .py()?)
+            .py()
     }
 
     /// Undoes one pin() of the same prefix; returns the tokens unpinned.
@@ -774,10 +768,9 @@ impl PyBlockPool {
         extra_key: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
         let (t, ns, extra) = prefix_args(tokens, namespace, extra_key)?;
-        Ok(self
-            .core
+        self.core
             .write_moving(py, 4 * t.len(), |c| c.unpin(&t, &ns, &extra))
-            .py()?)
+            .py()
     }
 
     /// Drops every cached block no sequence holds; returns how many.
@@ -844,7 +837,7 @@ impl PyBlockPool {
     /// ValueError naming both (one model's cached K/V are never served to another). A
     /// pool without model_id takes the fingerprint as its model_id.
     fn bind_model(&self, py: Python<'_>, fingerprint: &str) -> PyResult<()> {
-        Ok(self.core.write(py, |c| c.bind_model(fingerprint)).py()?)
+        self.core.write(py, |c| c.bind_model(fingerprint)).py()
     }
 
     /// The fingerprint of the model the pool is bound to (bind_model), or None.
@@ -869,7 +862,7 @@ impl PyBlockPool {
             .core
             .read_moving(py, usize::MAX, |c| c.snapshot_prefix_cache())
             .py()?;
-        Ok(py.detach(|| snapshot.write(&path)).py()?)
+        py.detach(|| snapshot.write(&path)).py()
     }
 
     /// Warms the prefix cache from a file written by save_prefix_cache() of a pool with
@@ -913,17 +906,16 @@ impl PyBlockPool {
         n: i64,
     ) -> PyResult<()> {
         let (s, d) = (Self::id_of(slf, src, "src")?, Self::id_of(slf, dst, "dst")?);
-        Ok(slf
-            .get()
+        slf.get()
             .core
             .write(slf.py(), |c| c.copy_prefix(s, d, n))
-            .py()?)
+            .py()
     }
 
     /// Frees every sequence of the pool not in `seqs`.
     fn keep(slf: &Bound<'_, Self>, seqs: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = Self::ids(slf, seqs, "seqs")?;
-        Ok(slf.get().core.write(slf.py(), |c| c.keep(&ids)).py()?)
+        slf.get().core.write(slf.py(), |c| c.keep(&ids)).py()
     }
 
     /// Reserves room for counts[i] new tokens at the end of each sequence (all or nothing)
@@ -978,7 +970,7 @@ impl PyBlockPool {
     #[pyo3(signature = (stream))]
     fn set_stream(&self, py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let stream = super::args::parse_stream(stream)?;
-        Ok(self.core.read(py, |c| c.set_stream(stream)).py()?)
+        self.core.read(py, |c| c.set_stream(stream)).py()
     }
 
     /// Scatters every layer in one call (one launch on a CUDA pool): k, v

@@ -46,7 +46,7 @@ pub fn attention(
 /// Bytes of one block id of a pool of `shape` and `dtype` with `tensors` cache tensors (a
 /// block of each layer of a group, K and V); fails past the address space.
 pub fn block_bytes(tensors: usize, shape: &PagedShape, dtype: DType) -> PyResult<usize> {
-    Ok(sizes::kv_bytes(
+    sizes::kv_bytes(
         "one block",
         &[
             ("", tensors),
@@ -56,7 +56,7 @@ pub fn block_bytes(tensors: usize, shape: &PagedShape, dtype: DType) -> PyResult
         [shape.head_dim, shape.v_head_dim],
         dtype,
     )
-    .py()?)
+    .py()
 }
 
 /// The number of blocks: exactly one of `num_blocks` and `memory_bytes` (an int or a size

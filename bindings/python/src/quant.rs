@@ -22,7 +22,7 @@ pub fn parse_scales(
     num_kv_heads: usize,
 ) -> PyResult<KvScales> {
     if k.is_none() && v.is_none() {
-        return Ok(KvScales::unit(num_layers, num_kv_heads).py()?);
+        return KvScales::unit(num_layers, num_kv_heads).py();
     }
     let read = |name: &'static str, obj: Option<&Bound<'_, PyAny>>| -> PyResult<Vec<f32>> {
         let Some(obj) = obj else {
@@ -59,13 +59,13 @@ pub fn parse_scales(
         let flat = flat.cast::<PyArray1<f32>>()?;
         Ok(flat.to_vec()?)
     };
-    Ok(KvScales::new(
+    KvScales::new(
         num_layers,
         num_kv_heads,
         &read("k_scale", k)?,
         &read("v_scale", v)?,
     )
-    .py()?)
+    .py()
 }
 
 /// The `[num_layers, num_kv_heads]` scales of K or V of an fp8 cache; `None` for others.

@@ -48,7 +48,7 @@ impl PySequence {
         f: impl FnOnce(&kvrs::unstable::SeqState, &PoolCore) -> T + Send,
     ) -> PyResult<T> {
         let id = self.id;
-        Ok(self.core.read(py, |c| c.seq(id).map(|s| f(s, c))).py()?)
+        self.core.read(py, |c| c.seq(id).map(|s| f(s, c))).py()
     }
 }
 
@@ -147,7 +147,7 @@ impl PySequence {
     /// truncating to it), for every layer kind (ollama's CanResume).
     fn can_resume(&self, py: Python<'_>, pos: i64) -> PyResult<bool> {
         let id = self.id;
-        Ok(self.core.read(py, |c| c.can_resume(id, pos)).py()?)
+        self.core.read(py, |c| c.can_resume(id, pos)).py()
     }
 
     /// Highest committed position (-1 when empty).
@@ -197,11 +197,10 @@ impl PySequence {
             read_tensor(v, "v", &pool.target)?,
         );
         let (kt, vt, id) = (k.tensor(), v.tensor(), self.id);
-        Ok(pool
-            .write_moving(py, kt.nbytes() + vt.nbytes(), |c| {
-                c.append(id, layer, &kt, &vt)
-            })
-            .py()?)
+        pool.write_moving(py, kt.nbytes() + vt.nbytes(), |c| {
+            c.append(id, layer, &kt, &vt)
+        })
+        .py()
     }
 
     /// Commits n tokens: seq_len += n. Every layer must hold them already. `tokens` (n
@@ -210,10 +209,9 @@ impl PySequence {
     fn advance(&self, py: Python<'_>, n: i64, tokens: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let tokens = tokens.map(|t| read_token_ids(t, "tokens")).transpose()?;
         let id = self.id;
-        Ok(self
-            .core
+        self.core
             .write(py, |c| c.advance(id, n, tokens.as_deref()))
-            .py()?)
+            .py()
     }
 
     /// Prompt tokens served from the prefix cache when the sequence started.
@@ -249,7 +247,7 @@ impl PySequence {
     /// Positions a layer gains without a write read as zeros and are never cached.
     fn set_seq_len(&self, py: Python<'_>, n: i64) -> PyResult<()> {
         let id = self.id;
-        Ok(self.core.write(py, |c| c.set_seq_len(id, n)).py()?)
+        self.core.write(py, |c| c.set_seq_len(id, n)).py()
     }
 
     /// Copies [num_kv_heads, block_size, head_dim] keys and values of `layer` from
@@ -564,7 +562,7 @@ impl PySequence {
     /// tokens; a rollback (truncate) can return to any position with one.
     fn checkpoint(&self, py: Python<'_>) -> PyResult<bool> {
         let id = self.id;
-        Ok(self.core.write(py, |c| c.checkpoint(id)).py()?)
+        self.core.write(py, |c| c.checkpoint(id)).py()
     }
 
     /// Positions of the state checkpoints this sequence holds (ascending).
@@ -585,7 +583,7 @@ impl PySequence {
     #[getter]
     fn checkpoint_due(&self, py: Python<'_>) -> PyResult<Option<usize>> {
         let id = self.id;
-        Ok(self.core.read(py, |c| c.checkpoint_due(id)).py()?)
+        self.core.read(py, |c| c.checkpoint_due(id)).py()
     }
 
     /// Its recurrent-state slot in a pool with state layers (its row of
@@ -625,7 +623,7 @@ impl PySequence {
     /// Drops positions >= n, returning freed blocks; a no-op when n >= seq_len.
     fn truncate(&self, py: Python<'_>, n: i64) -> PyResult<()> {
         let id = self.id;
-        Ok(self.core.write(py, |c| c.truncate(id, n)).py()?)
+        self.core.write(py, |c| c.truncate(id, n)).py()
     }
 
     /// Commits the accepted path of speculative decoding: of the draft positions from
@@ -640,7 +638,7 @@ impl PySequence {
     fn accept(&self, py: Python<'_>, start: i64, keep: &Bound<'_, PyAny>) -> PyResult<()> {
         let keep = read_ints(keep, "keep")?;
         let id = self.id;
-        Ok(self.core.write(py, |c| c.accept(id, start, &keep)).py()?)
+        self.core.write(py, |c| c.accept(id, start, &keep)).py()
     }
 
     /// llama.cpp's seq_rm: removes positions [begin, end) (end=None: to the end). A tail
@@ -649,10 +647,9 @@ impl PySequence {
     #[pyo3(signature = (begin, end = None))]
     fn remove(&self, py: Python<'_>, begin: i64, end: Option<i64>) -> PyResult<()> {
         let id = self.id;
-        Ok(self
-            .core
+        self.core
             .write_detached(py, |c| c.remove(id, begin, end))
-            .py()?)
+            .py()
     }
 
     /// llama.cpp's seq_add over a tail: positions p0.. move down by -delta (delta < 0),
@@ -662,16 +659,15 @@ impl PySequence {
     #[pyo3(signature = (p0, p1, delta))]
     fn shift(&self, py: Python<'_>, p0: i64, p1: Option<i64>, delta: i64) -> PyResult<()> {
         let id = self.id;
-        Ok(self
-            .core
+        self.core
             .write_detached(py, |c| c.shift(id, p0, p1, delta))
-            .py()?)
+            .py()
     }
 
     /// Returns every block to the pool; the sequence cannot be used afterwards.
     fn free(&self, py: Python<'_>) -> PyResult<()> {
         let id = self.id;
-        Ok(self.core.write(py, |c| c.free_sequence(id)).py()?)
+        self.core.write(py, |c| c.free_sequence(id)).py()
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {

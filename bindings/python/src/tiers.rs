@@ -10,10 +10,11 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use super::errors::ToPython;
-use kvrs::tier::{DiskTier, HostTier, RedisTier, Tier, TlsOptions};
+use kvrs::tier::{DiskTier, HostTier, Tier};
+#[cfg(feature = "redis")]
+use kvrs::tier::{RedisTier, TlsOptions};
 use kvrs::unstable::{parse_size, PoolCore};
 use kvrs::KvError;
-#[cfg(feature = "redis")]
 
 /// `max_bytes` (an int or a size such as "8GiB") as a positive byte count.
 fn byte_bound(max_bytes: &Bound<'_, PyAny>) -> PyResult<u64> {
