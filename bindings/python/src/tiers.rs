@@ -351,7 +351,7 @@ impl PyRedisTier {
              rediss://), as the released wheels are: maturin reads them from pyproject.toml"
                 .into(),
         )
-        .into())
+        .py())
     }
 }
 
