@@ -9,6 +9,14 @@
 //! release may change or remove it, and it is hidden from the documentation. A program
 //! that uses it pins kvrs to an exact version. `BlockPool::core`, `BlockPool::core_mut`
 //! and `KvCache::core` (hidden too) hand out the cores of the typed API's values.
+//!
+//! The bindings crate's view of the core is the crate root, [`crate::tier`] and, from
+//! here: the cores ([`PoolCore`] with [`LayerGroups`], [`StateConfig`], [`ForwardPlan`],
+//! [`PlanMask`] and [`MaskInput`]; [`CacheCore`] and [`CacheShape`]; [`EncoderCache`];
+//! [`Rope`]); the tensors it hands them ([`TensorRef`], [`TensorMut`], [`Span`],
+//! [`copy_strided`], [`Storage`], [`cuda`]); and the checks every Python argument goes
+//! through, so that its messages are the core's ([`check_index`], [`check_count`],
+//! [`check_size`], [`check_layer_count`], [`parse_size`], [`sizes`]).
 
 pub use crate::attention::{segment_packbits, simd_level, CustomMask, KvHeads};
 pub use crate::bytes::parse_size;
