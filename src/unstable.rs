@@ -26,7 +26,7 @@ pub use crate::error::{check_count, check_index, check_size};
 pub use crate::kv_cache::{CacheCore, CacheShape};
 pub use crate::layout::{BlockId, Region};
 pub use crate::paged::caching::prompt_limit;
-pub use crate::paged::pool::check_layer_count;
+pub use crate::paged::pool::{check_layer_count, MAX_LAYERS};
 pub use crate::paged::{BlockAllocator, ForwardPlan, LayerGroups, PoolCore, SeqState};
 pub use crate::paged::{MaskInput, PlanMask, StateConfig, StateSpec, Table, NO_BLOCK};
 pub use crate::prefix::persist::read_file;
@@ -40,7 +40,7 @@ pub use crate::tier::writer::{DEFAULT_QUEUE_BYTES, DROP_DEADLINE};
 /// Checked sizes: products within the address space, and bookkeeping vectors allocated
 /// fallibly (an [`OutOfMemory`](crate::KvError::OutOfMemory) error, not an abort).
 pub mod sizes {
-    pub use crate::sizes::{filled, kv_bytes, with_capacity};
+    pub use crate::sizes::{filled, int8_scale_unit, kv_bytes, product, with_capacity};
 }
 
 /// The CUDA backend's device operations (on the simulated device with `cuda-sim`).
