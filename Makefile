@@ -5,8 +5,9 @@ SHELL  := /bin/bash
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-# The extension is rebuilt when any of these change.
-SOURCES := Cargo.toml Cargo.lock pyproject.toml $(shell find src python -type f \( -name '*.rs' -o -name '*.py' -o -name '*.pyi' \) 2>/dev/null)
+# The extension (the bindings crate, bindings/python, over the core crate, src/) is
+# rebuilt when any of these change.
+SOURCES := Cargo.toml Cargo.lock pyproject.toml bindings/python/Cargo.toml $(shell find src bindings python -type f \( -name '*.rs' -o -name '*.py' -o -name '*.pyi' \) 2>/dev/null)
 
 .DEFAULT_GOAL := help
 .PHONY: help redis demo docs test test-rust test-python test-engines test-engines-compat test-wheel stubtest check-ptx ptx lint miri fmt bench bench-peers bench-rust install wheel clean
@@ -45,9 +46,13 @@ test: test-rust test-python test-engines test-wheel stubtest check-ptx docs ## b
 # simulated device's build has the Redis tier without TLS (its `rediss://` refusal).
 RUST_FULL := cuda,redis-tls
 
-test-rust: ## cargo test (the core without Python, doc examples, the Rust programs of the README and docs/), the examples, the CUDA backend on the simulated device (the kernel tests again with threads resumed in reverse order), the default build (no features) checked
-	cargo rustc --quiet --lib --profile check -- -D warnings
-	cargo test --release --quiet --features $(RUST_FULL)
+# The bindings crate's tests embed the Python that PyO3 builds against ($(PYTHON), as
+# maturin's build does): its shared library is found through LD_LIBRARY_PATH.
+PY_LIBDIR = $(shell $(PYTHON) -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR"))')
+
+test-rust: ## cargo test of the workspace (the core crate without Python: doc examples, the Rust programs of the README and docs/; the bindings crate), the examples, the CUDA backend on the simulated device (the kernel tests again with threads resumed in reverse order), the core's default build (no features) checked
+	cargo rustc --quiet -p kvrs --lib --profile check -- -D warnings
+	LD_LIBRARY_PATH=$(PY_LIBDIR) PYO3_PYTHON=$(PYTHON) cargo test --release --quiet --workspace --features $(RUST_FULL)
 	cargo run --release --quiet --features $(RUST_FULL) --example decode_loop
 	cargo run --release --quiet --features $(RUST_FULL) --example paged_batch
 	cargo test --release --quiet --features cuda-sim,redis --test cuda_sim --test cuda_sim_fibers --test cuda_sim_quantized --test cuda_sim_attention --test cuda_sim_copies --test cuda_sim_swaps --test kv_cache_model --test paged_model --test soundness --test state_model --test redis_features
@@ -122,7 +127,7 @@ ptx: $(VENV)/bin/activate ## regenerate kernels/kvrs.ptx with the pinned nvcc fr
 
 lint: .stamp-install ## cargo fmt --check, clippy -D warnings, ruff, mypy on the package
 	cargo fmt --all -- --check
-	cargo clippy --all-targets --features python,cuda,redis-tls -- -D warnings
+	cargo clippy --workspace --all-targets --features $(RUST_FULL) -- -D warnings
 	$(VENV)/bin/ruff check python tests benches
 	$(VENV)/bin/ruff format --check python tests benches
 	$(PY) -m mypy python/kvrs
