@@ -28,3 +28,13 @@ def vllm_tests() -> Path:
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
     return root
+
+
+@pytest.fixture(scope="session")
+def lmcache_tests() -> Path:
+    """LMCache's own ``tests`` package importable (``tests.v1.storage_backend...``)."""
+    pytest.importorskip("lmcache")
+    root = engine_tests("lmcache")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    return root
