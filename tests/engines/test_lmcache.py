@@ -52,7 +52,11 @@ def _tier_key(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def metadata(
-    model: str = MODEL, dtype: Any = torch.bfloat16, worker_id: int = 0, world_size: int = 1, kv_shape=KV_SHAPE
+    model: str = MODEL,
+    dtype: Any = torch.bfloat16,
+    worker_id: int = 0,
+    world_size: int = 1,
+    kv_shape=KV_SHAPE,
 ) -> LMCacheMetadata:
     return LMCacheMetadata(
         model_name=model,
@@ -88,7 +92,11 @@ def config(plugin: str, extra: dict[str, Any]) -> LMCacheEngineConfig:
     if plugin == "disk":
         disk_opts = {"local_disk": str(extra["path"]), "max_local_disk_size": 0.01}
     cfg = LMCacheEngineConfig.from_defaults(
-        chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.05, lmcache_instance_id="kvrs-test", **disk_opts
+        chunk_size=CHUNK,
+        local_cpu=True,
+        max_local_cpu_size=0.05,
+        lmcache_instance_id="kvrs-test",
+        **disk_opts,
     )
     if plugin != "disk":
         cfg.remote_storage_plugins = [plugin]
@@ -190,7 +198,9 @@ def test_loaded_by_config_only_and_served_after_local_eviction(tmp_path: Path, e
     want = eng.put(keys, [CHUNK, CHUNK, CHUNK, 5])
     assert all(eng.local.contains(k) for k in keys)
     # The bytes kvrs sealed are the chunks' own: read back through a PageStore of the same facts.
-    store = kvrs.PageStore([kvrs.DiskTier(str(tmp_path), "64MiB")], fingerprint=conn.fingerprint, tier_key=SECRET)
+    store = kvrs.PageStore(
+        [kvrs.DiskTier(str(tmp_path), "64MiB")], fingerprint=conn.fingerprint, tier_key=SECRET
+    )
     for k, w in zip(keys, want, strict=True):
         buf = bytearray(len(w))
         assert store.get_into([k.to_string() + "#data"], [buf]) == [True]
@@ -259,7 +269,10 @@ def test_async_contains_and_non_blocking_get(tmp_path: Path, engines: list[Engin
 
 
 def files(path: Path) -> list[Path]:
-    return sorted((p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")), key=lambda p: (p.stat().st_size, str(p)))
+    return sorted(
+        (p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")),
+        key=lambda p: (p.stat().st_size, str(p)),
+    )
 
 
 def corrupt(p: Path) -> None:

@@ -57,6 +57,7 @@ Tested with LMCache 0.5.6 (tests/engines/test_lmcache.py).
 from __future__ import annotations
 
 import asyncio
+import builtins
 import json
 import logging
 import threading
@@ -139,7 +140,9 @@ def plugin_options(config: Any, plugin_name: str | None = None) -> tuple[str, di
     return plugin_name, {k[len(prefix) :]: v for k, v in extra.items() if k.startswith(prefix)}
 
 
-def lmcache_fingerprint(config: Any, metadata: Any, extra: Mapping[str, Any] | None = None) -> dict[str, str | int | bool]:
+def lmcache_fingerprint(
+    config: Any, metadata: Any, extra: Mapping[str, Any] | None = None
+) -> dict[str, str | int | bool]:
     """The facts that identify the chunks of an LMCache engine configured by `config`
     (``LMCacheEngineConfig``) with `metadata` (``LMCacheMetadata``), plus `extra`.
 
@@ -219,12 +222,14 @@ class KvrsRemoteConnector(RemoteConnector):  # type: ignore[misc]
         self._busy = 0  # batched_put calls under way
         #: Chunks asked for (``put_chunks``, ``get_chunks``), stored, loaded, and the
         #: stores and loads that failed or ran late (misses counted as ``get_misses``).
-        self.counters = dict.fromkeys(("put_chunks", "stored", "put_failed", "get_chunks", "loaded", "get_misses"), 0)
+        self.counters = dict.fromkeys(
+            ("put_chunks", "stored", "put_failed", "get_chunks", "loaded", "get_misses"), 0
+        )
         self.namespaces: set[str] = {self.namespace}
         _logger.info(
             "kvrs: LMCache remote plugin %r over %s, fingerprint %s",
             self.plugin_name,
-            [t.name for t in self.tiers] if all(hasattr(t, "name") for t in self.tiers) else self.tiers,
+            [t["name"] for t in self.store.stats()["tiers"]],
             self.fingerprint,
         )
 
@@ -401,7 +406,9 @@ class KvrsRemoteConnector(RemoteConnector):  # type: ignore[misc]
             ready = [j for j, ok in enumerate(stored) if ok]
             if not ready:
                 continue
-            sealed = self.store.put_many([names[j][0] for j in ready], [metas[j] for j in ready], namespace=ns)
+            sealed = self.store.put_many(
+                [names[j][0] for j in ready], [metas[j] for j in ready], namespace=ns
+            )
             for j, ok in zip(ready, sealed, strict=True):
                 done[which[j]] = ok
         return done
@@ -446,7 +453,7 @@ class KvrsRemoteConnector(RemoteConnector):  # type: ignore[misc]
     async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
         await self.batched_put([key], [memory_obj])
 
-    async def list(self) -> list[str]:
+    async def list(self) -> builtins.list[str]:
         return []
 
     async def close(self) -> None:
@@ -456,7 +463,7 @@ class KvrsRemoteConnector(RemoteConnector):  # type: ignore[misc]
     def support_batched_get(self) -> bool:
         return True
 
-    async def batched_get(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+    async def batched_get(self, keys: builtins.list[CacheEngineKey]) -> builtins.list[MemoryObj | None]:
         self._count("get_chunks", len(keys))
         got = await self._run(lambda: self._load(keys), [None] * len(keys), _release)
         hits = sum(o is not None for o in got)
@@ -464,7 +471,9 @@ class KvrsRemoteConnector(RemoteConnector):  # type: ignore[misc]
         self._count("get_misses", len(got) - hits)
         return got
 
-    async def batched_get_non_blocking(self, lookup_id: str, keys: list[CacheEngineKey]) -> list[MemoryObj]:
+    async def batched_get_non_blocking(
+        self, lookup_id: str, keys: builtins.list[CacheEngineKey]
+    ) -> builtins.list[MemoryObj]:
         got = await self.batched_get(list(keys))
         n = got.index(None) if None in got else len(got)
         _release(got[n:])
@@ -473,7 +482,9 @@ class KvrsRemoteConnector(RemoteConnector):  # type: ignore[misc]
     def support_batched_put(self) -> bool:
         return True
 
-    async def batched_put(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
+    async def batched_put(
+        self, keys: builtins.list[CacheEngineKey], memory_objs: builtins.list[MemoryObj]
+    ) -> None:
         # LMCache (InstrumentedRemoteConnector) releases the objects as soon as this
         # returns; the store holds its own reference until its thread is done with them,
         # so a store that runs past the deadline never reads reused memory.
@@ -487,13 +498,13 @@ class KvrsRemoteConnector(RemoteConnector):  # type: ignore[misc]
             with self._lock:
                 self._busy -= 1
 
-    async def _put(self, keys: list[CacheEngineKey], objs: list[MemoryObj]) -> None:
+    async def _put(self, keys: builtins.list[CacheEngineKey], objs: builtins.list[MemoryObj]) -> None:
         if self._closed:
             raise RuntimeError("kvrs: the connector is closed: nothing stored")
         for obj in objs:
             obj.ref_count_up()
 
-        def save() -> list[bool]:
+        def save() -> builtins.list[bool]:
             try:
                 return self._save(keys, objs)
             finally:
@@ -504,18 +515,22 @@ class KvrsRemoteConnector(RemoteConnector):  # type: ignore[misc]
         self._count("put_failed", len(done) - sum(done))
         if not all(done):
             failed = [str(k) for k, ok in zip(keys, done, strict=True) if not ok]
-            raise RuntimeError(f"kvrs: {len(failed)} of {len(keys)} chunks not stored (not visible): {failed[:4]}")
+            raise RuntimeError(
+                f"kvrs: {len(failed)} of {len(keys)} chunks not stored (not visible): {failed[:4]}"
+            )
 
     def support_batched_async_contains(self) -> bool:
         return True
 
-    async def batched_async_contains(self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False) -> int:
+    async def batched_async_contains(
+        self, lookup_id: str, keys: builtins.list[CacheEngineKey], pin: bool = False
+    ) -> int:
         return await self._run(lambda: self._prefix(keys), 0)
 
     def support_batched_contains(self) -> bool:
         return True
 
-    def batched_contains(self, keys: list[CacheEngineKey]) -> int:
+    def batched_contains(self, keys: builtins.list[CacheEngineKey]) -> int:
         return self._sync(lambda: self._prefix(keys), 0)
 
     def remove_sync(self, key: CacheEngineKey) -> bool:
