@@ -292,8 +292,10 @@ def plugin_extra(plugin: str, path: Path, **opts: Any) -> dict[str, Any]:
     return {"path": path}
 
 
-def damage(path: Path, how: str) -> None:
-    """Damages every chunk file under `path` (those of kvrs: the data pages, the larger)."""
+def damage(path: Path, how: str, forged: Path | None = None) -> None:
+    """Damages every chunk file under `path` (those of kvrs: the data pages, the larger);
+    ``"forge"`` replaces every file by one of the same length from `forged` (random bytes
+    where there is none)."""
     fs = files(path)
     big = [p for p in fs if p.stat().st_size == fs[-1].stat().st_size]
     if how == "corrupt":
@@ -306,6 +308,11 @@ def damage(path: Path, how: str) -> None:
         blobs = [p.read_bytes() for p in big]
         for p, b in zip(big, blobs[1:] + blobs[:1], strict=True):
             p.write_bytes(b)
+    elif how == "forge":  # each file replaced by one an attacker wrote (or chose) for it
+        theirs = files(forged) if forged is not None else []
+        for i, p in enumerate(fs):
+            mine = [q for q in theirs if q.stat().st_size == p.stat().st_size]
+            p.write_bytes(mine[i % len(mine)].read_bytes() if mine else os.urandom(p.stat().st_size))
     else:
         raise AssertionError(how)
 
@@ -327,24 +334,37 @@ def outcome(eng: Engine, keys: list[Any], want: list[bytes]) -> tuple[int, int, 
 
 
 @pytest.mark.parametrize("plugin", ["kvrs", "disk"])
-@pytest.mark.parametrize("how", ["corrupt", "truncate", "swap"])
-def test_damaged_files(tmp_path: Path, engines: list[Engine], plugin: str, how: str) -> None:
+@pytest.mark.parametrize("how", ["corrupt", "truncate", "swap", "forge"])
+def test_damaged_files(
+    tmp_path: Path, engines: list[Engine], monkeypatch: pytest.MonkeyPatch, plugin: str, how: str
+) -> None:
     """kvrs: every damaged chunk a miss (after a restart). LMCache's own local disk backend
-    (the peer, same harness; its index lives in memory, so no restart): recorded."""
+    (the peer, same harness; its index lives in memory, so no restart): recorded. A forged
+    kvrs file is a valid payload of the same keys and facts, sealed by an attacker who
+    lacks the deployment's secret; a forged LMCache file holds bytes the attacker chose."""
     keys = [key(i) for i in range(4)]
-    writer = Engine(plugin, plugin_extra(plugin, tmp_path))
+    forged = None
+    if how == "forge" and plugin == "kvrs":
+        forged = tmp_path / "attacker"
+        monkeypatch.setenv("KVRS_TIER_KEY", "attacker-tier-key-not-the-secret!")
+        attacker = Engine(plugin, plugin_extra(plugin, forged))
+        attacker.put(keys, seed=66)
+        attacker.close()
+        monkeypatch.setenv("KVRS_TIER_KEY", SECRET)
+    path = tmp_path / "tier"
+    writer = Engine(plugin, plugin_extra(plugin, path))
     want = writer.put(keys, seed=7)
     if plugin == "kvrs":
         writer.close()
-        damage(tmp_path, how)
-        eng = Engine(plugin, plugin_extra(plugin, tmp_path))
+        damage(path, how, forged)
+        eng = Engine(plugin, plugin_extra(plugin, path))
     else:
         eng = writer
         eng.evict(keys)
         # The freed CPU memory is reused by other chunks meanwhile (here: random ones).
         for obj, _ in [eng.chunk(900 + i) for i in range(4)]:
             obj.ref_count_down()
-        damage(tmp_path, how)
+        damage(path, how)
     engines.append(eng)
     right, wrong, miss = outcome(eng, keys, want)
     if plugin == "kvrs":
