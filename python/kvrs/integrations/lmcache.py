@@ -9,15 +9,17 @@ metadata (LMCache's own ``RemoteMetadata``: byte length, shapes, dtypes, memory 
 a shorter last chunk comes back with its own shape) and its bytes (the chunk's
 ``MemoryObj``, read and written in place). Both are sealed in kvrs payloads whose header
 and keyed MAC bind them to the engine's facts (`lmcache_fingerprint`: model, world size,
-worker rank unless the model uses MLA, KV dtypes and chunk shapes, chunk size, MLA, memory
-format, layerwise, remote serde), the namespace and the chunk's key (LMCache's
-``CacheEngineKey``), under the secret read from the environment variable named by
-``tier_key_env``. A get allocates the chunk only after its metadata page verified and
+worker rank unless the model uses MLA, KV dtypes, LMCache's ``kv_shape`` (heads and head
+size: two head splits of one flat chunk shape never meet, LMCache#4463) and the chunk
+shapes, chunk size, MLA, memory format, layerwise, remote serde), the namespace and the
+chunk's key (LMCache's ``CacheEngineKey``), under the secret read from the environment
+variable named by ``tier_key_env``. A get allocates the chunk only after its metadata page verified and
 checks it against the engine's shapes, then verifies the data page straight into the
 allocation; anything else (another model's, dtype's, rank's or tenant's chunk, a torn,
 truncated, corrupted, forged or swapped file, a dead or full tier, a deadline passed) is a
 miss, the allocation released, never wrong K/V and never an exception into LMCache. A
-refused page is discarded, so the next lookup says absent.
+refused page is discarded and a chunk whose data page is refused is withdrawn, so the next
+lookup says absent.
 
 It never blocks LMCache's event loop: every kvrs call runs on the connector's own I/O
 threads (the GIL released while kvrs reads, verifies and writes) under a deadline
@@ -49,7 +51,8 @@ Configuration (LMCache's config file or ``LMCACHE_*`` variables)::
 ``tiers`` and ``fingerprint`` may also be JSON strings; ``timeout_s`` (seconds) and
 ``io_threads`` (default 4) are optional. ``list()`` answers ``[]`` (kvrs tiers file chunks
 under MAC'd names, not enumerable) and ``remove_sync`` overwrites a chunk's metadata page
-with a tombstone, which every later lookup reads as a miss.
+with a tombstone, which every later lookup reads as a miss. Layerwise chunks (3-D shapes)
+are not stored (the store fails, so LMCache recomputes them).
 
 Tested with LMCache 0.5.6 (tests/engines/test_lmcache.py).
 """
