@@ -12,6 +12,7 @@ use pyo3::types::{PyDict, PyList, PyTuple};
 
 use super::args::{parse_device, parse_dtype};
 use super::batch::PyForwardBatch;
+use super::errors::ToPython;
 use super::input::{read_ints, read_slot_rows, read_stacked, read_tensor, read_token_ids};
 use super::pool_args::{self, key_bytes, prefix_args};
 use super::quant::{parse_scales, scale_property};
@@ -19,11 +20,8 @@ use super::rope::PyRope;
 use super::sequence::PySequence;
 use super::shared_pool::{i32_array, slot_array, SharedPool};
 use super::views::borrowed_view;
-use crate::dtype::DType;
-use crate::error::{check_size, KvError};
-use crate::layout::{Kv, KvLayout, PagedShape};
-use crate::paged::{LayerGroups, PoolCore, SeqId, StateConfig};
-use crate::storage::Device;
+use kvrs::unstable::{check_size, LayerGroups, PoolCore, StateConfig};
+use kvrs::{DType, Device, Kv, KvError, KvLayout, PagedShape, SeqId};
 
 /// A pool of fixed-size KV blocks for every layer, allocated once and shared by many
 /// sequences.
@@ -51,7 +49,7 @@ impl PyBlockPool {
     ) -> PyResult<Vec<SeqId>> {
         if let Ok(list) = seqs.cast::<PyList>() {
             // The common case, without the generic iterator protocol.
-            let mut ids = crate::sizes::with_capacity(name, list.len())?;
+            let mut ids = kvrs::unstable::sizes::with_capacity(name, list.len()).py()?;
             for s in list.iter() {
                 ids.push(Self::id_of(slf, &s, name)?);
             }
@@ -100,7 +98,7 @@ impl PyBlockPool {
                 value: format!("sequence {}", seq.id),
                 reason: "belongs to another pool".into(),
             }
-            .into());
+            .py());
         }
         Ok(seq.id)
     }
@@ -174,7 +172,7 @@ impl PyBlockPool {
         let prefix_caching = prefix_caching.unwrap_or(true);
         let mut states =
             super::states::parse_config(state_layers, state_shapes, state_slots, state_dtype)?;
-        let block = check_size("block_size", block_size)?;
+        let block = check_size("block_size", block_size).py()?;
         let interval = super::states::checkpoint_policy(
             states.as_mut(),
             prefix_caching,
@@ -193,18 +191,20 @@ impl PyBlockPool {
                      writes a block",
                     u32::MAX
                 ),
-            })?;
-        let tier_options = crate::paged::tiering::TierOptions {
+            })
+            .py()?;
+        let tier_options = kvrs::TierOptions {
             secret: tier_key.map(super::tiers::secret).transpose()?,
             queue: tier_queue,
             queue_bytes: match tier_queue_bytes {
                 Some(b) => super::tiers::size_arg("tier_queue_bytes", b)? as usize,
-                None => crate::tier::writer::DEFAULT_QUEUE_BYTES,
+                None => kvrs::unstable::DEFAULT_QUEUE_BYTES,
             },
-            policy: tier_write.parse()?,
+            policy: tier_write.parse().py()?,
             mode: tier_write_policy
-                .map(|m| crate::tier::writer::WriteMode::parse(m, write_hits))
-                .transpose()?,
+                .map(|m| kvrs::WriteMode::parse(m, write_hits))
+                .transpose()
+                .py()?,
         };
         let tiers = super::tiers::parse_tiers(tiers)?;
         let seed = seed.map(pool_args::parse_seed).transpose()?;
@@ -217,20 +217,20 @@ impl PyBlockPool {
                          same in every pool"
                     .into(),
             }
-            .into());
+            .py());
         }
         let dtype = dtype.map(parse_dtype).transpose()?.unwrap_or(DType::F16);
         let device = device.map(parse_device).transpose()?.unwrap_or(Device::Cpu);
         let mut shape = PagedShape {
-            num_layers: check_size("num_layers", num_layers)?,
-            num_kv_heads: check_size("num_kv_heads", num_kv_heads)?,
-            head_dim: check_size("head_dim", head_dim)?,
-            v_head_dim: check_size("v_head_dim", v_head_dim.unwrap_or(head_dim))?,
-            block_size: check_size("block_size", block_size)?,
+            num_layers: check_size("num_layers", num_layers).py()?,
+            num_kv_heads: check_size("num_kv_heads", num_kv_heads).py()?,
+            head_dim: check_size("head_dim", head_dim).py()?,
+            v_head_dim: check_size("v_head_dim", v_head_dim.unwrap_or(head_dim)).py()?,
+            block_size: check_size("block_size", block_size).py()?,
             num_blocks: 0,
-            layout: layout.parse::<KvLayout>()?,
+            layout: layout.parse::<KvLayout>().py()?,
         };
-        crate::paged::pool::check_layer_count(shape.num_layers)?;
+        kvrs::unstable::check_layer_count(shape.num_layers).py()?;
         let attention = pool_args::attention(
             shape.num_layers,
             layer_types,
@@ -243,25 +243,30 @@ impl PyBlockPool {
         let reserved = states.as_ref().map_or(0, StateConfig::total_bytes);
         shape.num_blocks = pool_args::num_blocks(num_blocks, memory_bytes, per_block, reserved)?;
         let prefix = pool_args::prefix(prefix_caching, hash, seed, partial_hits, events)?;
-        let mut pool = PoolCore::with_attention(shape, attention, dtype, device, prefix)?
+        let mut pool = PoolCore::with_attention(shape, attention, dtype, device, prefix)
+            .py()?
             .with_model_id(model_id);
         if let Some(r) = rope {
-            pool = pool.with_rope(r.get().rope)?;
+            pool = pool.with_rope(r.get().rope).py()?;
         }
-        pool = pool.with_scales(parse_scales(
-            k_scale,
-            v_scale,
-            shape.num_layers,
-            shape.num_kv_heads,
-        )?)?;
+        pool = pool
+            .with_scales(parse_scales(
+                k_scale,
+                v_scale,
+                shape.num_layers,
+                shape.num_kv_heads,
+            )?)
+            .py()?;
         if let Some(config) = states {
             pool = pool
-                .with_states(config)?
-                .with_checkpoint_interval(interval)?;
+                .with_states(config)
+                .py()?
+                .with_checkpoint_interval(interval)
+                .py()?;
         }
         if !tiers.is_empty() {
             // After the states: the tiers' fingerprint covers their layout.
-            pool = pool.with_tiers(tiers, model_id, &tier_options)?;
+            pool = pool.with_tiers(tiers, model_id, &tier_options).py()?;
         }
         Ok(PyBlockPool {
             core: Arc::new(SharedPool::new(pool)),
@@ -407,7 +412,7 @@ impl PyBlockPool {
 
     /// The group (row of reserve()'s slot mapping, block table) of `layer`.
     fn layer_group(&self, py: Python<'_>, layer: i64) -> PyResult<usize> {
-        Ok(self.core.read(py, |c| c.group_for(Some(layer)))?)
+        self.core.read(py, |c| c.group_for(Some(layer))).py()
     }
 
     /// The fp8 key scales, [num_layers, num_kv_heads] float32 (None for other dtypes).
@@ -432,7 +437,7 @@ impl PyBlockPool {
     fn scale_cache<'py>(slf: &Bound<'py, Self>, layer: i64) -> PyResult<Bound<'py, PyAny>> {
         let me = slf.get();
         let sh = me.shape;
-        let layer = crate::error::check_index("layer", layer, sh.num_layers)?;
+        let layer = kvrs::unstable::check_index("layer", layer, sh.num_layers).py()?;
         if sh.v_head_dim != sh.head_dim {
             return Err(KvError::InvalidArgument {
                 name: "layer",
@@ -447,7 +452,7 @@ impl PyBlockPool {
                     sh.scale_unit()
                 ),
             }
-            .into());
+            .py());
         }
         let (tensor, rows) = me.core.read(slf.py(), |c| {
             (c.tensor_of(layer), c.row_scales().map(|r| r.ptr as usize))
@@ -458,7 +463,7 @@ impl PyBlockPool {
                  k_scale and v_scale)",
                 me.dtype
             ))
-            .into());
+            .py());
         };
         let d5 = sh.layer_tensor_shape();
         let dims = [d5[0], d5[1], d5[2], d5[3]];
@@ -540,7 +545,7 @@ impl PyBlockPool {
         if ids.is_empty() {
             return Ok(0);
         }
-        Ok(slf.get().core.write(slf.py(), |c| c.pack_states(&ids))?)
+        slf.get().core.write(slf.py(), |c| c.pack_states(&ids)).py()
     }
 
     /// Zero-copy writable views (K, V) of one layer's cache tensor: FlashInfer's separate
@@ -549,7 +554,7 @@ impl PyBlockPool {
     /// swaps the middle axes).
     fn kv_cache_parts<'py>(slf: &Bound<'py, Self>, layer: i64) -> PyResult<Bound<'py, PyTuple>> {
         let sh = slf.get().shape;
-        let layer = crate::error::check_index("layer", layer, sh.num_layers)?;
+        let layer = kvrs::unstable::check_index("layer", layer, sh.num_layers).py()?;
         let tensor = slf.get().core.read(slf.py(), |c| c.tensor_of(layer));
         let part = |kv: Kv| {
             let (dims, strides) = sh.part_tensor_shape(kv);
@@ -574,9 +579,9 @@ impl PyBlockPool {
                     sh.head_dim, sh.v_head_dim
                 ),
             }
-            .into());
+            .py());
         }
-        let layer = crate::error::check_index("layer", layer, sh.num_layers)?;
+        let layer = kvrs::unstable::check_index("layer", layer, sh.num_layers).py()?;
         let tensor = slf.get().core.read(slf.py(), |c| c.tensor_of(layer));
         let dims = sh.layer_tensor_shape();
         let mut strides = [1usize; 5];
@@ -635,10 +640,12 @@ impl PyBlockPool {
         if pool.states.is_some() {
             // No prefix cache and no tiers: the state slot is the only thing to check.
             let t = tokens.map(|t| read_token_ids(t, "tokens")).transpose()?;
-            let seq = pool.write(py, |c| {
-                c.check_state_room(1, || "starting a sequence".into())?;
-                Ok::<_, KvError>(c.new_sequence_owning(t.unwrap_or_default(), &ns, &extra))
-            })?;
+            let seq = pool
+                .write(py, |c| {
+                    c.check_state_room(1, || "starting a sequence".into())?;
+                    Ok::<_, KvError>(c.new_sequence_owning(t.unwrap_or_default(), &ns, &extra))
+                })
+                .py()?;
             return Ok(Self::sequence(slf, seq));
         }
         let id = match tokens {
@@ -647,7 +654,7 @@ impl PyBlockPool {
                 // A tier lookup in three steps: planned under the pool's lock, fetched
                 // without it and without the GIL, committed under the lock; long prompts
                 // take a while to hash: without the GIL too.
-                let limit = crate::paged::caching::prompt_limit(&t);
+                let limit = kvrs::unstable::prompt_limit(&t);
                 let lookup = if pool.read(py, |c| c.tiers().is_some()) {
                     pool.read_moving(py, 4 * t.len(), |c| {
                         c.plan_tier_lookup(&t, &ns, &extra, limit)
@@ -703,11 +710,13 @@ impl PyBlockPool {
             let fetched = lookup.map(|l| py.detach(|| l.fetch()));
             Ok(self
                 .core
-                .write_detached(py, |c| c.prefetch_fetched(fetched, &t, &ns, &extra))?)
+                .write_detached(py, |c| c.prefetch_fetched(fetched, &t, &ns, &extra))
+                .py()?)
         } else {
             Ok(self
                 .core
-                .write_detached(py, |c| c.prefetch_async(&t, &ns, &extra))?)
+                .write_detached(py, |c| c.prefetch_async(&t, &ns, &extra))
+                .py()?)
         }
     }
 
@@ -716,11 +725,14 @@ impl PyBlockPool {
     /// layers); returns how many blocks were queued. flush_tiers() waits for them.
     fn store_to_tiers(slf: &Bound<'_, Self>, seqs: &Bound<'_, PyAny>) -> PyResult<usize> {
         let ids = Self::ids(slf, seqs, "seqs")?;
-        Ok(slf.get().core.read(slf.py(), |c| {
-            ids.iter()
-                .map(|&id| c.store_to_tiers(id))
-                .sum::<crate::error::Result<usize>>()
-        })?)
+        slf.get()
+            .core
+            .read(slf.py(), |c| {
+                ids.iter()
+                    .map(|&id| c.store_to_tiers(id))
+                    .sum::<kvrs::Result<usize>>()
+            })
+            .py()
     }
 
     /// Waits until every block queued for the offload tiers is written (or refused).
@@ -739,10 +751,13 @@ impl PyBlockPool {
         namespace: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
         let ns = key_bytes(namespace, "namespace")?;
-        let (ts, prefix) = self.core.read(py, |c| {
-            let prefix = c.tier_namespace_prefix(&ns)?;
-            Ok::<_, KvError>((c.tiers().cloned(), prefix))
-        })?;
+        let (ts, prefix) = self
+            .core
+            .read(py, |c| {
+                let prefix = c.tier_namespace_prefix(&ns)?;
+                Ok::<_, KvError>((c.tiers().cloned(), prefix))
+            })
+            .py()?;
         // Tier I/O without the pool's lock and without the GIL.
         Ok(ts.map_or(0, |ts| py.detach(|| ts.drop_namespace(&prefix))))
     }
@@ -758,9 +773,9 @@ impl PyBlockPool {
         extra_key: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
         let (t, ns, extra) = prefix_args(tokens, namespace, extra_key)?;
-        Ok(self
-            .core
-            .write_moving(py, 4 * t.len(), |c| c.pin(&t, &ns, &extra))?)
+        self.core
+            .write_moving(py, 4 * t.len(), |c| c.pin(&t, &ns, &extra))
+            .py()
     }
 
     /// Undoes one pin() of the same prefix; returns the tokens unpinned.
@@ -773,9 +788,9 @@ impl PyBlockPool {
         extra_key: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
         let (t, ns, extra) = prefix_args(tokens, namespace, extra_key)?;
-        Ok(self
-            .core
-            .write_moving(py, 4 * t.len(), |c| c.unpin(&t, &ns, &extra))?)
+        self.core
+            .write_moving(py, 4 * t.len(), |c| c.unpin(&t, &ns, &extra))
+            .py()
     }
 
     /// Drops every cached block no sequence holds; returns how many.
@@ -787,7 +802,7 @@ impl PyBlockPool {
     /// dicts (type 'stored' or 'removed', block_hash and parent_hash as 32-digit hex,
     /// num_tokens, block_id).
     fn drain_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let events = self.core.write(py, |c| c.drain_events())?;
+        let events = self.core.write(py, |c| c.drain_events()).py()?;
         let out = PyList::empty(py);
         for e in events {
             let d = PyDict::new(py);
@@ -842,7 +857,7 @@ impl PyBlockPool {
     /// ValueError naming both (one model's cached K/V are never served to another). A
     /// pool without model_id takes the fingerprint as its model_id.
     fn bind_model(&self, py: Python<'_>, fingerprint: &str) -> PyResult<()> {
-        Ok(self.core.write(py, |c| c.bind_model(fingerprint))?)
+        self.core.write(py, |c| c.bind_model(fingerprint)).py()
     }
 
     /// The fingerprint of the model the pool is bound to (bind_model), or None.
@@ -865,8 +880,9 @@ impl PyBlockPool {
         // A copy under the pool's lock; the file is written after it is released.
         let snapshot = self
             .core
-            .read_moving(py, usize::MAX, |c| c.snapshot_prefix_cache())?;
-        Ok(py.detach(|| snapshot.write(&path))?)
+            .read_moving(py, usize::MAX, |c| c.snapshot_prefix_cache())
+            .py()?;
+        py.detach(|| snapshot.write(&path)).py()
     }
 
     /// Warms the prefix cache from a file written by save_prefix_cache() of a pool with
@@ -881,13 +897,18 @@ impl PyBlockPool {
     ) -> PyResult<Bound<'py, PyDict>> {
         // The file is read and checked whole without the pool's lock (and the GIL); only
         // loading the checked blocks takes the lock.
-        let config = self.core.read(py, |c| c.prefix_file_config())?;
-        let file = py.detach(|| -> crate::error::Result<_> {
-            config.check(&path, crate::prefix::persist::read_file(&path)?)
-        })?;
-        let (r, states) = self.core.write_detached(py, |c| {
-            c.commit_file(file).map(|r| (r, c.states().is_some()))
-        })?;
+        let config = self.core.read(py, |c| c.prefix_file_config()).py()?;
+        let file = py
+            .detach(|| -> kvrs::Result<_> {
+                config.check(&path, kvrs::unstable::read_file(&path)?)
+            })
+            .py()?;
+        let (r, states) = self
+            .core
+            .write_detached(py, |c| {
+                c.commit_file(file).map(|r| (r, c.states().is_some()))
+            })
+            .py()?;
         let d = PyDict::new(py);
         d.set_item("loaded", r.loaded)?;
         d.set_item("skipped", r.skipped)?;
@@ -905,13 +926,16 @@ impl PyBlockPool {
         n: i64,
     ) -> PyResult<()> {
         let (s, d) = (Self::id_of(slf, src, "src")?, Self::id_of(slf, dst, "dst")?);
-        Ok(slf.get().core.write(slf.py(), |c| c.copy_prefix(s, d, n))?)
+        slf.get()
+            .core
+            .write(slf.py(), |c| c.copy_prefix(s, d, n))
+            .py()
     }
 
     /// Frees every sequence of the pool not in `seqs`.
     fn keep(slf: &Bound<'_, Self>, seqs: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = Self::ids(slf, seqs, "seqs")?;
-        Ok(slf.get().core.write(slf.py(), |c| c.keep(&ids))?)
+        slf.get().core.write(slf.py(), |c| c.keep(&ids)).py()
     }
 
     /// Reserves room for counts[i] new tokens at the end of each sequence (all or nothing)
@@ -924,10 +948,14 @@ impl PyBlockPool {
     ) -> PyResult<Bound<'py, PyAny>> {
         let ids = Self::ids(slf, seqs, "seqs")?;
         let counts = read_ints(counts, "counts")?;
-        let (slots, groups) = slf.get().core.write(slf.py(), |c| {
-            c.reserve(&ids, &counts)
-                .map(|s| (s, c.groups().groups.len()))
-        })?;
+        let (slots, groups) = slf
+            .get()
+            .core
+            .write(slf.py(), |c| {
+                c.reserve(&ids, &counts)
+                    .map(|s| (s, c.groups().groups.len()))
+            })
+            .py()?;
         slot_array(slf.py(), slots, groups)
     }
 
@@ -946,9 +974,11 @@ impl PyBlockPool {
         );
         let slots = read_ints(slot_mapping, "slot_mapping")?;
         let (kt, vt) = (k.tensor(), v.tensor());
-        self.core.write_moving(py, kt.nbytes() + vt.nbytes(), |c| {
-            c.write(layer, &kt, &vt, &slots)
-        })?;
+        self.core
+            .write_moving(py, kt.nbytes() + vt.nbytes(), |c| {
+                c.write(layer, &kt, &vt, &slots)
+            })
+            .py()?;
         Ok(())
     }
 
@@ -960,7 +990,7 @@ impl PyBlockPool {
     #[pyo3(signature = (stream))]
     fn set_stream(&self, py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let stream = super::args::parse_stream(stream)?;
-        Ok(self.core.read(py, |c| c.set_stream(stream))?)
+        self.core.read(py, |c| c.set_stream(stream)).py()
     }
 
     /// Scatters every layer in one call (one launch on a CUDA pool): k, v
@@ -982,7 +1012,8 @@ impl PyBlockPool {
         let (kl, vl) = (k.layers(), v.layers());
         let bytes = kl.iter().chain(&vl).map(|t| t.nbytes()).sum();
         self.core
-            .write_moving(py, bytes, |c| c.write_layers(&kl, &vl, &slots))?;
+            .write_moving(py, bytes, |c| c.write_layers(&kl, &vl, &slots))
+            .py()?;
         Ok(())
     }
 
@@ -998,7 +1029,8 @@ impl PyBlockPool {
         let (indptr, indices, last) = slf
             .get()
             .core
-            .read(py, |c| c.page_table(&ids, c.group_for(layer)?))?;
+            .read(py, |c| c.page_table(&ids, c.group_for(layer)?))
+            .py()?;
         PyTuple::new(
             py,
             [
@@ -1022,7 +1054,8 @@ impl PyBlockPool {
         let (flat, width) = slf
             .get()
             .core
-            .read(slf.py(), |c| c.block_tables(&ids, c.group_for(layer)?, pad))?;
+            .read(slf.py(), |c| c.block_tables(&ids, c.group_for(layer)?, pad))
+            .py()?;
         PyArray1::from_vec(slf.py(), flat).reshape([ids.len(), width])
     }
 
@@ -1044,9 +1077,11 @@ impl PyBlockPool {
         let positions = positions.map(|p| read_ints(p, "positions")).transpose()?;
         let tokens = tokens.map(|t| read_token_ids(t, "tokens")).transpose()?;
         let core = &slf.get().core;
-        let plan = core.write(slf.py(), |c| {
-            c.start_forward(&ids, positions.as_deref(), tokens.as_deref())
-        })?;
+        let plan = core
+            .write(slf.py(), |c| {
+                c.start_forward(&ids, positions.as_deref(), tokens.as_deref())
+            })
+            .py()?;
         if draft {
             plan.mark_draft();
         }

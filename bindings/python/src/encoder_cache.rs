@@ -5,15 +5,13 @@ use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
 use super::args::{parse_device, parse_dtype};
+use super::errors::ToPython;
 use super::guarded::Guarded;
 use super::input::{read_tensor, Target};
 use super::kv_cache::{layer_view, Copied};
 use super::quant::{dequantized_pair, layer_scales, parse_scales, scale_property, LayerScales};
-use crate::dtype::DType;
-use crate::encoder_cache::EncoderCache;
-use crate::error::check_size;
-use crate::kv_cache::{CacheShape, Kv};
-use crate::storage::Device;
+use kvrs::unstable::{check_size, CacheShape, EncoderCache};
+use kvrs::{DType, Device, Kv};
 
 /// Position-independent K/V of one encoder input (cross-attention): each layer is
 /// written once with `set`, read by every decode step with `get`, and has no causal mask.
@@ -60,18 +58,18 @@ impl PyEncoderCache {
         v_scale: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let shape = CacheShape {
-            num_layers: check_size("num_layers", num_layers)?,
-            num_kv_heads: check_size("num_kv_heads", num_kv_heads)?,
-            head_dim: check_size("head_dim", head_dim)?,
-            v_head_dim: check_size("v_head_dim", v_head_dim.unwrap_or(head_dim))?,
-            max_seq_len: check_size("max_len", max_len)?,
+            num_layers: check_size("num_layers", num_layers).py()?,
+            num_kv_heads: check_size("num_kv_heads", num_kv_heads).py()?,
+            head_dim: check_size("head_dim", head_dim).py()?,
+            v_head_dim: check_size("v_head_dim", v_head_dim.unwrap_or(head_dim)).py()?,
+            max_seq_len: check_size("max_len", max_len).py()?,
         };
         let dtype = dtype.map(parse_dtype).transpose()?.unwrap_or(DType::F16);
         let device = device.map(parse_device).transpose()?.unwrap_or(Device::Cpu);
         // The sizes are checked (and the storage allocated) before the scales are read.
-        let cache = EncoderCache::new(shape, dtype, device)?;
+        let cache = EncoderCache::new(shape, dtype, device).py()?;
         let scales = parse_scales(k_scale, v_scale, shape.num_layers, shape.num_kv_heads)?;
-        let cache = cache.with_scales(scales)?;
+        let cache = cache.with_scales(scales).py()?;
         let data = cache.cache().data_ptr() as usize;
         let target = Target {
             device,
@@ -152,9 +150,9 @@ impl PyEncoderCache {
 
     /// Whether `layer` holds its K/V.
     fn is_set(&self, py: Python<'_>, layer: i64) -> PyResult<bool> {
-        Ok(self
-            .core
-            .read(py, |c| c.cache().check_layer(layer).map(|l| c.is_set(l)))?)
+        self.core
+            .read(py, |c| c.cache().check_layer(layer).map(|l| c.is_set(l)))
+            .py()
     }
 
     /// Writes `layer`'s K and V ([n, num_kv_heads, head_dim], the same n for every layer),
@@ -171,9 +169,9 @@ impl PyEncoderCache {
             read_tensor(v, "v", &self.target)?,
         );
         let (kt, vt) = (k.tensor(), v.tensor());
-        Ok(self
-            .core
-            .write_moving(py, kt.nbytes() + vt.nbytes(), |c| c.set(layer, &kt, &vt))?)
+        self.core
+            .write_moving(py, kt.nbytes() + vt.nbytes(), |c| c.set(layer, &kt, &vt))
+            .py()
     }
 
     /// The fp8 key scales, [num_layers, num_kv_heads] float32 (None for other dtypes).
@@ -193,10 +191,14 @@ impl PyEncoderCache {
     /// The scales (K, V) that multiply `get(layer)`'s codes: int8, zero-copy read-only
     /// views [num_kv_heads, length]; fp8, [num_kv_heads, 1]; float dtypes, ones.
     fn scales<'py>(slf: &Bound<'py, Self>, layer: i64) -> PyResult<Bound<'py, PyTuple>> {
-        let scales = slf.get().core.read(slf.py(), |c| {
-            let cache = c.cache();
-            cache.check_layer(layer).map(|l| LayerScales::of(cache, l))
-        })?;
+        let scales = slf
+            .get()
+            .core
+            .read(slf.py(), |c| {
+                let cache = c.cache();
+                cache.check_layer(layer).map(|l| LayerScales::of(cache, l))
+            })
+            .py()?;
         layer_scales(slf.as_any(), scales)
     }
 
@@ -212,17 +214,20 @@ impl PyEncoderCache {
     ) -> PyResult<Bound<'py, PyTuple>> {
         let me = slf.get();
         let py = slf.py();
-        let (layer, len) = me.core.read(py, |c| {
-            let l = c.cache().check_layer(layer)?;
-            if !c.is_set(l) {
-                return Err(crate::error::KvError::InvalidArgument {
-                    name: "layer",
-                    value: l.to_string(),
-                    reason: "is not set yet".into(),
-                });
-            }
-            Ok((l, c.cache().layer_len(l)))
-        })?;
+        let (layer, len) = me
+            .core
+            .read(py, |c| {
+                let l = c.cache().check_layer(layer)?;
+                if !c.is_set(l) {
+                    return Err(kvrs::KvError::InvalidArgument {
+                        name: "layer",
+                        value: l.to_string(),
+                        reason: "is not set yet".into(),
+                    });
+                }
+                Ok((l, c.cache().layer_len(l)))
+            })
+            .py()?;
         if copy && !dequantize {
             let what = Copied {
                 device: me.device,

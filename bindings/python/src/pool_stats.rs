@@ -4,7 +4,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::tiers::TierSnapshot;
-use crate::paged::PoolStats;
+use kvrs::PoolStats;
 
 /// The dict `stats()` returns: occupancy, prefix-cache counters, per-kind usage and,
 /// with tiers, their counters (see the README's `pool.stats()` row).

@@ -7,7 +7,8 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::paged::{ForwardPlan, MaskInput, PlanMask};
+use super::errors::ToPython;
+use kvrs::unstable::{ForwardPlan, MaskInput, PlanMask};
 
 /// Packs the mask a call was given (at most one of the two forms) for `plan`.
 pub fn read_mask(
@@ -24,11 +25,11 @@ pub fn read_mask(
             let bytes = flat_bytes(m, "custom_mask", b'b', "bool")?;
             // A bool array's bytes are 0 or 1 (numpy guarantees it for its bool dtype).
             let flat: Vec<bool> = bytes.iter().map(|&b| b != 0).collect();
-            Ok(Some(plan.custom_mask(MaskInput::Flat(&flat))?))
+            Ok(Some(plan.custom_mask(MaskInput::Flat(&flat)).py()?))
         }
         (None, Some(m)) => {
             let bytes = flat_bytes(m, "packed_custom_mask", b'u', "uint8")?;
-            Ok(Some(plan.custom_mask(MaskInput::Packed(&bytes))?))
+            Ok(Some(plan.custom_mask(MaskInput::Packed(&bytes)).py()?))
         }
     }
 }

@@ -5,11 +5,11 @@ use numpy::{PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::intern;
 use pyo3::prelude::*;
 
+use super::errors::ToPython;
 use super::input::{read_tensor, Target};
 use super::output::{new_output, writable};
-use crate::attention::AttnOptions;
-use crate::error::{KvError, Result};
-use crate::tensor::{TensorMut, TensorRef};
+use kvrs::unstable::{TensorMut, TensorRef};
+use kvrs::{AttnOptions, KvError, Result};
 
 /// The model-specific options of an attention call, owned.
 pub struct AttnArgs {
@@ -44,7 +44,7 @@ impl AttnArgs {
     /// Elements per output head of attention over K/V heads of `head_dim` and
     /// `v_head_dim`: the values', or the latent's for latent attention.
     pub fn out_dim(&self, head_dim: usize, v_head_dim: usize) -> usize {
-        let heads = crate::attention::KvHeads {
+        let heads = kvrs::unstable::KvHeads {
             num_kv_heads: 1,
             head_dim,
             v_head_dim,
@@ -86,9 +86,9 @@ fn floats(obj: &Bound<'_, PyAny>, name: &'static str) -> PyResult<Vec<f32>> {
             got: arr.shape().to_vec(),
             expected: "[num_q_heads] (1-D)".into(),
         }
-        .into());
+        .py());
     }
-    let mut v = crate::sizes::with_capacity(name, arr.len())?;
+    let mut v = kvrs::unstable::sizes::with_capacity(name, arr.len()).py()?;
     v.extend(arr.as_array().iter().copied());
     Ok(v)
 }
@@ -118,6 +118,6 @@ pub fn run<'py>(
             new_output(py, target.device, qt.dtype(), &shape)?
         }
     };
-    f(&qt, &mut o.tensor())?;
+    f(&qt, &mut o.tensor()).py()?;
     Ok(o.into_object())
 }

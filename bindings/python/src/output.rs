@@ -7,12 +7,11 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 
 use super::device_tensor::PyDeviceTensor;
+use super::errors::ToPython;
 use super::input::{read_writable, Target};
 use super::views::new_array;
-use crate::dtype::DType;
-use crate::error::KvError;
-use crate::storage::Device;
-use crate::tensor::TensorMut;
+use kvrs::unstable::TensorMut;
+use kvrs::{DType, Device, KvError};
 
 /// NumPy's flag of a writable array.
 const NPY_ARRAY_WRITEABLE: i32 = 0x0400;
@@ -58,7 +57,7 @@ pub fn writable<'py>(
                 value: "a read-only array".into(),
                 reason: "must be writable".into(),
             }
-            .into());
+            .py());
         }
         let d = arr.dtype();
         if d.is_native_byteorder() == Some(false) {
@@ -70,7 +69,7 @@ pub fn writable<'py>(
                          pass an array of dtype.newbyteorder('=')"
                     .into(),
             }
-            .into());
+            .py());
         }
     }
     let tensor = read_writable(obj, name, target.device)?;
@@ -82,7 +81,7 @@ pub fn writable<'py>(
                      would land in one element; pass a separate array"
                 .into(),
         }
-        .into());
+        .py());
     }
     if target.overlaps(tensor.device(), &tensor.span()) {
         return Err(KvError::InvalidArgument {
@@ -92,7 +91,7 @@ pub fn writable<'py>(
                      overwritten); pass a separate array"
                 .into(),
         }
-        .into());
+        .py());
     }
     Ok(Output {
         obj: obj.clone(),
@@ -113,7 +112,9 @@ pub fn new_output<'py>(
             let (arr, data) = new_array(py, dtype, shape)?;
             // SAFETY: a fresh C-contiguous array of exactly this shape, held in the
             // Output beside the tensor.
-            (arr, unsafe { TensorMut::contiguous(data, dtype, shape)? })
+            (arr, unsafe {
+                TensorMut::contiguous(data, dtype, shape).py()?
+            })
         }
         Device::Cuda(ordinal) => PyDeviceTensor::fresh(py, ordinal, dtype, shape)?,
     };

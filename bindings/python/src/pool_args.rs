@@ -7,13 +7,9 @@ use pyo3::prelude::*;
 
 use super::input::read_token_ids;
 
-use crate::bytes::parse_size;
-use crate::dtype::DType;
-use crate::error::{check_count, check_size, KvError};
-use crate::layout::PagedShape;
-use crate::paged::{Attention, LayerKind, PrefixConfig};
-use crate::prefix::HashKind;
-use crate::sizes;
+use super::errors::ToPython;
+use kvrs::unstable::{check_count, check_size, parse_size, sizes};
+use kvrs::{Attention, DType, HashKind, KvError, LayerKind, PagedShape, PrefixConfig};
 
 /// Each layer's kind from `layer_types` (default: all full attention) with the window,
 /// chunk and extra memory of windowed layers, validated for `num_layers` layers.
@@ -30,24 +26,27 @@ pub fn attention(
             Some(names) => names
                 .iter()
                 .map(|n| n.parse::<LayerKind>())
-                .collect::<Result<_, _>>()?,
+                .collect::<Result<_, _>>()
+                .py()?,
         },
         sliding_window: sliding_window
             .map(|w| check_size("sliding_window", w))
-            .transpose()?,
+            .transpose()
+            .py()?,
         chunk_size: chunk_size
             .map(|c| check_size("chunk_size", c))
-            .transpose()?,
-        swa_memory: check_count("swa_memory", swa_memory)?,
+            .transpose()
+            .py()?,
+        swa_memory: check_count("swa_memory", swa_memory).py()?,
     };
-    attention.validate(num_layers)?;
+    attention.validate(num_layers).py()?;
     Ok(attention)
 }
 
 /// Bytes of one block id of a pool of `shape` and `dtype` with `tensors` cache tensors (a
 /// block of each layer of a group, K and V); fails past the address space.
 pub fn block_bytes(tensors: usize, shape: &PagedShape, dtype: DType) -> PyResult<usize> {
-    Ok(sizes::kv_bytes(
+    sizes::kv_bytes(
         "one block",
         &[
             ("", tensors),
@@ -56,7 +55,8 @@ pub fn block_bytes(tensors: usize, shape: &PagedShape, dtype: DType) -> PyResult
         ],
         [shape.head_dim, shape.v_head_dim],
         dtype,
-    )?)
+    )
+    .py()
 }
 
 /// The number of blocks: exactly one of `num_blocks` and `memory_bytes` (an int or a size
@@ -68,7 +68,7 @@ pub fn num_blocks(
     reserved: usize,
 ) -> PyResult<usize> {
     match (num_blocks, memory_bytes) {
-        (Some(n), None) => Ok(check_size("num_blocks", n)?),
+        (Some(n), None) => Ok(check_size("num_blocks", n).py()?),
         (None, Some(m)) => {
             let bytes = match m.extract::<i64>() {
                 Ok(b) if b >= 0 => b as usize,
@@ -78,9 +78,9 @@ pub fn num_blocks(
                         value: b.to_string(),
                         reason: "must be >= 0".into(),
                     }
-                    .into())
+                    .py())
                 }
-                Err(_) => parse_size(&m.str()?.to_string())?,
+                Err(_) => parse_size(&m.str()?.to_string()).py()?,
             };
             if bytes < reserved.saturating_add(per_block) {
                 let states = if reserved > 0 {
@@ -95,7 +95,7 @@ pub fn num_blocks(
                         "holds no block{states}: one block id (a block of each layer of a group) takes {per_block} bytes"
                     ),
                 }
-                .into());
+                .py());
             }
             Ok((bytes - reserved) / per_block)
         }
@@ -104,7 +104,7 @@ pub fn num_blocks(
             value: num_blocks.map_or("None".into(), |n| n.to_string()),
             reason: "give exactly one of num_blocks and memory_bytes".into(),
         }
-        .into()),
+        .py()),
     }
 }
 
@@ -117,7 +117,7 @@ pub fn prefix(
     partial_hits: bool,
     events: bool,
 ) -> PyResult<Option<PrefixConfig>> {
-    let hash: HashKind = hash.parse()?;
+    let hash: HashKind = hash.parse().py()?;
     if !on {
         return Ok(None);
     }
@@ -126,7 +126,8 @@ pub fn prefix(
         None => {
             let mut b = [0u8; 16];
             getrandom::fill(&mut b)
-                .map_err(|e| KvError::Device(format!("no OS randomness for the hash seed: {e}")))?;
+                .map_err(|e| KvError::Device(format!("no OS randomness for the hash seed: {e}")))
+                .py()?;
             u128::from_le_bytes(b)
         }
     };
@@ -160,7 +161,7 @@ pub fn parse_seed(obj: &Bound<'_, PyAny>) -> PyResult<u128> {
         return ok
             .then(|| u128::from_str_radix(digits, 16).ok())
             .flatten()
-            .ok_or_else(|| bad(format!("{text:?}")).into());
+            .ok_or_else(|| bad(format!("{text:?}")).py());
     }
     let integer = !obj.is_instance_of::<pyo3::types::PyBool>()
         && obj.hasattr(pyo3::intern!(obj.py(), "__index__"))?;
@@ -171,8 +172,7 @@ pub fn parse_seed(obj: &Bound<'_, PyAny>) -> PyResult<u128> {
         )));
     }
     // Any integer type (`int`, `numpy.int64`) through `__index__`.
-    obj.extract::<u128>()
-        .map_err(|_| bad(obj.to_string()).into())
+    obj.extract::<u128>().map_err(|_| bad(obj.to_string()).py())
 }
 
 /// Reads a namespace or extra key: None, str (as UTF-8) or bytes.

@@ -9,12 +9,12 @@ use std::time::Duration;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use crate::bytes::parse_size;
-use crate::error::KvError;
-use crate::paged::PoolCore;
-use crate::tier::{DiskTier, HostTier, Tier};
+use super::errors::ToPython;
+use kvrs::tier::{DiskTier, HostTier, Tier};
 #[cfg(feature = "redis")]
-use crate::tier::{RedisTier, TlsOptions};
+use kvrs::tier::{RedisTier, TlsOptions};
+use kvrs::unstable::{parse_size, PoolCore};
+use kvrs::KvError;
 
 /// `max_bytes` (an int or a size such as "8GiB") as a positive byte count.
 fn byte_bound(max_bytes: &Bound<'_, PyAny>) -> PyResult<u64> {
@@ -31,9 +31,9 @@ pub fn size_arg(name: &'static str, value: &Bound<'_, PyAny>) -> PyResult<u64> {
                 value: b.to_string(),
                 reason: "must be > 0".into(),
             }
-            .into())
+            .py())
         }
-        Err(_) => parse_size(&value.str()?.to_string())?,
+        Err(_) => parse_size(&value.str()?.to_string()).py()?,
     };
     if bytes == 0 {
         return Err(KvError::InvalidArgument {
@@ -41,7 +41,7 @@ pub fn size_arg(name: &'static str, value: &Bound<'_, PyAny>) -> PyResult<u64> {
             value: "0".into(),
             reason: "must be > 0".into(),
         }
-        .into());
+        .py());
     }
     Ok(bytes as u64)
 }
@@ -125,7 +125,7 @@ impl PyDiskTier {
     #[pyo3(signature = (path, max_bytes))]
     fn new(path: PathBuf, max_bytes: &Bound<'_, PyAny>) -> PyResult<Self> {
         Ok(PyDiskTier {
-            tier: Arc::new(DiskTier::open(path, byte_bound(max_bytes)?)?),
+            tier: Arc::new(DiskTier::open(path, byte_bound(max_bytes)?).py()?),
         })
     }
 
@@ -203,7 +203,7 @@ fn seconds(name: &'static str, s: f64) -> PyResult<Duration> {
                 Duration::MAX.as_secs()
             ),
         }
-        .into()),
+        .py()),
     }
 }
 
@@ -242,7 +242,7 @@ impl PyRedisTier {
                 value: "0".into(),
                 reason: "must be >= 1 second, or None for no expiry".into(),
             }
-            .into());
+            .py());
         }
         let tls = TlsOptions {
             ca: tls_ca,
@@ -265,16 +265,17 @@ impl PyRedisTier {
                     reason: "TLS is supported on one server (rediss://), not on a cluster yet"
                         .into(),
                 }
-                .into())
+                .py())
             }
             true => {
                 let seeds: Vec<&str> = urls.iter().map(String::as_str).collect();
-                RedisTier::cluster(&seeds, timeout, ttl, max_idle, retry_after)?
+                RedisTier::cluster(&seeds, timeout, ttl, max_idle, retry_after).py()?
             }
             false if urls.len() == 1 => {
                 // Reads the trust roots and the files: without the GIL.
                 let url = &urls[0];
-                py.detach(|| RedisTier::with_tls(url, timeout, ttl, max_idle, retry_after, &tls))?
+                py.detach(|| RedisTier::with_tls(url, timeout, ttl, max_idle, retry_after, &tls))
+                    .py()?
             }
             false => {
                 return Err(KvError::InvalidArgument {
@@ -282,7 +283,7 @@ impl PyRedisTier {
                     value: format!("a list of {} URLs", urls.len()),
                     reason: "several URLs are a cluster's seeds: cluster=False takes one".into(),
                 }
-                .into())
+                .py())
             }
         };
         Ok(PyRedisTier {
@@ -350,7 +351,7 @@ impl PyRedisTier {
              rediss://), as the released wheels are: maturin reads them from pyproject.toml"
                 .into(),
         )
-        .into())
+        .py())
     }
 }
 
@@ -414,7 +415,7 @@ pub fn parse_tiers(tiers: Option<&Bound<'_, PyList>>) -> PyResult<Vec<Arc<dyn Ti
 
 /// What `BlockPool.stats()` reports of the tiers, read under the pool's lock as plain
 /// data (the dicts are built after it is released).
-/// A tier's name, counters ([`crate::tier::TierCounters::snapshot`]) and last error.
+/// A tier's name, counters ([`kvrs::tier::TierCounters::snapshot`]) and last error.
 type TierCountersSnapshot = (String, [(&'static str, u64); 8], Option<String>);
 
 pub struct TierSnapshot {
@@ -491,7 +492,7 @@ pub fn tier_stats<'py>(
 
 /// The tokens the pool itself (first entry, named "pool") and each tier served when
 /// sequence `s` started, read under the pool's lock.
-pub fn cached_by_tier(pool: &PoolCore, s: &crate::paged::SeqState) -> Vec<(String, usize)> {
+pub fn cached_by_tier(pool: &PoolCore, s: &kvrs::unstable::SeqState) -> Vec<(String, usize)> {
     let from_tiers: usize = s.tier_tokens.iter().sum();
     let mut out = vec![("pool".to_string(), s.num_cached_tokens - from_tiers)];
     if let Some(ts) = pool.tiers() {
@@ -511,6 +512,6 @@ pub fn cached_by_tier(pool: &PoolCore, s: &crate::paged::SeqState) -> Vec<(Strin
 /// may never drop) still leaves its written-through blocks in its tiers.
 #[pyfunction]
 pub fn _flush_tiers_at_exit(py: Python<'_>) -> bool {
-    let deadline = std::time::Instant::now() + crate::tier::writer::DROP_DEADLINE;
-    py.detach(|| crate::tier::writer::flush_all(deadline))
+    let deadline = std::time::Instant::now() + kvrs::unstable::DROP_DEADLINE;
+    py.detach(|| kvrs::tier::flush_all(deadline))
 }

@@ -1,5 +1,5 @@
 //! `kvrs.PageStore`: an inference engine's own KV pages in kvrs tiers, sealed and
-//! verified (the core is `crate::tier::PageStore`). Pages are read from and written to
+//! verified (the core is `kvrs::tier::PageStore`). Pages are read from and written to
 //! the caller's buffers in place, in one batched call per tier, without the GIL.
 
 use std::sync::Arc;
@@ -8,10 +8,11 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString};
 
+use super::errors::ToPython;
 use super::page_bytes::{read_page, PageBytes};
 use super::tiers::{parse_tiers, secret};
-use crate::tier::writer::WritePolicy;
-use crate::tier::PageStore;
+use kvrs::tier::PageStore;
+use kvrs::WritePolicy;
 
 /// Engine-owned KV pages (opaque bytes in the engine's page layout) stored in kvrs tiers
 /// (`HostTier`, `DiskTier`, `RedisTier`; fastest first), each sealed in a kvrs payload
@@ -125,7 +126,7 @@ impl PyPageStore {
                 "write={write:?}: must be 'all' (every tier) or 'first' (the first tier that takes a page)"
             ))
         })?;
-        let store = PageStore::new(tiers, secret.as_deref(), &facts, policy)?;
+        let store = PageStore::new(tiers, secret.as_deref(), &facts, policy).py()?;
         Ok(PyPageStore {
             store: Arc::new(store),
             facts,
@@ -169,7 +170,7 @@ impl PyPageStore {
         let keys = keys_arg(keys)?;
         let pages = pages_arg(pages, "pages", keys.len(), false)?;
         for (i, p) in pages.iter().enumerate() {
-            self.store.check_len("pages", i, p.bytes().len())?;
+            self.store.check_len("pages", i, p.bytes().len()).py()?;
         }
         let slices: Vec<&[u8]> = pages.iter().map(PageBytes::bytes).collect();
         let ks: Vec<&str> = keys.iter().map(String::as_str).collect();
@@ -193,7 +194,7 @@ impl PyPageStore {
         let keys = keys_arg(keys)?;
         let mut bufs = pages_arg(buffers, "buffers", keys.len(), true)?;
         for (i, b) in bufs.iter().enumerate() {
-            self.store.check_len("buffers", i, b.bytes().len())?;
+            self.store.check_len("buffers", i, b.bytes().len()).py()?;
             if let Some(j) = bufs[..i].iter().position(|o| o.overlaps(b)) {
                 return Err(PyValueError::new_err(format!(
                     "buffers[{i}] shares memory with buffers[{j}]: give each key its own"

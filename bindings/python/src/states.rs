@@ -1,4 +1,4 @@
-//! The Python face of a pool's recurrent state slots ([`crate::paged::states`]): the
+//! The Python face of a pool's recurrent state slots (the core's `paged::states`): the
 //! constructor's `state_*` arguments, and zero-copy views of one sequence's states or of
 //! a whole state layer, keyed by state name.
 
@@ -6,11 +6,10 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::args::parse_dtype;
+use super::errors::ToPython;
 use super::views::borrowed_view;
-use crate::dtype::DType;
-use crate::error::{check_index, check_size, KvError};
-use crate::paged::{PoolCore, StateConfig, StateSpec};
-use crate::storage::Device;
+use kvrs::unstable::{check_index, check_size, PoolCore, StateConfig, StateSpec};
+use kvrs::{DType, Device, KvError};
 
 /// Where a pool's states live, fixed for its life: read once, without the lock, by the
 /// views.
@@ -45,7 +44,7 @@ impl StateLayout {
         single: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
         let c = &self.config;
-        let layer = check_index("layer", layer, c.layers)?;
+        let layer = check_index("layer", layer, c.layers).py()?;
         let out = PyDict::new(owner.py());
         for (s, spec) in c.specs.iter().enumerate() {
             let es = spec.dtype.size();
@@ -103,7 +102,7 @@ pub fn parse_config(
             value,
             reason: reason.into(),
         }
-        .into()
+        .py()
     };
     if state_layers < 0 {
         return Err(bad(
@@ -213,12 +212,12 @@ pub fn parse_config(
         });
     }
     let config = StateConfig {
-        layers: check_size("state_layers", state_layers)?,
-        slots: check_size("state_slots", slots)?,
+        layers: check_size("state_layers", state_layers).py()?,
+        slots: check_size("state_slots", slots).py()?,
         checkpoints: 0,
         specs,
     };
-    config.validate()?;
+    config.validate().py()?;
     Ok(Some(config))
 }
 
@@ -247,7 +246,7 @@ pub fn checkpoint_policy(
                 value: "given".into(),
                 reason: "state_checkpoints and checkpoint_interval need state_layers >= 1".into(),
             }
-            .into());
+            .py());
         }
         return Ok(0);
     };
@@ -259,10 +258,10 @@ pub fn checkpoint_policy(
                      prefix_caching=True (or leave state_checkpoints out)"
                 .into(),
         }
-        .into());
+        .py());
     }
     config.checkpoints = match state_checkpoints {
-        Some(c) => crate::error::check_count("state_checkpoints", c)?,
+        Some(c) => kvrs::unstable::check_count("state_checkpoints", c).py()?,
         None if prefix_caching => config.slots.saturating_mul(CHECKPOINTS_PER_SLOT),
         None => 0,
     };
@@ -270,7 +269,7 @@ pub fn checkpoint_policy(
         return Ok(0);
     }
     Ok(match checkpoint_interval {
-        Some(n) => crate::error::check_count("checkpoint_interval", n)?,
+        Some(n) => kvrs::unstable::check_count("checkpoint_interval", n).py()?,
         None => CHECKPOINT_TOKENS.div_ceil(block_size) * block_size,
     })
 }

@@ -1,4 +1,6 @@
-//! PyO3 bindings (feature `python`): the `kvrs._kvrs` extension module.
+//! The PyO3 bindings of kvrs: the `kvrs._kvrs` extension module of the Python package,
+//! built by maturin (the root `pyproject.toml`). They are written over the core crate's
+//! supported API and its `kvrs::unstable` internals (the dtype-erased cores).
 
 mod args;
 mod attention;
@@ -26,6 +28,7 @@ mod suffix;
 mod tiers;
 mod views;
 
+use crate::errors::ToPython;
 use pyo3::prelude::*;
 
 /// `types.GenericAlias(cls, item)`: what `KVCache[np.ndarray]` evaluates to, so the
@@ -43,14 +46,14 @@ fn generic_alias<'py>(
 /// Whether a CUDA driver and at least one CUDA device are present.
 #[pyfunction]
 fn cuda_available() -> bool {
-    crate::storage::cuda::device_count().is_ok_and(|n| n > 0)
+    kvrs::unstable::cuda::device_count().is_ok_and(|n| n > 0)
 }
 
 /// The vector instructions the attention core runs with on this CPU
 /// ("avx2+fma+f16c" or "portable").
 #[pyfunction]
 fn attention_simd() -> &'static str {
-    crate::attention::simd_level()
+    kvrs::unstable::simd_level()
 }
 
 /// The most blocks of `block_size` positions one sequence holds in a pool of these
@@ -70,16 +73,16 @@ fn blocks_per_sequence(
     swa_memory: i64,
     max_chunk: Option<i64>,
 ) -> PyResult<usize> {
-    let seq_len = crate::error::check_count("seq_len", seq_len)?;
-    let block_size = crate::error::check_size("block_size", block_size)?;
+    let seq_len = kvrs::unstable::check_count("seq_len", seq_len).py()?;
+    let block_size = kvrs::unstable::check_size("block_size", block_size).py()?;
     let max_chunk = match max_chunk {
         None => seq_len,
-        Some(c) => crate::error::check_size("max_chunk", c)?,
+        Some(c) => kvrs::unstable::check_size("max_chunk", c).py()?,
     };
     let layers = layer_types.as_ref().map_or(1, Vec::len);
     let attention =
         pool_args::attention(layers, layer_types, sliding_window, chunk_size, swa_memory)?;
-    Ok(crate::paged::groups::LayerGroups::new(attention)
+    Ok(kvrs::unstable::LayerGroups::new(attention)
         .blocks_per_sequence(seq_len, max_chunk, block_size))
 }
 

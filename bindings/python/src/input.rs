@@ -16,12 +16,10 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::intern;
 use pyo3::prelude::*;
 
+use super::errors::ToPython;
 use super::views::is_bfloat16;
-use crate::dtype::DType;
-use crate::error::KvError;
-use crate::sizes;
-use crate::storage::Device;
-use crate::tensor::{copy_strided, Span, TensorMut, TensorRef, MAX_RANK};
+use kvrs::unstable::{copy_strided, sizes, Span, TensorMut, TensorRef, MAX_RANK};
+use kvrs::{DType, Device, KvError};
 
 /// The memory a call writes into (a cache's storage allocations, on its device): no
 /// input may share a byte with it, or the write would read what it overwrites.
@@ -122,15 +120,16 @@ impl Input<'_> {
                          (x.clone())"
                     .into(),
             }
-            .into());
+            .py());
         }
         let shape = t.shape().to_vec();
         let each = t.nbytes();
-        let mut copy = sizes::filled(name, (views.len() * each).div_ceil(8), 0u64)?;
+        let mut copy = sizes::filled(name, (views.len() * each).div_ceil(8), 0u64).py()?;
         {
             let all = bytemuck::cast_slice_mut::<u64, u8>(&mut copy);
             for (t, bytes) in views.iter().zip(all.chunks_mut(each.max(1))) {
-                let mut dst = TensorMut::from_bytes_mut(&mut bytes[..each], t.dtype(), &shape)?;
+                let mut dst =
+                    TensorMut::from_bytes_mut(&mut bytes[..each], t.dtype(), &shape).py()?;
                 // SAFETY: `t` is valid for reads (held by `self`); `dst` is the fresh copy.
                 unsafe {
                     copy_strided(
@@ -148,7 +147,7 @@ impl Input<'_> {
         // SAFETY: the copy is moved into the new Input's owner (a Vec's buffer does not
         // move with it), which outlives every use of the tensor.
         let tensor =
-            unsafe { TensorRef::contiguous(copy.as_ptr() as *const u8, t.dtype(), &shape)? };
+            unsafe { TensorRef::contiguous(copy.as_ptr() as *const u8, t.dtype(), &shape).py()? };
         let numel = shape.iter().product::<usize>() as isize;
         Ok(Input {
             tensor,
@@ -194,7 +193,7 @@ fn read_any<'py>(
                 "{name} is a host array; this cache lives on {device}, so pass a tensor on that device \
                  (torch, CuPy or JAX, through DLPack)"
             ))
-            .into());
+            .py());
         }
         return from_dlpack(obj, name, device, stacked);
     }
@@ -234,7 +233,7 @@ fn from_numpy<'py>(
                 name,
                 got: d.str()?.to_string(),
             }
-            .into())
+            .py())
         }
     };
     if d.is_native_byteorder() == Some(false) {
@@ -255,7 +254,7 @@ fn from_numpy<'py>(
                 value: format!("strides {:?}", arr.strides()),
                 reason: format!("byte strides must be multiples of the element size {es}"),
             }
-            .into());
+            .py());
         }
         strides[i] = s / es;
     }
@@ -263,7 +262,7 @@ fn from_numpy<'py>(
     // borrowed from the Input.
     let data = unsafe { (*arr.as_array_ptr()).data as *const u8 };
     let (lead, shape, strides) = split_lead(stacked, shape, &strides[..shape.len()]);
-    let tensor = unsafe { TensorRef::new(data, dtype, shape, strides)? };
+    let tensor = unsafe { TensorRef::new(data, dtype, shape, strides).py()? };
     Ok(Input {
         tensor,
         lead,
@@ -308,7 +307,7 @@ fn from_dlpack<'py>(
         return Err(KvError::Device(format!(
             "{name} lives on {lives}; this cache lives on {device}, so {hint} (kvrs never copies silently)"
         ))
-        .into());
+        .py());
     }
     let dt = t.dtype;
     let dtype = match (dt.code, dt.bits, dt.lanes) {
@@ -320,7 +319,7 @@ fn from_dlpack<'py>(
                 name,
                 got: dlpack_dtype_name(dt),
             }
-            .into())
+            .py())
         }
     };
     let ndim = t.ndim.max(0) as usize;
@@ -348,7 +347,7 @@ fn from_dlpack<'py>(
     // borrowed from the Input.
     let data = unsafe { (t.data as *const u8).add(t.byte_offset as usize) };
     let (lead, shape, strides) = split_lead(stacked, &shape, &strides[..ndim]);
-    let tensor = unsafe { TensorRef::new(data, dtype, shape, strides)? }.on(device);
+    let tensor = unsafe { TensorRef::new(data, dtype, shape, strides).py()? }.on(device);
     Ok(Input {
         tensor,
         lead,
@@ -383,7 +382,7 @@ fn unreadable_device(
          tensor holds no data): pass a tensor with data on {device}, e.g. \
          {name}.to('{device}')"
     ))
-    .into()
+    .py()
 }
 
 /// A DLPack dtype as NumPy would name it (`float64`, `int8`, `bool8`, ...).
@@ -424,7 +423,7 @@ fn check_rank(name: &'static str, shape: &[usize], stacked: bool) -> PyResult<()
         got: shape.to_vec(),
         expected,
     }
-    .into())
+    .py())
 }
 
 /// A stacked input's leading dimension (length, stride) and the shape and strides of
@@ -456,7 +455,7 @@ fn with_slice<T: numpy::Element + Copy, R>(
 /// `s` converted by `f`, in a vector allocated fallibly (`MemoryError` naming `name`
 /// when the host refuses it).
 fn copy_with<T: Copy, U>(s: &[T], name: &'static str, f: impl Fn(T) -> U) -> PyResult<Vec<U>> {
-    let mut v = sizes::with_capacity(name, s.len())?;
+    let mut v = sizes::with_capacity(name, s.len()).py()?;
     v.extend(s.iter().map(|&x| f(x)));
     Ok(v)
 }
@@ -489,7 +488,7 @@ pub fn read_ints(obj: &Bound<'_, PyAny>, name: &'static str) -> PyResult<Vec<i64
     }
     // A list of Python ints converts faster item by item than through numpy.asarray.
     if let Ok(list) = obj.cast::<pyo3::types::PyList>() {
-        let mut v = sizes::with_capacity(name, list.len())?;
+        let mut v = sizes::with_capacity(name, list.len()).py()?;
         if list
             .iter()
             .try_for_each(|x| x.extract::<i64>().map(|x| v.push(x)))
@@ -530,7 +529,7 @@ pub fn read_token_ids(obj: &Bound<'_, PyAny>, name: &'static str) -> PyResult<Ve
                 value: bad.into().to_string(),
                 reason,
             }
-            .into());
+            .py());
         }
         copy_with(s, name, |t| t.into() as u32)
     }
@@ -566,5 +565,5 @@ pub(super) fn read_writable(
         )
     }
     .map(|m| m.on(t.device()))
-    .map_err(Into::into)
+    .py()
 }

@@ -3,9 +3,8 @@
 use pyo3::prelude::*;
 use pyo3::types::PyString;
 
-use crate::dtype::DType;
-use crate::error::KvError;
-use crate::storage::Device;
+use super::errors::ToPython;
+use kvrs::{DType, Device, KvError};
 
 /// Parses a dtype given as a string (`"float16"`, `"bf16"`), a NumPy dtype or scalar type
 /// (`numpy.float16`, `ml_dtypes.bfloat16`) or a torch dtype (`torch.bfloat16`).
@@ -22,13 +21,13 @@ pub fn parse_dtype(obj: &Bound<'_, PyAny>) -> PyResult<DType> {
                          torch.bfloat16, ..."
                     .into(),
             }
-            .into());
+            .py());
         }
-        return Ok(s.parse()?);
+        return s.parse().py();
     }
     let text = obj.str()?.to_string();
     if let Some(name) = text.strip_prefix("torch.") {
-        return Ok(name.parse()?);
+        return name.parse().py();
     }
     let py = obj.py();
     let name = py
@@ -37,13 +36,13 @@ pub fn parse_dtype(obj: &Bound<'_, PyAny>) -> PyResult<DType> {
         .and_then(|d| d.getattr("name"))
         .and_then(|n| n.extract::<String>())
         .unwrap_or(text);
-    Ok(name.parse()?)
+    name.parse().py()
 }
 
 /// Parses `"cpu"`, `"cuda"`, `"cuda:N"` (or anything whose `str()` is one of those, such
 /// as a `torch.device`).
 pub fn parse_device(obj: &Bound<'_, PyAny>) -> PyResult<Device> {
-    Ok(obj.str()?.to_str()?.parse()?)
+    obj.str()?.to_str()?.parse().py()
 }
 
 /// Parses a CUDA stream: `None` (kvrs's own stream), an integer handle, or a stream

@@ -15,8 +15,8 @@ use pyo3::exceptions::{PyBufferError, PyTypeError};
 use pyo3::prelude::*;
 
 use super::views::{descr, NPY_ARRAY_WRITEABLE};
-use crate::dtype::DType;
-use crate::storage::cuda::CudaStorage;
+use kvrs::unstable::cuda::CudaStorage;
+use kvrs::DType;
 
 /// What keeps an exported tensor's memory alive; held until the consumer's deleter
 /// runs, never read.

@@ -10,10 +10,10 @@ use pyo3::exceptions::PyBufferError;
 use pyo3::prelude::*;
 
 use super::dlpack_export::{Export, Keep};
-use crate::dtype::DType;
-use crate::storage::cuda::{gpu_for, CudaStorage};
-use crate::storage::{Device, Storage};
-use crate::tensor::TensorMut;
+use super::errors::ToPython;
+use kvrs::unstable::cuda::{gpu_for, CudaStorage};
+use kvrs::unstable::{Storage, TensorMut};
+use kvrs::{DType, Device};
 
 /// A tensor in CUDA device memory, exported through DLPack without a copy
 /// (`torch.from_dlpack(t)`, `cupy.from_dlpack(t)`, `jax.dlpack.from_dlpack(t)`).
@@ -61,11 +61,12 @@ impl PyDeviceTensor {
         shape: &[usize],
     ) -> PyResult<(Bound<'py, PyAny>, TensorMut<'static>)> {
         let numel: usize = shape.iter().product();
-        let storage = Arc::new(CudaStorage::zeroed(ordinal, dtype, numel, 1)?);
+        let storage = Arc::new(CudaStorage::zeroed(ordinal, dtype, numel, 1).py()?);
         let ptr = storage.data_ptr();
         // SAFETY: the storage holds `numel` elements and lives in the Python tensor, which
         // the caller holds beside this one.
-        let tensor = unsafe { TensorMut::contiguous(ptr, dtype, shape)? }.on(Device::Cuda(ordinal));
+        let tensor =
+            unsafe { TensorMut::contiguous(ptr, dtype, shape).py()? }.on(Device::Cuda(ordinal));
         let mut strides = vec![1i64; shape.len()];
         for i in (0..shape.len().saturating_sub(1)).rev() {
             strides[i] = strides[i + 1] * shape[i + 1] as i64;
@@ -122,8 +123,8 @@ impl PyDeviceTensor {
         }
         if stream != Some(-1) {
             // The consumer's stream may read once kvrs's queued work is done.
-            let gpu = gpu_for(self.ordinal)?;
-            py.detach(|| gpu.synchronize(gpu.default_stream()))?;
+            let gpu = gpu_for(self.ordinal).py()?;
+            py.detach(|| gpu.synchronize(gpu.default_stream())).py()?;
         }
         self.export().capsule(py, max_version)
     }

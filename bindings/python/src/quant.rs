@@ -8,12 +8,9 @@ use pyo3::types::PyTuple;
 use super::output::new_output;
 use super::views::borrowed_view;
 
-use crate::dtype::DType;
-use crate::error::KvError;
-use crate::kv_cache::CacheCore;
-use crate::layout::{Device, Kv};
-use crate::scales::KvScales;
-use crate::tensor::TensorMut;
+use super::errors::ToPython;
+use kvrs::unstable::{CacheCore, TensorMut};
+use kvrs::{DType, Device, Kv, KvError, KvScales};
 
 /// The scales `k_scale` and `v_scale` give (each a float, `num_layers` floats or a
 /// `[num_layers, num_kv_heads]` array; a missing one is 1.0); unit scales when neither
@@ -25,7 +22,7 @@ pub fn parse_scales(
     num_kv_heads: usize,
 ) -> PyResult<KvScales> {
     if k.is_none() && v.is_none() {
-        return Ok(KvScales::unit(num_layers, num_kv_heads)?);
+        return KvScales::unit(num_layers, num_kv_heads).py();
     }
     let read = |name: &'static str, obj: Option<&Bound<'_, PyAny>>| -> PyResult<Vec<f32>> {
         let Some(obj) = obj else {
@@ -56,18 +53,19 @@ pub fn parse_scales(
                      (per layer and KV head)"
                 ),
             }
-            .into());
+            .py());
         }
         let flat = arr.call_method0("ravel")?;
         let flat = flat.cast::<PyArray1<f32>>()?;
         Ok(flat.to_vec()?)
     };
-    Ok(KvScales::new(
+    KvScales::new(
         num_layers,
         num_kv_heads,
         &read("k_scale", k)?,
         &read("v_scale", v)?,
-    )?)
+    )
+    .py()
 }
 
 /// The `[num_layers, num_kv_heads]` scales of K or V of an fp8 cache; `None` for others.
@@ -128,12 +126,12 @@ pub fn dequantized_pair<'py>(
         &mut TensorMut<'_>,
         &mut TensorMut<'_>,
         usize,
-    ) -> crate::error::Result<Result<(), usize>>,
+    ) -> kvrs::Result<Result<(), usize>>,
 ) -> PyResult<Bound<'py, PyTuple>> {
     loop {
         let mut k = new_output(py, device, DType::F32, &[heads, len, dims[0]])?;
         let mut v = new_output(py, device, DType::F32, &[heads, len, dims[1]])?;
-        match read(&mut k.tensor(), &mut v.tensor(), len)? {
+        match read(&mut k.tensor(), &mut v.tensor(), len).py()? {
             Ok(()) => return PyTuple::new(py, [k.into_object(), v.into_object()]),
             Err(now) => len = now,
         }
@@ -150,7 +148,7 @@ pub enum LayerScales {
         /// Address of K's scale of head 0, position 0.
         at: usize,
         /// The cache's shape.
-        shape: crate::kv_cache::CacheShape,
+        shape: kvrs::unstable::CacheShape,
         /// Where the scales live.
         device: Device,
         /// Positions the layer holds.

@@ -5,6 +5,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
 use super::args::{parse_device, parse_dtype};
+use super::errors::ToPython;
 use super::guarded::Guarded;
 use super::input::{read_tensor, Target};
 use super::output::{new_output, Output};
@@ -12,10 +13,8 @@ use super::quant::{
     dequantized_pair, layer_scales, parse_scales, read_dtype, scale_property, LayerScales,
 };
 use super::views::borrowed_view;
-use crate::dtype::DType;
-use crate::error::{check_index, check_size, KvError};
-use crate::kv_cache::{CacheCore, CacheShape, Kv};
-use crate::storage::Device;
+use kvrs::unstable::{check_index, check_size, CacheCore, CacheShape};
+use kvrs::{DType, Device, Kv, KvError};
 
 /// A read-only view (NumPy, or a `DeviceTensor` on CUDA), owned by `owner`, of `len`
 /// positions of one layer's K or V in a contiguous cache's storage at `data` on
@@ -100,17 +99,19 @@ impl Copied {
             }
             let mut tensors: Vec<_> = outs.iter_mut().map(|o| o.tensor()).collect();
             let bytes = tensors.iter().map(|t| t.nbytes()).sum();
-            let read = core.read_moving(py, bytes, |c| {
-                let c = cache_of(c);
-                let now = len_now(c);
-                if now != len {
-                    return Ok(Err(now));
-                }
-                for (t, &kv) in tensors.iter_mut().zip(kvs) {
-                    c.read_stored(self.layer, kv, self.head, len, t)?;
-                }
-                Ok::<_, KvError>(Ok(()))
-            })?;
+            let read = core
+                .read_moving(py, bytes, |c| {
+                    let c = cache_of(c);
+                    let now = len_now(c);
+                    if now != len {
+                        return Ok(Err(now));
+                    }
+                    for (t, &kv) in tensors.iter_mut().zip(kvs) {
+                        c.read_stored(self.layer, kv, self.head, len, t)?;
+                    }
+                    Ok::<_, KvError>(Ok(()))
+                })
+                .py()?;
             drop(tensors);
             match read {
                 Ok(()) => return Ok(outs.into_iter().map(Output::into_object).collect()),
@@ -178,8 +179,9 @@ impl PyKVCache {
         let me = slf.get();
         let (layer, committed) = me
             .core
-            .read(slf.py(), |c| c.check_layer(layer).map(|l| (l, c.seq_len())))?;
-        let head = check_index("head", head, me.shape.num_kv_heads)?;
+            .read(slf.py(), |c| c.check_layer(layer).map(|l| (l, c.seq_len())))
+            .py()?;
+        let head = check_index("head", head, me.shape.num_kv_heads).py()?;
         let len = match seq_len {
             None => committed,
             Some(n) if n < 0 || n as usize > me.shape.max_seq_len => {
@@ -188,7 +190,7 @@ impl PyKVCache {
                     value: n.to_string(),
                     reason: format!("must be in [0, max_seq_len={}]", me.shape.max_seq_len),
                 }
-                .into())
+                .py())
             }
             Some(n) => n as usize,
         };
@@ -235,7 +237,8 @@ impl PyKVCache {
         )?;
         let t = input.tensor();
         self.core
-            .write_moving(py, t.nbytes(), |c| c.store(kv, layer, head, pos, &t))?;
+            .write_moving(py, t.nbytes(), |c| c.store(kv, layer, head, pos, &t))
+            .py()?;
         Ok(())
     }
 }
@@ -285,7 +288,7 @@ impl PyKVCache {
     /// The device address of the int64 position counter (CUDA caches), set to seq_len
     /// now: call it before capturing a decode loop in a CUDA graph.
     fn gpu_counter_ptr(&self, py: Python<'_>) -> PyResult<u64> {
-        Ok(self.core.read(py, |c| c.gpu_counter_ptr())?)
+        self.core.read(py, |c| c.gpu_counter_ptr()).py()
     }
 
     /// Appends k, v [n_tokens, num_kv_heads, head_dim] (tensors on the cache's device) to
@@ -303,9 +306,9 @@ impl PyKVCache {
             read_tensor(v, "v", &self.target)?,
         );
         let (kt, vt) = (k.tensor(), v.tensor());
-        Ok(self
-            .core
-            .read(py, |c| c.append_at_counter(layer, &kt, &vt))?)
+        self.core
+            .read(py, |c| c.append_at_counter(layer, &kt, &vt))
+            .py()
     }
 
     /// Sends later launches to `stream` (an integer handle such as
@@ -314,20 +317,20 @@ impl PyKVCache {
     #[pyo3(signature = (stream))]
     fn set_stream(&self, py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let stream = super::args::parse_stream(stream)?;
-        Ok(self.core.read(py, |c| c.set_stream(stream))?)
+        self.core.read(py, |c| c.set_stream(stream)).py()
     }
 
     /// Adds n to the device counter on the device (the end of a captured decode step).
     fn advance_counter(&self, py: Python<'_>, n: i64) -> PyResult<()> {
-        Ok(self.core.read(py, |c| c.advance_counter(n))?)
+        self.core.read(py, |c| c.advance_counter(n)).py()
     }
 
     /// Waits for the device, reads the counter back and makes it seq_len (and every
     /// layer's length); returns it. CacheFullError if appends ran past max_seq_len.
     fn sync_counter_from_gpu(&self, py: Python<'_>) -> PyResult<usize> {
-        Ok(self
-            .core
-            .write_moving(py, usize::MAX, |c| c.sync_counter_from_gpu())?)
+        self.core
+            .write_moving(py, usize::MAX, |c| c.sync_counter_from_gpu())
+            .py()
     }
 
     #[new]
@@ -348,18 +351,18 @@ impl PyKVCache {
         v_scale: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let shape = CacheShape {
-            num_layers: check_size("num_layers", num_layers)?,
-            num_kv_heads: check_size("num_kv_heads", num_kv_heads)?,
-            head_dim: check_size("head_dim", head_dim)?,
-            v_head_dim: check_size("v_head_dim", v_head_dim.unwrap_or(head_dim))?,
-            max_seq_len: check_size("max_seq_len", max_seq_len)?,
+            num_layers: check_size("num_layers", num_layers).py()?,
+            num_kv_heads: check_size("num_kv_heads", num_kv_heads).py()?,
+            head_dim: check_size("head_dim", head_dim).py()?,
+            v_head_dim: check_size("v_head_dim", v_head_dim.unwrap_or(head_dim)).py()?,
+            max_seq_len: check_size("max_seq_len", max_seq_len).py()?,
         };
         let dtype = dtype.map(parse_dtype).transpose()?.unwrap_or(DType::F16);
         let device = device.map(parse_device).transpose()?.unwrap_or(Device::Cpu);
         // The sizes are checked (and the storage allocated) before the scales are read.
-        let cache = CacheCore::new(shape, dtype, device)?;
+        let cache = CacheCore::new(shape, dtype, device).py()?;
         let scales = parse_scales(k_scale, v_scale, shape.num_layers, shape.num_kv_heads)?;
-        let cache = cache.with_scales(scales)?;
+        let cache = cache.with_scales(scales).py()?;
         let data = cache.data_ptr() as usize;
         let target = Target {
             device,
@@ -444,9 +447,13 @@ impl PyKVCache {
     /// (one per head); float dtypes, ones [num_kv_heads, 1]. For every dtype,
     /// `codes.astype(np.float32) * scales[..., None]` is what the cache holds.
     fn scales<'py>(slf: &Bound<'py, Self>, layer: i64) -> PyResult<Bound<'py, PyTuple>> {
-        let scales = slf.get().core.read(slf.py(), |c| {
-            c.check_layer(layer).map(|l| LayerScales::of(c, l))
-        })?;
+        let scales = slf
+            .get()
+            .core
+            .read(slf.py(), |c| {
+                c.check_layer(layer).map(|l| LayerScales::of(c, l))
+            })
+            .py()?;
         layer_scales(slf.as_any(), scales)
     }
 
@@ -458,9 +465,9 @@ impl PyKVCache {
 
     /// Positions written into `layer` (committed and appended).
     fn layer_len(&self, py: Python<'_>, layer: i64) -> PyResult<usize> {
-        Ok(self
-            .core
-            .read(py, |c| c.check_layer(layer).map(|l| c.layer_len(l)))?)
+        self.core
+            .read(py, |c| c.check_layer(layer).map(|l| c.layer_len(l)))
+            .py()
     }
 
     /// Writes one key vector of `head_dim` at (layer, head, pos); the layer holds pos after.
@@ -501,15 +508,15 @@ impl PyKVCache {
             read_tensor(v, "v", &self.target)?,
         );
         let (kt, vt) = (k.tensor(), v.tensor());
-        Ok(self
-            .core
-            .write_moving(py, kt.nbytes() + vt.nbytes(), |c| c.append(layer, &kt, &vt))?)
+        self.core
+            .write_moving(py, kt.nbytes() + vt.nbytes(), |c| c.append(layer, &kt, &vt))
+            .py()
     }
 
     /// Commits `n` tokens: `seq_len += n`. Every layer must hold them already.
     #[pyo3(signature = (n = 1))]
     fn advance(&self, py: Python<'_>, n: i64) -> PyResult<()> {
-        Ok(self.core.write(py, |c| c.advance(n))?)
+        self.core.write(py, |c| c.advance(n)).py()
     }
 
     /// Zero-copy read-only views (K, V) of shape [num_kv_heads, length, head_dim], where
@@ -527,7 +534,8 @@ impl PyKVCache {
         let py = slf.py();
         let (l, len) = me
             .core
-            .read(py, |c| c.check_layer(layer).map(|l| (l, c.layer_len(l))))?;
+            .read(py, |c| c.check_layer(layer).map(|l| (l, c.layer_len(l))))
+            .py()?;
         if copy && !dequantize {
             let what = Copied {
                 device: me.device,
@@ -599,7 +607,7 @@ impl PyKVCache {
 
     /// Drops positions >= n from every layer; a no-op when n >= seq_len.
     fn truncate(&self, py: Python<'_>, n: i64) -> PyResult<()> {
-        Ok(self.core.write(py, |c| c.truncate(n))?)
+        self.core.write(py, |c| c.truncate(n)).py()
     }
 
     /// Empties the cache; memory stays allocated.
@@ -610,7 +618,7 @@ impl PyKVCache {
     /// Sets seq_len and every layer's length to min(n, max_seq_len); positions no write
     /// reached read as zeros.
     fn set_seq_len(&self, py: Python<'_>, n: i64) -> PyResult<()> {
-        Ok(self.core.write(py, |c| c.set_seq_len(n))?)
+        self.core.write(py, |c| c.set_seq_len(n)).py()
     }
 
     /// Copies [num_kv_heads, block_size, head_dim] keys and values from start_pos (of the
@@ -624,15 +632,18 @@ impl PyKVCache {
         block_size: i64,
     ) -> PyResult<Bound<'py, PyTuple>> {
         self.core
-            .read(py, |c| c.check_block_args(layer, start_pos, block_size))?;
+            .read(py, |c| c.check_block_args(layer, start_pos, block_size))
+            .py()?;
         let (h, n) = (self.shape.num_kv_heads, block_size as usize);
         let dtype = read_dtype(self.dtype);
         let mut k = new_output(py, self.device, dtype, &[h, n, self.shape.head_dim])?;
         let mut v = new_output(py, self.device, dtype, &[h, n, self.shape.v_head_dim])?;
         let (mut kt, mut vt) = (k.tensor(), v.tensor());
-        self.core.read_moving(py, 2 * kt.nbytes(), |c| {
-            c.extract_block(layer, start_pos, block_size, &mut kt, &mut vt)
-        })?;
+        self.core
+            .read_moving(py, 2 * kt.nbytes(), |c| {
+                c.extract_block(layer, start_pos, block_size, &mut kt, &mut vt)
+            })
+            .py()?;
         PyTuple::new(py, [k.into_object(), v.into_object()])
     }
 
@@ -652,9 +663,11 @@ impl PyKVCache {
             read_tensor(values, "values", &self.target)?,
         );
         let (kt, vt) = (k.tensor(), v.tensor());
-        self.core.write_moving(py, kt.nbytes() + vt.nbytes(), |c| {
-            c.inject_block(layer, start_pos, block_size, &kt, &vt)
-        })?;
+        self.core
+            .write_moving(py, kt.nbytes() + vt.nbytes(), |c| {
+                c.inject_block(layer, start_pos, block_size, &kt, &vt)
+            })
+            .py()?;
         Ok(())
     }
 

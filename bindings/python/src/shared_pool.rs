@@ -9,14 +9,13 @@ use numpy::{PyArray1, PyArrayMethods};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
 
+use super::errors::ToPython;
 use super::guarded::Guarded;
 use super::input::Target;
 use super::states::StateLayout;
 use super::views::borrowed_view;
-use crate::dtype::DType;
-use crate::layout::PagedShape;
-use crate::paged::{PoolCore, SeqId};
-use crate::storage::Device;
+use kvrs::unstable::PoolCore;
+use kvrs::{DType, Device, PagedShape, SeqId};
 
 /// A pool's state behind `kvrs.BlockPool`, its `Sequence`s and its `ForwardBatch`es.
 ///
@@ -140,14 +139,14 @@ impl SharedPool {
     /// The pool's state layout; a ValueError for a pool without state layers.
     pub(crate) fn state_layout(&self) -> PyResult<&StateLayout> {
         self.states.as_ref().ok_or_else(|| {
-            crate::error::KvError::InvalidArgument {
+            kvrs::KvError::InvalidArgument {
                 name: "state_layers",
                 value: "0".into(),
                 reason: "this pool has no state layers: make it with state_layers, \
                          state_shapes and state_slots"
                     .into(),
             }
-            .into()
+            .py()
         })
     }
 

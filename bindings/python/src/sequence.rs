@@ -8,16 +8,14 @@ use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
 use super::attention::{self, AttnArgs};
+use super::errors::ToPython;
 use super::input::{read_ints, read_tensor, read_token_ids};
 use super::kv_cache::PyKVCache;
 use super::output::{new_output, writable, Output};
 use super::quant::{head_scales, read_dtype};
 use super::shared_pool::{i32_array, SharedPool};
-use crate::dtype::DType;
-use crate::error::KvError;
-use crate::kv_cache::Kv;
-use crate::layout::{KvLayout, Region};
-use crate::paged::{PoolCore, SeqId, NO_BLOCK};
+use kvrs::unstable::{PoolCore, Region, NO_BLOCK};
+use kvrs::{DType, Kv, KvError, KvLayout, SeqId};
 
 /// One sequence's view of a pool: its block table and lengths.
 #[pyclass(frozen, name = "Sequence", module = "kvrs")]
@@ -47,10 +45,10 @@ impl PySequence {
     fn with<T: Send>(
         &self,
         py: Python<'_>,
-        f: impl FnOnce(&crate::paged::SeqState, &PoolCore) -> T + Send,
+        f: impl FnOnce(&kvrs::unstable::SeqState, &PoolCore) -> T + Send,
     ) -> PyResult<T> {
         let id = self.id;
-        Ok(self.core.read(py, |c| c.seq(id).map(|s| f(s, c)))?)
+        self.core.read(py, |c| c.seq(id).map(|s| f(s, c))).py()
     }
 }
 
@@ -88,15 +86,17 @@ impl PySequence {
     /// The block ids, in position order (an int32 copy), of a pool with one layer group.
     #[getter]
     fn block_table<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<i32>>> {
-        let blocks = self.with(py, |s, p| {
-            p.group_for(None).map(|g| {
-                s.tables[g]
-                    .blocks
-                    .iter()
-                    .map(|&b| b as i32)
-                    .collect::<Vec<_>>()
-            })
-        })??;
+        let blocks = self
+            .with(py, |s, p| {
+                p.group_for(None).map(|g| {
+                    s.tables[g]
+                        .blocks
+                        .iter()
+                        .map(|&b| b as i32)
+                        .collect::<Vec<_>>()
+                })
+            })?
+            .py()?;
         Ok(i32_array(py, blocks))
     }
 
@@ -107,15 +107,17 @@ impl PySequence {
         py: Python<'py>,
         layer: i64,
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
-        let blocks = self.with(py, |s, p| {
-            p.group_for(Some(layer)).map(|g| {
-                s.tables[g]
-                    .blocks
-                    .iter()
-                    .map(|&b| if b == NO_BLOCK { -1 } else { b as i32 })
-                    .collect::<Vec<_>>()
-            })
-        })??;
+        let blocks = self
+            .with(py, |s, p| {
+                p.group_for(Some(layer)).map(|g| {
+                    s.tables[g]
+                        .blocks
+                        .iter()
+                        .map(|&b| if b == NO_BLOCK { -1 } else { b as i32 })
+                        .collect::<Vec<_>>()
+                })
+            })?
+            .py()?;
         Ok(i32_array(py, blocks))
     }
 
@@ -135,16 +137,17 @@ impl PySequence {
 
     /// First position `layer` holds (get() returns positions layer_start..layer_len).
     fn layer_start(&self, py: Python<'_>, layer: i64) -> PyResult<usize> {
-        let layer = crate::error::check_index("layer", layer, self.pool_ref().shape.num_layers)?;
+        let layer =
+            kvrs::unstable::check_index("layer", layer, self.pool_ref().shape.num_layers).py()?;
         let id = self.id;
-        Ok(self.with(py, |_, p| p.layer_span(id, layer))??.0)
+        Ok(self.with(py, |_, p| p.layer_span(id, layer))?.py()?.0)
     }
 
     /// Whether the cache still holds everything needed to continue at `pos` (after
     /// truncating to it), for every layer kind (ollama's CanResume).
     fn can_resume(&self, py: Python<'_>, pos: i64) -> PyResult<bool> {
         let id = self.id;
-        Ok(self.core.read(py, |c| c.can_resume(id, pos))?)
+        self.core.read(py, |c| c.can_resume(id, pos)).py()
     }
 
     /// Highest committed position (-1 when empty).
@@ -162,7 +165,8 @@ impl PySequence {
 
     /// Positions written into `layer` (committed and appended).
     fn layer_len(&self, py: Python<'_>, layer: i64) -> PyResult<usize> {
-        let layer = crate::error::check_index("layer", layer, self.pool_ref().shape.num_layers)?;
+        let layer =
+            kvrs::unstable::check_index("layer", layer, self.pool_ref().shape.num_layers).py()?;
         self.with(py, |s, _| s.layer_len[layer])
     }
 
@@ -193,9 +197,10 @@ impl PySequence {
             read_tensor(v, "v", &pool.target)?,
         );
         let (kt, vt, id) = (k.tensor(), v.tensor(), self.id);
-        Ok(pool.write_moving(py, kt.nbytes() + vt.nbytes(), |c| {
+        pool.write_moving(py, kt.nbytes() + vt.nbytes(), |c| {
             c.append(id, layer, &kt, &vt)
-        })?)
+        })
+        .py()
     }
 
     /// Commits n tokens: seq_len += n. Every layer must hold them already. `tokens` (n
@@ -204,9 +209,9 @@ impl PySequence {
     fn advance(&self, py: Python<'_>, n: i64, tokens: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let tokens = tokens.map(|t| read_token_ids(t, "tokens")).transpose()?;
         let id = self.id;
-        Ok(self
-            .core
-            .write(py, |c| c.advance(id, n, tokens.as_deref()))?)
+        self.core
+            .write(py, |c| c.advance(id, n, tokens.as_deref()))
+            .py()
     }
 
     /// Prompt tokens served from the prefix cache when the sequence started.
@@ -242,7 +247,7 @@ impl PySequence {
     /// Positions a layer gains without a write read as zeros and are never cached.
     fn set_seq_len(&self, py: Python<'_>, n: i64) -> PyResult<()> {
         let id = self.id;
-        Ok(self.core.write(py, |c| c.set_seq_len(id, n))?)
+        self.core.write(py, |c| c.set_seq_len(id, n)).py()
     }
 
     /// Copies [num_kv_heads, block_size, head_dim] keys and values of `layer` from
@@ -256,7 +261,8 @@ impl PySequence {
         block_size: i64,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let pool = self.pool_ref();
-        pool.read(py, |c| c.check_block_args(layer, start_pos, block_size))?;
+        pool.read(py, |c| c.check_block_args(layer, start_pos, block_size))
+            .py()?;
         let (h, n) = (pool.shape.num_kv_heads, block_size as usize);
         let dtype = read_dtype(pool.dtype);
         let mut k = new_output(py, pool.device, dtype, &[h, n, pool.shape.head_dim])?;
@@ -264,7 +270,8 @@ impl PySequence {
         let (mut kt, mut vt, id) = (k.tensor(), v.tensor(), self.id);
         pool.read_moving(py, 2 * kt.nbytes(), |c| {
             c.extract_block(id, layer, start_pos, block_size, &mut kt, &mut vt)
-        })?;
+        })
+        .py()?;
         PyTuple::new(py, [k.into_object(), v.into_object()])
     }
 
@@ -287,7 +294,8 @@ impl PySequence {
         let (kt, vt, id) = (k.tensor(), v.tensor(), self.id);
         pool.write_moving(py, kt.nbytes() + vt.nbytes(), |c| {
             c.inject_block(id, layer, start_pos, block_size, &kt, &vt)
-        })?;
+        })
+        .py()?;
         Ok(())
     }
 
@@ -297,9 +305,11 @@ impl PySequence {
         let id = self.id;
         // The pool's lock, then the cache's (always in this order), both waited for
         // without the GIL.
-        self.core.read_moving(py, usize::MAX, |c| {
-            cache.core().write_blocking(|kv| c.copy_to_cache(id, kv))
-        })?;
+        self.core
+            .read_moving(py, usize::MAX, |c| {
+                cache.core().write_blocking(|kv| c.copy_to_cache(id, kv))
+            })
+            .py()?;
         Ok(())
     }
 
@@ -307,9 +317,11 @@ impl PySequence {
     fn copy_from_cache(&self, py: Python<'_>, cache: &Bound<'_, PyKVCache>) -> PyResult<()> {
         let cache = cache.get();
         let id = self.id;
-        self.core.write_detached(py, |c| {
-            cache.core().read_blocking(|kv| c.copy_from_cache(id, kv))
-        })?;
+        self.core
+            .write_detached(py, |c| {
+                cache.core().read_blocking(|kv| c.copy_from_cache(id, kv))
+            })
+            .py()?;
         Ok(())
     }
 
@@ -363,7 +375,7 @@ impl PySequence {
             pool.shape.head_dim,
             pool.shape.v_head_dim,
         );
-        let l = crate::error::check_index("layer", layer, pool.shape.num_layers)?;
+        let l = kvrs::unstable::check_index("layer", layer, pool.shape.num_layers).py()?;
         if let Some(pair) = out {
             let (k, v): (Bound<'py, PyAny>, Bound<'py, PyAny>) = pair.extract()?;
             let (mut ko, mut vo) = (
@@ -372,8 +384,9 @@ impl PySequence {
             );
             let (mut kt, mut vt) = (ko.tensor(), vo.tensor());
             let bytes = kt.nbytes() + vt.nbytes();
-            let (_, len) =
-                pool.read_moving(py, bytes, |c| c.gather(id, layer, &mut kt, &mut vt))?;
+            let (_, len) = pool
+                .read_moving(py, bytes, |c| c.gather(id, layer, &mut kt, &mut vt))
+                .py()?;
             let cut = (
                 pyo3::types::PySlice::full(py),
                 pyo3::types::PySlice::new(py, 0, len as isize, 1),
@@ -383,20 +396,24 @@ impl PySequence {
         // The length and the positions are read in one locked call. The fresh outputs are
         // sized before it (allocating takes the GIL, never held under the lock), so a
         // sequence whose length changed in between is read again at its new length.
-        let mut len = self.with(py, |_, p| p.layer_span(id, l).map(|(a, b)| b - a))??;
+        let mut len = self
+            .with(py, |_, p| p.layer_span(id, l).map(|(a, b)| b - a))?
+            .py()?;
         loop {
             let (mut k, mut v) = (
                 new_output(py, pool.device, dtype, &[h, len, d])?,
                 new_output(py, pool.device, dtype, &[h, len, dv])?,
             );
             let (mut kt, mut vt) = (k.tensor(), v.tensor());
-            let read = pool.read_moving(py, kt.nbytes() + vt.nbytes(), |c| {
-                let (first, end) = c.layer_span(id, l)?;
-                if end - first != len {
-                    return Ok(Err(end - first));
-                }
-                c.gather(id, layer, &mut kt, &mut vt).map(|_| Ok(()))
-            })?;
+            let read = pool
+                .read_moving(py, kt.nbytes() + vt.nbytes(), |c| {
+                    let (first, end) = c.layer_span(id, l)?;
+                    if end - first != len {
+                        return Ok(Err(end - first));
+                    }
+                    c.gather(id, layer, &mut kt, &mut vt).map(|_| Ok(()))
+                })
+                .py()?;
             match read {
                 Ok(()) => return PyTuple::new(py, [k.into_object(), v.into_object()]),
                 Err(now) => len = now,
@@ -412,14 +429,16 @@ impl PySequence {
     fn scales<'py>(&self, py: Python<'py>, layer: i64) -> PyResult<Bound<'py, PyTuple>> {
         let pool = self.pool_ref();
         let id = self.id;
-        let read = pool.read(py, |p| -> crate::error::Result<_> {
-            p.seq(id)?;
-            if p.row_scales().is_none() {
-                let l = crate::error::check_index("layer", layer, p.shape().num_layers)?;
-                return Ok(Err((l, p.scales().clone())));
-            }
-            p.gather_scales(id, layer).map(Ok)
-        })?;
+        let read = pool
+            .read(py, |p| -> kvrs::Result<_> {
+                p.seq(id)?;
+                if p.row_scales().is_none() {
+                    let l = kvrs::unstable::check_index("layer", layer, p.shape().num_layers)?;
+                    return Ok(Err((l, p.scales().clone())));
+                }
+                p.gather_scales(id, layer).map(Ok)
+            })
+            .py()?;
         let (_, n, k, v) = match read {
             Ok(rows) => rows,
             Err((l, scales)) => {
@@ -454,9 +473,9 @@ impl PySequence {
     #[pyo3(signature = (layer, *, copy = false))]
     fn views<'py>(&self, py: Python<'py>, layer: i64, copy: bool) -> PyResult<Bound<'py, PyList>> {
         let sh = self.pool_ref().shape;
-        let layer = crate::error::check_index("layer", layer, sh.num_layers)?;
+        let layer = kvrs::unstable::check_index("layer", layer, sh.num_layers).py()?;
         let parts =
-            |s: &crate::paged::SeqState, p: &PoolCore| -> Vec<(usize, usize, [Region; 2])> {
+            |s: &kvrs::unstable::SeqState, p: &PoolCore| -> Vec<(usize, usize, [Region; 2])> {
                 let t = &s.tables[p.groups().group_of[layer]];
                 let (len, bs, tensor) = (s.layer_len[layer], sh.block_size, p.tensor_of(layer));
                 let mut parts = Vec::new();
@@ -507,17 +526,19 @@ impl PySequence {
             }
             let mut tensors: Vec<_> = outs.iter_mut().map(|o| o.tensor()).collect();
             let bytes = tensors.iter().map(|t| t.nbytes()).sum();
-            let read = pool.read_moving(py, bytes, |c| {
-                let now = parts(c.seq(id)?, c);
-                if now != snapshot {
-                    return Ok(Err(now));
-                }
-                let regions = snapshot.iter().flat_map(|(_, _, r)| r);
-                for (t, r) in tensors.iter_mut().zip(regions) {
-                    c.storage().read(*r, t)?;
-                }
-                Ok::<_, KvError>(Ok(()))
-            })?;
+            let read = pool
+                .read_moving(py, bytes, |c| {
+                    let now = parts(c.seq(id)?, c);
+                    if now != snapshot {
+                        return Ok(Err(now));
+                    }
+                    let regions = snapshot.iter().flat_map(|(_, _, r)| r);
+                    for (t, r) in tensors.iter_mut().zip(regions) {
+                        c.storage().read(*r, t)?;
+                    }
+                    Ok::<_, KvError>(Ok(()))
+                })
+                .py()?;
             drop(tensors);
             match read {
                 Ok(()) => {
@@ -541,7 +562,7 @@ impl PySequence {
     /// tokens; a rollback (truncate) can return to any position with one.
     fn checkpoint(&self, py: Python<'_>) -> PyResult<bool> {
         let id = self.id;
-        Ok(self.core.write(py, |c| c.checkpoint(id))?)
+        self.core.write(py, |c| c.checkpoint(id)).py()
     }
 
     /// Positions of the state checkpoints this sequence holds (ascending).
@@ -562,7 +583,7 @@ impl PySequence {
     #[getter]
     fn checkpoint_due(&self, py: Python<'_>) -> PyResult<Option<usize>> {
         let id = self.id;
-        Ok(self.core.read(py, |c| c.checkpoint_due(id))?)
+        self.core.read(py, |c| c.checkpoint_due(id)).py()
     }
 
     /// Its recurrent-state slot in a pool with state layers (its row of
@@ -579,16 +600,19 @@ impl PySequence {
     fn state<'py>(slf: &Bound<'py, Self>, layer: i64) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
         let me = slf.get();
         let states = me.core.state_layout()?;
-        let slot = me.with(slf.py(), |s, _| s.state_slot)?.ok_or_else(|| {
-            crate::error::KvError::NotSupported(format!("sequence {} has no state slot", me.id))
-        })?;
+        let slot = me
+            .with(slf.py(), |s, _| s.state_slot)?
+            .ok_or_else(|| {
+                kvrs::KvError::NotSupported(format!("sequence {} has no state slot", me.id))
+            })
+            .py()?;
         states.views(slf.as_any(), me.core.device, layer, slot, 1, true)
     }
 
     /// A new sequence sharing every block of this one (copy-on-write on first write).
     fn fork(&self, py: Python<'_>) -> PyResult<PySequence> {
         let me = self.id;
-        let id = self.core.write(py, |c| c.fork(me))?;
+        let id = self.core.write(py, |c| c.fork(me)).py()?;
         Ok(PySequence {
             pool: self.pool.clone_ref(py),
             core: self.core.clone(),
@@ -599,7 +623,7 @@ impl PySequence {
     /// Drops positions >= n, returning freed blocks; a no-op when n >= seq_len.
     fn truncate(&self, py: Python<'_>, n: i64) -> PyResult<()> {
         let id = self.id;
-        Ok(self.core.write(py, |c| c.truncate(id, n))?)
+        self.core.write(py, |c| c.truncate(id, n)).py()
     }
 
     /// Commits the accepted path of speculative decoding: of the draft positions from
@@ -614,7 +638,7 @@ impl PySequence {
     fn accept(&self, py: Python<'_>, start: i64, keep: &Bound<'_, PyAny>) -> PyResult<()> {
         let keep = read_ints(keep, "keep")?;
         let id = self.id;
-        Ok(self.core.write(py, |c| c.accept(id, start, &keep))?)
+        self.core.write(py, |c| c.accept(id, start, &keep)).py()
     }
 
     /// llama.cpp's seq_rm: removes positions [begin, end) (end=None: to the end). A tail
@@ -623,7 +647,9 @@ impl PySequence {
     #[pyo3(signature = (begin, end = None))]
     fn remove(&self, py: Python<'_>, begin: i64, end: Option<i64>) -> PyResult<()> {
         let id = self.id;
-        Ok(self.core.write_detached(py, |c| c.remove(id, begin, end))?)
+        self.core
+            .write_detached(py, |c| c.remove(id, begin, end))
+            .py()
     }
 
     /// llama.cpp's seq_add over a tail: positions p0.. move down by -delta (delta < 0),
@@ -633,15 +659,15 @@ impl PySequence {
     #[pyo3(signature = (p0, p1, delta))]
     fn shift(&self, py: Python<'_>, p0: i64, p1: Option<i64>, delta: i64) -> PyResult<()> {
         let id = self.id;
-        Ok(self
-            .core
-            .write_detached(py, |c| c.shift(id, p0, p1, delta))?)
+        self.core
+            .write_detached(py, |c| c.shift(id, p0, p1, delta))
+            .py()
     }
 
     /// Returns every block to the pool; the sequence cannot be used afterwards.
     fn free(&self, py: Python<'_>) -> PyResult<()> {
         let id = self.id;
-        Ok(self.core.write(py, |c| c.free_sequence(id))?)
+        self.core.write(py, |c| c.free_sequence(id)).py()
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {

@@ -4,11 +4,10 @@ use numpy::{PyArray1, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
+use super::errors::ToPython;
 use super::input::{read_ints, read_tensor, Target};
-use crate::dtype::DType;
-use crate::error::KvError;
-use crate::rope::{Rope, RopeStyle};
-use crate::tensor::{copy_strided, TensorMut};
+use kvrs::unstable::{copy_strided, Rope, RopeStyle, TensorMut};
+use kvrs::{DType, KvError};
 
 /// A rotary position embedding: `theta`, the rotated leading dimensions, the pairing
 /// style ('neox': i with i + rotary_dim/2; 'gptj': 2i with 2i+1) and optional linear
@@ -37,16 +36,16 @@ impl PyRope {
                     value: format!("{kind:?}"),
                     reason: "only ('linear', factor) is supported".into(),
                 }
-                .into())
+                .py())
             }
         };
         let rope = Rope {
             theta,
             rotary_dim,
-            style: style.parse::<RopeStyle>()?,
+            style: style.parse::<RopeStyle>().py()?,
             linear_factor,
         };
-        rope.rotary_dim(rotary_dim.unwrap_or(2))?;
+        rope.rotary_dim(rotary_dim.unwrap_or(2)).py()?;
         Ok(PyRope { rope })
     }
 
@@ -94,7 +93,7 @@ impl PyRope {
         x: &Bound<'py, PyAny>,
         positions: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let input = read_tensor(x, "x", &Target::device_only(crate::storage::Device::Cpu))?;
+        let input = read_tensor(x, "x", &Target::device_only(kvrs::Device::Cpu))?;
         let t = input.tensor();
         let shape = t.shape().to_vec();
         let positions = read_ints(positions, "positions")?;
@@ -107,7 +106,7 @@ impl PyRope {
                     positions.len()
                 ),
             }
-            .into());
+            .py());
         }
         let head_dim = *shape.last().expect("rank >= 2");
         let per_row: usize = shape[1..].iter().product();
@@ -115,7 +114,7 @@ impl PyRope {
         {
             let mut view = unsafe { out.as_array_mut() };
             let buf = view.as_slice_mut().expect("fresh contiguous array");
-            let mut dst = TensorMut::from_f32_mut(buf, &shape)?;
+            let mut dst = TensorMut::from_f32_mut(buf, &shape).py()?;
             // SAFETY: both tensors are valid for their shapes; the output is fresh.
             unsafe {
                 copy_strided(
@@ -130,7 +129,7 @@ impl PyRope {
             };
             // Rows of no element (a 0 in x's shape) have nothing to rotate.
             for (row, &p) in buf.chunks_exact_mut(per_row.max(1)).zip(&positions) {
-                self.rope.rotate(head_dim, row, p as f64)?;
+                self.rope.rotate(head_dim, row, p as f64).py()?;
             }
         }
         Ok(out.reshape(shape)?.into_any())

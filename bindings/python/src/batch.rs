@@ -9,14 +9,15 @@ use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
 use super::attention::{self, AttnArgs};
+use super::errors::ToPython;
 use super::input::{read_stacked, read_tensor};
 use super::masks::read_mask;
 use super::output::new_output;
 use super::quant::read_dtype;
 use super::sequence::PySequence;
 use super::shared_pool::{slot_array, SharedPool};
-use crate::attention::AttnOptions;
-use crate::paged::{ForwardPlan, PlanMask};
+use kvrs::unstable::{ForwardPlan, PlanMask};
+use kvrs::AttnOptions;
 
 /// A batch of tokens placed in a pool by `BlockPool.start_forward`.
 ///
@@ -141,7 +142,9 @@ impl PyForwardBatch {
     #[pyo3(signature = (layer = 0))]
     fn history_len(&self, py: Python<'_>, layer: i64) -> PyResult<usize> {
         let plan = &self.plan;
-        Ok(self.pool.read(py, |c| c.forward_history_len(plan, layer))?)
+        self.pool
+            .read(py, |c| c.forward_history_len(plan, layer))
+            .py()
     }
 
     /// Writes this layer's K and V for the batch's tokens ([n_tokens, heads, head_dim]).
@@ -161,7 +164,8 @@ impl PyForwardBatch {
         let (kt, vt, plan) = (k.tensor(), v.tensor(), &self.plan);
         pool.write_moving(py, kt.nbytes() + vt.nbytes(), |c| {
             c.forward_write(plan, layer, &kt, &vt)
-        })?;
+        })
+        .py()?;
         Ok(())
     }
 
@@ -181,7 +185,8 @@ impl PyForwardBatch {
         );
         let (kl, vl, plan) = (k.layers(), v.layers(), &self.plan);
         let bytes = kl.iter().chain(&vl).map(|t| t.nbytes()).sum();
-        pool.write_moving(py, bytes, |c| c.forward_write_layers(plan, &kl, &vl))?;
+        pool.write_moving(py, bytes, |c| c.forward_write_layers(plan, &kl, &vl))
+            .py()?;
         Ok(())
     }
 
@@ -219,7 +224,8 @@ impl PyForwardBatch {
             pool.read_moving(py, 2 * kt.nbytes(), |c| {
                 let custom = custom.as_ref().map(PlanMask::as_custom);
                 c.forward_get_masked(plan, layer, &mut kt, &mut vt, m, custom.as_ref())
-            })?;
+            })
+            .py()?;
         }
         let mask = mask.reshape([n, hist])?;
         PyTuple::new(py, [k.into_object(), v.into_object(), mask.into_any()])
@@ -272,7 +278,7 @@ impl PyForwardBatch {
     fn finish(&self, py: Python<'_>) -> PyResult<()> {
         self.check_open()?;
         let plan = &self.plan;
-        self.pool.write(py, |c| c.finish_forward(plan))?;
+        self.pool.write(py, |c| c.finish_forward(plan)).py()?;
         *self.closed.lock() = Some("finished");
         Ok(())
     }

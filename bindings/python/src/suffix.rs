@@ -1,5 +1,5 @@
 //! `kvrs.SuffixIndex`: the cache-wide suffix index of speculative decoding
-//! ([`crate::SuffixIndex`]) behind a lock, shared with the pool that holds it
+//! ([`kvrs::SuffixIndex`]) behind a lock, shared with the pool that holds it
 //! (`BlockPool.suffix_index`, counted in `BlockPool.stats()`).
 
 use std::sync::Arc;
@@ -9,9 +9,10 @@ use pyo3::exceptions::{PyKeyError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use super::errors::to_py;
 use super::input::read_token_ids;
 use super::pool_args::key_bytes;
-use crate::{SuffixIndex, SuffixParams, SuffixStats};
+use kvrs::{SuffixIndex, SuffixParams, SuffixStats};
 
 /// The index a pool holds and its Python handles share.
 pub type SharedSuffix = Arc<Mutex<SuffixIndex>>;
@@ -80,7 +81,7 @@ impl PySuffixIndex {
         let t = size(max_tokens, "max_tokens", 1)?;
         let d = size(max_depth, "max_depth", 2)?;
         Ok(PySuffixIndex {
-            inner: Arc::new(Mutex::new(SuffixIndex::new(t, d)?)),
+            inner: Arc::new(Mutex::new(SuffixIndex::new(t, d).map_err(to_py)?)),
         })
     }
 

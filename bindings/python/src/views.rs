@@ -11,8 +11,7 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::PyType;
 
 use super::device_tensor::PyDeviceTensor;
-use crate::dtype::DType;
-use crate::storage::Device;
+use kvrs::{DType, Device};
 
 const NPY_ARRAY_ALIGNED: i32 = 0x0100;
 /// NumPy's flag of a writeable array.
