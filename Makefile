@@ -80,7 +80,7 @@ test-engines: .stamp-engines ## the engine adapters through the engines' own cla
 # stand on shows up here. About 20 minutes on 2 cores, so not part of `make test`. Left
 # out: the GPU copy worker's transfer tests, the one test that dials a non-loopback host,
 # and the suites that need Ray.
-VLLM_COMPAT_DESELECT := --deselect tests/v1/kv_offload/cpu/test_gpu_worker.py \
+VLLM_COMPAT_DESELECT := --ignore tests/v1/kv_offload/cpu/test_gpu_worker.py \
 	--deselect tests/v1/kv_connector/unit/test_mooncake_connector.py::test_register_worker_retries_on_read_timeout \
 	--ignore tests/v1/kv_connector/unit/test_nixl_connector.py \
 	--ignore tests/v1/kv_connector/unit/test_bidirectional_kv_transfer.py
@@ -88,10 +88,10 @@ VLLM_COMPAT_DESELECT := --deselect tests/v1/kv_offload/cpu/test_gpu_worker.py \
 test-engines-compat: .stamp-engines ## vLLM 0.33's own CPU suites of its KV connectors and offloading (-m cpu_test tests/v1/kv_connector/unit, tests/v1/kv_offload) with kvrs installed (about 20 minutes; not in make test)
 	cd $$($(PY) tests/engines/sources.py vllm) && VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 \
 		TRANSFORMERS_OFFLINE=1 HF_HOME=$(CURDIR)/.engines/hf \
-		$(CURDIR)/$(PY) -m pytest -p no:cacheprovider -q -m cpu_test tests/v1/kv_connector/unit $(VLLM_COMPAT_DESELECT)
+		$(CURDIR)/$(PY) -m pytest -p no:cacheprovider -q -o asyncio_default_fixture_loop_scope=function -m cpu_test tests/v1/kv_connector/unit $(VLLM_COMPAT_DESELECT)
 	cd $$($(PY) tests/engines/sources.py vllm) && VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 \
 		TRANSFORMERS_OFFLINE=1 HF_HOME=$(CURDIR)/.engines/hf \
-		$(CURDIR)/$(PY) -m pytest -p no:cacheprovider -q tests/v1/kv_offload $(VLLM_COMPAT_DESELECT)
+		$(CURDIR)/$(PY) -m pytest -p no:cacheprovider -q -o asyncio_default_fixture_loop_scope=function tests/v1/kv_offload $(VLLM_COMPAT_DESELECT)
 
 # The manual needs only the docs extra's pinned packages (MkDocs, mkdocstrings): the API
 # reference is read statically from the stubs and sources, without the compiled extension.
