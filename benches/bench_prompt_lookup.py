@@ -9,24 +9,33 @@
 - transformers' ``model.generate(prompt_lookup_num_tokens=K)`` on its ``DynamicCache``,
   one request at a time (transformers' assisted generation takes no batches), and
   whether its tokens equal kvrs's plain greedy;
+- ``generate_batch(..., speculative_config={"method": "suffix", "num_speculative_tokens": K})``
+  (drafts from the pool's suffix index: every earlier and running request's prompt and
+  output), with the "adaptive" and the "schedule" draft policy;
 - with ``DRAFT_LAYERS=L``: ``generate_batch(..., assistant_model=draft)``, the draft the
   model's first L layers (a truncated copy), 4 drafts a step, with the "schedule" and
   the "adaptive" draft policy.
 
-Two workloads, through the model's chat template:
+Three workloads, through the model's chat template:
 
 - **copy**: prompts whose answer copies from the prompt: repeat, extract or rewrite a
   given text, edit a JSON object;
+- **tools**: repeated structure across requests: the same tool call (a weather tool,
+  a unit converter) asked for many inputs, so that each answer repeats the earlier
+  answers' structure, which is in no prompt;
 - **quiz**: the demo's chat quiz (:mod:`kvrs.demo_chat`): one short answer each, where
   prompt lookup has little to copy.
 
-Batch 1 runs the workload's first `B1` prompts one call each; batch 8 runs its first 8
-prompts in one call. Every row of a workload and batch runs in turn, `REPEAT` rounds, and
-keeps its fastest run (other work on a shared host slows some runs, never speeds one up);
-the speedups over plain are the figures to quote. Run:
+Batch 1 runs the workload's first `B1` prompts (tools: all 16) one call each; batch 8 runs
+its first 8 prompts in one call (tools: its 16 in two calls of 8). Every run has a pool of
+its own, shared by its calls (so the suffix index and the prefix cache start empty and
+learn from the run's earlier calls, for every method alike). Every row of a workload and
+batch runs in turn, `REPEAT` rounds, and keeps its fastest run (other work on a shared
+host slows some runs, never speeds one up); the speedups over plain are the figures to quote. Run:
 ``OMP_NUM_THREADS=1 python benches/bench_prompt_lookup.py`` (after ``make install``);
-``NEW=48 K=10 NGRAM=2 B1=4 REPEAT=2 HF=1 DRAFT_LAYERS=0 WORKLOADS=copy,quiz BATCHES=1,8``
-change the workload (``HF=0`` skips transformers' rows).
+``NEW=48 K=10 NGRAM=2 B1=4 REPEAT=2 HF=1 DRAFT_LAYERS=0 WORKLOADS=copy,tools,quiz BATCHES=1,8
+TOOLS_N=16 METHODS=`` change the workload (``HF=0`` skips transformers' rows; ``METHODS="prompt
+lookup (adaptive),suffix (adaptive)"`` runs plain and the rows whose names start so).
 """
 
 from __future__ import annotations
@@ -38,8 +47,9 @@ from typing import Any
 
 import torch
 
+import kvrs
 from kvrs import demo_chat, real_model
-from kvrs.integrations.transformers import generate_batch
+from kvrs.integrations.transformers import block_pool_from_config, generate_batch
 
 NEW = int(os.environ.get("NEW", "48"))
 K = int(os.environ.get("K", "10"))
@@ -48,8 +58,10 @@ B1 = int(os.environ.get("B1", "4"))
 REPEAT = int(os.environ.get("REPEAT", "2"))
 HF = os.environ.get("HF", "1") != "0"
 DRAFT_LAYERS = int(os.environ.get("DRAFT_LAYERS", "0"))
-WORKLOADS = os.environ.get("WORKLOADS", "copy,quiz").split(",")
+WORKLOADS = os.environ.get("WORKLOADS", "copy,tools,quiz").split(",")
 BATCHES = [int(b) for b in os.environ.get("BATCHES", "1,8").split(",")]
+TOOLS_N = int(os.environ.get("TOOLS_N", "16"))
+METHODS = os.environ.get("METHODS", "")  # comma-separated row-name prefixes to run (plain always runs)
 
 TEXT = (
     "The old lighthouse stood at the edge of the cliff for more than a hundred years. Every night its "
@@ -79,6 +91,24 @@ COPY = [
 ]
 
 
+CITIES = ["Paris", "Tokyo", "Lima", "Cairo", "Oslo", "Delhi", "Quito", "Seoul"]
+AMOUNTS = ["12 miles", "3 pounds", "70 inches", "5 gallons", "180 pounds", "26 miles", "9 ounces", "2 feet"]
+WEATHER = (
+    'You can call the tool get_weather(city: str, unit: "celsius" or "fahrenheit", days: int). Answer with '
+    "a single JSON tool call and nothing else. Request: what will the weather be in {} for the next 3 days, "
+    "in celsius?"
+)
+CONVERT = (
+    "You can call the tool convert_units(value: float, from_unit: str, to_unit: str). Answer with a single "
+    "JSON tool call and nothing else. Request: convert {} to metric units."
+)
+TOOLS = [
+    t
+    for pair in zip(CITIES, AMOUNTS, strict=True)
+    for t in (WEATHER.format(pair[0]), CONVERT.format(pair[1]))
+]
+
+
 def chat(tokenizer: Any, text: str) -> list[int]:
     ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
@@ -86,15 +116,22 @@ def chat(tokenizer: Any, text: str) -> list[int]:
 
 
 def kvrs_run(model: Any, batches: list[list[list[int]]], eos: Any, **kw: Any) -> tuple[list, float, int, int]:
-    """(outputs, seconds, accepted, proposed) of generate_batch over `batches`."""
+    """(outputs, seconds, accepted, proposed) of generate_batch over `batches`, one pool
+    for all of them (new for each run)."""
     outs: list = []
     accepted = proposed = 0
+    need = max(
+        sum(kvrs.blocks_per_sequence(len(p) + NEW + K + 1, block_size=16) for p in prompts)
+        for prompts in batches
+    )
+    pool = block_pool_from_config(model, num_blocks=need, block_size=16)
     start = time.perf_counter()
     for prompts in batches:
         last: list = []
         outs += generate_batch(
             model,
             prompts,
+            pool=pool,
             max_new_tokens=NEW,
             eos_token_id=eos,
             on_step=lambda s, p, st, last=last: last.__setitem__(slice(None), st),
@@ -144,12 +181,14 @@ def main() -> None:
     eos = [int(tokenizer.eos_token_id)]
     workloads = {
         "copy": [chat(tokenizer, t) for t in COPY],
+        "tools": [chat(tokenizer, t) for t in TOOLS],
         "quiz": [demo_chat.chat_prompt(tokenizer, q) for q in demo_chat.QUESTIONS[:8]],
     }
     print(
         f"{real_model.NAME}, float32, {torch.get_num_threads()} torch threads; greedy, {NEW} new tokens "
         f"(stopping at EOS), prompt_lookup_num_tokens={K}, max_matching_ngram_size={NGRAM}; "
-        f"batch 1: {B1} prompts one call each; fastest of {REPEAT} interleaved rounds"
+        f"batch 1: {B1} prompts (tools: {TOOLS_N}) one call each, batch 8: calls of 8; "
+        f"fastest of {REPEAT} interleaved rounds"
     )
     header = (
         f"{'workload':<8} {'batch':>5}  {'method':<28} {'tokens/s':>9} {'vs plain':>8} "
@@ -162,7 +201,15 @@ def main() -> None:
     for name in WORKLOADS:
         prompts = workloads[name]
         for batch in BATCHES:
-            batches = [[p] for p in prompts[:B1]] if batch == 1 else [prompts[:8]]
+            if name == "tools":
+                tools = prompts[:TOOLS_N]
+                batches = (
+                    [[p] for p in tools]
+                    if batch == 1
+                    else [tools[i : i + 8] for i in range(0, len(tools), 8)]
+                )
+            else:
+                batches = [[p] for p in prompts[:B1]] if batch == 1 else [prompts[:8]]
             rows: list[tuple[str, Any]] = [
                 ("plain", lambda b=batches: kvrs_run(model, b, eos)),
                 (
@@ -183,6 +230,19 @@ def main() -> None:
                     ),
                 ),
             ]
+            for policy in ("adaptive", "schedule"):
+                rows.append(
+                    (
+                        f"suffix ({policy})",
+                        lambda b=batches, policy=policy: kvrs_run(
+                            model,
+                            b,
+                            eos,
+                            speculative_config={"method": "suffix", "num_speculative_tokens": K},
+                            draft_policy=policy,
+                        ),
+                    )
+                )
             if draft is not None:
                 for policy in ("schedule", "adaptive"):
                     rows.append(
@@ -200,6 +260,11 @@ def main() -> None:
                     )
             if HF:
                 rows.append(("transformers prompt lookup", lambda b=batches: hf_run(model, b, eos)))
+            if METHODS:
+                wanted = METHODS.split(",")
+                rows = [
+                    row for i, row in enumerate(rows) if i == 0 or any(row[0].startswith(w) for w in wanted)
+                ]
             best: dict[int, float] = {}
             results: dict[int, tuple[list, int, int]] = {}
             for _ in range(REPEAT):

@@ -3,7 +3,8 @@
 use thiserror::Error;
 
 /// Everything that can go wrong in the core. Python maps each kind to the exception
-/// a Python user expects (see `src/python/errors.rs`).
+/// a Python user expects (see the bindings crate's
+/// `bindings/python/src/errors.rs`).
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 pub enum KvError {
     /// Writing would go past the cache's capacity (Python: `kvrs.CacheFullError`).

@@ -36,10 +36,12 @@
 //!   `redis` feature, `tier::RedisTier`, all behind the [`tier::Tier`] trait (a program
 //!   may implement its own).
 //!
-//! Everything else is internal. The dtype-erased cores that the Python bindings use (raw
-//! strided tensors of any dtype, CUDA devices, slot mappings, page tables, batched
-//! forwards) are re-exported, for this crate's tests, benches and tools, by a hidden
-//! `unstable` module that carries no stability promise: any release may change it.
+//! Everything else is internal. The dtype-erased cores that the Python bindings (a
+//! separate crate, `kvrs-python` in `bindings/python`, built by maturin) are written over
+//! (raw strided tensors of any dtype, CUDA devices, slot mappings, page tables, batched
+//! forwards) are re-exported, for the bindings and this crate's tests, benches and tools,
+//! by a hidden `unstable` module that carries no stability promise: any release may
+//! change it.
 //!
 //! # Cargo features
 //!
@@ -53,15 +55,15 @@
 //!   needs a C compiler, and the system's trust roots); without it a `rediss://` URL is
 //!   [`KvError::NotSupported`];
 //! - `cuda`: the CUDA backend (the driver and NVRTC are loaded at run time, so it builds
-//!   without a toolkit); reached through the Python package;
-//! - `python`: the PyO3 bindings, built by maturin; the wheel is built with `python`,
-//!   `cuda` and `redis-tls` (`pyproject.toml`), so the Python package has every tier;
+//!   without a toolkit); reached through the Python package, whose wheel is built with
+//!   `cuda` and `redis-tls` (`pyproject.toml`), so it has every tier;
 //! - `cuda-sim`: tests only, the CUDA backend on a simulated device.
 
 #![warn(missing_docs)]
 
 // The core's modules are crate-private: the supported API is what this root re-exports
-// and `tier`; `unstable` re-exports the internals that tests, benches and tools use.
+// and `tier`; `unstable` re-exports the internals that the bindings crate, tests, benches
+// and tools use.
 mod attention;
 mod bytes;
 mod dtype;
@@ -78,6 +80,7 @@ mod rope;
 mod scales;
 mod sizes;
 mod storage;
+mod suffix;
 mod tensor;
 pub mod tier;
 mod typed;
@@ -85,9 +88,6 @@ mod typed;
 pub mod unstable;
 #[cfg(target_arch = "x86_64")]
 mod write_avx2;
-
-#[cfg(feature = "python")]
-mod python;
 
 /// The README's and the manual's (`docs/`) Rust examples, compiled and run by `cargo test --doc`:
 /// each is a complete program, as a reader pastes it.
@@ -141,5 +141,6 @@ pub use paged::checkpoints::CheckpointCounters;
 pub use paged::{Attention, KindStats, LayerKind, PoolStats, PrefixConfig, SeqId, StateStats};
 pub use prefix::{HashKind, PrefixCounters};
 pub use scales::KvScales;
+pub use suffix::{SuffixDraft, SuffixIndex, SuffixParams, SuffixStats};
 pub use tier::writer::{WriteMode, WritePolicy};
 pub use typed::{BlockPool, Element, KvCache, PoolConfig, TierConfig, TierOptions};

@@ -25,6 +25,7 @@ __all__ = [
     "RedisTier",
     "RoPE",
     "Sequence",
+    "SuffixIndex",
     "__version__",
     "_flush_tiers_at_exit",
     "_host_array_capsule",
@@ -367,6 +368,48 @@ class RedisTier:
         """What the tier did, as a dict of counters."""
 
 @final
+class SuffixIndex:
+    """Token sequences by namespace, drafting what followed a request's last tokens in any of
+    them (SuffixDecoding): bounded to `max_tokens` tokens, least recently written sequences
+    evicted first; thread-safe."""
+
+    def __new__(cls, max_tokens: int = 262144, max_depth: int = 24) -> SuffixIndex: ...
+    @property
+    def max_tokens(self) -> int:
+        """The token budget."""
+    @property
+    def max_depth(self) -> int:
+        """The longest window: match plus draft."""
+    def add(self, tokens: _IntsLike, *, namespace: _Key = None, extra_key: _Key = None) -> int:
+        """Adds `tokens` as a new sequence of `namespace` (and `extra_key`); returns its handle."""
+    def extend(self, handle: int, tokens: _IntsLike) -> None:
+        """Appends `tokens` to sequence `handle` (KeyError when not retained)."""
+    def remove(self, handle: int) -> bool:
+        """Removes sequence `handle`; False when it was not retained."""
+    def tokens(self, handle: int) -> list[int]:
+        """The retained tokens of sequence `handle` (KeyError when not retained)."""
+    def handles(self) -> list[int]:
+        """Handles of the retained sequences, least recently written first."""
+    def __contains__(self, handle: object, /) -> bool: ...
+    def __len__(self) -> int: ...
+    def speculate(
+        self,
+        context: _IntsLike,
+        *,
+        namespace: _Key = None,
+        extra_key: _Key = None,
+        max_tokens: int = 16,
+        max_spec_factor: float = 1.0,
+        max_spec_offset: float = 0.0,
+        min_token_prob: float = 0.1,
+    ) -> tuple[list[int], list[float], int]:
+        """The draft after `context`: (tokens, probabilities, match length); empty when nothing matches."""
+    def clear(self) -> None:
+        """Removes every sequence (counters kept)."""
+    def stats(self) -> dict[str, int]:
+        """Size and counters: sequences, tokens, max_tokens, nodes, bytes, evictions, lookups, hits."""
+
+@final
 class PageStore:
     """An inference engine's own KV pages (opaque bytes in the engine's page layout) in kvrs
     tiers (fastest first), each sealed in a kvrs payload whose header and keyed MAC bind it to
@@ -639,8 +682,15 @@ class BlockPool(Generic[_View_co]):
 
         ``fp8_saturated``: per layer, the elements fp8 writes rounded past the format's largest
         value and clamped to it (K and V together); None for other dtypes and for CUDA pools
-        (not counted).
+        (not counted). ``suffix_*``: its suffix index's size and counters (see
+        `SuffixIndex.stats`).
         """
+    @property
+    def suffix_index(self) -> SuffixIndex:
+        """The pool's suffix index (speculative drafts from the tokens its requests held);
+        assign a `SuffixIndex` to resize it."""
+    @suffix_index.setter
+    def suffix_index(self, index: SuffixIndex) -> None: ...
     def new_sequence(
         self, tokens: _IntsLike | None = None, namespace: _Key = None, extra_key: _Key = None
     ) -> Sequence[_View_co]:

@@ -47,7 +47,7 @@ impl Hit {
 
 /// The most prompt tokens a sequence's prefix match covers: all but the last, which
 /// is always left to compute.
-pub(crate) fn prompt_limit(tokens: &[u32]) -> usize {
+pub fn prompt_limit(tokens: &[u32]) -> usize {
     tokens.len().saturating_sub(1)
 }
 
@@ -64,7 +64,7 @@ impl PoolCore {
 
     /// [`Self::new_sequence_with`] keeping `tokens` as the sequence's ids, without a copy
     /// (the bindings copy a caller's array once, fallibly, and hand it over).
-    pub(crate) fn new_sequence_owning(
+    pub fn new_sequence_owning(
         &mut self,
         tokens: Vec<u32>,
         namespace: &[u8],
@@ -77,7 +77,7 @@ impl PoolCore {
     /// [`Self::new_sequence_owning`] whose tier lookup ([`PoolCore::plan_tier_lookup`]
     /// with the limit [`prompt_limit`]) was fetched without the pool's lock: `fetched`
     /// is committed first ([`PoolCore::commit_tier_lookup`]). No tier I/O.
-    pub(crate) fn new_sequence_fetched(
+    pub fn new_sequence_fetched(
         &mut self,
         tokens: Vec<u32>,
         namespace: &[u8],

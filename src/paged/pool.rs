@@ -363,7 +363,7 @@ impl PoolCore {
     }
 
     /// The storage (for persistence and transfers).
-    pub(crate) fn storage(&self) -> &dyn Storage {
+    pub fn storage(&self) -> &dyn Storage {
         self.storage.as_ref()
     }
 

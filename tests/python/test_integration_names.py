@@ -24,6 +24,7 @@ MODULES = [
     "kvrs.integrations.paged_attention",
     "kvrs.integrations.results",
     "kvrs.integrations.sampling",
+    "kvrs.integrations.suffix_drafts",
     "kvrs.integrations.transformers",
 ]
 

@@ -37,6 +37,7 @@ from kvrs.integrations.prompt_lookup import PromptLookup, check_prompt_lookup
 from kvrs.integrations.results import GenerationResult, prompt_lists
 from kvrs.integrations.sampling import Sampler, SamplingParams, plan, token_id_list
 from kvrs.integrations.speculative import Speculation, check_assistant, choose, verify
+from kvrs.integrations.suffix_drafts import SuffixConfig, SuffixDrafts, check_speculative_config
 
 __all__ = ["GenerationResult", "RequestState", "SamplingParams", "generate_batch"]
 
@@ -71,6 +72,8 @@ class RequestState:
     """The most drafts it asks for at its next step (num_assistant_tokens or
     prompt_lookup_num_tokens, or less where the "heuristic" schedule lowered it after
     rejections); the "adaptive" draft_policy may draft fewer, or none."""
+    namespace: str | bytes | None = None
+    """Its tenant: the prefix cache and the suffix index it shares are its namespace's."""
 
     @property
     def done(self) -> bool:
@@ -228,6 +231,8 @@ def generate_batch(  # type: ignore[misc]
     prompt_lookup_num_tokens: int | None = None,
     max_matching_ngram_size: int | None = None,
     draft_policy: str | None = None,
+    speculative_config: dict[str, Any] | None = None,
+    namespace: str | bytes | Sequence[str | bytes | None] | None = None,
 ) -> list[list[int]] | list[GenerationResult]:
     """Generates tokens for every prompt of `inputs` with continuous batching over a
     BlockPool; returns each input's generated ids, in input order (a stop token, when
@@ -303,6 +308,22 @@ def generate_batch(  # type: ignore[misc]
     model's own draw equals it (transformers' rule), so a seed gives the tokens it gives
     without drafts. Giving it with `assistant_model` is a ValueError.
 
+    `speculative_config`: vLLM's form. ``{"method": "suffix"}`` drafts from the pool's
+    [`SuffixIndex`][kvrs.SuffixIndex] (SuffixDecoding): every request's prompt and
+    output go in as they are admitted and generated, and each decode request drafts
+    what followed its last tokens in any of them (its own, the other running requests',
+    the finished ones', and those of earlier calls given the same `pool`), the most
+    frequent continuation, as long as the match's confidence allows; vLLM's keys
+    ``num_speculative_tokens`` (default 16, the cap), ``suffix_decoding_max_tree_depth``
+    (24), ``suffix_decoding_max_spec_factor`` (1.0), ``suffix_decoding_min_token_prob``
+    (0.1) and ``suffix_decoding_max_spec_offset`` (0.0). ``{"method": "ngram",
+    "num_speculative_tokens": k, "prompt_lookup_max": n}`` is prompt lookup. Verified,
+    sampled and gated as prompt lookup is.
+
+    `namespace`: the tenant (str or bytes; one for all inputs or one per input): its
+    requests hit only their namespace's cached prefixes and draft only from their
+    namespace's suffix sequences.
+
     `draft_policy`: "adaptive" drafts at most what the schedule says, fewer or none
     where the drafts' expected accepted tokens do not pay for the time they cost
     (measured per step), so drafting that cannot help costs about nothing; "schedule"
@@ -355,6 +376,8 @@ def generate_batch(  # type: ignore[misc]
         prompt_lookup_num_tokens: Prompt lookup decoding: at most this many drafted tokens.
         max_matching_ngram_size: Prompt lookup's longest n-gram (default 2).
         draft_policy: "adaptive" or "schedule".
+        speculative_config: vLLM's ``{"method": "suffix"}`` or ``{"method": "ngram", ...}``.
+        namespace: Tenant of the requests (one, or one per input).
 
     Returns:
         Each input's generated token ids, or its
@@ -423,7 +446,20 @@ def generate_batch(  # type: ignore[misc]
     num_assistant_tokens_schedule = num_assistant_tokens_schedule or "constant"
     if assistant_model is not None:
         check_assistant(model, assistant_model, num_assistant_tokens)
+    method = check_speculative_config(speculative_config)
+    suffix: SuffixConfig | None = None
+    if method is not None:
+        if prompt_lookup_num_tokens is not None or assistant_model is not None:
+            raise ValueError(
+                "speculative_config was given with prompt_lookup_num_tokens or assistant_model: drafts "
+                "come from one method; give one of them"
+            )
+        if isinstance(method[1], SuffixConfig):
+            suffix = method[1]
+        else:
+            prompt_lookup_num_tokens, max_matching_ngram_size = method[1]
     ngram = check_prompt_lookup(prompt_lookup_num_tokens, max_matching_ngram_size, assistant_model)
+    namespaces = _namespaces(namespace, n)
     if draft_policy is None:
         keep_seed = sampling and seed is not None and assistant_model is not None
         draft_policy = "schedule" if keep_seed else "adaptive"
@@ -436,6 +472,8 @@ def generate_batch(  # type: ignore[misc]
     if assistant_model is None and assistant_pool is not None:
         raise ValueError("assistant_pool was given without assistant_model: give both, or neither")
     lookahead = num_assistant_tokens if assistant_model is not None else (prompt_lookup_num_tokens or 0)
+    if suffix is not None:
+        lookahead = suffix.num_speculative_tokens
     if pool is None:
         # Each request's peak, its prompt computed in one step: every table of the
         # model's layer kinds (a sliding table holds its window, not the whole request).
@@ -449,9 +487,20 @@ def generate_batch(  # type: ignore[misc]
         # A hybrid model's sequences each hold a state slot: one per request.
         slots = {"state_slots": n} if _is_hybrid(model.config) else {}
         pool = block_pool_from_config(model, num_blocks=need, block_size=block_size, **slots)
+        if suffix is not None and suffix.max_tree_depth != pool.suffix_index.max_depth:
+            pool.suffix_index = kvrs.SuffixIndex(max_depth=suffix.max_tree_depth)
     else:
         check_pool(pool, model)
-    spec: Speculation | PromptLookup | None = None
+    spec: Speculation | PromptLookup | SuffixDrafts | None = None
+    if suffix is not None:
+        spec = SuffixDrafts(
+            pool.suffix_index,
+            suffix,
+            namespaces,
+            stops,
+            num_assistant_tokens_schedule,
+            DraftPolicy(draft_policy),
+        )
     if prompt_lookup_num_tokens is not None:
         spec = PromptLookup(
             prompt_lookup_num_tokens,
@@ -492,7 +541,8 @@ def generate_batch(  # type: ignore[misc]
             DraftPolicy(draft_policy, probes=True),
         )
     states = [
-        RequestState(i, p, b, a) for i, (p, b, a) in enumerate(zip(prompts, budgets, steps_in, strict=True))
+        RequestState(i, p, b, a, namespace=ns)
+        for i, (p, b, a, ns) in enumerate(zip(prompts, budgets, steps_in, namespaces, strict=True))
     ]
     peaks = {
         r.index: _peak(pool, len(r.prompt), r.max_new_tokens, max(len(r.prompt), lookahead + 1))
@@ -620,7 +670,7 @@ def _run(
     top_p: float,
     progress: _Progress | None,
     on_step: Any,
-    spec: Speculation | PromptLookup | None,
+    spec: Speculation | PromptLookup | SuffixDrafts | None,
     sampler: Sampler | None = None,
     watches: Sequence[TierWatch] = (),
 ) -> None:
@@ -651,17 +701,17 @@ def _run(
             while waiting and waiting[0].arrival <= step:
                 r = waiting[0]
                 head = tuple(r.prompt[:bs])
-                if head in computing and pool.match_prefix(r.prompt) < bs:
+                if head in computing and pool.match_prefix(r.prompt, namespace=r.namespace) < bs:
                     break  # next step it attaches the block the other request computes now
                 if hybrid:
                     # Another request still prefilling a prefix it shares checkpoints the
                     # state there: it waits to hit all of it instead of computing it again.
-                    hit = pool.match_prefix(r.prompt)
+                    hit = pool.match_prefix(r.prompt, namespace=r.namespace)
                     busy = (q.prompt for q, s in running if s.seq_len < len(q.prompt))
                     if any(_common(r.prompt, q) > hit for q in busy):
                         break
                 try:
-                    seq = pool.new_sequence(tokens=r.prompt)
+                    seq = pool.new_sequence(tokens=r.prompt, namespace=r.namespace)
                 except kvrs.CacheFullError:
                     break
                 if pool.free_blocks < growth([*running, (r, seq)]):
@@ -770,6 +820,19 @@ def _run(
             seq.free()
         if spec is not None:
             spec.close()
+
+
+def _namespaces(namespace: Any, n: int) -> list[str | bytes | None]:
+    """generate_batch's `namespace`: one per input."""
+    if namespace is None or isinstance(namespace, str | bytes):
+        return [namespace] * n
+    out = list(namespace)
+    if len(out) != n:
+        raise ValueError(f"namespace: {len(out)} values for {n} inputs; give one, or one per input")
+    for i, ns in enumerate(out):
+        if ns is not None and not isinstance(ns, str | bytes):
+            raise TypeError(f"namespace[{i}]={ns!r}: give str, bytes or None")
+    return out
 
 
 def _observe(

@@ -40,11 +40,17 @@ Tested with SGLang 0.5.23 (``make test-engines``).
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import kvrs
+from kvrs.integrations.engine_config import (
+    DEFAULT_TIER_KEY_ENV,
+    extra_facts,
+    make_tiers,
+    namespace_arg,
+    tier_secret,
+)
 
 try:
     import torch
@@ -69,34 +75,6 @@ _logger = logging.getLogger(__name__)
 
 #: The SGLang version this adapter is tested with.
 TESTED_SGLANG = "0.5.23"
-
-
-def make_tiers(specs: Sequence[Mapping[str, Any]]) -> list[kvrs.Tier]:
-    """The kvrs tiers of the config's ``"tiers"`` list, fastest first: each a dict with
-    ``"type"`` ``"host"`` (``max_bytes``), ``"disk"`` (``path``, ``max_bytes``) or
-    ``"redis"`` (``url`` and [`kvrs.RedisTier`][kvrs.RedisTier]'s keyword arguments)."""
-    if isinstance(specs, (str, bytes)) or not isinstance(specs, Sequence) or not specs:
-        raise ValueError(f"tiers must be a non-empty list of tier dicts, not {specs!r}")
-    tiers: list[kvrs.Tier] = []
-    for i, spec in enumerate(specs):
-        if not isinstance(spec, Mapping):
-            raise TypeError(f"tiers[{i}] must be a dict, not {type(spec).__name__}")
-        kw = dict(spec)
-        kind = kw.pop("type", None)
-        try:
-            if kind == "host":
-                tiers.append(kvrs.HostTier(**kw))
-            elif kind == "disk":
-                tiers.append(kvrs.DiskTier(**kw))
-            elif kind == "redis":
-                tiers.append(kvrs.RedisTier(**kw))
-            else:
-                raise ValueError(f"type={kind!r}: must be 'host', 'disk' or 'redis'")
-        except TypeError as e:
-            raise TypeError(f"tiers[{i}]: {e}") from e
-        except ValueError as e:
-            raise ValueError(f"tiers[{i}]: {e}") from e
-    return tiers
 
 
 def _page_bytes(pool: Any) -> int:
@@ -137,10 +115,7 @@ def pool_fingerprint(
         fp["dcp_rank"] = int(config.dcp_rank)
         fp["dcp_size"] = int(config.dcp_size)
         fp["logical_page_size"] = int(config.logical_page_size)
-    for k, v in (extra or {}).items():
-        if not isinstance(v, (str, int, float, bool)):
-            raise TypeError(f"fingerprint[{k!r}] must be a str, int, float or bool, not {type(v).__name__}")
-        fp[f"extra.{k}"] = str(v)
+    fp.update(extra_facts(extra))
     return fp
 
 
@@ -196,32 +171,12 @@ class KvrsHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         extra = dict(storage_config.extra_config or {})
         self.storage_config = storage_config
         self.tiers = make_tiers(extra.get("tiers") or [])
-        env = extra.get("tier_key_env", "KVRS_TIER_KEY")
-        if not isinstance(env, str):
-            raise TypeError(f"tier_key_env must be the name of an environment variable, not {env!r}")
-        secret = os.environ.get(env)
-        if secret is None:
-            _logger.warning(
-                "kvrs: $%s is not set: pages are checksummed, not authenticated (anyone who can "
-                "write to the tiers is trusted)",
-                env,
-            )
-        if secret is not None and len(secret.encode()) < 16:
-            raise ValueError(
-                f"${env} holds {len(secret.encode())} bytes: the tier key must be at least 16 "
-                "(e.g. python -c 'import secrets; print(secrets.token_hex(32))')"
-            )
-        self._secret = secret.encode() if secret is not None else None
-        namespace = extra.get("namespace", "")
-        if not isinstance(namespace, str):
-            raise TypeError(f"namespace must be a str, not {type(namespace).__name__}")
-        self.namespace = namespace
-        facts = extra.get("fingerprint") or {}
-        if not isinstance(facts, Mapping):
-            raise TypeError(f"fingerprint must be a dict of extra facts, not {type(facts).__name__}")
-        self._extra_facts = dict(facts)
+        self._secret = tier_secret(extra.get("tier_key_env", DEFAULT_TIER_KEY_ENV), _logger)
+        self.namespace = namespace_arg(extra.get("namespace", ""))
+        self._extra_facts = extra.get("fingerprint") or {}
+        extra_facts(self._extra_facts)  # checked here, at start-up
         self._pools: dict[str, _Pool] = {}
-        self._namespaces: set[str] = {namespace}
+        self._namespaces: set[str] = {self.namespace}
         self.registered_pools: dict[Any, Any] = {}
 
     # -- pools ---------------------------------------------------------------------------
