@@ -652,7 +652,7 @@ mod tests {
         // Two lengths (two batched reads), the larger read first so that the threads'
         // reused buffers hold a longer page when the shorter ones are read.
         let n = 40;
-        let len = |i: usize| if i % 3 == 0 { 300_000 } else { 70_000 };
+        let len = |i: usize| if i.is_multiple_of(3) { 300_000 } else { 70_000 };
         let keys: Vec<String> = (0..n).map(|i| format!("page-{i}")).collect();
         let pages: Vec<Vec<u8>> = (0..n).map(|i| page_of(i, len(i))).collect();
         let ks: Vec<&str> = keys.iter().map(String::as_str).collect();
