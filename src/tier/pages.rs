@@ -98,6 +98,10 @@ const UNREAD: u8 = 0;
 const LOADED: u8 = 1;
 const REFUSED: u8 = 2;
 
+/// Bytes of pages [`PageStore::put_many`] MACs and stores at a time: few enough that
+/// they are still in the CPU's cache when they are written.
+const STORE_CHUNK_BYTES: usize = 8 << 20;
+
 /// The shape of the envelope of a page of `n` bytes.
 fn shape(n: usize) -> PayloadShape {
     PayloadShape {
@@ -333,12 +337,26 @@ impl PageStore {
         let ok: Vec<usize> = (0..keys.len())
             .filter(|&i| self.check_len("pages", i, pages[i].len()).is_ok())
             .collect();
-        let ok_keys: Vec<&str> = ok.iter().map(|&i| keys[i]).collect();
-        let ok_pages: Vec<&[u8]> = ok.iter().map(|&i| pages[i]).collect();
-        let envelopes = self.envelopes(&ok_keys, &ok_pages, namespace_root(ns));
-        let taken = self.store_sealed(&self.tiers, &envelopes, &ok_pages);
-        for (&i, t) in ok.iter().zip(taken) {
-            stored[i] = t;
+        let root = namespace_root(ns);
+        // In chunks of a few MiB (a page per thread at least), each MACed then stored
+        // while its pages are still in the CPU's cache.
+        let threads = crate::parallel::threads();
+        let mut at = 0;
+        while at < ok.len() {
+            let (mut end, mut bytes) = (at, 0);
+            while end < ok.len() && (end - at < threads || bytes < STORE_CHUNK_BYTES) {
+                bytes += pages[ok[end]].len();
+                end += 1;
+            }
+            let chunk = &ok[at..end];
+            let ok_keys: Vec<&str> = chunk.iter().map(|&i| keys[i]).collect();
+            let ok_pages: Vec<&[u8]> = chunk.iter().map(|&i| pages[i]).collect();
+            let envelopes = self.envelopes(&ok_keys, &ok_pages, root);
+            let taken = self.store_sealed(&self.tiers, &envelopes, &ok_pages);
+            for (&i, t) in chunk.iter().zip(taken) {
+                stored[i] = t;
+            }
+            at = end;
         }
         let n = stored.iter().filter(|&&s| s).count();
         TierCounters::add(&self.counters.stored, n as u64);
