@@ -37,6 +37,10 @@ use std::ops::RangeInclusive;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+/// A payload as the parts it is made of, in order: [`Tier::put_parts`] stores their
+/// concatenation.
+pub type Parts<'a> = [&'a [u8]; 3];
+
 /// A store of block payloads by key.
 pub trait Tier: Send + Sync + fmt::Debug {
     /// A short name for stats: `host`, `disk:{path}` or `redis://{host}:{port}/{db}`.
@@ -74,6 +78,40 @@ pub trait Tier: Send + Sync + fmt::Debug {
     /// Stores `items`; returns, per item, whether the tier took it (a refusal or a
     /// failure leaves it for the next tier). One batched request.
     fn put_many(&self, items: &[(String, Arc<Vec<u8>>)]) -> Vec<bool>;
+    /// Stores payloads given as the parts they are made of, in order (a page's header,
+    /// its bytes where the caller keeps them, its MAC), as [`Tier::put_many`] would store
+    /// their concatenation; per item, whether the tier took it. By default each payload
+    /// is joined into a buffer of its own and stored with [`Tier::put_many`] (a tier that
+    /// keeps payloads in memory needs one); a tier that writes them out writes the
+    /// parts as they lie.
+    fn put_parts(&self, items: &[(&str, Parts<'_>)]) -> Vec<bool> {
+        let owned: Vec<(String, Arc<Vec<u8>>)> = items
+            .iter()
+            .map(|(k, parts)| (k.to_string(), Arc::new(parts.concat())))
+            .collect();
+        self.put_many(&owned)
+    }
+    /// The payloads of `keys` as [`Tier::get_many`] finds them, each handed to
+    /// `check(index in keys, payload)`: from several threads at once (this process's
+    /// pool) and in any order, the payload only borrowed for the call (a tier may read
+    /// the next one into the same memory). By default: [`Tier::get_each`], each batch
+    /// checked in parallel.
+    fn read_each(
+        &self,
+        keys: &[String],
+        sizes: RangeInclusive<usize>,
+        check: &(dyn Fn(usize, &[u8]) + Sync),
+    ) {
+        use rayon::prelude::*;
+        self.get_each(keys, sizes, &mut |batch| {
+            crate::parallel::install(|| {
+                batch
+                    .par_iter()
+                    .with_max_len(1)
+                    .for_each(|(i, p)| check(*i, p))
+            })
+        });
+    }
     /// Removes every key starting with `prefix`; returns how many were removed.
     fn drop_prefix(&self, prefix: &str) -> usize;
     /// Forgets a payload that failed its checks, so it is not read again.

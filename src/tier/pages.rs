@@ -20,12 +20,17 @@
 //! file and renames it), so a store that fails is never visible.
 
 use std::ops::RangeInclusive;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
-use super::payload::{self, BlockMeta, ConfigKey, Fingerprint, PayloadShape, TierKey};
+use parking_lot::Mutex;
+use rayon::prelude::*;
+
+use super::payload::{
+    self, BlockMeta, ConfigKey, Fingerprint, MacKey, PayloadShape, TierKey, HEADER, MAC,
+};
 use super::writer::WritePolicy;
-use super::{Tier, TierCounters};
+use super::{Parts, Tier, TierCounters};
 use crate::error::{KvError, Result};
 use crate::prefix::BlockHash;
 
@@ -75,6 +80,27 @@ pub struct PageStore {
     policy: WritePolicy,
     counters: PageCounters,
 }
+
+/// A page's envelope but for the page itself ([`PageStore::envelope`]).
+#[derive(Debug)]
+struct Envelope {
+    /// The tier key.
+    name: String,
+    /// The bytes before the page.
+    header: [u8; HEADER],
+    /// The bytes after it.
+    mac: [u8; MAC],
+}
+
+/// What a tier's read of a page came to ([`PageStore::get_into`]): not read (missing,
+/// or refused by the tier itself), loaded into its buffer, or refused by its checks.
+const UNREAD: u8 = 0;
+const LOADED: u8 = 1;
+const REFUSED: u8 = 2;
+
+/// Bytes of pages [`PageStore::put_many`] MACs and stores at a time: few enough that
+/// they are still in the CPU's cache when they are written.
+const STORE_CHUNK_BYTES: usize = 8 << 20;
 
 /// The shape of the envelope of a page of `n` bytes.
 fn shape(n: usize) -> PayloadShape {
@@ -236,26 +262,74 @@ impl PageStore {
         }
     }
 
-    /// The sealed envelope of `page` under `key` in namespace `ns`.
-    fn seal(&self, key: &str, page: &[u8], ns: &str) -> (String, Arc<Vec<u8>>) {
-        let (root, k) = (namespace_root(ns), key_hash(key));
-        let sh = shape(page.len());
+    /// The envelope of `page` under `key` in namespace root `root` (whose MAC key is
+    /// `mac`): its tier key, header and MAC. The page's bytes stay where they are: the
+    /// payload is `header`, `page`, `mac`, byte for byte what [`payload::seal`] makes of
+    /// them.
+    fn envelope(&self, key: &str, page: &[u8], root: BlockHash, mac: &MacKey) -> Envelope {
+        let k = key_hash(key);
         let meta = BlockMeta {
             key: k,
             parent: 0,
             root,
             first: true,
         };
-        let mut env = payload::begin(&self.fp, &sh, &meta, &[]);
-        env[sh.kv_range(0)].copy_from_slice(page);
-        payload::seal(&mut env, &self.config.namespace(root));
-        (payload::block_key(&self.fp, root, k), Arc::new(env))
+        let header = payload::header(&self.fp, &shape(page.len()), &meta);
+        Envelope {
+            name: payload::block_key(&self.fp, root, k),
+            mac: payload::mac_of(&[&header, page], mac),
+            header,
+        }
+    }
+
+    /// The envelopes of `pages` (keys `keys`) in namespace root `root`, computed in
+    /// parallel (the MACs) on this process's pool.
+    fn envelopes(&self, keys: &[&str], pages: &[&[u8]], root: BlockHash) -> Vec<Envelope> {
+        let mac = self.config.namespace(root);
+        crate::parallel::install(|| {
+            keys.par_iter()
+                .zip(pages)
+                .with_max_len(1)
+                .map(|(k, p)| self.envelope(k, p, root, &mac))
+                .collect()
+        })
+    }
+
+    /// Stores `pages` (sealed in `envelopes`) as the policy says, in `tiers`; per page,
+    /// whether some tier took it.
+    fn store_sealed(
+        &self,
+        tiers: &[Arc<dyn Tier>],
+        envelopes: &[Envelope],
+        pages: &[&[u8]],
+    ) -> Vec<bool> {
+        let mut stored = vec![false; pages.len()];
+        for tier in tiers {
+            let ask: Vec<usize> = (0..pages.len())
+                .filter(|&j| self.policy == WritePolicy::All || !stored[j])
+                .collect();
+            if ask.is_empty() {
+                break;
+            }
+            let batch: Vec<(&str, Parts<'_>)> = ask
+                .iter()
+                .map(|&j| {
+                    let e = &envelopes[j];
+                    (e.name.as_str(), [&e.header[..], pages[j], &e.mac[..]])
+                })
+                .collect();
+            for (&j, taken) in ask.iter().zip(tier.put_parts(&batch)) {
+                stored[j] |= taken;
+            }
+        }
+        stored
     }
 
     /// Seals and stores `pages` under `keys` in namespace `ns` (as the policy says: every
     /// tier, or the first that takes each); per page, whether some tier took it. The
     /// caller has checked the lengths ([`PageStore::check_len`]); pages of other lengths
-    /// than `page_bytes` are not stored.
+    /// than `page_bytes` are not stored. The MACs are computed over the caller's pages
+    /// in parallel, and a tier that writes files writes them from there (no sealed copy).
     pub fn put_many(&self, keys: &[&str], pages: &[&[u8]], ns: &str) -> Vec<bool> {
         assert_eq!(keys.len(), pages.len(), "one page per key");
         TierCounters::add(&self.counters.puts, keys.len() as u64);
@@ -263,22 +337,26 @@ impl PageStore {
         let ok: Vec<usize> = (0..keys.len())
             .filter(|&i| self.check_len("pages", i, pages[i].len()).is_ok())
             .collect();
-        let items: Vec<(String, Arc<Vec<u8>>)> = ok
-            .iter()
-            .map(|&i| self.seal(keys[i], pages[i], ns))
-            .collect();
-        for tier in &self.tiers {
-            let ask: Vec<usize> = (0..ok.len())
-                .filter(|&j| self.policy == WritePolicy::All || !stored[ok[j]])
-                .collect();
-            if ask.is_empty() {
-                break;
+        let root = namespace_root(ns);
+        // In chunks of a few MiB (a page per thread at least), each MACed then stored
+        // while its pages are still in the CPU's cache.
+        let threads = crate::parallel::threads();
+        let mut at = 0;
+        while at < ok.len() {
+            let (mut end, mut bytes) = (at, 0);
+            while end < ok.len() && (end - at < threads || bytes < STORE_CHUNK_BYTES) {
+                bytes += pages[ok[end]].len();
+                end += 1;
             }
-            let batch: Vec<(String, Arc<Vec<u8>>)> =
-                ask.iter().map(|&j| items[j].clone()).collect();
-            for (&j, taken) in ask.iter().zip(tier.put_many(&batch)) {
-                stored[ok[j]] |= taken;
+            let chunk = &ok[at..end];
+            let ok_keys: Vec<&str> = chunk.iter().map(|&i| keys[i]).collect();
+            let ok_pages: Vec<&[u8]> = chunk.iter().map(|&i| pages[i]).collect();
+            let envelopes = self.envelopes(&ok_keys, &ok_pages, root);
+            let taken = self.store_sealed(&self.tiers, &envelopes, &ok_pages);
+            for (&i, t) in chunk.iter().zip(taken) {
+                stored[i] = t;
             }
+            at = end;
         }
         let n = stored.iter().filter(|&&s| s).count();
         TierCounters::add(&self.counters.stored, n as u64);
@@ -289,19 +367,25 @@ impl PageStore {
     /// verified into its buffer in `bufs` (whose length is the page's); per key, whether
     /// it was loaded. A buffer is written only with a verified page of its exact length.
     /// A page found in a slower tier is copied into the faster tiers that missed it.
+    /// Payloads are read, verified and copied in parallel on this process's pool.
     pub fn get_into(&self, keys: &[&str], bufs: &mut [&mut [u8]], ns: &str) -> Vec<bool> {
         assert_eq!(keys.len(), bufs.len(), "one buffer per key");
         TierCounters::add(&self.counters.gets, keys.len() as u64);
         let root = namespace_root(ns);
         let mac = self.config.namespace(root);
+        let lens: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
         let mut loaded = vec![false; keys.len()];
         let ok: Vec<usize> = (0..keys.len())
-            .filter(|&i| self.check_len("buffers", i, bufs[i].len()).is_ok())
+            .filter(|&i| self.check_len("buffers", i, lens[i]).is_ok())
             .collect();
-        let names: Vec<String> = keys
+        let hashes: Vec<BlockHash> = keys.iter().map(|k| key_hash(k)).collect();
+        let names: Vec<String> = hashes
             .iter()
-            .map(|k| payload::block_key(&self.fp, root, key_hash(k)))
+            .map(|&h| payload::block_key(&self.fp, root, h))
             .collect();
+        // Each buffer behind a lock of its own, so the tier's threads fill them at once.
+        let cells: Vec<Mutex<&mut [u8]>> = bufs.iter_mut().map(|b| Mutex::new(&mut **b)).collect();
+        let verdicts: Vec<AtomicU8> = (0..keys.len()).map(|_| AtomicU8::new(UNREAD)).collect();
         // Per tier, the keys it missed (promotion targets).
         let mut missed: Vec<Vec<usize>> = Vec::with_capacity(self.tiers.len());
         for tier in &self.tiers {
@@ -312,46 +396,60 @@ impl PageStore {
             // Per size, one batched request (the sizes a tier accepts are one range).
             let mut by_len: Vec<(usize, Vec<usize>)> = Vec::new();
             for &i in &ask {
-                let n = bufs[i].len();
-                match by_len.iter_mut().find(|(len, _)| *len == n) {
+                match by_len.iter_mut().find(|(len, _)| *len == lens[i]) {
                     Some((_, v)) => v.push(i),
-                    None => by_len.push((n, vec![i])),
+                    None => by_len.push((lens[i], vec![i])),
                 }
             }
             for (n, group) in by_len {
                 let sh = shape(n);
                 let want: Vec<String> = group.iter().map(|&i| names[i].clone()).collect();
-                let got = tier.get_many(&want, sh.len()..=sh.len());
-                for (&i, p) in group.iter().zip(got) {
-                    let Some(p) = p else { continue };
-                    match payload::decode(&p, &self.fp, &sh, key_hash(keys[i]), &mac) {
+                let check = |j: usize, p: &[u8]| {
+                    let i = group[j];
+                    let verdict = match payload::decode(p, &self.fp, &sh, hashes[i], &mac) {
                         Ok(c) if c.meta.root == root => {
-                            bufs[i].copy_from_slice(&p[sh.kv_range(0)]);
+                            cells[i].lock().copy_from_slice(&p[sh.kv_range(0)]);
+                            LOADED
+                        }
+                        _ => REFUSED,
+                    };
+                    verdicts[i].store(verdict, Ordering::Release);
+                };
+                tier.read_each(&want, sh.len()..=sh.len(), &check);
+                for &i in &group {
+                    match verdicts[i].swap(UNREAD, Ordering::Acquire) {
+                        LOADED => {
                             loaded[i] = true;
                             TierCounters::add(&self.counters.hits, 1);
                             TierCounters::add(&self.counters.hit_bytes, n as u64);
                         }
-                        _ => {
+                        REFUSED => {
                             TierCounters::add(&self.counters.rejected, 1);
                             TierCounters::add(&tier.counters().rejected, 1);
                             tier.discard(&names[i]);
                         }
+                        _ => {}
                     }
                 }
             }
             missed.push(ask.into_iter().filter(|&i| !loaded[i]).collect());
         }
+        drop(cells);
         // Pages served by a slower tier go to the faster ones that missed them.
         for (t, tier_missed) in missed.iter().enumerate() {
-            let up: Vec<(String, Arc<Vec<u8>>)> = tier_missed
-                .iter()
-                .filter(|&&i| loaded[i])
-                .map(|&i| self.seal(keys[i], bufs[i], ns))
-                .collect();
-            if !up.is_empty() {
-                let n = self.tiers[t].put_many(&up).iter().filter(|&&s| s).count();
-                TierCounters::add(&self.counters.promoted, n as u64);
+            let up: Vec<usize> = tier_missed.iter().copied().filter(|&i| loaded[i]).collect();
+            if up.is_empty() {
+                continue;
             }
+            let up_keys: Vec<&str> = up.iter().map(|&i| keys[i]).collect();
+            let up_pages: Vec<&[u8]> = up.iter().map(|&i| &*bufs[i]).collect();
+            let envelopes = self.envelopes(&up_keys, &up_pages, root);
+            let n = self
+                .store_sealed(&self.tiers[t..=t], &envelopes, &up_pages)
+                .iter()
+                .filter(|&&s| s)
+                .count();
+            TierCounters::add(&self.counters.promoted, n as u64);
         }
         loaded
     }
@@ -462,5 +560,150 @@ mod tests {
         assert!(
             err(PageStore::new(vec![host], None, &bad, WritePolicy::All)).contains("page_bytes=x")
         );
+    }
+
+    fn tmpdir(name: &str) -> std::path::PathBuf {
+        let d = std::env::temp_dir().join(format!("kvrs-pages-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        d
+    }
+
+    /// The payload the store's earlier path sealed for `page`: a copy of the page in a
+    /// buffer [`payload::begin`] started, MACed by [`payload::seal`].
+    fn sealed_copy(s: &PageStore, key: &str, page: &[u8], ns: &str) -> Vec<u8> {
+        let root = namespace_root(ns);
+        let sh = shape(page.len());
+        let meta = BlockMeta {
+            key: key_hash(key),
+            parent: 0,
+            root,
+            first: true,
+        };
+        let mut env = payload::begin(&s.fp, &sh, &meta, &[]);
+        env[sh.kv_range(0)].copy_from_slice(page);
+        payload::seal(&mut env, &s.config.namespace(root));
+        env
+    }
+
+    /// The file a `DiskTier` in `dir` keeps tier key `name` in.
+    fn file_of(dir: &std::path::Path, name: &str) -> std::path::PathBuf {
+        let parts: Vec<&str> = name.strip_prefix("kvrs:").unwrap().split(':').collect();
+        let (last, dirs) = parts.split_last().unwrap();
+        let mut p = dir.to_path_buf();
+        p.extend(dirs);
+        p.join(format!("{last}.kvb"))
+    }
+
+    fn page_of(seed: usize, len: usize) -> Vec<u8> {
+        (0..len)
+            .map(|i| (i.wrapping_mul(131) ^ seed.wrapping_mul(7919)) as u8)
+            .collect()
+    }
+
+    #[test]
+    fn written_parts_are_byte_for_byte_the_sealed_payload_in_every_tier() {
+        let dir = tmpdir("parts");
+        let disk = Arc::new(crate::tier::DiskTier::open(&dir, 1 << 30).unwrap());
+        let host = Arc::new(HostTier::new(1 << 30));
+        let s = PageStore::new(
+            vec![host.clone() as Arc<dyn Tier>, disk.clone() as Arc<dyn Tier>],
+            Some(b"a-sixteen-byte-secret"),
+            &facts("m"),
+            WritePolicy::All,
+        )
+        .unwrap();
+        // Lengths around BLAKE3's 1 KiB chunks and 64-byte blocks, and a large page.
+        let lens = [1, 63, 64, 65, 1023, 1024, 1025, 4096 + 17, 3 << 20];
+        let keys: Vec<String> = (0..lens.len()).map(|i| format!("k{i}")).collect();
+        let pages: Vec<Vec<u8>> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| page_of(i, n))
+            .collect();
+        let ks: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let ps: Vec<&[u8]> = pages.iter().map(Vec::as_slice).collect();
+        assert!(s.put_many(&ks, &ps, "ns").iter().all(|&t| t));
+        for (k, p) in ks.iter().zip(&ps) {
+            let want = sealed_copy(&s, k, p, "ns");
+            let name = s.tier_key(k, "ns");
+            assert_eq!(std::fs::read(file_of(&dir, &name)).unwrap(), want, "{k}");
+            let held = host
+                .get_many(&[name], want.len()..=want.len())
+                .pop()
+                .unwrap();
+            assert_eq!(held.as_deref(), Some(&want[..]), "{k}");
+        }
+        // A payload the earlier path sealed and stored is found and loaded.
+        let old = sealed_copy(&s, "old", &pages[4], "ns");
+        assert_eq!(
+            disk.put_many(&[(s.tier_key("old", "ns"), Arc::new(old))]),
+            [true]
+        );
+        let only_disk = PageStore::new(
+            vec![disk.clone() as Arc<dyn Tier>],
+            Some(b"a-sixteen-byte-secret"),
+            &facts("m"),
+            WritePolicy::All,
+        )
+        .unwrap();
+        let mut buf = vec![0u8; pages[4].len()];
+        assert_eq!(only_disk.get_into(&["old"], &mut [&mut buf], "ns"), [true]);
+        assert_eq!(buf, pages[4]);
+        // Storing the same pages again only marks the files used.
+        let stores = disk.counters().stores.load(Ordering::Relaxed);
+        assert!(only_disk.put_many(&ks, &ps, "ns").iter().all(|&t| t));
+        assert_eq!(disk.counters().stores.load(Ordering::Relaxed), stores);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_batch_loads_each_page_into_its_own_buffer_and_refused_ones_stay_untouched() {
+        let dir = tmpdir("batch");
+        let disk = Arc::new(crate::tier::DiskTier::open(&dir, 1 << 30).unwrap());
+        let s = PageStore::new(
+            vec![disk.clone() as Arc<dyn Tier>],
+            Some(b"a-sixteen-byte-secret"),
+            &facts("m"),
+            WritePolicy::All,
+        )
+        .unwrap();
+        // Two lengths (two batched reads), the larger read first so that the threads'
+        // reused buffers hold a longer page when the shorter ones are read.
+        let n = 40;
+        let len = |i: usize| if i.is_multiple_of(3) { 300_000 } else { 70_000 };
+        let keys: Vec<String> = (0..n).map(|i| format!("page-{i}")).collect();
+        let pages: Vec<Vec<u8>> = (0..n).map(|i| page_of(i, len(i))).collect();
+        let ks: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let ps: Vec<&[u8]> = pages.iter().map(Vec::as_slice).collect();
+        assert!(s.put_many(&ks, &ps, "").iter().all(|&t| t));
+        // Faults: a flipped byte, a truncation, another key's (valid) payload, a missing
+        // file; every other page loads.
+        let file = |i: usize| file_of(&dir, &s.tier_key(ks[i], ""));
+        let mut flipped = std::fs::read(file(1)).unwrap();
+        flipped[HEADER + 5] ^= 1;
+        std::fs::write(file(1), flipped).unwrap();
+        let cut = std::fs::read(file(4)).unwrap();
+        std::fs::write(file(4), &cut[..cut.len() - 100]).unwrap();
+        std::fs::copy(file(5), file(2)).unwrap();
+        std::fs::remove_file(file(7)).unwrap();
+        let faulty = [1, 2, 4, 7];
+        for round in 0..2 {
+            let mut bufs: Vec<Vec<u8>> = (0..n).map(|i| vec![0xEE; len(i)]).collect();
+            let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+            let got = s.get_into(&ks, &mut slices, "");
+            for i in 0..n {
+                if faulty.contains(&i) {
+                    assert!(!got[i], "round {round}: page {i} is refused");
+                    assert!(bufs[i].iter().all(|&b| b == 0xEE), "page {i} untouched");
+                } else {
+                    assert!(got[i], "round {round}: page {i}");
+                    assert_eq!(bufs[i], pages[i], "round {round}: page {i}");
+                }
+            }
+        }
+        // Refused payloads were discarded (counted once) and are misses now.
+        assert_eq!(s.counters().rejected.load(Ordering::Relaxed), 2);
+        assert!(!file(1).exists() && !file(2).exists());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -33,10 +33,10 @@ use crate::prefix::BlockHash;
 const MAGIC: &[u8; 8] = b"KVRSBLK\x02";
 
 /// Bytes before the token ids.
-const HEADER: usize = 8 + 16 + 3 * 16 + 4 + 4 + 4 + 8 + 8 + 12;
+pub(crate) const HEADER: usize = 8 + 16 + 3 * 16 + 4 + 4 + 4 + 8 + 8 + 12;
 
 /// Bytes of the trailing MAC.
-const MAC: usize = 32;
+pub(crate) const MAC: usize = 32;
 
 /// The shortest secret [`TierKey::new`] accepts, in bytes.
 pub const MIN_SECRET: usize = 16;
@@ -193,28 +193,44 @@ impl PayloadShape {
     }
 }
 
+/// The header of a payload of `shape` for block `meta`: the bytes before its token ids.
+pub fn header(fp: &Fingerprint, shape: &PayloadShape, meta: &BlockMeta) -> [u8; HEADER] {
+    let mut h = [0u8; HEADER];
+    h[..8].copy_from_slice(MAGIC);
+    h[8..24].copy_from_slice(fp);
+    for (i, k) in [meta.key, meta.parent, meta.root].into_iter().enumerate() {
+        h[24 + 16 * i..40 + 16 * i].copy_from_slice(&k.to_le_bytes());
+    }
+    h[72] = u8::from(meta.first);
+    h[76..80].copy_from_slice(&(shape.block_size as u32).to_le_bytes());
+    h[80..84].copy_from_slice(&(shape.tensors as u32).to_le_bytes());
+    h[84..92].copy_from_slice(&(shape.tensor_bytes as u64).to_le_bytes());
+    h[92..100].copy_from_slice(&(shape.scale_bytes as u64).to_le_bytes());
+    h
+}
+
 /// Writes the header and tokens of a payload of `shape` into a zeroed buffer of
 /// `shape.len()` bytes, whose K/V and scales the caller then fills at
 /// [`PayloadShape::kv_range`] and [`PayloadShape::scale_range`] before [`seal`].
 pub fn begin(fp: &Fingerprint, shape: &PayloadShape, meta: &BlockMeta, tokens: &[u32]) -> Vec<u8> {
     assert_eq!(tokens.len(), shape.block_size, "a block's tokens");
     let mut out = Vec::with_capacity(shape.len());
-    out.extend_from_slice(MAGIC);
-    out.extend_from_slice(fp);
-    for h in [meta.key, meta.parent, meta.root] {
-        out.extend_from_slice(&h.to_le_bytes());
-    }
-    out.extend_from_slice(&[u8::from(meta.first), 0, 0, 0]);
-    out.extend_from_slice(&(shape.block_size as u32).to_le_bytes());
-    out.extend_from_slice(&(shape.tensors as u32).to_le_bytes());
-    out.extend_from_slice(&(shape.tensor_bytes as u64).to_le_bytes());
-    out.extend_from_slice(&(shape.scale_bytes as u64).to_le_bytes());
-    out.extend_from_slice(&[0; 12]);
+    out.extend_from_slice(&header(fp, shape, meta));
     for t in tokens {
         out.extend_from_slice(&t.to_le_bytes());
     }
     out.resize(shape.len(), 0);
     out
+}
+
+/// The MAC (under `mac`) of a payload whose bytes before the MAC are the concatenation
+/// of `parts`: what [`seal`] writes at its end, computed where the parts lie.
+pub fn mac_of(parts: &[&[u8]], mac: &MacKey) -> [u8; MAC] {
+    let mut h = blake3::Hasher::new_keyed(mac);
+    for p in parts {
+        h.update(p);
+    }
+    *h.finalize().as_bytes()
 }
 
 /// Writes the MAC (under `mac`, the key of the payload's namespace) of a payload

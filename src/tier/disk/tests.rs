@@ -315,3 +315,189 @@ fn a_lock_held_by_another_process_costs_one_bounded_wait_and_never_blocks_a_look
     );
     let _ = fs::remove_dir_all(&dir);
 }
+
+/// The names of the files under `dir`, recursively (temporary ones included).
+fn files_under(dir: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in fs::read_dir(&d).unwrap().flatten() {
+            if e.file_type().unwrap().is_dir() {
+                stack.push(e.path());
+            } else {
+                out.push(e.file_name().to_string_lossy().into_owned());
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn a_write_that_fails_part_way_is_never_visible_and_gives_its_room_back() {
+    let dir = tmpdir("torn");
+    let t = DiskTier::open(&dir, 1 << 20).unwrap();
+    assert!(put(&t, "kvrs:aa:01:10", vec![1; 1000]));
+    let before = Usage::read(&dir).unwrap().total;
+    // Writes in namespace 02 fail after their first part: in one batch with writes that
+    // succeed, given as parts.
+    inject::fail_writes_in(&dir.join("aa").join("02"), true);
+    let (head, body, mac) = (vec![7u8; 112], vec![8u8; 5000], vec![9u8; 32]);
+    let parts: Parts<'_> = [&head, &body, &mac];
+    let keys = [
+        "kvrs:aa:01:11",
+        "kvrs:aa:02:12",
+        "kvrs:aa:01:13",
+        "kvrs:aa:02:10",
+    ];
+    let items: Vec<(&str, Parts<'_>)> = keys.iter().map(|&k| (k, parts)).collect();
+    assert_eq!(t.put_parts(&items), [true, false, true, false]);
+    let whole = [&head[..], &body, &mac].concat();
+    for k in ["kvrs:aa:01:11", "kvrs:aa:01:13"] {
+        assert_eq!(get(&t, k, 0..=usize::MAX).as_deref(), Some(&whole[..]));
+    }
+    // The failed ones: no file under the name, no temporary file left, the bytes
+    // they reserved given back, each failure counted.
+    for k in ["kvrs:aa:02:12", "kvrs:aa:02:10"] {
+        assert_eq!(get(&t, k, 0..=usize::MAX), None);
+    }
+    assert!(!files_under(&dir).iter().any(|f| f.starts_with(TEMP_PREFIX)));
+    assert!(!dir.join("aa/02/12.kvb").exists());
+    assert_eq!(
+        Usage::read(&dir).unwrap().total,
+        before + 2 * whole.len() as u64
+    );
+    assert_eq!(t.counters().errors.load(Ordering::Relaxed), 2);
+    assert!(t.counters().last_error().unwrap().contains("injected"));
+    // A failed replacement leaves the payload that was there.
+    inject::fail_writes_in(&dir.join("aa").join("01"), true);
+    assert!(!put(&t, "kvrs:aa:01:10", vec![2; 1000]));
+    assert_eq!(
+        get(&t, "kvrs:aa:01:10", 0..=usize::MAX),
+        Some(vec![1; 1000])
+    );
+    inject::fail_writes_in(&dir.join("aa").join("01"), false);
+    inject::fail_writes_in(&dir.join("aa").join("02"), false);
+    assert!(t.put_parts(&items[1..2])[0]);
+    assert_eq!(get(&t, "kvrs:aa:02:12", 0..=usize::MAX), Some(whole));
+    assert_eq!(t.used_bytes(), Usage::read(&dir).unwrap().total);
+    let _ = fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_batch_larger_than_the_bound_is_stored_in_rounds_evicting_as_single_stores_do() {
+    let dir = tmpdir("rounds");
+    let t = DiskTier::open(&dir, 1000).unwrap();
+    let items: Vec<(String, Arc<Vec<u8>>)> = (0..5)
+        .map(|i| (format!("kvrs:aa:01:{i:02}"), Arc::new(vec![i as u8; 400])))
+        .collect();
+    // Two fit at once: the third waits for them to be in place (evictable).
+    assert_eq!(t.put_many(&items), [true; 5]);
+    assert!(t.used_bytes() <= 1000);
+    assert_eq!(get(&t, "kvrs:aa:01:04", 0..=usize::MAX), Some(vec![4; 400]));
+    assert!(t.counters().evictions.load(Ordering::Relaxed) >= 3);
+    // One larger than the bound is refused; the others of its batch are stored.
+    let mixed = vec![
+        ("kvrs:aa:01:10".to_string(), Arc::new(vec![1u8; 2000])),
+        ("kvrs:aa:01:11".to_string(), Arc::new(vec![2u8; 300])),
+    ];
+    assert_eq!(t.put_many(&mixed), [false, true]);
+    let _ = fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_threads_reused_buffer_never_hands_out_a_previous_payload() {
+    let dir = tmpdir("scratch");
+    let t = DiskTier::open(&dir, 1 << 30).unwrap();
+    let big = vec![0xAB; 200_000];
+    assert!(put(&t, "kvrs:aa:01:10", big.clone()));
+    assert!(put(&t, "kvrs:aa:01:11", vec![0xCD; 1000]));
+    let seen = parking_lot::Mutex::new(Vec::new());
+    let keys = ["kvrs:aa:01:10".to_string(), "kvrs:aa:01:11".to_string()];
+    for sizes in [0..=usize::MAX, 1000..=1000] {
+        t.read_each(&keys, sizes, &|i, p| seen.lock().push((i, p.to_vec())));
+    }
+    let mut seen = seen.into_inner();
+    seen.sort();
+    assert_eq!(
+        seen,
+        [(0, big), (1, vec![0xCD; 1000]), (1, vec![0xCD; 1000])]
+    );
+    // A file that shrinks or grows after its fstat is never handed out: not the bytes
+    // read so far, nor what the buffer held before.
+    let path = key_path(&dir, "12");
+    for new_len in [500, 1500] {
+        fs::write(&path, [3u8; 1000]).unwrap();
+        let Opened::File(mut f, len) = open_regular(&path).unwrap() else {
+            panic!("a regular file")
+        };
+        fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(new_len)
+            .unwrap();
+        let mut buf = vec![0xAB; 200_000];
+        assert_eq!(read_exact_len_into(&mut f, len, &mut buf).unwrap(), None);
+    }
+    // Read whole, a file is exactly its bytes, whatever the buffer held.
+    fs::write(&path, [3u8; 1000]).unwrap();
+    let Opened::File(mut f, len) = open_regular(&path).unwrap() else {
+        panic!("a regular file")
+    };
+    let mut buf = vec![0xAB; 200_000];
+    assert_eq!(
+        read_exact_len_into(&mut f, len, &mut buf).unwrap(),
+        Some(&[3u8; 1000][..])
+    );
+    let _ = fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn parts_are_written_as_their_concatenation() {
+    let dir = tmpdir("writev");
+    let path = dir.join("f");
+    fs::create_dir_all(&dir).unwrap();
+    let big: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+    for parts in [
+        vec![&b"head"[..], &big[..], &b"tail"[..]],
+        vec![&[][..], &b"x"[..], &[][..]],
+        vec![&big[..17]],
+    ] {
+        let mut f = fs::File::create(&path).unwrap();
+        file::write_parts(&mut f, &parts).unwrap();
+        drop(f);
+        assert_eq!(fs::read(&path).unwrap(), parts.concat());
+        let Opened::File(mut f, len) = open_regular(&path).unwrap() else {
+            panic!("a regular file")
+        };
+        assert!(holds(&mut f, len, &parts));
+        let Opened::File(mut f, len) = open_regular(&path).unwrap() else {
+            panic!("a regular file")
+        };
+        assert!(!holds(&mut f, len, &[&parts.concat()[1..], &b"!"[..]]));
+    }
+    let _ = fs::remove_dir_all(&dir);
+}
+
+/// Writes that fail part way, for the tests: a temporary file under a directory named
+/// here gets its first part written, then an error.
+pub(super) mod inject {
+    use std::path::{Path, PathBuf};
+
+    static FAILING: parking_lot::Mutex<Vec<PathBuf>> = parking_lot::Mutex::new(Vec::new());
+
+    /// Whether the write of `tmp` fails.
+    pub(in crate::tier::disk) fn write_fails(tmp: &Path) -> bool {
+        FAILING.lock().iter().any(|d| tmp.starts_with(d))
+    }
+
+    /// Makes the writes of temporary files under `dir` fail (`false`: succeed again).
+    pub(super) fn fail_writes_in(dir: &Path, fail: bool) {
+        let mut f = FAILING.lock();
+        f.retain(|d| d != dir);
+        if fail {
+            f.push(dir.to_path_buf());
+        }
+    }
+}
