@@ -419,3 +419,33 @@ fn copy_prefix_inside_a_block_then_reserve_reads_zeros() {
     }
     assert_eq!(w.live[1].k[0][1..], [vec![0.0; H * D], vec![0.0; H * D]]);
 }
+
+/// A sequence proptest found in CI: prefix hits, frees, a length cut past a shared block
+/// and reservations, then a prompt that hits the same prefix again.
+#[test]
+fn ci_regression_prefix_hits_after_reserve_and_set_len() {
+    use Op::*;
+    let p = |shared, suffix| Prompt { shared, suffix };
+    let ops = vec![
+        p(1, 0),
+        p(1, 0),
+        Free(0),
+        SetSeqLen(0, 2),
+        Reserve(vec![(0, 3)]),
+        p(0, 1),
+        p(0, 1),
+        p(8, 0),
+        Reserve(vec![(3, 1), (0, 4)]),
+        p(0, 1),
+        p(6, 2),
+        p(0, 0),
+        Free(0),
+        Free(0),
+        Reserve(vec![(3, 2)]),
+        p(0, 0),
+        SetSeqLen(3, 8),
+        p(6, 2),
+    ];
+    run(KvLayout::Hnd, DType::BF16, &ops);
+    run(KvLayout::Nhd, DType::F32, &ops);
+}

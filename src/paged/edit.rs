@@ -283,7 +283,16 @@ impl PoolCore {
         if let Some(t) = tokens {
             self.record_tokens(id, start, t);
         }
-        self.seq_mut(id).seq_len = target;
+        let s = self.seq_mut(id);
+        s.seq_len = target;
+        // Committed by a statement that the K/V are there: claims below are written.
+        if s.claimed_from < target {
+            s.claimed_from = if s.held() > target {
+                target
+            } else {
+                usize::MAX
+            };
+        }
         self.register_blocks(id);
         self.trim(id);
         self.checkpoint_commit(id, start);
@@ -302,6 +311,9 @@ impl PoolCore {
         if s.cache_limit >= len {
             // The positions that could not be cached are gone; what comes next is written.
             s.cache_limit = usize::MAX;
+        }
+        if s.claimed_from >= len {
+            s.claimed_from = usize::MAX;
         }
         if cut_tokens {
             s.tokens.truncate(len);
@@ -354,6 +366,12 @@ impl PoolCore {
         let bs = self.shape.block_size;
         let s = self.seq_mut(id);
         s.edited();
+        // Reserved positions committed here were never stated written (as `advance`
+        // does): they stay out of the prefix cache.
+        if s.claimed_from < n {
+            s.cache_limit = s.cache_limit.min(s.claimed_from);
+        }
+        s.claimed_from = usize::MAX;
         s.layer_len.fill(n);
         s.seq_len = n;
         s.hashes.truncate(n / bs);

@@ -556,6 +556,7 @@ impl PoolCore {
             num_cached_tokens: 0,
             tier_tokens: Default::default(),
             cache_limit: usize::MAX,
+            claimed_from: usize::MAX,
             edits: 0,
             state_slot: None,
             prompt_len: 0,

@@ -67,6 +67,11 @@ pub struct SeqState {
     /// Blocks at or past this position are never cached: their K/V were moved by a
     /// middle removal and no longer match what the model computes for the tokens.
     pub cache_limit: usize,
+    /// The first position claimed by [`super::PoolCore::reserve`] and not yet committed by
+    /// `advance` (which states the K/V are there), or `usize::MAX`: a `set_seq_len` that
+    /// commits past it commits positions nobody said were written, which never join the
+    /// prefix cache.
+    pub claimed_from: usize,
     /// Counts the edits other than growth (cuts, removals, replacements): a
     /// [`super::ForwardPlan`] placed before one is stale.
     pub edits: u64,

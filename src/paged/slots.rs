@@ -68,6 +68,9 @@ impl PoolCore {
                 }
                 let s = pool.seq_mut(id);
                 s.layer_len.fill(start + c);
+                if c > 0 {
+                    s.claimed_from = s.claimed_from.min(start);
+                }
                 for (g, t) in s.tables.iter().enumerate() {
                     let row = &mut slots[g * total + at..g * total + at + c];
                     for (out, p) in row.iter_mut().zip(start..) {
