@@ -340,6 +340,8 @@ class Env:
         self.pages = kvrs.PageStore(
             [kvrs.HostTier(1 << 16), self.tiers[1]], fingerprint={"model": "fuzz", "page_bytes": 16}
         )
+        self.suffix = kvrs.SuffixIndex(max_tokens=64, max_depth=4)
+        self.suffix.add([1, 2, 3, 1, 2, 4])
         self.paths = {
             "saved": str(tmp / "saved.safetensors"),
             "junk": str(tmp / "junk.safetensors"),
@@ -533,6 +535,24 @@ ENTRIES: dict[str, dict[str, tuple]] = {
         "stats": entry(),
         "tier_key": entry(mostly(st.text(max_size=4)), NS),
     },
+    "SuffixIndex": {
+        "add": entry(L, namespace=KEY, extra_key=KEY),
+        "extend": entry(I, L, extra=(KeyError,)),
+        "remove": entry(I, extra=(KeyError,)),
+        "tokens": entry(I, extra=(KeyError,)),
+        "handles": entry(),
+        "speculate": entry(
+            L,
+            namespace=KEY,
+            extra_key=KEY,
+            max_tokens=I,
+            max_spec_factor=F,
+            max_spec_offset=F,
+            min_token_prob=F,
+        ),
+        "clear": entry(),
+        "stats": entry(),
+    },
 }
 
 
@@ -609,6 +629,7 @@ def test_every_method_with_extreme_arguments(fuzz_dir, data, dtype):
             "DiskTier": env.tiers[1],
             "RedisTier": env.tiers[2],
             "PageStore": env.pages,
+            "SuffixIndex": env.suffix,
         }[cls]
         if obj is None:
             continue
@@ -622,7 +643,17 @@ def test_every_method_with_extreme_arguments(fuzz_dir, data, dtype):
         elif after is not None and result is not None:
             checked(f"after {what}", after, result)
         env.pool.check_invariants()
-        objects = (env.pool, env.seq, env.batch, env.cache, env.int8_cache, env.enc, env.rope, env.pages)
+        objects = (
+            env.pool,
+            env.seq,
+            env.batch,
+            env.cache,
+            env.int8_cache,
+            env.enc,
+            env.rope,
+            env.pages,
+            env.suffix,
+        )
         for o in (*objects, *env.tiers):
             if o is not None:
                 read_everything(o)
@@ -752,6 +783,9 @@ def constructors(d, tmp: Path) -> dict:
             ),
             tier_key=d(st.one_of(st.none(), st.binary(max_size=20), wrong)),
             write=d(st.one_of(st.sampled_from(["all", "first", "x"]), wrong)),
+        ),
+        "SuffixIndex": lambda: kvrs.SuffixIndex(
+            max_tokens=d(st.one_of(SMALL, I)), max_depth=d(st.one_of(SMALL, I))
         ),
         "Sequence": lambda: kvrs.Sequence(*d(st.lists(I, max_size=2))),
         "ForwardBatch": lambda: kvrs.ForwardBatch(*d(st.lists(I, max_size=2))),
