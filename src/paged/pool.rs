@@ -723,6 +723,8 @@ impl PoolCore {
         copy.seq_len = n;
         copy.num_cached_tokens = 0;
         copy.tier_tokens.clear();
+        // Every position of the copy is committed: no reserved claim is left.
+        copy.claimed_from = usize::MAX;
         copy.checkpoints.retain(|&mut (p, _)| p <= n);
         copy.branch = None;
         for t in &mut copy.tables {

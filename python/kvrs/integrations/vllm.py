@@ -345,9 +345,6 @@ class KvrsSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         self._lookups.shutdown()
         self._pool.shutdown(wait=True)
 
-    def get_stats(self) -> Any:
-        return None
-
     def kvrs_stats(self) -> dict[str, Any]:
         """The page store's counters and each kvrs tier's (for tools and tests)."""
         return self.store.stats()
