@@ -6,17 +6,24 @@ connector takes: the scheduler side asks kvrs how many leading blocks of a promp
 (vLLM's block hashes are the keys; the prompt's last token is always left to compute), and
 the worker side copies those blocks from kvrs into vLLM's paged KV cache before the forward
 (``start_load_kv``) and every newly filled block out of it after the forward
-(``wait_for_save``). A block is one page: its bytes in every layer of the KV cache group,
-layer by layer, sealed in a kvrs payload whose header and keyed MAC bind it to the engine's
-facts (model, KV dtype and block geometry of every layer, TP/PP ranks, extra facts), the
-namespace and vLLM's block hash. A block that fails to load (missing, torn, corrupted,
-forged, another model's) is written nowhere and reported through
-``get_block_ids_with_load_errors``, so vLLM recomputes it with
+(``wait_for_save``). Pages are sealed in kvrs payloads whose header and keyed MAC bind them
+to the engine's facts (model, KV dtype, geometry of every group and layer, TP/PP ranks,
+extra facts), the namespace and vLLM's block hash (`kvrs.integrations.vllm_blocks`).
+
+Full-attention models (one KV cache group): a block that fails to load (missing, torn,
+corrupted, forged, another model's) is written nowhere and reported through
+``get_block_ids_with_load_errors``, so vLLM recomputes from it with
 ``kv_load_failure_policy="recompute"`` (or fails the request with ``"fail"``, its default).
 
-Hybrid models (a KV cache group that is not full attention: sliding window, Mamba, linear
-attention) are served no external hits and nothing is saved: their state is not restored
-without its K/V, so they recompute, never load a partial state. A warning says so once.
+Hybrid models (full attention with Mamba/GDN groups in ``mamba_cache_mode="align"``, the
+mode vLLM's prefix caching gives them): a prefix of ``n`` blocks is matched only where
+kvrs holds its ``n`` K/V pages *and* the recurrent state after its last token (saved from
+the exact state blocks vLLM hands its connectors, ``boundary_state_offloads``), and it is
+loaded as a whole or not at all: the loads are asynchronous as vLLM requires for several
+groups, and a failure is reported per request (``failed_recving``), so vLLM recomputes the
+prompt; never K/V without its state, never a state without its K/V. Other groups (sliding
+window, Mamba without ``align``) get no external hits and nothing is saved (a warning says
+so once).
 
 Configuration (``--kv-transfer-config``)::
 
@@ -36,22 +43,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kvrs
-from kvrs.integrations.engine_config import (
-    DEFAULT_TIER_KEY_ENV,
-    extra_facts,
-    make_tiers,
-    namespace_arg,
-    tier_secret,
-)
+from kvrs.integrations.engine_config import DEFAULT_TIER_KEY_ENV, make_tiers, namespace_arg, tier_secret
+from kvrs.integrations.vllm_blocks import BlockLayout, PagedCaches, connector_fingerprint
 
 try:
-    import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found,import-untyped]
         KVConnectorBase_V1,
         KVConnectorMetadata,
+        KVConnectorTransferResults,
         SupportsHMA,
     )
-    from vllm.v1.kv_cache_interface import FullAttentionSpec  # type: ignore[import-not-found,import-untyped]
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
         f"kvrs.integrations.vllm needs vLLM and torch ({e}): tested with vllm==0.33.0, installed by "
@@ -63,55 +64,33 @@ __all__ = ["KvrsConnector", "KvrsConnectorMetadata", "connector_fingerprint"]
 _logger = logging.getLogger(__name__)
 
 
-def connector_fingerprint(vllm_config: Any, kv_cache_config: Any, extra: Any = None) -> dict[str, Any]:
-    """The facts that identify the blocks of an engine configured by `vllm_config` whose KV
-    cache is laid out by `kv_cache_config`, plus the deployment's `extra` facts."""
-    par = vllm_config.parallel_config
-    # vLLM's global rank: TP innermost, then PP.
-    rank, tp = int(getattr(par, "rank", 0)), max(int(par.tensor_parallel_size), 1)
-    groups = []
-    page = 0
-    for g in kv_cache_config.kv_cache_groups:
-        s = g.kv_cache_spec
-        groups.append(
-            f"{type(s).__name__}:{s.block_size}:{getattr(s, 'num_kv_heads', '')}:"
-            f"{getattr(s, 'head_size', '')}:{getattr(s, 'head_size_v', '')}:{s.dtype}:"
-            f"{s.page_size_bytes}:{','.join(g.layer_names)}"
-        )
-        page += s.page_size_bytes * len(g.layer_names)
-    fp: dict[str, Any] = {
-        "engine": "vllm-connector",
-        "model": str(vllm_config.model_config.model),
-        "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype),
-        "kv_cache_layout": str(kv_cache_config.kv_cache_layout),
-        "groups": ";".join(groups),
-        "page_bytes": page,
-        "tp_rank": rank % tp,
-        "tp_size": tp,
-        "pp_rank": rank // tp,
-        "pp_size": int(par.pipeline_parallel_size),
-        "dcp_size": int(getattr(par, "decode_context_parallel_size", 1)),
-    }
-    fp.update(extra_facts(extra))
-    return fp
-
-
 @dataclass
 class _Transfer:
-    """Blocks of one request to move: vLLM's block hashes (hex) and their block ids."""
+    """Pages of one request to move: their keys (vLLM's block hashes, hex) and, per page,
+    its block in each group the page is cut from."""
 
     req_id: str
     keys: list[str]
-    block_ids: list[int]
+    blocks: list[tuple[int, ...]]
+
+
+@dataclass
+class _Load:
+    """A prefix to load: its K/V pages and, on a hybrid model, the state at its end (loaded
+    together or not at all)."""
+
+    kv: _Transfer
+    state: _Transfer | None = None
 
 
 @dataclass
 class KvrsConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
-    """What the scheduler side tells the workers each step: blocks to load before the
-    forward and blocks to save after it."""
+    """What the scheduler side tells the workers each step: prefixes to load before the
+    forward, and K/V and state pages to save after it."""
 
-    loads: list[_Transfer] = field(default_factory=list)
+    loads: list[_Load] = field(default_factory=list)
     saves: list[_Transfer] = field(default_factory=list)
+    state_saves: list[_Transfer] = field(default_factory=list)
 
 
 @dataclass
@@ -119,14 +98,15 @@ class _Request:
     """The scheduler side's view of one running request."""
 
     request: Any
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # its one group's (single-group models)
     saved: int = 0  # leading blocks known to be in kvrs
     computed: int = 0  # tokens computed once this step's forward is done
     load: tuple[int, int] | None = None  # (first block, blocks) kvrs matched
+    pending: _Load | None = None  # a hybrid load allocated, not yet sent to the workers
 
 
 class KvrsConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
-    """vLLM KV connector whose external cache is kvrs tiers, every block sealed and
+    """vLLM KV connector whose external cache is kvrs tiers, every page sealed and
     verified (see the module docs for the configuration)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
@@ -134,48 +114,77 @@ class KvrsConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.tiers = make_tiers(extra.get("tiers") or [])
         self.namespace = namespace_arg(extra.get("namespace", ""))
-        groups = kv_cache_config.kv_cache_groups
-        self.supported = len(groups) == 1 and type(groups[0].kv_cache_spec) is FullAttentionSpec
+        self.layout = BlockLayout.of(kv_cache_config)
+        self.supported = self.layout.unsupported is None
         if not self.supported:
             _logger.warning(
-                "KvrsConnector: KV cache groups %s are not one full-attention group: no block is "
-                "loaded from or saved to kvrs (the model's state is recomputed, never restored in part)",
-                [type(g.kv_cache_spec).__name__ for g in groups],
+                "KvrsConnector: the KV cache has %s: no block is loaded from or saved to kvrs (the "
+                "model's state is recomputed, never restored in part)",
+                self.layout.unsupported,
             )
-        self.block_size = int(groups[0].kv_cache_spec.block_size) if groups else 0
-        self.layers = list(groups[0].layer_names) if groups else []
+        self.block_size = self.layout.block_size
         fp = connector_fingerprint(vllm_config, kv_cache_config, extra.get("fingerprint"))
-        self.page_bytes = int(fp["page_bytes"])
-        self.store = kvrs.PageStore(
-            self.tiers,
-            fingerprint=fp,
-            tier_key=tier_secret(extra.get("tier_key_env", DEFAULT_TIER_KEY_ENV), _logger),
+        secret = tier_secret(extra.get("tier_key_env", DEFAULT_TIER_KEY_ENV), _logger)
+        self.store = kvrs.PageStore(self.tiers, fingerprint=fp, tier_key=secret)
+        self.state_store = (
+            kvrs.PageStore(
+                self.tiers,
+                fingerprint={**fp, "page": "state", "page_bytes": self.layout.state_page_bytes},
+                tier_key=secret,
+            )
+            if self.layout.hybrid and self.supported
+            else None
         )
         # Scheduler side.
         self._requests: dict[str, _Request] = {}
-        # Worker side: each layer's tensor and the dimension that indexes blocks.
-        self._caches: list[tuple[torch.Tensor, int]] = []
+        # Worker side.
+        self._kv: PagedCaches | None = None
+        self._states: PagedCaches | None = None
         self._load_errors: set[int] = set()
+        self._recved: set[str] = set()
+        self._failed: set[str] = set()
 
     # -- scheduler side -----------------------------------------------------------------
 
     def _keys(self, request: Any, first: int, end: int) -> list[str]:
         return [bytes(h).hex() for h in request.block_hashes[first:end]]
 
+    def _hashed_whole(self, request: Any) -> bool:
+        """Whether `request`'s block hashes are one per `block_size` tokens (the keys'
+        meaning); a request hashed otherwise is neither loaded nor saved."""
+        return len(request.block_hashes) == request.num_tokens // self.block_size
+
+    def _state_hit(self, request: Any, first: int, hit: int) -> int:
+        """The longest prefix of at most `hit` blocks, past block `first`, ending on an
+        aligned boundary whose state kvrs holds (0 if none)."""
+        assert self.state_store is not None
+        step = self.layout.align // self.block_size
+        n = hit - hit % step
+        while n > first:
+            if self.state_store.exists_prefix(self._keys(request, n - 1, n), namespace=self.namespace):
+                return n
+            n -= step
+        return 0
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._requests.setdefault(request.request_id, _Request(request))
         state.load = None
-        if not self.supported or self.block_size <= 0:
+        if not self.supported or self.block_size <= 0 or not self._hashed_whole(request):
             return 0, False
         # Whole blocks of the prompt, leaving its last token to compute.
         blocks = min((request.num_prompt_tokens - 1) // self.block_size, len(request.block_hashes))
         hit = self.store.exists_prefix(self._keys(request, 0, blocks), namespace=self.namespace)
         state.saved = max(state.saved, hit)
         first = num_computed_tokens // self.block_size
-        if hit <= first or num_computed_tokens % self.block_size:
+        if num_computed_tokens % self.layout.align:
+            return 0, False
+        if self.layout.hybrid:
+            hit = self._state_hit(request, first, hit)
+        if hit <= first:
             return 0, False
         state.load = (first, hit - first)
-        return (hit - first) * self.block_size, False
+        # Several groups: vLLM takes per-request failures only from asynchronous loads.
+        return (hit - first) * self.block_size, self.layout.hybrid
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         state = self._requests.get(request.request_id)
@@ -186,9 +195,36 @@ class KvrsConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             return
         first, n = state.load
         state.load = (first, min(n, num_external_tokens // self.block_size))
+        if self.layout.hybrid:
+            state.pending = self._hybrid_load(state, blocks.get_block_ids())
+            state.load = None
+
+    def _hybrid_load(self, state: _Request, block_ids: tuple[list[int], ...]) -> _Load | None:
+        """The load of a hybrid request's matched prefix into the blocks vLLM allocated."""
+        assert state.load is not None
+        first, n = state.load
+        end = first + n
+        kv = self.layout.kv_blocks(first, end, block_ids)
+        states = self.layout.state_blocks(end * self.block_size, block_ids)
+        if kv is None or states is None or (end * self.block_size) % self.layout.align:
+            return None
+        req = state.request
+        return _Load(
+            _Transfer(req.request_id, self._keys(req, first, end), kv),
+            _Transfer(req.request_id, self._keys(req, end - 1, end), [states]),
+        )
 
     def build_connector_meta(self, scheduler_output: Any) -> KvrsConnectorMetadata:
         meta = KvrsConnectorMetadata()
+        if not self.supported:
+            return meta
+        if self.layout.hybrid:
+            self._hybrid_meta(scheduler_output, meta)
+        else:
+            self._single_group_meta(scheduler_output, meta)
+        return meta
+
+    def _single_group_meta(self, scheduler_output: Any, meta: KvrsConnectorMetadata) -> None:
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
@@ -200,7 +236,8 @@ class KvrsConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 first, n = state.load
                 ids = state.block_ids[first : first + n]
                 if len(ids) == n:
-                    meta.loads.append(_Transfer(new.req_id, self._keys(state.request, first, first + n), ids))
+                    keys = self._keys(state.request, first, first + n)
+                    meta.loads.append(_Load(_Transfer(new.req_id, keys, [(b,) for b in ids])))
                 state.load = None
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -213,26 +250,63 @@ class KvrsConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             elif new_ids:
                 state.block_ids.extend(new_ids[0])
             state.computed = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
-        if self.supported:
-            for req_id in scheduled:
-                state = self._requests.get(req_id)
-                if state is None:
-                    continue
-                full = min(
-                    state.computed // self.block_size,
-                    len(state.request.block_hashes),
-                    len(state.block_ids),
-                )
-                if full > state.saved:
-                    meta.saves.append(
-                        _Transfer(
-                            req_id,
-                            self._keys(state.request, state.saved, full),
-                            state.block_ids[state.saved : full],
-                        )
-                    )
+        for req_id in scheduled:
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            hashes = len(state.request.block_hashes)
+            full = min(state.computed // self.block_size, hashes, len(state.block_ids))
+            if full > state.saved:
+                keys = self._keys(state.request, state.saved, full)
+                blocks: list[tuple[int, ...]] = [(b,) for b in state.block_ids[state.saved : full]]
+                meta.saves.append(_Transfer(req_id, keys, blocks))
+                state.saved = full
+
+    def _hybrid_meta(self, scheduler_output: Any, meta: KvrsConnectorMetadata) -> None:
+        """Loads allocated since the last step; the K/V blocks filled by this step's
+        forward and the states vLLM hands off at block boundaries, read from the exact
+        block ids vLLM's block state gives (never tracked positionally)."""
+        for waiting in self._requests.values():
+            if waiting.pending is not None:
+                meta.loads.append(waiting.pending)
+                waiting.pending = None
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        if block_state is None:
+            return
+        scheduled = scheduler_output.num_scheduled_tokens
+        for req_id, n_tokens in scheduled.items():
+            state = self._requests.get(req_id)
+            ids = block_state.get_block_ids(req_id)
+            if state is None or ids is None or not self._hashed_whole(state.request):
+                continue
+            req = state.request
+            full = min((req.num_computed_tokens + n_tokens) // self.block_size, len(req.block_hashes))
+            if full > state.saved:
+                kv = self.layout.kv_blocks(state.saved, full, ids)
+                if kv is not None:
+                    meta.saves.append(_Transfer(req_id, self._keys(req, state.saved, full), kv))
                     state.saved = full
-        return meta
+        for req_id, entries in block_state.boundary_state_offloads.items():
+            state = self._requests.get(req_id)
+            if state is None or not self._hashed_whole(state.request):
+                continue
+            self._state_saves(state.request, entries, meta)
+
+    def _state_saves(
+        self, request: Any, entries: list[tuple[int, int, int]], meta: KvrsConnectorMetadata
+    ) -> None:
+        """State pages for the boundaries at which every state group handed off its block."""
+        by_boundary: dict[int, dict[int, int]] = {}
+        for group, block, boundary in entries:
+            by_boundary.setdefault(int(boundary), {})[int(group)] = int(block)
+        for boundary, blocks in sorted(by_boundary.items()):
+            n = boundary // self.block_size
+            if boundary % self.layout.align or not 0 < n <= len(request.block_hashes):
+                continue
+            if any(blocks.get(g, 0) == 0 for g in self.layout.state_groups):
+                continue
+            row = tuple(blocks[g] for g in self.layout.state_groups)
+            meta.state_saves.append(_Transfer(request.request_id, self._keys(request, n - 1, n), [row]))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
@@ -245,52 +319,60 @@ class KvrsConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     # -- worker side ---------------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         if not self.supported:
             return
-        num_blocks = int(self._kv_cache_config.num_blocks)
-        caches: list[tuple[torch.Tensor, int]] = []
-        total = 0
-        for name in self.layers:
-            t = kv_caches.get(name)
-            if t is None:
-                raise ValueError(f"KvrsConnector: no KV cache registered for layer {name!r}")
-            dims = [d for d in (0, 1) if t.dim() > d and t.shape[d] == num_blocks]
-            if not dims:
-                raise ValueError(
-                    f"KvrsConnector: layer {name!r}'s KV cache {tuple(t.shape)} has no dimension of "
-                    f"num_blocks={num_blocks} in its first two"
-                )
-            dim = dims[0]
-            total += t.select(dim, 0).numel() * t.element_size()
-            caches.append((t, dim))
-        if total != self.page_bytes:
-            raise ValueError(
-                f"KvrsConnector: a block holds {total} bytes in the registered KV caches but the KV "
-                f"cache config says {self.page_bytes}"
+        cfg = self._kv_cache_config
+        layout = self.layout
+        self._kv = PagedCaches.register(kv_caches, cfg, layout.kv_groups, layout.kv_page_bytes, False)
+        if self.layout.hybrid:
+            self._states = PagedCaches.register(
+                kv_caches, cfg, self.layout.state_groups, self.layout.state_page_bytes, True
             )
-        self._caches = caches
 
-    def _staging(self, n: int) -> torch.Tensor:
-        return torch.empty((n, self.page_bytes), dtype=torch.uint8)
+    def _fetch(self, store: Any, caches: PagedCaches, t: _Transfer) -> tuple[Any, list[bool]]:
+        rows = caches.staging(len(t.keys))
+        got = store.get_into(t.keys, list(rows.numpy()), namespace=self.namespace)
+        return rows, got
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        if not isinstance(meta, KvrsConnectorMetadata) or not self._caches:
+        if not isinstance(meta, KvrsConnectorMetadata) or self._kv is None:
             return
         for load in meta.loads:
-            rows = self._staging(len(load.keys))
-            got = self.store.get_into(load.keys, list(rows.numpy()), namespace=self.namespace)
-            for ok, block, row in zip(got, load.block_ids, rows, strict=True):
-                if not ok:
-                    self._load_errors.add(int(block))
-                    continue
-                at = 0
-                for t, dim in self._caches:
-                    dst = t.select(dim, int(block))
-                    n = dst.numel() * t.element_size()
-                    dst.copy_(row[at : at + n].view(t.dtype).view(dst.shape))
-                    at += n
+            if load.state is None:
+                self._load_blocks(load.kv)
+            else:
+                self._load_prefix(load)
+
+    def _load_blocks(self, t: _Transfer) -> None:
+        """Single group: every verified block is written; a failed one is a load error."""
+        assert self._kv is not None
+        rows, got = self._fetch(self.store, self._kv, t)
+        for ok, blocks, row in zip(got, t.blocks, rows, strict=True):
+            if ok:
+                self._kv.scatter(row, blocks)
+            else:
+                self._load_errors.update(blocks)
+
+    def _load_prefix(self, load: _Load) -> None:
+        """Hybrid: the K/V pages and the state are written only if every one verified;
+        otherwise nothing is and the request's receive failed."""
+        assert self._kv is not None and self._states is not None and load.state is not None
+        assert self.state_store is not None
+        rows, got = self._fetch(self.store, self._kv, load.kv)
+        ok = all(got)
+        if ok:
+            state_rows, state_got = self._fetch(self.state_store, self._states, load.state)
+            ok = all(state_got)
+        req_id = load.kv.req_id
+        self._recved.add(req_id)
+        if not ok:
+            self._failed.add(req_id)
+            return
+        for row, blocks in zip(rows, load.kv.blocks, strict=True):
+            self._kv.scatter(row, blocks)
+        self._states.scatter(state_rows[0], load.state.blocks[0])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -298,32 +380,41 @@ class KvrsConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         return
 
+    def _save(self, store: Any, caches: PagedCaches, t: _Transfer, what: str) -> None:
+        rows = caches.staging(len(t.keys))
+        for blocks, row in zip(t.blocks, rows, strict=True):
+            caches.gather(blocks, row)
+        stored = store.put_many(t.keys, list(rows.numpy()), namespace=self.namespace)
+        if not all(stored):
+            _logger.warning(
+                "KvrsConnector: stored %d of %d %s pages of request %s (see the tiers' stats)",
+                sum(stored),
+                len(stored),
+                what,
+                t.req_id,
+            )
+
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
-        if not isinstance(meta, KvrsConnectorMetadata) or not self._caches:
+        if not isinstance(meta, KvrsConnectorMetadata) or self._kv is None:
             return
         for save in meta.saves:
-            rows = self._staging(len(save.keys))
-            for block, row in zip(save.block_ids, rows, strict=True):
-                at = 0
-                for t, dim in self._caches:
-                    src = t.select(dim, int(block))
-                    n = src.numel() * t.element_size()
-                    row[at : at + n].view(t.dtype).view(src.shape).copy_(src)
-                    at += n
-            stored = self.store.put_many(save.keys, list(rows.numpy()), namespace=self.namespace)
-            if not all(stored):
-                _logger.warning(
-                    "KvrsConnector: stored %d of %d blocks of request %s (see the tiers' stats)",
-                    sum(stored),
-                    len(stored),
-                    save.req_id,
-                )
+            self._save(self.store, self._kv, save, "K/V")
+        if self._states is not None and self.state_store is not None:
+            for save in meta.state_saves:
+                self._save(self.state_store, self._states, save, "state")
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """The hybrid loads done since the last call, the failed ones among them (a failed
+        receive is also a finished one, as vLLM expects)."""
+        recved, self._recved = self._recved, set()
+        failed, self._failed = self._failed, set()
+        return KVConnectorTransferResults(finished_recving=recved, failed_recving=failed)
+
     def kvrs_stats(self) -> dict[str, Any]:
-        """The page store's counters and each kvrs tier's (for tools and tests)."""
+        """The K/V page store's counters and each kvrs tier's (for tools and tests)."""
         return self.store.stats()
