@@ -442,8 +442,9 @@ class PageStore:
     def get_into(
         self, keys: Sequence_[str], buffers: Sequence_[Any], namespace: str | None = None
     ) -> list[bool]:
-        """Copies each key's verified page into its writable buffer; per key, whether it was loaded
-        (False: a miss, the buffer untouched)."""
+        """Copies each key's verified page into its writable buffer, or straight into its segments
+        when the buffer is a list or tuple of them (the page's bytes in order); per key, whether it
+        was loaded (False: a miss, the buffer untouched)."""
     def exists_prefix(self, keys: Sequence_[str], namespace: str | None = None) -> int:
         """How many of `keys`, from the first, are stored."""
     def drop_namespace(self, namespace: str) -> int:

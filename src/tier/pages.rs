@@ -120,6 +120,15 @@ fn hash128(context: &str, bytes: &[u8]) -> BlockHash {
 }
 
 /// The root of namespace `ns` (`""`: the default namespace).
+/// Copies `page` into `segments`, in order (their lengths sum to the page's).
+fn scatter(page: &[u8], segments: &mut [&mut [u8]]) {
+    let mut at = 0;
+    for s in segments.iter_mut() {
+        s.copy_from_slice(&page[at..at + s.len()]);
+        at += s.len();
+    }
+}
+
 fn namespace_root(ns: &str) -> BlockHash {
     hash128("kvrs 2026-11 page store namespace", ns.as_bytes())
 }
@@ -369,11 +378,28 @@ impl PageStore {
     /// A page found in a slower tier is copied into the faster tiers that missed it.
     /// Payloads are read, verified and copied in parallel on this process's pool.
     pub fn get_into(&self, keys: &[&str], bufs: &mut [&mut [u8]], ns: &str) -> Vec<bool> {
+        let mut segments: Vec<Vec<&mut [u8]>> = bufs.iter_mut().map(|b| vec![&mut **b]).collect();
+        self.get_into_segments(keys, &mut segments, ns)
+    }
+
+    /// [`PageStore::get_into`] where each key's buffer is given as segments (the page's
+    /// bytes in order, e.g. the K and V runs of a page in an engine's host pool): a
+    /// verified page is copied straight into them, no buffer of its own in between.
+    /// A key's page length is the sum of its segments' lengths.
+    pub fn get_into_segments(
+        &self,
+        keys: &[&str],
+        bufs: &mut [Vec<&mut [u8]>],
+        ns: &str,
+    ) -> Vec<bool> {
         assert_eq!(keys.len(), bufs.len(), "one buffer per key");
         TierCounters::add(&self.counters.gets, keys.len() as u64);
         let root = namespace_root(ns);
         let mac = self.config.namespace(root);
-        let lens: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
+        let lens: Vec<usize> = bufs
+            .iter()
+            .map(|b| b.iter().map(|s| s.len()).sum())
+            .collect();
         let mut loaded = vec![false; keys.len()];
         let ok: Vec<usize> = (0..keys.len())
             .filter(|&i| self.check_len("buffers", i, lens[i]).is_ok())
@@ -384,7 +410,7 @@ impl PageStore {
             .map(|&h| payload::block_key(&self.fp, root, h))
             .collect();
         // Each buffer behind a lock of its own, so the tier's threads fill them at once.
-        let cells: Vec<Mutex<&mut [u8]>> = bufs.iter_mut().map(|b| Mutex::new(&mut **b)).collect();
+        let cells: Vec<Mutex<&mut Vec<&mut [u8]>>> = bufs.iter_mut().map(Mutex::new).collect();
         let verdicts: Vec<AtomicU8> = (0..keys.len()).map(|_| AtomicU8::new(UNREAD)).collect();
         // Per tier, the keys it missed (promotion targets).
         let mut missed: Vec<Vec<usize>> = Vec::with_capacity(self.tiers.len());
@@ -408,7 +434,7 @@ impl PageStore {
                     let i = group[j];
                     let verdict = match payload::decode(p, &self.fp, &sh, hashes[i], &mac) {
                         Ok(c) if c.meta.root == root => {
-                            cells[i].lock().copy_from_slice(&p[sh.kv_range(0)]);
+                            scatter(&p[sh.kv_range(0)], &mut cells[i].lock());
                             LOADED
                         }
                         _ => REFUSED,
@@ -442,7 +468,20 @@ impl PageStore {
                 continue;
             }
             let up_keys: Vec<&str> = up.iter().map(|&i| keys[i]).collect();
-            let up_pages: Vec<&[u8]> = up.iter().map(|&i| &*bufs[i]).collect();
+            // A page in segments is joined for its store (promotion is the rare path).
+            let joined: Vec<Vec<u8>> = up
+                .iter()
+                .filter(|&&i| bufs[i].len() > 1)
+                .map(|&i| bufs[i].concat())
+                .collect();
+            let mut joined_iter = joined.iter();
+            let up_pages: Vec<&[u8]> = up
+                .iter()
+                .map(|&i| match &bufs[i][..] {
+                    [one] => &**one,
+                    _ => joined_iter.next().map_or(&[][..], Vec::as_slice),
+                })
+                .collect();
             let envelopes = self.envelopes(&up_keys, &up_pages, root);
             let n = self
                 .store_sealed(&self.tiers[t..=t], &envelopes, &up_pages)
@@ -704,6 +743,56 @@ mod tests {
         // Refused payloads were discarded (counted once) and are misses now.
         assert_eq!(s.counters().rejected.load(Ordering::Relaxed), 2);
         assert!(!file(1).exists() && !file(2).exists());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn segments_receive_the_page_in_order_and_a_promoted_page_is_whole() {
+        let dir = tmpdir("segments");
+        let disk = Arc::new(crate::tier::DiskTier::open(&dir, 1 << 30).unwrap());
+        let host = Arc::new(HostTier::new(1 << 20));
+        let secret = b"a-sixteen-byte-secret";
+        let make = |tiers: Vec<Arc<dyn Tier>>| {
+            PageStore::new(tiers, Some(secret), &facts("m"), WritePolicy::All).unwrap()
+        };
+        let on_disk = make(vec![disk.clone() as Arc<dyn Tier>]);
+        let (a, b) = (page_of(1, 1000), page_of(2, 1000));
+        assert!(on_disk
+            .put_many(&["a", "b"], &[&a, &b], "")
+            .iter()
+            .all(|&t| t));
+        let mut flipped = std::fs::read(file_of(&dir, &on_disk.tier_key("b", ""))).unwrap();
+        flipped[HEADER + 5] ^= 1;
+        std::fs::write(file_of(&dir, &on_disk.tier_key("b", "")), flipped).unwrap();
+        // Host (fast, empty) over disk: "a" is served by the disk and promoted.
+        let both = make(vec![
+            host.clone() as Arc<dyn Tier>,
+            disk.clone() as Arc<dyn Tier>,
+        ]);
+        let mut pool = vec![0xEEu8; 2000];
+        let (p0, rest) = pool.split_at_mut(700);
+        let (p1, rest) = rest.split_at_mut(800);
+        let (p2, p3) = rest.split_at_mut(300);
+        // "a" as 300 bytes at 1500.. then 700 at 0..; "b" (refused) as 800 + 200 bytes.
+        let mut bufs = vec![vec![p2, p0], vec![p1, p3]];
+        let got = both.get_into_segments(&["a", "b"], &mut bufs, "");
+        assert_eq!(got, [true, false]);
+        drop(bufs);
+        assert_eq!(&pool[1500..1800], &a[..300]);
+        assert_eq!(&pool[..700], &a[300..]);
+        assert!(pool[700..1500]
+            .iter()
+            .chain(&pool[1800..])
+            .all(|&x| x == 0xEE));
+        // The promoted copy in the host tier is the whole page, joined from its segments.
+        let mut whole = vec![0u8; 1000];
+        let host_only = make(vec![host.clone() as Arc<dyn Tier>]);
+        assert_eq!(
+            host_only.get_into(&["a"], &mut [&mut whole[..]], ""),
+            [true]
+        );
+        assert_eq!(whole, a);
+        assert_eq!(both.counters().promoted.load(Ordering::Relaxed), 1);
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -200,10 +200,13 @@ def test_pages_match_hicache_file_byte_for_byte(tmp_path, layout, interface):
         assert [page_bytes(host, p) for p in dst] == original
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("fault", ["flip", "truncate", "forge", "swap"])
-def test_bad_page_files_are_misses_and_leave_the_host_pool(tmp_path, fault):
-    host = make_host("page_first")
-    ours = make_kvrs(host, "page_first", tmp_path / "kvrs")
+def test_bad_page_files_are_misses_and_leave_the_host_pool(tmp_path, fault, layout):
+    """v1 loads verify each page and copy it straight into its runs in the host pool
+    (page_first: K and V; layer_first: one per layer and K/V): a bad one touches none."""
+    host = make_host(layout)
+    ours = make_kvrs(host, layout, tmp_path / "kvrs")
     keys = page_keys(3)
     assert ours.batch_set_v1(keys, indices([1, 2, 3])) == [True] * 3
     store = ours.store_of()
@@ -232,6 +235,19 @@ def test_bad_page_files_are_misses_and_leave_the_host_pool(tmp_path, fault):
     assert page_bytes(host, 30) == before, "a bad page never reaches the host pool"
     # Discarded (or, cut short, never counted as present): the prefix stops before it.
     assert ours.batch_exists(keys) == 1
+
+
+def test_a_pool_that_hands_out_copies_loads_through_a_staging_row(tmp_path, monkeypatch):
+    """Where a host pool's page is a copy, not a view of its memory, writing into it would
+    lose the page while reporting it loaded: kvrs sees that and stages the page instead."""
+    host = make_host("page_first")
+    ours = make_kvrs(host, "page_first", tmp_path / "kvrs")
+    keys = page_keys(2)
+    assert ours.batch_set_v1(keys, indices([1, 2])) == [True, True]
+    original = host.get_data_page
+    monkeypatch.setattr(host, "get_data_page", lambda index, flat=True: original(index, flat).clone())
+    assert ours.batch_get_v1(keys, indices([20, 21])) == [True, True]
+    assert page_bytes(host, 20) == page_bytes(host, 1) and page_bytes(host, 21) == page_bytes(host, 2)
 
 
 @pytest.mark.parametrize(

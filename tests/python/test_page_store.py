@@ -78,6 +78,32 @@ def test_torch_tensors_and_bytes_are_read_in_place():
         store.get_into(["t"], [bytearray(255)])
 
 
+def test_a_page_loads_straight_into_its_segments(disk):
+    """A buffer given as segments (e.g. the K and V runs of a page in an engine's host
+    pool) receives the page's bytes in order; a miss or a refused page touches none."""
+    store = kvrs.PageStore([disk], fingerprint=facts(), tier_key=SECRET)
+    src = pages(2, seed=3)
+    assert store.put_many(["a", "b"], list(src)) == [True, True]
+    pool = np.full(4 * PAGE, 0xEE, np.uint8)  # a host pool: each page in runs, apart
+    runs = [[pool[0:100], pool[300:356], pool[600:700]], (pool[100:200], pool[400:556])]
+    assert store.get_into(["a", "x"], runs) == [True, False]
+    assert (np.concatenate(runs[0]) == src[0]).all()
+    assert (np.concatenate(runs[1]) == 0xEE).all()
+    whole = np.zeros(PAGE, np.uint8)
+    assert store.get_into(["b", "a"], [whole, [pool[800:900], pool[100:256]]]) == [True, True]
+    assert (whole == src[1]).all() and (np.concatenate([pool[800:900], pool[100:256]]) == src[0]).all()
+    with pytest.raises(ValueError, match=r"buffers\[0\] is an empty list of segments"):
+        store.get_into(["a"], [[]])
+    with pytest.raises(ValueError, match=r"buffers=item 0 of 200 bytes"):
+        store.get_into(["a"], [[pool[0:100], pool[100:200]]])
+    with pytest.raises(ValueError, match=r"buffers\[0\] shares memory with another of its segments"):
+        store.get_into(["a"], [[pool[0:128], pool[64:192]]])
+    with pytest.raises(ValueError, match=r"buffers\[1\] shares memory with another key's buffer"):
+        store.get_into(["a", "b"], [[pool[0:128], pool[128:256]], pool[200:456]])
+    with pytest.raises(TypeError, match=r"buffers\[0\]"):
+        store.get_into(["a"], [[pool[0:128], object()]])
+
+
 def test_namespaces_models_dtypes_and_secrets_never_share_pages(disk):
     store = kvrs.PageStore([disk], fingerprint=facts(), tier_key=SECRET)
     src = pages(1)
@@ -231,7 +257,9 @@ def test_arguments_are_refused_by_name(disk):
     with pytest.raises(TypeError, match=r"pages\[0\]"):
         store.put_many(["a"], [object()])
     buf = np.zeros(2 * PAGE, np.uint8)
-    with pytest.raises(ValueError, match=r"buffers\[1\] shares memory with buffers\[0\]"):
+    with pytest.raises(
+        ValueError, match=r"buffers\[1\] shares memory with another key.s buffer \(buffers\[0\]\)"
+    ):
         store.get_into(["a", "b"], [buf[:PAGE], buf[:PAGE]])
     with pytest.raises(ValueError, match=r"buffers\[0\].*C-contiguous"):
         store.get_into(["a"], [buf[::2]])

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString};
+use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 
 use super::errors::ToPython;
 use super::page_bytes::{read_page, PageBytes};
@@ -89,6 +89,45 @@ fn pages_arg<'py>(
     list.iter()
         .enumerate()
         .map(|(i, o)| read_page(o, name, i, writable))
+        .collect()
+}
+
+/// Each key's destination in `buffers`: one writable buffer, or a list or tuple of them
+/// (the page's segments, in order; at least one).
+fn segments_arg<'py>(
+    buffers: &Bound<'py, PyAny>,
+    count: usize,
+) -> PyResult<Vec<Vec<PageBytes<'py>>>> {
+    let list: Vec<Bound<'py, PyAny>> = buffers
+        .try_iter()
+        .map_err(|_| {
+            PyTypeError::new_err("buffers must be a list of buffers (or of lists of segments)")
+        })?
+        .collect::<PyResult<_>>()?;
+    if list.len() != count {
+        return Err(PyValueError::new_err(format!(
+            "buffers has {} items for {count} keys: give one per key",
+            list.len()
+        )));
+    }
+    list.iter()
+        .enumerate()
+        .map(|(i, o)| {
+            if o.is_instance_of::<PyList>() || o.is_instance_of::<PyTuple>() {
+                let segs: Vec<PageBytes<'py>> = o
+                    .try_iter()?
+                    .map(|s| read_page(&s?, "buffers", i, true))
+                    .collect::<PyResult<_>>()?;
+                if segs.is_empty() {
+                    return Err(PyValueError::new_err(format!(
+                        "buffers[{i}] is an empty list of segments: give at least one"
+                    )));
+                }
+                Ok(segs)
+            } else {
+                Ok(vec![read_page(o, "buffers", i, true)?])
+            }
+        })
         .collect()
 }
 
@@ -180,9 +219,10 @@ impl PyPageStore {
     }
 
     /// Looks each key up (in `namespace`) and copies its page, once verified, into its
-    /// buffer (writable, C-contiguous, of the page's length); per key, whether it was
-    /// loaded (False: a miss, the buffer untouched). One batched request per tier,
-    /// without the GIL.
+    /// buffer (writable, C-contiguous, of the page's length), or straight into its
+    /// segments when the buffer is a list or tuple of them (the page's bytes in order);
+    /// per key, whether it was loaded (False: a miss, the buffer untouched). One batched
+    /// request per tier, without the GIL.
     #[pyo3(signature = (keys, buffers, namespace = None))]
     fn get_into(
         &self,
@@ -192,20 +232,37 @@ impl PyPageStore {
         namespace: Option<&str>,
     ) -> PyResult<Vec<bool>> {
         let keys = keys_arg(keys)?;
-        let mut bufs = pages_arg(buffers, "buffers", keys.len(), true)?;
-        for (i, b) in bufs.iter().enumerate() {
-            self.store.check_len("buffers", i, b.bytes().len()).py()?;
-            if let Some(j) = bufs[..i].iter().position(|o| o.overlaps(b)) {
+        let mut bufs = segments_arg(buffers, keys.len())?;
+        let all: Vec<(usize, &PageBytes<'_>)> = bufs
+            .iter()
+            .enumerate()
+            .flat_map(|(i, segs)| segs.iter().map(move |b| (i, b)))
+            .collect();
+        for (i, segs) in bufs.iter().enumerate() {
+            let len = segs.iter().map(|b| b.bytes().len()).sum();
+            self.store.check_len("buffers", i, len).py()?;
+        }
+        for (n, &(i, b)) in all.iter().enumerate() {
+            if let Some(&(j, _)) = all[..n].iter().find(|(_, o)| o.overlaps(b)) {
+                let whose = if i == j {
+                    "another of its segments"
+                } else {
+                    "another key's buffer"
+                };
                 return Err(PyValueError::new_err(format!(
-                    "buffers[{i}] shares memory with buffers[{j}]: give each key its own"
+                    "buffers[{i}] shares memory with {whose} (buffers[{j}]): give each key, and each \
+                     segment, memory of its own"
                 )));
             }
         }
-        let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(PageBytes::bytes_mut).collect();
+        let mut slices: Vec<Vec<&mut [u8]>> = bufs
+            .iter_mut()
+            .map(|segs| segs.iter_mut().map(PageBytes::bytes_mut).collect())
+            .collect();
         let ks: Vec<&str> = keys.iter().map(String::as_str).collect();
         let ns = namespace.unwrap_or("");
         let store = &self.store;
-        Ok(py.detach(|| store.get_into(&ks, &mut slices, ns)))
+        Ok(py.detach(|| store.get_into_segments(&ks, &mut slices, ns)))
     }
 
     /// How many of `keys`, from the first, are stored (in `namespace`): present in a

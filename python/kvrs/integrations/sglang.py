@@ -119,6 +119,14 @@ def pool_fingerprint(
     return fp
 
 
+def _runs(t: torch.Tensor) -> list[torch.Tensor]:
+    """`t`'s elements, in order, as the fewest contiguous tensors that split it along
+    its leading dimensions."""
+    if t.is_contiguous():
+        return [t]
+    return [run for sub in t.unbind(0) for run in _runs(sub)]
+
+
 class _Pool:
     """A registered host pool and the page store of its pages."""
 
@@ -127,6 +135,10 @@ class _Pool:
         self.store = store
         self.page_size = int(host.page_size)
         self.page_bytes = _page_bytes(host)
+        buffers = getattr(host, "kv_buffer", None)
+        buffers = buffers if isinstance(buffers, (list, tuple)) else [buffers]
+        # The memory the pool's pages live in: a page view outside it is a copy.
+        self.storages = {b.untyped_storage().data_ptr() for b in buffers if isinstance(b, torch.Tensor)}
 
     def read(self, offsets: list[int]) -> torch.Tensor:
         """The flat pages at host `offsets`, one uint8 row each (one copy)."""
@@ -135,10 +147,6 @@ class _Pool:
             page = self.host.get_data_page(at, flat=False)
             row.view(page.dtype).view(page.shape).copy_(page)
         return out
-
-    def write(self, offset: int, row: torch.Tensor) -> None:
-        """Writes one flat page (a uint8 row) at host `offset`."""
-        self.host.set_from_flat_data_page(offset, row.view(self.host.dtype))
 
     def offsets(self, host_indices: torch.Tensor, count: int) -> list[int] | None:
         """The first host index of each of `count` pages, or None when the indices do
@@ -151,12 +159,34 @@ class _Pool:
         pages = self.read(offsets).numpy()
         return self.store.put_many(keys, list(pages), namespace=ns)
 
+    def segments(self, offset: int) -> list[Any] | None:
+        """The page at host `offset` as its contiguous runs in the host pool, in the
+        order of its flat bytes (page_first: the K run and the V run; layer_first: one
+        per layer and K/V), each a writable uint8 view; None when the pool hands out a
+        copy rather than a view of its memory."""
+        runs = _runs(self.host.get_data_page(offset, flat=False))
+        if any(r.untyped_storage().data_ptr() not in self.storages for r in runs):
+            return None
+        return [r.view(torch.uint8).reshape(-1).numpy() for r in runs]
+
+    def write(self, offset: int, row: torch.Tensor) -> None:
+        """Writes one flat page (a uint8 row) at host `offset`."""
+        self.host.set_from_flat_data_page(offset, row.view(self.host.dtype))
+
     def get(self, keys: list[str], offsets: list[int], ns: str) -> list[bool]:
-        bufs = torch.empty((len(keys), self.page_bytes), dtype=torch.uint8)
-        got = self.store.get_into(keys, list(bufs.numpy()), namespace=ns)
-        for ok, at, row in zip(got, offsets, bufs, strict=True):
-            if ok:
-                self.write(at, row)
+        """Loads each verified page straight into its runs in the host pool (through a
+        staging row where the pool gives no view of a page); a miss touches nothing."""
+        dests: list[Any] = []
+        staged: dict[int, torch.Tensor] = {}
+        for j, at in enumerate(offsets):
+            segs = self.segments(at)
+            if segs is None:
+                staged[j] = torch.empty(self.page_bytes, dtype=torch.uint8)
+            dests.append(segs if segs is not None else staged[j].numpy())
+        got = list(self.store.get_into(keys, dests, namespace=ns))
+        for j, row in staged.items():
+            if got[j]:
+                self.write(offsets[j], row)
         return got
 
     def present(self, keys: list[str], ns: str) -> list[bool]:
