@@ -38,6 +38,7 @@ from kvrs.integrations.results import GenerationResult, prompt_lists
 from kvrs.integrations.sampling import Sampler, SamplingParams, plan, token_id_list
 from kvrs.integrations.speculative import Speculation, check_assistant, choose, verify
 from kvrs.integrations.suffix_drafts import SuffixConfig, SuffixDrafts, check_speculative_config
+from kvrs.integrations.token_tree import DraftTree
 
 __all__ = ["GenerationResult", "RequestState", "SamplingParams", "generate_batch"]
 
@@ -448,6 +449,7 @@ def generate_batch(  # type: ignore[misc]
         check_assistant(model, assistant_model, num_assistant_tokens)
     method = check_speculative_config(speculative_config)
     suffix: SuffixConfig | None = None
+    tree_width = 1
     if method is not None:
         if prompt_lookup_num_tokens is not None or assistant_model is not None:
             raise ValueError(
@@ -456,8 +458,9 @@ def generate_batch(  # type: ignore[misc]
             )
         if isinstance(method[1], SuffixConfig):
             suffix = method[1]
+            tree_width = suffix.tree_width
         else:
-            prompt_lookup_num_tokens, max_matching_ngram_size = method[1]
+            prompt_lookup_num_tokens, max_matching_ngram_size, tree_width = method[1]
     ngram = check_prompt_lookup(prompt_lookup_num_tokens, max_matching_ngram_size, assistant_model)
     namespaces = _namespaces(namespace, n)
     if draft_policy is None:
@@ -492,7 +495,10 @@ def generate_batch(  # type: ignore[misc]
     else:
         check_pool(pool, model)
     spec: Speculation | PromptLookup | SuffixDrafts | None = None
+    if tree_width > 1 and not _trees_verify(model, pool):
+        tree_width = 1  # the best candidate alone: a chain (see _trees_verify)
     if suffix is not None:
+        suffix.tree_width = tree_width
         spec = SuffixDrafts(
             pool.suffix_index,
             suffix,
@@ -508,6 +514,7 @@ def generate_batch(  # type: ignore[misc]
             stops,
             num_assistant_tokens_schedule,
             DraftPolicy(draft_policy),
+            tree_width=tree_width,
         )
     if assistant_model is not None:
         if assistant_pool is None:
@@ -616,6 +623,15 @@ def _outputs(
             )
         )
     return out
+
+
+def _trees_verify(model: Any, pool: kvrs.BlockPool) -> bool:
+    """Whether token trees verify exactly on `model`: every attention layer full (a
+    window or chunk is measured in slots, and a node's slot is past its depth), no state
+    layers (a recurrent layer runs the nodes as one chain) and no latent attention."""
+    text = model.config.get_text_config()
+    full = all(t == "full" for t in pool.layer_types)
+    return full and not pool.state_layers and getattr(text, "kv_lora_rank", None) is None
 
 
 def _peak(pool: kvrs.BlockPool, prompt: int, new: int, chunk: int) -> int:
@@ -792,7 +808,8 @@ def _run(
                     top_k, top_p, process=sampler.target if sampler is not None else None,
                 )  # fmt: skip
             if spec is not None:
-                _observe(spec.policy, start, drafted, ids, running, todos, drafts, chosen)
+                trees = proposal.trees if proposal is not None else {}
+                _observe(spec.policy, start, drafted, ids, running, todos, drafts, trees, chosen)
             generated = 0
             for r, tokens in chosen:
                 for j, token in enumerate(tokens):
@@ -843,10 +860,12 @@ def _observe(
     running: list[tuple[RequestState, kvrs.Sequence]],
     todos: list[list[int]],
     drafts: dict[int, list[int]],
+    trees: dict[int, DraftTree],
     chosen: list[tuple[RequestState, list[int]]],
 ) -> None:
     """Tells the draft policy what a step cost and what its drafts (or the drafts it
-    only watched) were worth."""
+    only watched) were worth (a token tree proposes as many as its depth: what one
+    path can accept)."""
     decode = all(len(todo) == 1 for todo in todos)
     n_drafts = sum(len(d) for d in drafts.values())
     policy.timed(len(ids), time.perf_counter() - drafted, decode, drafted - start, n_drafts)
@@ -855,7 +874,8 @@ def _observe(
         if d is None:
             policy.generated(r.index, new[0])
         else:
-            policy.verified(r.index, len(d), len(new) - 1)
+            tree = trees.get(r.index)
+            policy.verified(r.index, max(tree.depths()) if tree is not None else len(d), len(new) - 1)
 
 
 def _refuse(pool: kvrs.BlockPool, r: RequestState, peaks: dict[int, int]) -> None:

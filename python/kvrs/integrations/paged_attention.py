@@ -93,6 +93,7 @@ def paged_attention(
     [`use_paged_attention`][kvrs.integrations.transformers.use_paged_attention]), else
     plain SDPA."""
     batch: kvrs.ForwardBatch | None = kwargs.pop("kvrs_batch", None)
+    custom_mask = kwargs.pop("kvrs_custom_mask", None)
     layer = int(module.layer_idx)  # type: ignore[arg-type]  # an int on every attention module
     source = getattr(key, "_kvrs_source", None)
     if batch is None and source is None:
@@ -108,6 +109,8 @@ def paged_attention(
     layer = getattr(module, "_kvrs_layer", layer)
     # query [1, heads, n, d]; key, value [1, kv_heads, n, d]; the pool takes [n, heads, d].
     batch.put(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))  # type: ignore[union-attr]
+    if custom_mask is not None:
+        options["custom_mask"] = custom_mask
     out = batch.attention(layer, query[0].detach().transpose(0, 1), **options)  # type: ignore[union-attr]
     return as_torch(out)[None], None
 
@@ -291,7 +294,13 @@ def _switched(model: Any) -> Iterator[None]:
 
 
 def forward_batch(
-    model: Any, batch: kvrs.ForwardBatch, token_ids: Any = None, *, logits_to_keep: Any = None
+    model: Any,
+    batch: kvrs.ForwardBatch,
+    token_ids: Any = None,
+    *,
+    logits_to_keep: Any = None,
+    position_ids: Any = None,
+    custom_mask: Any = None,
 ) -> torch.Tensor:
     """Runs one ForwardBatch through `model` (switched by
     [`use_paged_attention`][kvrs.integrations.transformers.use_paged_attention]) and
@@ -305,7 +314,12 @@ def forward_batch(
     ``start_forward(tokens=...)``, else the sequences' prompts), so the K/V the batch
     writes are always those of the ids its blocks are cached under. `token_ids` is needed
     only where the pool knows no id; where it knows one, a different id raises ValueError.
-    Does not commit: call ``batch.finish()`` (or leave the ``with`` block) afterwards."""
+    Does not commit: call ``batch.finish()`` (or leave the ``with`` block) afterwards.
+
+    A token tree (speculative verification) gives `position_ids` (each token's rotary
+    position, a node's depth after the committed prefix, where ``batch.positions`` are
+    the slots) and `custom_mask` (FlashInfer's flattened bool ``[q_len x kv_len]`` per
+    sequence, True = may attend, as ``ForwardBatch.attention`` takes it)."""
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
         raise ValueError(
             f"model uses attn_implementation={model.config._attn_implementation!r}; "
@@ -342,8 +356,17 @@ def forward_batch(
     keep = _rows_to_keep(batch, logits_to_keep)
     device = model.device  # the pool's device too: batch.put takes the model's K/V as they are
     ids = ids.reshape(1, -1).to(device)
-    positions = torch.from_numpy(batch.positions).reshape(1, -1).to(device)
-    extra = {} if keep is None else {"logits_to_keep": keep.to(device)}
+    if position_ids is None:
+        positions = torch.from_numpy(batch.positions).reshape(1, -1).to(device)
+    else:
+        positions = torch.as_tensor(position_ids, dtype=torch.long).reshape(1, -1).to(device)
+        if positions.shape[1] != batch.num_tokens:
+            raise ValueError(
+                f"position_ids has {positions.shape[1]} entries; the batch has {batch.num_tokens} tokens"
+            )
+    extra: dict[str, Any] = {} if keep is None else {"logits_to_keep": keep.to(device)}
+    if custom_mask is not None:
+        extra["kvrs_custom_mask"] = custom_mask
     out = model(input_ids=ids, position_ids=positions, kvrs_batch=batch, use_cache=False, **extra)
     return out.logits[0]
 

@@ -31,6 +31,7 @@ from typing import Any
 
 from kvrs.integrations.draft_policy import DraftPolicy
 from kvrs.integrations.speculative import Proposal, lookup_sample
+from kvrs.integrations.token_tree import DraftTree
 
 __all__ = ["NgramIndex", "PromptLookup", "check_prompt_lookup", "find_candidates", "lookup_sample"]
 
@@ -76,6 +77,8 @@ class NgramIndex:
         self.max_ngram = max_ngram
         self.tokens: list[int] = []
         self.first: dict[tuple[int, ...], int] = {}
+        self.starts: dict[tuple[int, ...], list[int]] = {}
+        """Every position of every n-gram (the candidates of a token tree)."""
         self.matched = 0
         """The n-gram size the last `lookup` matched (0: none)."""
         self.extend(tokens)
@@ -85,12 +88,14 @@ class NgramIndex:
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Appends `tokens`, indexing the n-grams that end at each."""
-        seq, first = self.tokens, self.first
+        seq, first, starts = self.tokens, self.first, self.starts
         for t in tokens:
             seq.append(int(t))
             end = len(seq)
             for n in range(1, min(self.max_ngram, end) + 1):
-                first.setdefault(tuple(seq[end - n :]), end - n)
+                gram = tuple(seq[end - n :])
+                first.setdefault(gram, end - n)
+                starts.setdefault(gram, []).append(end - n)
 
     def lookup(self, num_tokens: int, stops: set[int] | Sequence[int] = ()) -> list[int]:
         """Up to `num_tokens` draft tokens after the current tokens (see
@@ -108,6 +113,35 @@ class NgramIndex:
                 self.matched = n
                 return _cut(seq[start + n : start + n + num_tokens], stops)
         return []
+
+    def candidates(
+        self, num_tokens: int, width: int, stops: set[int] | Sequence[int] = ()
+    ) -> list[list[int]]:
+        """Up to `width` distinct drafts of up to `num_tokens` tokens: `lookup`'s first
+        (transformers' draft), then what followed the other occurrences of the longest
+        n-gram that matches, the most recent first, then of shorter ones (at most
+        `_SCAN` occurrences read per n-gram size)."""
+        first = self.lookup(num_tokens, stops)
+        if not first or width <= 1:
+            return [first] if first else []
+        out, seen = [first], {tuple(first)}
+        seq = self.tokens
+        end = len(seq)
+        for n in range(min(self.max_ngram, end - 1), 0, -1):
+            for start in reversed(self.starts.get(tuple(seq[end - n :]), [])[-_SCAN:]):
+                if start + n >= end:
+                    continue
+                cand = _cut(seq[start + n : start + n + num_tokens], stops)
+                if tuple(cand) not in seen:
+                    seen.add(tuple(cand))
+                    out.append(cand)
+                    if len(out) == width:
+                        return out
+        return out
+
+
+_SCAN = 64
+"""The most occurrences of one n-gram `NgramIndex.candidates` reads."""
 
 
 def check_prompt_lookup(num_tokens: Any, max_ngram: Any, assistant_model: Any) -> int:
@@ -151,12 +185,22 @@ class PromptLookup:
 
     hybrid = False
 
-    def __init__(self, num_tokens: int, max_ngram: int, stops: set[int], schedule: str, policy: DraftPolicy):
+    def __init__(
+        self,
+        num_tokens: int,
+        max_ngram: int,
+        stops: set[int],
+        schedule: str,
+        policy: DraftPolicy,
+        tree_width: int = 1,
+    ):
         self.k, self.max_ngram, self.stops, self.schedule = num_tokens, max_ngram, stops, schedule
         self.policy = policy
+        self.tree_width = tree_width
         self.indexes: dict[int, NgramIndex] = {}
         self.seqs: dict[int, Any] = {}  # no draft sequences
         self.planned: dict[int, list[int]] = {}
+        self.trees: dict[int, DraftTree] = {}
 
     def admit(self, index: int, prompt: list[int]) -> bool:
         self.indexes[index] = NgramIndex(prompt, self.max_ngram)
@@ -174,17 +218,18 @@ class PromptLookup:
         most drafts) `items`: the n-gram match of each, cut to the policy's length. A
         request whose match the policy does not verify is watched instead (its first
         draft token compared with the token the step generates, which costs nothing)."""
-        self.planned = {}
+        self.planned, self.trees = {}, {}
         out = []
         for r, cap in items:
             index = self.indexes[r.index]
             index.extend(r.generated[len(index) - len(r.prompt) :])
-            match = index.lookup(cap, self.stops)
-            if not match:
+            matches = index.candidates(cap, self.tree_width, self.stops)
+            if not matches:
                 continue
+            match = matches[0]
             k = min(self.policy.length(r.index, cap, index.matched), len(match))
             if k > 0:
-                self.planned[r.index] = match[:k]
+                self.planned[r.index] = plan_tree(self.trees, r, matches, k)
                 out.append((r, k))
             else:
                 self.policy.watch(r.index, match[0])
@@ -202,7 +247,23 @@ class PromptLookup:
         """The drafts `plan` found for `items` (no forward pass; `process`, the
         per-request logits options, has nothing to process: the drafts are tokens, not
         distributions)."""
-        return Proposal({r.index: self.planned[r.index] for r, _ in items}, {}, {}, [], None)
+        indexes = [r.index for r, _ in items]
+        trees = {i: self.trees[i] for i in indexes if i in self.trees}
+        return Proposal({i: self.planned[i] for i in indexes}, {}, {}, [], None, trees)
 
     def settle(self, proposal: Proposal, accepted: dict[int, int], tokens: dict[int, list[int]]) -> None:
         """Nothing to keep or drop: the index learns a request's tokens once generated."""
+
+
+def plan_tree(trees: dict[int, DraftTree], r: Any, candidates: list[list[int]], k: int) -> list[int]:
+    """Request `r`'s drafts this step: its first candidate cut to `k` tokens, or, with
+    several candidates, their token tree (each cut to `k`; at most as many nodes as the
+    request has tokens left to generate, less one, so its drafts stay within the blocks
+    it was admitted with), recorded in `trees`. The draft tokens in node order."""
+    if len(candidates) == 1:
+        return candidates[0][:k]
+    room = r.max_new_tokens - len(r.generated) - 1
+    tree = DraftTree.merge([c[:k] for c in candidates], max_nodes=max(k, min(k * len(candidates), room)))
+    if not tree.is_chain:
+        trees[r.index] = tree
+    return tree.tokens

@@ -18,14 +18,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import numpy as np
 
 import kvrs
 from kvrs.integrations import hybrid
 from kvrs.integrations._torch import as_torch, torch
 from kvrs.integrations.draft_policy import DraftPolicy
 from kvrs.integrations.paged_attention import forward_batch
+from kvrs.integrations.token_tree import DraftTree, causal_mask, tree_accept, tree_mask
 
 __all__ = ["filtered_probs", "greedy_accept", "lookup_sample", "speculative_sample"]
 
@@ -216,6 +219,8 @@ class Proposal:
     written: dict[int, int]
     batches: list[kvrs.ForwardBatch]
     snapshot: StateSnapshot | None
+    trees: dict[int, DraftTree] = field(default_factory=dict)
+    """Requests whose drafts are a token tree (their `drafts` are its nodes' tokens)."""
 
 
 class Drafter(Protocol):
@@ -388,9 +393,15 @@ def verify(
     drafting = [seq for (r, seq) in running if r.index in proposal.drafts]
     snapshot = StateSnapshot(drafting) if running and running[0][1].pool.state_layers else None
     recording = snapshot.recorder.recording() if snapshot is not None else nullcontext()
+    branching = {i: t for i, t in proposal.trees.items() if not t.is_chain}
+    position_ids, custom_mask = (
+        _tree_layout(batch, running, todos, proposal, branching) if branching else (None, None)
+    )
     try:
         with torch.no_grad(), recording:
-            logits = forward_batch(model, batch, logits_to_keep=rows)
+            logits = forward_batch(
+                model, batch, logits_to_keep=rows, position_ids=position_ids, custom_mask=custom_mask
+            )
     except BaseException:
         batch.cancel()
         for b in proposal.batches:
@@ -401,7 +412,11 @@ def verify(
         extras: list[list[int]] = []
         for (r, _), pre in zip(running, prefilling, strict=True):
             d = proposal.drafts.get(r.index)
-            if d is not None:
+            tree = branching.get(r.index)
+            if tree is not None:
+                owners += [r] * (len(d) + 1)  # type: ignore[arg-type]
+                extras += [tree.path_tokens(j) for j in range(-1, len(tree))]
+            elif d is not None:
                 owners += [r] * (len(d) + 1)
                 extras += [d[:j] for j in range(len(d) + 1)]
             elif not pre:
@@ -411,6 +426,7 @@ def verify(
     chosen: list[tuple[Any, list[int]]] = []
     keep: dict[int, list[int]] = {}
     accepted: dict[int, int] = {}
+    paths: dict[int, list[int]] = {}  # tree requests: the accepted nodes
     at = 0
     with torch.no_grad():
         for (r, seq), todo, pre in zip(running, todos, prefilling, strict=True):
@@ -423,7 +439,11 @@ def verify(
                 continue
             rows_r = logits[at : at + len(d) + 1]
             at += len(d) + 1
-            if sampling:
+            tree = branching.get(r.index)
+            if tree is not None:
+                p = filtered_probs(rows_r, temperature, top_k, top_p) if sampling else rows_r
+                new, paths[r.index] = tree_accept(p, tree, sampling, r.generator)
+            elif sampling:
                 p = filtered_probs(rows_r, temperature, top_k, top_p)
                 q = proposal.q.get(r.index)
                 if q:
@@ -432,7 +452,7 @@ def verify(
                     new = lookup_sample(p, d, r.generator)
             else:
                 new = greedy_accept(rows_r, d)
-            r.proposed += len(d)
+            r.proposed += max(tree.depths()) if tree is not None else len(d)
             r.accepted += len(new) - 1
             if spec.schedule == "heuristic":
                 grown = r.draft_len + 2 if len(new) - 1 == len(d) else r.draft_len - 1
@@ -445,6 +465,11 @@ def verify(
                 snapshot.rollback(seq, len(keep[r.index]))
         for (r, seq), todo in zip(running, todos, strict=True):
             written = len(todo) + len(proposal.drafts.get(r.index, []))
+            path = paths.get(r.index)
+            if path is not None and path != list(range(len(path))):
+                # The accepted nodes to the front of the drafts' slots, the rest cut.
+                seq.accept(seq.seq_len, [*range(len(todo)), *(len(todo) + j for j in path)])
+                written = len(keep[r.index])
             commit(seq, keep[r.index], written)
         batch.cancel()  # stale now: closes without cutting anything
         news = {r.index: new for r, new in chosen}
@@ -455,3 +480,31 @@ def verify(
         }
         spec.settle(proposal, accepted, tokens)
     return chosen
+
+
+def _tree_layout(
+    batch: kvrs.ForwardBatch,
+    running: list[tuple[Any, kvrs.Sequence]],
+    todos: list[list[int]],
+    proposal: Proposal,
+    trees: dict[int, DraftTree],
+) -> tuple[torch.Tensor, Any]:
+    """A verify batch holding token trees: each token's rotary position (a node's is its
+    depth after the last committed token; every other token's is its slot) and the
+    batch's attention mask (trees as `tree_mask` says, everything else causal)."""
+    positions = torch.from_numpy(batch.positions.astype("int64"))
+    masks = []
+    at = 0
+    for (r, seq), todo in zip(running, todos, strict=True):
+        d = proposal.drafts.get(r.index, [])
+        tree = trees.get(r.index)
+        start = seq.seq_len
+        if tree is not None:
+            last = start + len(todo) - 1
+            depths = torch.tensor(tree.depths(), dtype=torch.long)
+            positions[at + len(todo) : at + len(todo) + len(tree)] = last + depths
+            masks.append(tree_mask(start, len(todo), tree).reshape(-1))
+        else:
+            masks.append(causal_mask(start, len(todo) + len(d)).reshape(-1))
+        at += len(todo) + len(d)
+    return positions, np.concatenate(masks)

@@ -27,7 +27,9 @@ from typing import Any
 
 import kvrs
 from kvrs.integrations.draft_policy import DraftPolicy
+from kvrs.integrations.prompt_lookup import plan_tree
 from kvrs.integrations.speculative import Proposal
+from kvrs.integrations.token_tree import DraftTree
 
 __all__ = ["SuffixConfig", "SuffixDrafts", "check_speculative_config"]
 
@@ -45,12 +47,14 @@ class SuffixConfig:
         max_spec_factor: float = 1.0,
         max_spec_offset: float = 0.0,
         min_token_prob: float = 0.1,
+        tree_width: int = 1,
     ):
         self.num_speculative_tokens = num_speculative_tokens
         self.max_tree_depth = max_tree_depth
         self.max_spec_factor = max_spec_factor
         self.max_spec_offset = max_spec_offset
         self.min_token_prob = min_token_prob
+        self.tree_width = tree_width
 
 
 _SUFFIX_KEYS = {
@@ -59,8 +63,21 @@ _SUFFIX_KEYS = {
     "suffix_decoding_max_spec_factor": "max_spec_factor",
     "suffix_decoding_max_spec_offset": "max_spec_offset",
     "suffix_decoding_min_token_prob": "min_token_prob",
+    "tree_width": "tree_width",
 }
-_NGRAM_KEYS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+_NGRAM_KEYS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "tree_width")
+MAX_TREE_WIDTH = 8
+"""The most candidates a token tree merges (each adds up to num_speculative_tokens rows)."""
+
+
+def _width(config: Mapping[str, Any]) -> int:
+    width = _int("tree_width", config.get("tree_width", 1), 1)
+    if width > MAX_TREE_WIDTH:
+        raise ValueError(
+            f"speculative_config['tree_width']={width}: at most {MAX_TREE_WIDTH} candidates a step "
+            "(each adds up to num_speculative_tokens rows to the verify forward)"
+        )
+    return width
 
 
 def _int(name: str, value: Any, low: int) -> int:
@@ -79,9 +96,12 @@ def _float(name: str, value: Any, low: float, high: float) -> float:
     return float(value)
 
 
-def check_speculative_config(config: Any) -> tuple[str, SuffixConfig | tuple[int, int | None]] | None:
+def check_speculative_config(
+    config: Any,
+) -> tuple[str, SuffixConfig | tuple[int, int | None, int]] | None:
     """generate_batch's `speculative_config` (vLLM's dict): None, ``("suffix",
-    SuffixConfig)``, or ``("ngram", (prompt_lookup_num_tokens, max_matching_ngram_size))``."""
+    SuffixConfig)``, or ``("ngram", (prompt_lookup_num_tokens, max_matching_ngram_size,
+    tree_width))``."""
     if config is None:
         return None
     if not isinstance(config, Mapping):
@@ -115,6 +135,7 @@ def check_speculative_config(config: Any) -> tuple[str, SuffixConfig | tuple[int
             c.min_token_prob = _float(
                 "suffix_decoding_min_token_prob", config["suffix_decoding_min_token_prob"], 0.0, 1.0
             )
+        c.tree_width = _width(config)
         return "suffix", c
     if method == "ngram":
         unknown = sorted(set(config) - set(_NGRAM_KEYS) - {"method"})
@@ -131,7 +152,7 @@ def check_speculative_config(config: Any) -> tuple[str, SuffixConfig | tuple[int
             )
         k = _int("num_speculative_tokens", config.get("num_speculative_tokens", 4), 1)
         high = config.get("prompt_lookup_max")
-        return "ngram", (k, None if high is None else _int("prompt_lookup_max", high, 1))
+        return "ngram", (k, None if high is None else _int("prompt_lookup_max", high, 1), _width(config))
     raise ValueError(
         f"speculative_config['method']={method!r}: give 'suffix' (drafts from the pool's suffix index) "
         "or 'ngram' (prompt lookup); a draft model goes in assistant_model="
@@ -168,6 +189,8 @@ class SuffixDrafts:
         self.requests: dict[int, Any] = {}  # the requests that decoded, by index
         self.seqs: dict[int, Any] = {}  # no draft sequences
         self.planned: dict[int, list[int]] = {}
+        self.trees: dict[int, DraftTree] = {}
+        self.tree_width = config.tree_width
 
     def admit(self, index: int, prompt: list[int]) -> bool:
         self.handles[index] = self.index.add(prompt, namespace=self.namespaces[index])
@@ -204,16 +227,36 @@ class SuffixDrafts:
         """The requests that draft this step and how many tokens each (see
         `kvrs.integrations.prompt_lookup.PromptLookup.plan`): each one's suffix draft,
         cut at a stop token and to the policy's length."""
-        self.planned = {}
+        self.planned, self.trees = {}, {}
         out = []
-        c = self.config
         for r, cap in items:
             self.requests[r.index] = r
             self._sync(r)
             context = (r.prompt + r.generated)[-(self.depth - 1) :]
+            candidates, matched = self._candidates(r.index, context, cap)
+            if not candidates:
+                continue
+            tokens = candidates[0]
+            k = min(self.policy.length(r.index, cap, min(matched, _KINDS)), len(tokens))
+            if k > 0:
+                self.planned[r.index] = plan_tree(self.trees, r, candidates, k)
+                out.append((r, k))
+            else:
+                self.policy.watch(r.index, tokens[0])
+        return out
+
+    def _candidates(self, index: int, context: list[int], cap: int) -> tuple[list[list[int]], int]:
+        """Up to `tree_width` distinct drafts after `context` (each cut after a stop
+        token) and the first one's match length: the index's draft for the longest match,
+        then for ever shorter ones (each shorter context can follow other occurrences)."""
+        c = self.config
+        out: list[list[int]] = []
+        seen: set[tuple[int, ...]] = set()
+        first = 0
+        while context and len(out) < self.tree_width:
             tokens, _, matched = self.index.speculate(
                 context,
-                namespace=self.namespaces[r.index],
+                namespace=self.namespaces[index],
                 max_tokens=cap,
                 max_spec_factor=c.max_spec_factor,
                 max_spec_offset=c.max_spec_offset,
@@ -223,15 +266,15 @@ class SuffixDrafts:
                 if t in self.stops:
                     tokens = tokens[: i + 1]
                     break
-            if not tokens:
-                continue
-            k = min(self.policy.length(r.index, cap, min(matched, _KINDS)), len(tokens))
-            if k > 0:
-                self.planned[r.index] = tokens[:k]
-                out.append((r, k))
-            else:
-                self.policy.watch(r.index, tokens[0])
-        return out
+            if not tokens or matched <= 0:
+                break
+            if not out:
+                first = matched
+            if tuple(tokens) not in seen:
+                seen.add(tuple(tokens))
+                out.append(list(tokens))
+            context = context[len(context) - matched + 1 :] if matched > 1 else []
+        return out, first
 
     def propose(
         self,
@@ -243,7 +286,9 @@ class SuffixDrafts:
         process: Any = None,
     ) -> Proposal:
         """The drafts `plan` found for `items` (tokens, no distributions)."""
-        return Proposal({r.index: self.planned[r.index] for r, _ in items}, {}, {}, [], None)
+        indexes = [r.index for r, _ in items]
+        trees = {i: self.trees[i] for i in indexes if i in self.trees}
+        return Proposal({i: self.planned[i] for i in indexes}, {}, {}, [], None, trees)
 
     def settle(self, proposal: Proposal, accepted: dict[int, int], tokens: dict[int, list[int]]) -> None:
         """Nothing to undo: the index learns a request's tokens once generated."""
