@@ -12,6 +12,8 @@
 - ``generate_batch(..., speculative_config={"method": "suffix", "num_speculative_tokens": K})``
   (drafts from the pool's suffix index: every earlier and running request's prompt and
   output), with the "adaptive" and the "schedule" draft policy;
+- with ``TREE=W`` (default 3; 1 skips them): the same two methods verifying up to W
+  candidates as a token tree (``speculative_config={..., "tree_width": W}``), adaptive;
 - with ``DRAFT_LAYERS=L``: ``generate_batch(..., assistant_model=draft)``, the draft the
   model's first L layers (a truncated copy), 4 drafts a step, with the "schedule" and
   the "adaptive" draft policy.
@@ -33,7 +35,7 @@ learn from the run's earlier calls, for every method alike). Every row of a work
 batch runs in turn, `REPEAT` rounds, and keeps its fastest run (other work on a shared
 host slows some runs, never speeds one up); the speedups over plain are the figures to quote. Run:
 ``OMP_NUM_THREADS=1 python benches/bench_prompt_lookup.py`` (after ``make install``);
-``NEW=48 K=10 NGRAM=2 B1=4 REPEAT=2 HF=1 DRAFT_LAYERS=0 WORKLOADS=copy,tools,quiz BATCHES=1,8
+``NEW=48 K=10 NGRAM=2 B1=4 REPEAT=2 HF=1 TREE=3 DRAFT_LAYERS=0 WORKLOADS=copy,tools,quiz BATCHES=1,8
 TOOLS_N=16 METHODS=`` change the workload (``HF=0`` skips transformers' rows; ``METHODS="prompt
 lookup (adaptive),suffix (adaptive)"`` runs plain and the rows whose names start so).
 """
@@ -58,6 +60,7 @@ B1 = int(os.environ.get("B1", "4"))
 REPEAT = int(os.environ.get("REPEAT", "2"))
 HF = os.environ.get("HF", "1") != "0"
 DRAFT_LAYERS = int(os.environ.get("DRAFT_LAYERS", "0"))
+TREE = int(os.environ.get("TREE", "3"))
 WORKLOADS = os.environ.get("WORKLOADS", "copy,tools,quiz").split(",")
 BATCHES = [int(b) for b in os.environ.get("BATCHES", "1,8").split(",")]
 TOOLS_N = int(os.environ.get("TOOLS_N", "16"))
@@ -243,6 +246,25 @@ def main() -> None:
                         ),
                     )
                 )
+            if TREE > 1:
+                for method in ("ngram", "suffix"):
+                    label = "prompt lookup" if method == "ngram" else "suffix"
+                    rows.append(
+                        (
+                            f"{label} tree {TREE} (adaptive)",
+                            lambda b=batches, method=method: kvrs_run(
+                                model,
+                                b,
+                                eos,
+                                speculative_config={
+                                    "method": method,
+                                    "num_speculative_tokens": K,
+                                    "tree_width": TREE,
+                                    **({"prompt_lookup_max": NGRAM} if method == "ngram" else {}),
+                                },
+                            ),
+                        )
+                    )
             if draft is not None:
                 for policy in ("schedule", "adaptive"):
                     rows.append(

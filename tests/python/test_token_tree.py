@@ -44,6 +44,11 @@ def test_merge_is_the_trie_of_the_candidates(cands, max_nodes):
     assert tree.is_chain == all(tree.parents[j] == j - 1 for j in range(len(tree)))
     first = cands[0][: min(len(cands[0]), max_nodes)]
     assert tree.tokens[: len(first)] == first  # the first candidate is nodes 0..len-1
+    assert tree.first == len(first)
+    for c in cands:
+        nodes = tree.follow(c)  # each candidate's path, as far as the node budget let it in
+        assert nodes == (tree.path(nodes[-1]) if nodes else [])
+        assert [tree.tokens[j] for j in nodes] == list(c[: len(nodes)])
 
 
 @settings(max_examples=100, deadline=None)
@@ -84,6 +89,25 @@ def test_the_walk_follows_the_targets_tokens(cands, best):
         at = child
     assert nodes == want_nodes
     assert new == [tree.tokens[j] for j in nodes] + [best[(nodes[-1] if nodes else -1) + 1]]
+
+
+def test_the_adaptive_policy_branches_only_while_branches_pay():
+    """Off-candidate nodes keep their own acceptance rate: below the step's threshold a
+    tree verifies its first candidate alone; the scored shadow trees bring it back."""
+    from kvrs.integrations.draft_policy import DraftPolicy
+
+    policy = DraftPolicy("adaptive")
+    for rows in (1, 2, 4, 8) * 3:
+        policy.timed(rows, 0.010 + 0.001 * rows, True, 0.0, 0)
+    policy.begin(1)  # a row costs 0.001 s, a plain token 0.011 s: threshold about 0.09
+    assert policy.tree_width(4) == 4  # the prior (0.3) pays
+    for _ in range(10):
+        policy.branched(6, 0)
+    assert policy.tree_width(4) == 1
+    for _ in range(10):
+        policy.branched(3, 2)
+    assert policy.tree_width(4) == 4
+    assert DraftPolicy("schedule").tree_width(3) == 3
 
 
 def test_candidates_are_the_first_match_then_other_occurrences():

@@ -17,6 +17,11 @@ none when the drafts would cost more time than the tokens they are expected to s
   of the target's forward). A plain step of ``n`` decode requests costs ``c0 + c1 * n``,
   i.e. ``v = (c0 + c1 * n) / n`` per token; one more draft row costs ``c1``, plus the
   draft model's measured time per drafted token (``d``, about 0 for prompt lookup).
+- **Token trees.** A tree's nodes off its first candidate keep one acceptance rate of
+  their own (accepted over verified, decayed); the tree merges its other candidates only
+  while that rate reaches the threshold a draft must reach, else it verifies the first
+  candidate alone, and the tree it did not verify is still scored for free (whether the
+  model's token where the chain stopped was on another candidate).
 - **Rule.** A request drafts ``j`` tokens while ``a**j * v >= c1 + d``: the j-th draft
   is expected to save more than it costs. When even the first does not pay, it drafts
   nothing, and the step costs what a plain step costs. Prompt lookup keeps learning
@@ -95,6 +100,7 @@ class DraftPolicy:
         self.draft_per_token = 0.0  # a draft model's seconds per drafted token
         self.threshold = math.inf  # acceptance probability a draft must reach, this step
         self.backoff = 1  # a draft model: steps between probes
+        self.branches = _Rate()  # token trees: their nodes off the first candidate
 
     # --- the cost model ---------------------------------------------------------------
 
@@ -202,6 +208,20 @@ class DraftPolicy:
         if st is not None and st.watched is not None:
             self._observe(st, int(token == st.watched), int(token != st.watched))
             st.watched = None
+
+    def tree_width(self, width: int) -> int:
+        """How many candidates a token tree merges this step, of at most `width`: all of
+        them while a node off the first candidate is accepted often enough to pay for
+        its row (the rule a draft follows), else 1 (the chain)."""
+        if self.mode != "adaptive" or width <= 1:
+            return width
+        return width if self.branches.rate(_PRIOR) >= self.threshold else 1
+
+    def branched(self, off: int, accepted: int) -> None:
+        """A token tree's `off` nodes off its first candidate were verified (or, for a
+        tree verified as its chain, would have been), `accepted` of them kept."""
+        if self.mode == "adaptive" and off > 0:
+            self.branches.observe(accepted, off - accepted)
 
     def _observe(self, st: _Request, hits: int, misses: int) -> None:
         st.rates.setdefault(st.kind, _Rate()).observe(hits, misses)

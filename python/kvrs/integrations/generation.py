@@ -36,9 +36,8 @@ from kvrs.integrations.paged_attention import _switched, forward_batch
 from kvrs.integrations.prompt_lookup import PromptLookup, check_prompt_lookup
 from kvrs.integrations.results import GenerationResult, prompt_lists
 from kvrs.integrations.sampling import Sampler, SamplingParams, plan, token_id_list
-from kvrs.integrations.speculative import Speculation, check_assistant, choose, verify
+from kvrs.integrations.speculative import Proposal, Speculation, check_assistant, choose, verify
 from kvrs.integrations.suffix_drafts import SuffixConfig, SuffixDrafts, check_speculative_config
-from kvrs.integrations.token_tree import DraftTree
 
 __all__ = ["GenerationResult", "RequestState", "SamplingParams", "generate_batch"]
 
@@ -628,10 +627,12 @@ def _outputs(
 def _trees_verify(model: Any, pool: kvrs.BlockPool) -> bool:
     """Whether token trees verify exactly on `model`: every attention layer full (a
     window or chunk is measured in slots, and a node's slot is past its depth), no state
-    layers (a recurrent layer runs the nodes as one chain) and no latent attention."""
+    layers (a recurrent layer runs the nodes as one chain), no latent attention, and a
+    host pool (a CUDA pool's kernels take no custom mask)."""
     text = model.config.get_text_config()
     full = all(t == "full" for t in pool.layer_types)
-    return full and not pool.state_layers and getattr(text, "kv_lora_rank", None) is None
+    host = pool.device == "cpu"
+    return full and host and not pool.state_layers and getattr(text, "kv_lora_rank", None) is None
 
 
 def _peak(pool: kvrs.BlockPool, prompt: int, new: int, chunk: int) -> int:
@@ -808,8 +809,7 @@ def _run(
                     top_k, top_p, process=sampler.target if sampler is not None else None,
                 )  # fmt: skip
             if spec is not None:
-                trees = proposal.trees if proposal is not None else {}
-                _observe(spec.policy, start, drafted, ids, running, todos, drafts, trees, chosen)
+                _observe(spec.policy, start, drafted, ids, running, todos, drafts, proposal, chosen)
             generated = 0
             for r, tokens in chosen:
                 for j, token in enumerate(tokens):
@@ -860,12 +860,14 @@ def _observe(
     running: list[tuple[RequestState, kvrs.Sequence]],
     todos: list[list[int]],
     drafts: dict[int, list[int]],
-    trees: dict[int, DraftTree],
+    proposal: Proposal | None,
     chosen: list[tuple[RequestState, list[int]]],
 ) -> None:
     """Tells the draft policy what a step cost and what its drafts (or the drafts it
     only watched) were worth (a token tree proposes as many as its depth: what one
-    path can accept)."""
+    path can accept; its nodes off the first candidate are scored apart)."""
+    trees = proposal.trees if proposal is not None else {}
+    shadows = proposal.shadows if proposal is not None else {}
     decode = all(len(todo) == 1 for todo in todos)
     n_drafts = sum(len(d) for d in drafts.values())
     policy.timed(len(ids), time.perf_counter() - drafted, decode, drafted - start, n_drafts)
@@ -876,6 +878,15 @@ def _observe(
         else:
             tree = trees.get(r.index)
             policy.verified(r.index, max(tree.depths()) if tree is not None else len(d), len(new) - 1)
+            if tree is not None:
+                off = sum(1 for j in tree.follow(new[:-1]) if j >= tree.first)
+                policy.branched(len(tree) - tree.first, off)
+            shadow = shadows.get(r.index)
+            if shadow is not None:
+                # Verified as its chain: would a branch have taken the model's next token?
+                at = len(new) - 2
+                child = shadow.children.get((at, new[-1]))
+                policy.branched(len(shadow) - shadow.first, int(child is not None and child >= shadow.first))
 
 
 def _refuse(pool: kvrs.BlockPool, r: RequestState, peaks: dict[int, int]) -> None:

@@ -201,6 +201,7 @@ class PromptLookup:
         self.seqs: dict[int, Any] = {}  # no draft sequences
         self.planned: dict[int, list[int]] = {}
         self.trees: dict[int, DraftTree] = {}
+        self.shadows: dict[int, DraftTree] = {}
 
     def admit(self, index: int, prompt: list[int]) -> bool:
         self.indexes[index] = NgramIndex(prompt, self.max_ngram)
@@ -218,7 +219,8 @@ class PromptLookup:
         most drafts) `items`: the n-gram match of each, cut to the policy's length. A
         request whose match the policy does not verify is watched instead (its first
         draft token compared with the token the step generates, which costs nothing)."""
-        self.planned, self.trees = {}, {}
+        self.planned, self.trees, self.shadows = {}, {}, {}
+        width = self.policy.tree_width(self.tree_width)
         out = []
         for r, cap in items:
             index = self.indexes[r.index]
@@ -229,7 +231,7 @@ class PromptLookup:
             match = matches[0]
             k = min(self.policy.length(r.index, cap, index.matched), len(match))
             if k > 0:
-                self.planned[r.index] = plan_tree(self.trees, r, matches, k)
+                self.planned[r.index] = plan_tree(self.trees, self.shadows, r, matches, k, width)
                 out.append((r, k))
             else:
                 self.policy.watch(r.index, match[0])
@@ -247,23 +249,53 @@ class PromptLookup:
         """The drafts `plan` found for `items` (no forward pass; `process`, the
         per-request logits options, has nothing to process: the drafts are tokens, not
         distributions)."""
-        indexes = [r.index for r, _ in items]
-        trees = {i: self.trees[i] for i in indexes if i in self.trees}
-        return Proposal({i: self.planned[i] for i in indexes}, {}, {}, [], None, trees)
+        return tree_proposal(items, self.planned, self.trees, self.shadows)
 
     def settle(self, proposal: Proposal, accepted: dict[int, int], tokens: dict[int, list[int]]) -> None:
         """Nothing to keep or drop: the index learns a request's tokens once generated."""
 
 
-def plan_tree(trees: dict[int, DraftTree], r: Any, candidates: list[list[int]], k: int) -> list[int]:
+def plan_tree(
+    trees: dict[int, DraftTree],
+    shadows: dict[int, DraftTree],
+    r: Any,
+    candidates: list[list[int]],
+    k: int,
+    width: int,
+) -> list[int]:
     """Request `r`'s drafts this step: its first candidate cut to `k` tokens, or, with
-    several candidates, their token tree (each cut to `k`; at most as many nodes as the
-    request has tokens left to generate, less one, so its drafts stay within the blocks
-    it was admitted with), recorded in `trees`. The draft tokens in node order."""
+    several candidates and a `width` over 1, their token tree (each cut to `k`; at most
+    as many nodes as the request has tokens left to generate, less one, so its drafts
+    stay within the blocks it was admitted with), recorded in `trees` (in `shadows` when
+    `width` is 1: scored, not verified). The draft tokens in node order."""
     if len(candidates) == 1:
         return candidates[0][:k]
     room = r.max_new_tokens - len(r.generated) - 1
     tree = DraftTree.merge([c[:k] for c in candidates], max_nodes=max(k, min(k * len(candidates), room)))
-    if not tree.is_chain:
-        trees[r.index] = tree
+    if tree.is_chain:
+        return tree.tokens
+    if width <= 1:
+        shadows[r.index] = tree
+        return tree.tokens[: tree.first]
+    trees[r.index] = tree
     return tree.tokens
+
+
+def tree_proposal(
+    items: list[tuple[Any, int]],
+    planned: dict[int, list[int]],
+    trees: dict[int, DraftTree],
+    shadows: dict[int, DraftTree],
+) -> Proposal:
+    """The proposal of the requests of `items` from what a drafter without a draft model
+    planned: their draft tokens and their trees (verified or only scored)."""
+    indexes = [r.index for r, _ in items]
+    return Proposal(
+        {i: planned[i] for i in indexes},
+        {},
+        {},
+        [],
+        None,
+        {i: trees[i] for i in indexes if i in trees},
+        {i: shadows[i] for i in indexes if i in shadows},
+    )

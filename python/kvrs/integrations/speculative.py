@@ -221,6 +221,9 @@ class Proposal:
     snapshot: StateSnapshot | None
     trees: dict[int, DraftTree] = field(default_factory=dict)
     """Requests whose drafts are a token tree (their `drafts` are its nodes' tokens)."""
+    shadows: dict[int, DraftTree] = field(default_factory=dict)
+    """Requests that verify the first candidate of a tree they did not verify (scored
+    for the draft policy only)."""
 
 
 class Drafter(Protocol):

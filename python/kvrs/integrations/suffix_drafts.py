@@ -27,7 +27,7 @@ from typing import Any
 
 import kvrs
 from kvrs.integrations.draft_policy import DraftPolicy
-from kvrs.integrations.prompt_lookup import plan_tree
+from kvrs.integrations.prompt_lookup import plan_tree, tree_proposal
 from kvrs.integrations.speculative import Proposal
 from kvrs.integrations.token_tree import DraftTree
 
@@ -190,6 +190,7 @@ class SuffixDrafts:
         self.seqs: dict[int, Any] = {}  # no draft sequences
         self.planned: dict[int, list[int]] = {}
         self.trees: dict[int, DraftTree] = {}
+        self.shadows: dict[int, DraftTree] = {}
         self.tree_width = config.tree_width
 
     def admit(self, index: int, prompt: list[int]) -> bool:
@@ -227,7 +228,8 @@ class SuffixDrafts:
         """The requests that draft this step and how many tokens each (see
         `kvrs.integrations.prompt_lookup.PromptLookup.plan`): each one's suffix draft,
         cut at a stop token and to the policy's length."""
-        self.planned, self.trees = {}, {}
+        self.planned, self.trees, self.shadows = {}, {}, {}
+        width = self.policy.tree_width(self.tree_width)
         out = []
         for r, cap in items:
             self.requests[r.index] = r
@@ -239,7 +241,7 @@ class SuffixDrafts:
             tokens = candidates[0]
             k = min(self.policy.length(r.index, cap, min(matched, _KINDS)), len(tokens))
             if k > 0:
-                self.planned[r.index] = plan_tree(self.trees, r, candidates, k)
+                self.planned[r.index] = plan_tree(self.trees, self.shadows, r, candidates, k, width)
                 out.append((r, k))
             else:
                 self.policy.watch(r.index, tokens[0])
@@ -286,9 +288,7 @@ class SuffixDrafts:
         process: Any = None,
     ) -> Proposal:
         """The drafts `plan` found for `items` (tokens, no distributions)."""
-        indexes = [r.index for r, _ in items]
-        trees = {i: self.trees[i] for i in indexes if i in self.trees}
-        return Proposal({i: self.planned[i] for i in indexes}, {}, {}, [], None, trees)
+        return tree_proposal(items, self.planned, self.trees, self.shadows)
 
     def settle(self, proposal: Proposal, accepted: dict[int, int], tokens: dict[int, list[int]]) -> None:
         """Nothing to undo: the index learns a request's tokens once generated."""

@@ -36,6 +36,8 @@ class DraftTree:
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     children: dict[tuple[int, int], int] = field(default_factory=dict)
+    first: int = 0
+    """Nodes ``0..first-1`` are the first candidate (the chain draft); the rest branch off."""
 
     @classmethod
     def merge(cls, candidates: Sequence[Sequence[int]], max_nodes: int) -> DraftTree:
@@ -55,6 +57,8 @@ class DraftTree:
                     tree.parents.append(at)
                     tree.children[(at, int(t))] = node
                 at = node
+            if not tree.first:
+                tree.first = len(tree.tokens)
         return tree
 
     def __len__(self) -> int:
@@ -79,6 +83,17 @@ class DraftTree:
             out.append(j)
             j = self.parents[j]
         return out[::-1]
+
+    def follow(self, tokens: Sequence[int]) -> list[int]:
+        """The nodes `tokens` lead through from the root (stopping where none holds one)."""
+        at, nodes = -1, []
+        for t in tokens:
+            child = self.children.get((at, int(t)))
+            if child is None:
+                break
+            nodes.append(child)
+            at = child
+        return nodes
 
     def path_tokens(self, j: int) -> list[int]:
         """The tokens from the root down to node `j` (inclusive); [] for the root (-1)."""
