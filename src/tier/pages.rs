@@ -24,13 +24,12 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use rayon::prelude::*;
 
 use super::payload::{
-    self, BlockMeta, ConfigKey, Fingerprint, MacKey, PayloadShape, TierKey, HEADER, MAC,
+    self, BlockMeta, ConfigKey, Fingerprint, MacKey, PayloadShape, TierKey, HEADER,
 };
 use super::writer::WritePolicy;
-use super::{Parts, Tier, TierCounters};
+use super::{Tier, TierCounters};
 use crate::error::{KvError, Result};
 use crate::prefix::BlockHash;
 
@@ -81,15 +80,14 @@ pub struct PageStore {
     counters: PageCounters,
 }
 
-/// A page's envelope but for the page itself ([`PageStore::envelope`]).
+/// A page's envelope but for the page itself and its MAC ([`PageStore::envelope`]); the
+/// MAC is computed where the page is stored ([`Tier::put_sealing`]).
 #[derive(Debug)]
 struct Envelope {
     /// The tier key.
     name: String,
     /// The bytes before the page.
     header: [u8; HEADER],
-    /// The bytes after it.
-    mac: [u8; MAC],
 }
 
 /// What a tier's read of a page came to ([`PageStore::get_into`]): not read (missing,
@@ -97,10 +95,6 @@ struct Envelope {
 const UNREAD: u8 = 0;
 const LOADED: u8 = 1;
 const REFUSED: u8 = 2;
-
-/// Bytes of pages [`PageStore::put_many`] MACs and stores at a time: few enough that
-/// they are still in the CPU's cache when they are written.
-const STORE_CHUNK_BYTES: usize = 8 << 20;
 
 /// The shape of the envelope of a page of `n` bytes.
 fn shape(n: usize) -> PayloadShape {
@@ -262,11 +256,11 @@ impl PageStore {
         }
     }
 
-    /// The envelope of `page` under `key` in namespace root `root` (whose MAC key is
-    /// `mac`): its tier key, header and MAC. The page's bytes stay where they are: the
-    /// payload is `header`, `page`, `mac`, byte for byte what [`payload::seal`] makes of
-    /// them.
-    fn envelope(&self, key: &str, page: &[u8], root: BlockHash, mac: &MacKey) -> Envelope {
+    /// The envelope of a page of `len` bytes under `key` in namespace root `root`: its
+    /// tier key and header. The page's bytes stay where they are: the payload is the
+    /// header, the page and the MAC of both ([`PageStore::store_sealed`]), byte for byte
+    /// what [`payload::seal`] makes of them.
+    fn envelope(&self, key: &str, len: usize, root: BlockHash) -> Envelope {
         let k = key_hash(key);
         let meta = BlockMeta {
             key: k,
@@ -274,35 +268,33 @@ impl PageStore {
             root,
             first: true,
         };
-        let header = payload::header(&self.fp, &shape(page.len()), &meta);
         Envelope {
             name: payload::block_key(&self.fp, root, k),
-            mac: payload::mac_of(&[&header, page], mac),
-            header,
+            header: payload::header(&self.fp, &shape(len), &meta),
         }
     }
 
-    /// The envelopes of `pages` (keys `keys`) in namespace root `root`, computed in
-    /// parallel (the MACs) on this process's pool.
+    /// The envelopes of `pages` (keys `keys`) in namespace root `root`.
     fn envelopes(&self, keys: &[&str], pages: &[&[u8]], root: BlockHash) -> Vec<Envelope> {
-        let mac = self.config.namespace(root);
-        crate::parallel::install(|| {
-            keys.par_iter()
-                .zip(pages)
-                .with_max_len(1)
-                .map(|(k, p)| self.envelope(k, p, root, &mac))
-                .collect()
-        })
+        keys.iter()
+            .zip(pages)
+            .map(|(k, p)| self.envelope(k, p.len(), root))
+            .collect()
     }
 
-    /// Stores `pages` (sealed in `envelopes`) as the policy says, in `tiers`; per page,
-    /// whether some tier took it.
+    /// Stores `pages` (in `envelopes`, of namespace root `root`) as the policy says, in
+    /// `tiers`; per page, whether some tier took it. Each tier computes the MACs
+    /// ([`Tier::put_sealing`]): a tier that writes files computes each on the thread that
+    /// writes that page, right before writing it.
     fn store_sealed(
         &self,
         tiers: &[Arc<dyn Tier>],
         envelopes: &[Envelope],
         pages: &[&[u8]],
+        root: BlockHash,
     ) -> Vec<bool> {
+        let mac: MacKey = self.config.namespace(root);
+        let seal = |parts: &[&[u8]]| payload::mac_of(parts, &mac);
         let mut stored = vec![false; pages.len()];
         for tier in tiers {
             let ask: Vec<usize> = (0..pages.len())
@@ -311,14 +303,14 @@ impl PageStore {
             if ask.is_empty() {
                 break;
             }
-            let batch: Vec<(&str, Parts<'_>)> = ask
+            let batch: Vec<(&str, [&[u8]; 2])> = ask
                 .iter()
                 .map(|&j| {
                     let e = &envelopes[j];
-                    (e.name.as_str(), [&e.header[..], pages[j], &e.mac[..]])
+                    (e.name.as_str(), [&e.header[..], pages[j]])
                 })
                 .collect();
-            for (&j, taken) in ask.iter().zip(tier.put_parts(&batch)) {
+            for (&j, taken) in ask.iter().zip(tier.put_sealing(&batch, &seal)) {
                 stored[j] |= taken;
             }
         }
@@ -329,7 +321,8 @@ impl PageStore {
     /// tier, or the first that takes each); per page, whether some tier took it. The
     /// caller has checked the lengths ([`PageStore::check_len`]); pages of other lengths
     /// than `page_bytes` are not stored. The MACs are computed over the caller's pages
-    /// in parallel, and a tier that writes files writes them from there (no sealed copy).
+    /// where they lie, and a tier that writes files writes them from there (no sealed
+    /// copy), each page MACed by the thread that writes it.
     pub fn put_many(&self, keys: &[&str], pages: &[&[u8]], ns: &str) -> Vec<bool> {
         assert_eq!(keys.len(), pages.len(), "one page per key");
         TierCounters::add(&self.counters.puts, keys.len() as u64);
@@ -338,25 +331,12 @@ impl PageStore {
             .filter(|&i| self.check_len("pages", i, pages[i].len()).is_ok())
             .collect();
         let root = namespace_root(ns);
-        // In chunks of a few MiB (a page per thread at least), each MACed then stored
-        // while its pages are still in the CPU's cache.
-        let threads = crate::parallel::threads();
-        let mut at = 0;
-        while at < ok.len() {
-            let (mut end, mut bytes) = (at, 0);
-            while end < ok.len() && (end - at < threads || bytes < STORE_CHUNK_BYTES) {
-                bytes += pages[ok[end]].len();
-                end += 1;
-            }
-            let chunk = &ok[at..end];
-            let ok_keys: Vec<&str> = chunk.iter().map(|&i| keys[i]).collect();
-            let ok_pages: Vec<&[u8]> = chunk.iter().map(|&i| pages[i]).collect();
-            let envelopes = self.envelopes(&ok_keys, &ok_pages, root);
-            let taken = self.store_sealed(&self.tiers, &envelopes, &ok_pages);
-            for (&i, t) in chunk.iter().zip(taken) {
-                stored[i] = t;
-            }
-            at = end;
+        let ok_keys: Vec<&str> = ok.iter().map(|&i| keys[i]).collect();
+        let ok_pages: Vec<&[u8]> = ok.iter().map(|&i| pages[i]).collect();
+        let envelopes = self.envelopes(&ok_keys, &ok_pages, root);
+        let taken = self.store_sealed(&self.tiers, &envelopes, &ok_pages, root);
+        for (&i, t) in ok.iter().zip(taken) {
+            stored[i] = t;
         }
         let n = stored.iter().filter(|&&s| s).count();
         TierCounters::add(&self.counters.stored, n as u64);
@@ -445,7 +425,7 @@ impl PageStore {
             let up_pages: Vec<&[u8]> = up.iter().map(|&i| &*bufs[i]).collect();
             let envelopes = self.envelopes(&up_keys, &up_pages, root);
             let n = self
-                .store_sealed(&self.tiers[t..=t], &envelopes, &up_pages)
+                .store_sealed(&self.tiers[t..=t], &envelopes, &up_pages, root)
                 .iter()
                 .filter(|&&s| s)
                 .count();
