@@ -55,7 +55,7 @@ use self::conn::{redact_text, Target};
 use self::node::{deadline_in, Node};
 pub use self::options::TlsOptions;
 use self::resp::Segments;
-use super::{Parts, Tier, TierCounters};
+use super::{Parts, Seal, Tier, TierCounters, TRAILER};
 use crate::error::{KvError, Result};
 
 /// Block payloads in a Redis server, or in a Redis Cluster.
@@ -537,6 +537,31 @@ impl Tier for RedisTier {
             .iter()
             .zip(&parts)
             .map(|((k, _), p)| (k.as_str(), &p[..]))
+            .collect();
+        self.store(&items)
+    }
+
+    /// Seals every payload first (in parallel on this process's pool), then stores them
+    /// all in one pipeline as [`Tier::put_parts`] does: one round trip, not one per few
+    /// MiB (the trailers are computed from the caller's memory; nothing is joined).
+    fn put_sealing(&self, items: &[(&str, [&[u8]; 2])], seal: Seal<'_>) -> Vec<bool> {
+        use rayon::prelude::*;
+        let trailers: Vec<[u8; TRAILER]> = crate::parallel::install(|| {
+            items
+                .par_iter()
+                .with_max_len(1)
+                .map(|(_, p)| seal(&p[..]))
+                .collect()
+        });
+        let parts: Vec<[&[u8]; 3]> = items
+            .iter()
+            .zip(&trailers)
+            .map(|((_, p), t)| [p[0], p[1], &t[..]])
+            .collect();
+        let items: Vec<(&str, &[&[u8]])> = items
+            .iter()
+            .zip(&parts)
+            .map(|((k, _), p)| (*k, &p[..]))
             .collect();
         self.store(&items)
     }
