@@ -434,15 +434,40 @@ impl PageStore {
         loaded
     }
 
+    /// The tier keys of `keys` in namespace `ns`.
+    fn names(&self, keys: &[&str], ns: &str) -> Vec<String> {
+        let root = namespace_root(ns);
+        keys.iter()
+            .map(|k| payload::block_key(&self.fp, root, key_hash(k)))
+            .collect()
+    }
+
+    /// Whether each of `keys` is present in namespace `ns` in some tier (a payload of an
+    /// accepted length at the key's name; its MAC is checked when it is read, and a page
+    /// that fails it is then discarded): one batched request per tier, which asks only
+    /// for the keys the tiers before it did not have.
+    pub fn exists_many(&self, keys: &[&str], ns: &str) -> Vec<bool> {
+        let names = self.names(keys, ns);
+        let mut present = vec![false; keys.len()];
+        let sizes = self.sizes();
+        for tier in &self.tiers {
+            let ask: Vec<usize> = (0..keys.len()).filter(|&i| !present[i]).collect();
+            if ask.is_empty() {
+                break;
+            }
+            let want: Vec<String> = ask.iter().map(|&i| names[i].clone()).collect();
+            for (&i, has) in ask.iter().zip(tier.contains_many(&want, sizes.clone())) {
+                present[i] |= has;
+            }
+        }
+        present
+    }
+
     /// How many of `keys`, from the first, are present in namespace `ns` in some tier
     /// (a payload of an accepted length at the key's name; its MAC is checked when it
     /// is read, and a page that fails it is then discarded).
     pub fn exists_prefix(&self, keys: &[&str], ns: &str) -> usize {
-        let root = namespace_root(ns);
-        let names: Vec<String> = keys
-            .iter()
-            .map(|k| payload::block_key(&self.fp, root, key_hash(k)))
-            .collect();
+        let names = self.names(keys, ns);
         let mut present = vec![false; keys.len()];
         let sizes = self.sizes();
         for tier in &self.tiers {
@@ -513,6 +538,88 @@ mod tests {
         assert_eq!(s.exists_prefix(&["k1", "k2", "k1"], "t1"), 1);
         assert_eq!(s.drop_namespace("t1"), 1);
         assert_eq!(s.exists_prefix(&["k1"], "t1"), 0);
+    }
+
+    /// A tier that records the keys of each `contains_many`, over a host tier.
+    #[derive(Debug)]
+    struct Asked {
+        inner: HostTier,
+        asked: Mutex<Vec<Vec<String>>>,
+    }
+
+    impl Tier for Asked {
+        fn name(&self) -> &str {
+            "asked"
+        }
+        fn get_many(&self, keys: &[String], sizes: RangeInclusive<usize>) -> Vec<Option<Vec<u8>>> {
+            self.inner.get_many(keys, sizes)
+        }
+        fn contains_many(&self, keys: &[String], sizes: RangeInclusive<usize>) -> Vec<bool> {
+            self.asked.lock().push(keys.to_vec());
+            self.inner.contains_many(keys, sizes)
+        }
+        fn put_many(&self, items: &[(String, Arc<Vec<u8>>)]) -> Vec<bool> {
+            self.inner.put_many(items)
+        }
+        fn drop_prefix(&self, prefix: &str) -> usize {
+            self.inner.drop_prefix(prefix)
+        }
+        fn discard(&self, key: &str) {
+            self.inner.discard(key)
+        }
+        fn counters(&self) -> &TierCounters {
+            self.inner.counters()
+        }
+    }
+
+    #[test]
+    fn exists_many_asks_each_tier_once_for_what_the_faster_ones_missed() {
+        let tier = |bytes| {
+            Arc::new(Asked {
+                inner: HostTier::new(bytes),
+                asked: Mutex::new(Vec::new()),
+            })
+        };
+        let (fast, slow) = (tier(1 << 20), tier(1 << 20));
+        let facts = facts("m");
+        let secret = Some(&b"a-sixteen-byte-secret"[..]);
+        let both = PageStore::new(
+            vec![fast.clone() as Arc<dyn Tier>, slow.clone() as Arc<dyn Tier>],
+            secret,
+            &facts,
+            WritePolicy::All,
+        )
+        .unwrap();
+        let only_slow = PageStore::new(
+            vec![slow.clone() as Arc<dyn Tier>],
+            secret,
+            &facts,
+            WritePolicy::All,
+        )
+        .unwrap();
+        let page = [3u8; 64];
+        assert_eq!(both.put_many(&["a", "b"], &[&page, &page], "t"), [true; 2]);
+        assert_eq!(only_slow.put_many(&["c"], &[&page], "t"), [true]);
+        let keys = ["x", "a", "c", "b", "y", "c"];
+        assert_eq!(
+            both.exists_many(&keys, "t"),
+            [false, true, true, true, false, true]
+        );
+        // One request per tier; the slow one only for the keys the fast one missed.
+        let names = |ks: &[&str]| ks.iter().map(|k| both.tier_key(k, "t")).collect::<Vec<_>>();
+        assert_eq!(*fast.asked.lock(), [names(&keys)]);
+        assert_eq!(*slow.asked.lock(), [names(&["x", "c", "y", "c"])]);
+        // Another namespace, or a store of another model, has none of them.
+        assert_eq!(both.exists_many(&keys, "u"), [false; 6]);
+        let other = PageStore::new(
+            vec![fast.clone() as Arc<dyn Tier>],
+            secret,
+            &super::tests::facts("m2"),
+            WritePolicy::All,
+        )
+        .unwrap();
+        assert_eq!(other.exists_many(&["a"], "t"), [false]);
+        assert_eq!(both.exists_many(&[], "t"), Vec::<bool>::new());
     }
 
     #[test]
