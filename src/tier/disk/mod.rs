@@ -38,10 +38,12 @@
 //! they count against the bound.
 //!
 //! **Batches.** A batch of stores is done in rounds: the temporary files of a round are
-//! reserved and created under one hold of the lock, written in parallel on this
-//! process's pool (a payload given as parts, such as a page's header, the page where the
-//! caller keeps it and its MAC, is written with `writev`, never joined), and renamed
-//! into place under one hold of the lock. A round ends before a payload for which its
+//! reserved (the shared total written once for the round) and created under one hold of
+//! the lock, written in parallel on this process's pool (a payload given as parts, such
+//! as a page's header, the page where the caller keeps it and its MAC, is written with
+//! `writev`, never joined; a MAC left to the tier, [`Tier::put_sealing`], is computed by
+//! the thread that writes that payload, right before writing it), and renamed into place
+//! under one hold of the lock. A round ends before a payload for which its
 //! own temporary files leave no room, so the next round can evict them once they are in
 //! place, as single stores would. Lookups of a batch ([`Tier::read_each`]) are read in
 //! parallel, each into its thread's reused buffer.

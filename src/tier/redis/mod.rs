@@ -4,7 +4,9 @@
 //! Each lookup is one pipeline of `MGET`s of about [`MGET_BYTES`] of payloads each, whose
 //! replies are handed on one by one as they arrive (a pool checks the first payloads
 //! while the later ones are on their way), and each store one pipeline of
-//! `SET key payload [EX ttl]`: one write and one read of all the replies per batch. The `redis` crate parses the URL,
+//! `SET key payload [EX ttl]`: one vectored write and one read of all the replies per
+//! batch, each payload sent from where it lies ([`resp`]: a page's header, its bytes in
+//! the caller's buffer and its MAC as one bulk string), never copied into the pipeline. The `redis` crate parses the URL,
 //! encodes the commands and parses the replies; the sockets are this crate's own
 //! ([`conn`]), so that `timeout` bounds a whole request: connecting, logging in
 //! (`AUTH`, `SELECT`), sending and receiving every byte of the reply. A reply is also
