@@ -35,20 +35,26 @@ impl<'a> Segments<'a> {
     pub(super) fn command(&mut self, args: &[&[&'a [u8]]]) {
         self.own_fmt(format_args!("*{}\r\n", args.len()));
         for parts in args {
-            let len: usize = parts.iter().map(|p| p.len()).sum();
-            self.own_fmt(format_args!("${len}\r\n"));
-            for p in *parts {
-                self.bytes(p);
-            }
-            self.own(b"\r\n");
+            self.arg(parts);
         }
     }
 
     /// Appends a command of plain arguments (each one part).
     pub(super) fn simple(&mut self, args: &[&'a [u8]]) {
-        let parts: Vec<[&'a [u8]; 1]> = args.iter().map(|a| [*a]).collect();
-        let args: Vec<&[&'a [u8]]> = parts.iter().map(|p| &p[..]).collect();
-        self.command(&args);
+        self.own_fmt(format_args!("*{}\r\n", args.len()));
+        for a in args {
+            self.arg(&[a]);
+        }
+    }
+
+    /// Appends one argument: a bulk string of its parts' summed length, then the parts.
+    fn arg(&mut self, parts: &[&'a [u8]]) {
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        self.own_fmt(format_args!("${len}\r\n"));
+        for p in parts {
+            self.bytes(p);
+        }
+        self.own(b"\r\n");
     }
 
     /// The segments, in order: their concatenation is the pipeline's encoding.
