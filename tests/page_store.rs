@@ -167,6 +167,8 @@ proptest! {
                     };
                     let want = ks.iter().take_while(|&&k| present(k)).count();
                     prop_assert_eq!(s.exists_prefix(&keys, NAMESPACES[n]), want);
+                    let each: Vec<bool> = ks.iter().map(|&k| present(k)).collect();
+                    prop_assert_eq!(s.exists_many(&keys, NAMESPACES[n]), each);
                 }
                 Op::Drop(n) => {
                     let want = model.keys().filter(|(_, m)| *m == n).count();

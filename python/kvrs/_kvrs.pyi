@@ -447,6 +447,8 @@ class PageStore:
         was loaded (False: a miss, the buffer untouched)."""
     def exists_prefix(self, keys: Sequence_[str], namespace: str | None = None) -> int:
         """How many of `keys`, from the first, are stored."""
+    def exists_many(self, keys: Sequence_[str], namespace: str | None = None) -> list[bool]:
+        """Whether each of `keys` is stored; one batched request per tier."""
     def drop_namespace(self, namespace: str) -> int:
         """Removes every page of `namespace` from every tier; how many tier entries were removed."""
     def stats(self) -> dict[str, Any]:

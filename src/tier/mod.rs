@@ -41,6 +41,27 @@ use std::sync::Arc;
 /// concatenation.
 pub type Parts<'a> = [&'a [u8]; 3];
 
+/// Bytes of the trailer that a [`Seal`] computes (a payload's MAC).
+pub const TRAILER: usize = payload::MAC;
+
+/// Computes a payload's trailer (its MAC) from the parts before it, in order.
+pub type Seal<'s> = &'s (dyn Fn(&[&[u8]]) -> [u8; TRAILER] + Sync);
+
+/// Bytes of payloads [`Tier::put_sealing`] seals then stores at a time by default: few
+/// enough that they are still in the CPU's cache when they are stored.
+const SEAL_CHUNK_BYTES: usize = 8 << 20;
+
+/// The end of the chunk of `lens` that starts at `at`: at least `threads` payloads (one
+/// per thread of the pool) and at least [`SEAL_CHUNK_BYTES`], or the rest.
+fn seal_chunk_end(lens: &[usize], at: usize, threads: usize) -> usize {
+    let (mut end, mut bytes) = (at, 0);
+    while end < lens.len() && (end - at < threads || bytes < SEAL_CHUNK_BYTES) {
+        bytes += lens[end];
+        end += 1;
+    }
+    end
+}
+
 /// A store of block payloads by key.
 pub trait Tier: Send + Sync + fmt::Debug {
     /// A short name for stats: `host`, `disk:{path}` or `redis://{host}:{port}/{db}`.
@@ -90,6 +111,39 @@ pub trait Tier: Send + Sync + fmt::Debug {
             .map(|(k, parts)| (k.to_string(), Arc::new(parts.concat())))
             .collect();
         self.put_many(&owned)
+    }
+    /// Stores payloads given as their leading parts (a page's header, its bytes where the
+    /// caller keeps them), each followed by the trailer `seal` computes from them (its
+    /// MAC), as [`Tier::put_parts`] would store the three; per item, whether the tier
+    /// took it. By default a few MiB of payloads at a time are sealed in parallel on this
+    /// process's pool, then stored with [`Tier::put_parts`] while they are still in the
+    /// CPU's cache; a tier that writes payloads out on several threads seals each one on
+    /// the thread that writes it, right before writing it.
+    fn put_sealing(&self, items: &[(&str, [&[u8]; 2])], seal: Seal<'_>) -> Vec<bool> {
+        use rayon::prelude::*;
+        let lens: Vec<usize> = items.iter().map(|(_, p)| p[0].len() + p[1].len()).collect();
+        let threads = crate::parallel::threads();
+        let mut taken = Vec::with_capacity(items.len());
+        let mut at = 0;
+        while at < items.len() {
+            let end = seal_chunk_end(&lens, at, threads);
+            let chunk = &items[at..end];
+            let trailers: Vec<[u8; TRAILER]> = crate::parallel::install(|| {
+                chunk
+                    .par_iter()
+                    .with_max_len(1)
+                    .map(|(_, p)| seal(&p[..]))
+                    .collect()
+            });
+            let parts: Vec<(&str, Parts<'_>)> = chunk
+                .iter()
+                .zip(&trailers)
+                .map(|((k, p), t)| (*k, [p[0], p[1], &t[..]]))
+                .collect();
+            taken.extend(self.put_parts(&parts));
+            at = end;
+        }
+        taken
     }
     /// The payloads of `keys` as [`Tier::get_many`] finds them, each handed to
     /// `check(index in keys, payload)`: from several threads at once (this process's

@@ -24,13 +24,12 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use rayon::prelude::*;
 
 use super::payload::{
-    self, BlockMeta, ConfigKey, Fingerprint, MacKey, PayloadShape, TierKey, HEADER, MAC,
+    self, BlockMeta, ConfigKey, Fingerprint, MacKey, PayloadShape, TierKey, HEADER,
 };
 use super::writer::WritePolicy;
-use super::{Parts, Tier, TierCounters};
+use super::{Tier, TierCounters};
 use crate::error::{KvError, Result};
 use crate::prefix::BlockHash;
 
@@ -81,15 +80,14 @@ pub struct PageStore {
     counters: PageCounters,
 }
 
-/// A page's envelope but for the page itself ([`PageStore::envelope`]).
+/// A page's envelope but for the page itself and its MAC ([`PageStore::envelope`]); the
+/// MAC is computed where the page is stored ([`Tier::put_sealing`]).
 #[derive(Debug)]
 struct Envelope {
     /// The tier key.
     name: String,
     /// The bytes before the page.
     header: [u8; HEADER],
-    /// The bytes after it.
-    mac: [u8; MAC],
 }
 
 /// What a tier's read of a page came to ([`PageStore::get_into`]): not read (missing,
@@ -97,10 +95,6 @@ struct Envelope {
 const UNREAD: u8 = 0;
 const LOADED: u8 = 1;
 const REFUSED: u8 = 2;
-
-/// Bytes of pages [`PageStore::put_many`] MACs and stores at a time: few enough that
-/// they are still in the CPU's cache when they are written.
-const STORE_CHUNK_BYTES: usize = 8 << 20;
 
 /// The shape of the envelope of a page of `n` bytes.
 fn shape(n: usize) -> PayloadShape {
@@ -271,11 +265,11 @@ impl PageStore {
         }
     }
 
-    /// The envelope of `page` under `key` in namespace root `root` (whose MAC key is
-    /// `mac`): its tier key, header and MAC. The page's bytes stay where they are: the
-    /// payload is `header`, `page`, `mac`, byte for byte what [`payload::seal`] makes of
-    /// them.
-    fn envelope(&self, key: &str, page: &[u8], root: BlockHash, mac: &MacKey) -> Envelope {
+    /// The envelope of a page of `len` bytes under `key` in namespace root `root`: its
+    /// tier key and header. The page's bytes stay where they are: the payload is the
+    /// header, the page and the MAC of both ([`PageStore::store_sealed`]), byte for byte
+    /// what [`payload::seal`] makes of them.
+    fn envelope(&self, key: &str, len: usize, root: BlockHash) -> Envelope {
         let k = key_hash(key);
         let meta = BlockMeta {
             key: k,
@@ -283,35 +277,33 @@ impl PageStore {
             root,
             first: true,
         };
-        let header = payload::header(&self.fp, &shape(page.len()), &meta);
         Envelope {
             name: payload::block_key(&self.fp, root, k),
-            mac: payload::mac_of(&[&header, page], mac),
-            header,
+            header: payload::header(&self.fp, &shape(len), &meta),
         }
     }
 
-    /// The envelopes of `pages` (keys `keys`) in namespace root `root`, computed in
-    /// parallel (the MACs) on this process's pool.
+    /// The envelopes of `pages` (keys `keys`) in namespace root `root`.
     fn envelopes(&self, keys: &[&str], pages: &[&[u8]], root: BlockHash) -> Vec<Envelope> {
-        let mac = self.config.namespace(root);
-        crate::parallel::install(|| {
-            keys.par_iter()
-                .zip(pages)
-                .with_max_len(1)
-                .map(|(k, p)| self.envelope(k, p, root, &mac))
-                .collect()
-        })
+        keys.iter()
+            .zip(pages)
+            .map(|(k, p)| self.envelope(k, p.len(), root))
+            .collect()
     }
 
-    /// Stores `pages` (sealed in `envelopes`) as the policy says, in `tiers`; per page,
-    /// whether some tier took it.
+    /// Stores `pages` (in `envelopes`, of namespace root `root`) as the policy says, in
+    /// `tiers`; per page, whether some tier took it. Each tier computes the MACs
+    /// ([`Tier::put_sealing`]): a tier that writes files computes each on the thread that
+    /// writes that page, right before writing it.
     fn store_sealed(
         &self,
         tiers: &[Arc<dyn Tier>],
         envelopes: &[Envelope],
         pages: &[&[u8]],
+        root: BlockHash,
     ) -> Vec<bool> {
+        let mac: MacKey = self.config.namespace(root);
+        let seal = |parts: &[&[u8]]| payload::mac_of(parts, &mac);
         let mut stored = vec![false; pages.len()];
         for tier in tiers {
             let ask: Vec<usize> = (0..pages.len())
@@ -320,14 +312,14 @@ impl PageStore {
             if ask.is_empty() {
                 break;
             }
-            let batch: Vec<(&str, Parts<'_>)> = ask
+            let batch: Vec<(&str, [&[u8]; 2])> = ask
                 .iter()
                 .map(|&j| {
                     let e = &envelopes[j];
-                    (e.name.as_str(), [&e.header[..], pages[j], &e.mac[..]])
+                    (e.name.as_str(), [&e.header[..], pages[j]])
                 })
                 .collect();
-            for (&j, taken) in ask.iter().zip(tier.put_parts(&batch)) {
+            for (&j, taken) in ask.iter().zip(tier.put_sealing(&batch, &seal)) {
                 stored[j] |= taken;
             }
         }
@@ -338,7 +330,8 @@ impl PageStore {
     /// tier, or the first that takes each); per page, whether some tier took it. The
     /// caller has checked the lengths ([`PageStore::check_len`]); pages of other lengths
     /// than `page_bytes` are not stored. The MACs are computed over the caller's pages
-    /// in parallel, and a tier that writes files writes them from there (no sealed copy).
+    /// where they lie, and a tier that writes files writes them from there (no sealed
+    /// copy), each page MACed by the thread that writes it.
     pub fn put_many(&self, keys: &[&str], pages: &[&[u8]], ns: &str) -> Vec<bool> {
         assert_eq!(keys.len(), pages.len(), "one page per key");
         TierCounters::add(&self.counters.puts, keys.len() as u64);
@@ -347,25 +340,12 @@ impl PageStore {
             .filter(|&i| self.check_len("pages", i, pages[i].len()).is_ok())
             .collect();
         let root = namespace_root(ns);
-        // In chunks of a few MiB (a page per thread at least), each MACed then stored
-        // while its pages are still in the CPU's cache.
-        let threads = crate::parallel::threads();
-        let mut at = 0;
-        while at < ok.len() {
-            let (mut end, mut bytes) = (at, 0);
-            while end < ok.len() && (end - at < threads || bytes < STORE_CHUNK_BYTES) {
-                bytes += pages[ok[end]].len();
-                end += 1;
-            }
-            let chunk = &ok[at..end];
-            let ok_keys: Vec<&str> = chunk.iter().map(|&i| keys[i]).collect();
-            let ok_pages: Vec<&[u8]> = chunk.iter().map(|&i| pages[i]).collect();
-            let envelopes = self.envelopes(&ok_keys, &ok_pages, root);
-            let taken = self.store_sealed(&self.tiers, &envelopes, &ok_pages);
-            for (&i, t) in chunk.iter().zip(taken) {
-                stored[i] = t;
-            }
-            at = end;
+        let ok_keys: Vec<&str> = ok.iter().map(|&i| keys[i]).collect();
+        let ok_pages: Vec<&[u8]> = ok.iter().map(|&i| pages[i]).collect();
+        let envelopes = self.envelopes(&ok_keys, &ok_pages, root);
+        let taken = self.store_sealed(&self.tiers, &envelopes, &ok_pages, root);
+        for (&i, t) in ok.iter().zip(taken) {
+            stored[i] = t;
         }
         let n = stored.iter().filter(|&&s| s).count();
         TierCounters::add(&self.counters.stored, n as u64);
@@ -484,7 +464,7 @@ impl PageStore {
                 .collect();
             let envelopes = self.envelopes(&up_keys, &up_pages, root);
             let n = self
-                .store_sealed(&self.tiers[t..=t], &envelopes, &up_pages)
+                .store_sealed(&self.tiers[t..=t], &envelopes, &up_pages, root)
                 .iter()
                 .filter(|&&s| s)
                 .count();
@@ -493,15 +473,40 @@ impl PageStore {
         loaded
     }
 
+    /// The tier keys of `keys` in namespace `ns`.
+    fn names(&self, keys: &[&str], ns: &str) -> Vec<String> {
+        let root = namespace_root(ns);
+        keys.iter()
+            .map(|k| payload::block_key(&self.fp, root, key_hash(k)))
+            .collect()
+    }
+
+    /// Whether each of `keys` is present in namespace `ns` in some tier (a payload of an
+    /// accepted length at the key's name; its MAC is checked when it is read, and a page
+    /// that fails it is then discarded): one batched request per tier, which asks only
+    /// for the keys the tiers before it did not have.
+    pub fn exists_many(&self, keys: &[&str], ns: &str) -> Vec<bool> {
+        let names = self.names(keys, ns);
+        let mut present = vec![false; keys.len()];
+        let sizes = self.sizes();
+        for tier in &self.tiers {
+            let ask: Vec<usize> = (0..keys.len()).filter(|&i| !present[i]).collect();
+            if ask.is_empty() {
+                break;
+            }
+            let want: Vec<String> = ask.iter().map(|&i| names[i].clone()).collect();
+            for (&i, has) in ask.iter().zip(tier.contains_many(&want, sizes.clone())) {
+                present[i] |= has;
+            }
+        }
+        present
+    }
+
     /// How many of `keys`, from the first, are present in namespace `ns` in some tier
     /// (a payload of an accepted length at the key's name; its MAC is checked when it
     /// is read, and a page that fails it is then discarded).
     pub fn exists_prefix(&self, keys: &[&str], ns: &str) -> usize {
-        let root = namespace_root(ns);
-        let names: Vec<String> = keys
-            .iter()
-            .map(|k| payload::block_key(&self.fp, root, key_hash(k)))
-            .collect();
+        let names = self.names(keys, ns);
         let mut present = vec![false; keys.len()];
         let sizes = self.sizes();
         for tier in &self.tiers {
@@ -572,6 +577,88 @@ mod tests {
         assert_eq!(s.exists_prefix(&["k1", "k2", "k1"], "t1"), 1);
         assert_eq!(s.drop_namespace("t1"), 1);
         assert_eq!(s.exists_prefix(&["k1"], "t1"), 0);
+    }
+
+    /// A tier that records the keys of each `contains_many`, over a host tier.
+    #[derive(Debug)]
+    struct Asked {
+        inner: HostTier,
+        asked: Mutex<Vec<Vec<String>>>,
+    }
+
+    impl Tier for Asked {
+        fn name(&self) -> &str {
+            "asked"
+        }
+        fn get_many(&self, keys: &[String], sizes: RangeInclusive<usize>) -> Vec<Option<Vec<u8>>> {
+            self.inner.get_many(keys, sizes)
+        }
+        fn contains_many(&self, keys: &[String], sizes: RangeInclusive<usize>) -> Vec<bool> {
+            self.asked.lock().push(keys.to_vec());
+            self.inner.contains_many(keys, sizes)
+        }
+        fn put_many(&self, items: &[(String, Arc<Vec<u8>>)]) -> Vec<bool> {
+            self.inner.put_many(items)
+        }
+        fn drop_prefix(&self, prefix: &str) -> usize {
+            self.inner.drop_prefix(prefix)
+        }
+        fn discard(&self, key: &str) {
+            self.inner.discard(key)
+        }
+        fn counters(&self) -> &TierCounters {
+            self.inner.counters()
+        }
+    }
+
+    #[test]
+    fn exists_many_asks_each_tier_once_for_what_the_faster_ones_missed() {
+        let tier = |bytes| {
+            Arc::new(Asked {
+                inner: HostTier::new(bytes),
+                asked: Mutex::new(Vec::new()),
+            })
+        };
+        let (fast, slow) = (tier(1 << 20), tier(1 << 20));
+        let facts = facts("m");
+        let secret = Some(&b"a-sixteen-byte-secret"[..]);
+        let both = PageStore::new(
+            vec![fast.clone() as Arc<dyn Tier>, slow.clone() as Arc<dyn Tier>],
+            secret,
+            &facts,
+            WritePolicy::All,
+        )
+        .unwrap();
+        let only_slow = PageStore::new(
+            vec![slow.clone() as Arc<dyn Tier>],
+            secret,
+            &facts,
+            WritePolicy::All,
+        )
+        .unwrap();
+        let page = [3u8; 64];
+        assert_eq!(both.put_many(&["a", "b"], &[&page, &page], "t"), [true; 2]);
+        assert_eq!(only_slow.put_many(&["c"], &[&page], "t"), [true]);
+        let keys = ["x", "a", "c", "b", "y", "c"];
+        assert_eq!(
+            both.exists_many(&keys, "t"),
+            [false, true, true, true, false, true]
+        );
+        // One request per tier; the slow one only for the keys the fast one missed.
+        let names = |ks: &[&str]| ks.iter().map(|k| both.tier_key(k, "t")).collect::<Vec<_>>();
+        assert_eq!(*fast.asked.lock(), [names(&keys)]);
+        assert_eq!(*slow.asked.lock(), [names(&["x", "c", "y", "c"])]);
+        // Another namespace, or a store of another model, has none of them.
+        assert_eq!(both.exists_many(&keys, "u"), [false; 6]);
+        let other = PageStore::new(
+            vec![fast.clone() as Arc<dyn Tier>],
+            secret,
+            &super::tests::facts("m2"),
+            WritePolicy::All,
+        )
+        .unwrap();
+        assert_eq!(other.exists_many(&["a"], "t"), [false]);
+        assert_eq!(both.exists_many(&[], "t"), Vec::<bool>::new());
     }
 
     #[test]

@@ -531,6 +531,7 @@ ENTRIES: dict[str, dict[str, tuple]] = {
         "put_many": entry(PAGE_KEYS, PAGES, NS),
         "get_into": entry(PAGE_KEYS, PAGES, NS),
         "exists_prefix": entry(PAGE_KEYS, NS),
+        "exists_many": entry(PAGE_KEYS, NS),
         "drop_namespace": entry(mostly(st.one_of(st.text(max_size=3), st.none()))),
         "stats": entry(),
         "tier_key": entry(mostly(st.text(max_size=4)), NS),

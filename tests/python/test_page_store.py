@@ -170,6 +170,37 @@ def test_a_failed_store_is_never_visible(tmp_path):
     assert not list(Path(small.path).rglob("*.kvb"))
 
 
+def test_exists_many_says_per_key_in_any_tier_and_namespace(tmp_path):
+    host, disk = kvrs.HostTier("1MiB"), kvrs.DiskTier(tmp_path / "d", "1MiB")
+    src = pages(3, seed=5)
+    kvrs.PageStore([disk], fingerprint=facts(), tier_key=SECRET).put_many(["c"], [src[2]], namespace="t")
+    both = kvrs.PageStore([host, disk], fingerprint=facts(), tier_key=SECRET, write="first")
+    assert both.put_many(["a", "b"], list(src[:2]), namespace="t") == [True, True]
+    assert host.used_bytes() > 0 and not disk.get([both.tier_key("a", namespace="t")])[0]
+    keys = ["x", "a", "c", "b", "y", "c"]
+    assert both.exists_many(keys, namespace="t") == [False, True, True, True, False, True]
+    assert both.exists_many(tuple(keys), namespace="u") == [False] * 6
+    assert both.exists_many(keys) == [False] * 6
+    assert both.exists_many([]) == []
+    # Another model's store finds none of them; a file of the wrong length is not a page.
+    other = kvrs.PageStore([host, disk], fingerprint=facts(model="other"), tier_key=SECRET)
+    assert other.exists_many(["a", "c"], namespace="t") == [False, False]
+    file_of(disk, both.tier_key("c", namespace="t")).write_bytes(b"short")
+    assert both.exists_many(["c", "a"], namespace="t") == [False, True]
+
+
+def test_exists_many_refuses_bad_arguments_by_name(disk):
+    store = kvrs.PageStore([disk], fingerprint=facts())
+    with pytest.raises(TypeError, match="keys must be a list of str, not one str"):
+        store.exists_many("abc")
+    with pytest.raises(TypeError, match=r"keys\[1\] must be a str"):
+        store.exists_many(["a", 1])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="keys must be a list of str, not int"):
+        store.exists_many(3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="namespace"):
+        store.exists_many(["a"], namespace=1)  # type: ignore[arg-type]
+
+
 def test_a_slower_tiers_hit_is_promoted(tmp_path):
     host, disk = kvrs.HostTier("1MiB"), kvrs.DiskTier(tmp_path / "d", "1MiB")
     kvrs.PageStore([disk], fingerprint=facts(), tier_key=SECRET).put_many(["k"], [pages(1)[0]])
@@ -188,6 +219,7 @@ def test_redis_tier_pages(redis_url):
     assert store.get_into(["a", "b", "c"], list(out), namespace=ns) == [True] * 3
     assert (out == src).all()
     assert store.exists_prefix(["a", "b", "z", "c"], namespace=ns) == 2
+    assert store.exists_many(["a", "z", "c"], namespace=ns) == [True, False, True]
     # Presence is asked with STRLEN: a value of another length is not a page, and a bad
     # page of the right length is a miss when read, then gone.
     import redis
@@ -195,6 +227,7 @@ def test_redis_tier_pages(redis_url):
     client = redis.Redis.from_url(redis_url)
     client.set(store.tier_key("b", namespace=ns), b"short")
     assert store.exists_prefix(["a", "b"], namespace=ns) == 1
+    assert store.exists_many(["b", "a"], namespace=ns) == [False, True]
     bad = bytearray(client.get(store.tier_key("c", namespace=ns)))
     bad[-1] ^= 1
     client.set(store.tier_key("c", namespace=ns), bytes(bad))

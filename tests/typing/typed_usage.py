@@ -114,6 +114,7 @@ def page_store(tmp: str) -> None:
     assert_type(store.put_many(["a"], [page], namespace="tenant"), list[bool])
     assert_type(store.get_into(["a"], [page]), list[bool])
     assert_type(store.exists_prefix(["a"]), int)
+    assert_type(store.exists_many(["a"]), list[bool])
     assert_type(store.drop_namespace("tenant"), int)
     assert_type(store.page_bytes, int | None)
     assert_type(store.stats(), dict[str, Any])

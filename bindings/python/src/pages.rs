@@ -281,6 +281,23 @@ impl PyPageStore {
         Ok(py.detach(|| store.exists_prefix(&ks, ns)))
     }
 
+    /// Whether each of `keys` is stored (in `namespace`): present in a tier at a valid
+    /// length (a page is verified when it is read). One batched request per tier (only
+    /// for the keys the faster tiers missed), without the GIL.
+    #[pyo3(signature = (keys, namespace = None))]
+    fn exists_many(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        namespace: Option<&str>,
+    ) -> PyResult<Vec<bool>> {
+        let keys = keys_arg(keys)?;
+        let ks: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let ns = namespace.unwrap_or("");
+        let store = &self.store;
+        Ok(py.detach(|| store.exists_many(&ks, ns)))
+    }
+
     /// Removes every page of `namespace` (this store's fingerprint's) from every tier;
     /// how many tier entries were removed.
     fn drop_namespace(&self, py: Python<'_>, namespace: &str) -> usize {

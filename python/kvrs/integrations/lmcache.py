@@ -423,9 +423,10 @@ class KvrsRemoteConnector(RemoteConnector):  # type: ignore[misc]
             names = [self._names(keys[i]) for i in idx]
             bufs = [bytearray(self.remote_metadata_bytes) for _ in idx]
             ok = self.store.get_into([m for m, _ in names], bufs, namespace=ns)
-            for j, i in enumerate(idx):
-                if ok[j]:
-                    out[i] = self.store.exists_prefix([names[j][1]], namespace=ns) == 1
+            verified = [j for j, good in enumerate(ok) if good]
+            has_data = self.store.exists_many([names[j][1] for j in verified], namespace=ns)
+            for j, has in zip(verified, has_data, strict=True):
+                out[idx[j]] = has
         return out
 
     def _prefix(self, keys: Sequence[Any]) -> int:

@@ -190,7 +190,7 @@ class _Pool:
         return got
 
     def present(self, keys: list[str], ns: str) -> list[bool]:
-        return [self.store.exists_prefix([k], namespace=ns) == 1 for k in keys]
+        return self.store.exists_many(keys, namespace=ns)
 
 
 class KvrsHiCacheStorage(HiCacheStorage):  # type: ignore[misc]

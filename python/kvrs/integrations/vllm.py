@@ -208,7 +208,7 @@ class KvrsSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
     def present(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each of `keys` is stored (a probe of the tiers; runs off the scheduler)."""
         ns = self.namespace
-        return [self.store.exists_prefix([_key_name(k)], namespace=ns) == 1 for k in keys]
+        return self.store.exists_many([_key_name(k) for k in keys], namespace=ns)
 
     def _store(self, job: TransferJob, keys: list[Any]) -> JobResult:
         start = time.monotonic()

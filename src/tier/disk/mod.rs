@@ -38,10 +38,12 @@
 //! they count against the bound.
 //!
 //! **Batches.** A batch of stores is done in rounds: the temporary files of a round are
-//! reserved and created under one hold of the lock, written in parallel on this
-//! process's pool (a payload given as parts, such as a page's header, the page where the
-//! caller keeps it and its MAC, is written with `writev`, never joined), and renamed
-//! into place under one hold of the lock. A round ends before a payload for which its
+//! reserved (the shared total written once for the round) and created under one hold of
+//! the lock, written in parallel on this process's pool (a payload given as parts, such
+//! as a page's header, the page where the caller keeps it and its MAC, is written with
+//! `writev`, never joined; a MAC left to the tier, [`Tier::put_sealing`], is computed by
+//! the thread that writes that payload, right before writing it), and renamed into place
+//! under one hold of the lock. A round ends before a payload for which its
 //! own temporary files leave no room, so the next round can evict them once they are in
 //! place, as single stores would. Lookups of a batch ([`Tier::read_each`]) are read in
 //! parallel, each into its thread's reused buffer.
@@ -61,7 +63,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use super::{Parts, Tier, TierCounters};
+use super::{Parts, Seal, Tier, TierCounters, TRAILER};
 use crate::error::{KvError, Result};
 use file::{
     create_sized, holds, open_regular, read_exact_len, read_exact_len_into, touch, with_scratch,
@@ -218,10 +220,10 @@ impl DiskTier {
         }
     }
 
-    /// What a store does with the payload `parts` (of `len` bytes) of `key`, before any
-    /// lock: nothing (not one of our keys, or longer than the bound), only mark it used
-    /// (the same bytes are already there), or write it through a temporary file.
-    fn plan(&self, key: &str, parts: &[&[u8]], len: u64) -> Plan {
+    /// What a store does with `payload` (of `len` bytes) of `key`, before any lock:
+    /// nothing (not one of our keys, or longer than the bound), only mark it used (the
+    /// same bytes are already there), or write it through a temporary file.
+    fn plan(&self, key: &str, payload: Payload<'_>, len: u64) -> Plan {
         let Some(path) = self.path_of(key, true) else {
             return Plan::Refused;
         };
@@ -230,8 +232,9 @@ impl DiskTier {
         }
         // The same payload already there is only marked used; anything else at the path
         // (another payload, a planted file, a FIFO, a symlink) is replaced.
+        // (A sealed payload's trailer is computed only when a file of its length is there.)
         if let Ok(Opened::File(mut f, flen)) = open_regular(&path) {
-            if holds(&mut f, flen, parts) {
+            if flen == len && payload.with_parts(|parts| holds(&mut f, flen, parts)) {
                 touch(&f);
                 return Plan::Held;
             }
@@ -253,7 +256,9 @@ impl DiskTier {
     /// prefix of `todo`): it stops before a payload for which the temporary files of
     /// this round leave no room (the next round, once they are renamed into place and
     /// evictable, starts with it); a payload that does not fit with none of this round
-    /// in flight is refused, as a single store would be.
+    /// in flight is refused, as a single store would be. The total is written once for
+    /// the round, before any of its files is created (a crash in between overcounts,
+    /// never under), and once more only if a file could not be created.
     fn reserve_round(&self, todo: &[(usize, u64, &Path)]) -> Vec<Reserve> {
         let lock = match self.lock() {
             Ok(l) => l,
@@ -262,86 +267,107 @@ impl DiskTier {
                 return todo.iter().map(|_| Reserve::Failed(why.clone())).collect();
             }
         };
-        let mut old = Usage::read(&self.dir);
-        let mut usage = old.unwrap_or(Usage {
-            total: 0,
-            puts: 0,
-            generation: 0,
-        });
-        let mut out: Vec<Reserve> = Vec::with_capacity(todo.len());
-        let mut in_flight = false;
-        for &(_, len, tmp) in todo {
-            let over = |u: &Usage| u.total.saturating_add(len) > self.max_bytes;
-            if old.is_none() || usage.puts + 1 >= RESCAN_EVERY || over(&usage) {
-                let (fresh, blocks) = rescan(&self.dir, old);
-                usage = fresh;
-                if over(&usage) {
-                    let low = self.max_bytes - self.max_bytes / 10;
-                    let removed = evict(&mut usage, blocks, len, low);
-                    TierCounters::add(&self.counters.evictions, removed);
-                }
-                if over(&usage) {
-                    if let Err(e) = usage.write(&self.dir) {
-                        let why = format!("writing {}: {e}", self.dir.display());
-                        out.extend((out.len()..todo.len()).map(|_| Reserve::Failed(why.clone())));
-                        break;
-                    }
-                    old = Some(usage);
-                    if in_flight {
-                        break;
-                    }
-                    out.push(Reserve::Refused);
-                    continue;
-                }
-            }
-            usage.total += len;
-            usage.puts += 1;
-            // Counted before the file exists: a crash in between overcounts, never under.
-            if let Err(e) = usage.write(&self.dir) {
-                let why = format!("writing {}: {e}", tmp.display());
-                out.extend((out.len()..todo.len()).map(|_| Reserve::Failed(why.clone())));
-                break;
-            }
-            let had_file = old.is_some();
-            old = Some(usage);
-            match create_sized(tmp, len) {
-                Ok(f) => {
-                    in_flight = true;
-                    out.push(Reserve::Reserved(f, usage.generation));
-                }
-                Err(e) => {
-                    // Put back what was there: no accounting file if there was none (the
-                    // next store rescans), so a store that cannot write leaves nothing.
-                    usage.total -= len;
-                    if !had_file && !in_flight {
-                        let _ = fs::remove_file(self.dir.join(usage::USAGE_FILE));
-                        old = None;
+        let old = Usage::read(&self.dir);
+        let (mut usage, fits) = self.fit_round(old, todo);
+        if let Err(e) = usage.write(&self.dir) {
+            let why = format!("writing {}: {e}", self.dir.display());
+            return fits
+                .iter()
+                .map(|&fit| {
+                    if fit {
+                        Reserve::Failed(why.clone())
                     } else {
-                        let _ = usage.write(&self.dir);
+                        Reserve::Refused
                     }
+                })
+                .collect();
+        }
+        let mut out: Vec<Reserve> = Vec::with_capacity(fits.len());
+        let mut unmade = 0;
+        for (&fit, &(_, len, tmp)) in fits.iter().zip(todo) {
+            if !fit {
+                out.push(Reserve::Refused);
+                continue;
+            }
+            match create_sized(tmp, len) {
+                Ok(f) => out.push(Reserve::Reserved(f, usage.generation)),
+                Err(e) => {
+                    unmade += len;
                     out.push(Reserve::Failed(format!("writing {}: {e}", tmp.display())));
                 }
+            }
+        }
+        if unmade > 0 {
+            // Take back what was not created: no accounting file if there was none and
+            // nothing was created (the next store rescans), so a store that cannot write
+            // leaves nothing.
+            usage.total -= unmade;
+            let made = out.iter().any(|r| matches!(r, Reserve::Reserved(..)));
+            if old.is_none() && !made {
+                let _ = fs::remove_file(self.dir.join(usage::USAGE_FILE));
+            } else {
+                let _ = usage.write(&self.dir);
             }
         }
         drop(lock);
         out
     }
 
+    /// Under the lock, with the shared total `old` (`None`: missing): which payloads of
+    /// `todo`, in order, this round reserves (`true`) or refuses (`false`), rescanning
+    /// (and evicting) when the total is missing, due for a rescan or short of room; and
+    /// the total with them counted. Stops before a payload for which this round's own
+    /// reservations leave no room. A rescan counts the directory as it is, so the
+    /// round's reservations so far (whose files are not created yet) are added to it.
+    fn fit_round(&self, old: Option<Usage>, todo: &[(usize, u64, &Path)]) -> (Usage, Vec<bool>) {
+        let mut fresh = old.is_none();
+        let mut usage = old.unwrap_or(Usage {
+            total: 0,
+            puts: 0,
+            generation: 0,
+        });
+        let mut fits: Vec<bool> = Vec::with_capacity(todo.len());
+        let mut pending = 0u64;
+        for &(_, len, _) in todo {
+            let over = |u: &Usage| u.total.saturating_add(len) > self.max_bytes;
+            if fresh || usage.puts + 1 >= RESCAN_EVERY || over(&usage) {
+                let (mut scanned, blocks) = rescan(&self.dir, (!fresh).then_some(usage));
+                fresh = false;
+                scanned.total = scanned.total.saturating_add(pending);
+                usage = scanned;
+                if over(&usage) {
+                    let low = self.max_bytes - self.max_bytes / 10;
+                    let removed = evict(&mut usage, blocks, len, low);
+                    TierCounters::add(&self.counters.evictions, removed);
+                }
+                if over(&usage) {
+                    if pending > 0 {
+                        break;
+                    }
+                    fits.push(false);
+                    continue;
+                }
+            }
+            usage.total += len;
+            usage.puts += 1;
+            pending += len;
+            fits.push(true);
+        }
+        (usage, fits)
+    }
+
     /// Stores each payload (given as its parts, concatenated) atomically; per item,
     /// whether it is now stored. The temporary files of a round are reserved under one
     /// hold of the directory's lock, written in parallel on this process's pool (never
     /// under the lock), then renamed into place under one hold of the lock.
-    fn store(&self, items: &[(&str, &[&[u8]])]) -> Vec<bool> {
-        let lens: Vec<u64> = items
-            .iter()
-            .map(|(_, parts)| parts.iter().map(|p| p.len() as u64).sum())
-            .collect();
+    fn store(&self, items: &[(&str, Payload<'_>)]) -> Vec<bool> {
+        let lens: Vec<u64> = items.iter().map(|(_, p)| p.len()).collect();
         let plans: Vec<Plan> = crate::parallel::install(|| {
             items
                 .par_iter()
                 .zip(&lens)
                 .with_max_len(1)
-                .map(|(&(key, parts), &len)| self.plan(key, parts, len))
+                .map(|(&(key, payload), &len)| self.plan(key, payload, len))
                 .collect()
         });
         let mut taken: Vec<bool> = plans.iter().map(|p| matches!(p, Plan::Held)).collect();
@@ -523,16 +549,52 @@ enum Reserve {
     Failed(String),
 }
 
-/// Writes `parts` to the temporary file `f` (at `tmp`) from its start.
-fn write_file(f: &mut fs::File, tmp: &Path, parts: &[&[u8]]) -> io::Result<()> {
-    #[cfg(test)]
-    if tests::inject::write_fails(tmp) {
-        // A writer that dies or fills the disk part way: some bytes, then an error.
-        write_parts(f, &parts[..1])?;
-        return Err(io::Error::other("injected write failure"));
+/// A payload to store: its parts, in order, and the seal that computes its last part
+/// (its MAC) from them, if that part is not given.
+#[derive(Clone, Copy)]
+struct Payload<'a> {
+    parts: &'a [&'a [u8]],
+    seal: Option<Seal<'a>>,
+}
+
+impl Payload<'_> {
+    /// Its length in bytes, the trailer included.
+    fn len(&self) -> u64 {
+        let given: usize = self.parts.iter().map(|p| p.len()).sum();
+        (given + if self.seal.is_some() { TRAILER } else { 0 }) as u64
     }
-    let _ = tmp;
-    write_parts(f, parts)
+
+    /// Runs `f` with every part, the trailer computed (on this thread) if it is sealed.
+    fn with_parts<R>(&self, f: impl FnOnce(&[&[u8]]) -> R) -> R {
+        let Some(seal) = self.seal else {
+            return f(self.parts);
+        };
+        let trailer = seal(self.parts);
+        let mut all: [&[u8]; 4] = [&[]; 4];
+        assert!(
+            self.parts.len() < all.len(),
+            "at most 3 parts and a trailer"
+        );
+        all[..self.parts.len()].copy_from_slice(self.parts);
+        all[self.parts.len()] = &trailer;
+        f(&all[..=self.parts.len()])
+    }
+}
+
+/// Writes `payload` to the temporary file `f` (at `tmp`) from its start: a sealed one's
+/// trailer is computed here, on the writing thread, while its parts are read into the
+/// CPU's cache once for both.
+fn write_file(f: &mut fs::File, tmp: &Path, payload: Payload<'_>) -> io::Result<()> {
+    payload.with_parts(|parts| {
+        #[cfg(test)]
+        if tests::inject::write_fails(tmp) {
+            // A writer that dies or fills the disk part way: some bytes, then an error.
+            write_parts(f, &parts[..1])?;
+            return Err(io::Error::other("injected write failure"));
+        }
+        let _ = tmp;
+        write_parts(f, parts)
+    })
 }
 
 impl Tier for DiskTier {
@@ -560,10 +622,18 @@ impl Tier for DiskTier {
 
     fn put_many(&self, items: &[(String, Arc<Vec<u8>>)]) -> Vec<bool> {
         let parts: Vec<[&[u8]; 1]> = items.iter().map(|(_, p)| [p.as_slice()]).collect();
-        let items: Vec<(&str, &[&[u8]])> = items
+        let items: Vec<(&str, Payload<'_>)> = items
             .iter()
             .zip(&parts)
-            .map(|((k, _), p)| (k.as_str(), &p[..]))
+            .map(|((k, _), p)| {
+                (
+                    k.as_str(),
+                    Payload {
+                        parts: p,
+                        seal: None,
+                    },
+                )
+            })
             .collect();
         self.store(&items)
     }
@@ -571,7 +641,36 @@ impl Tier for DiskTier {
     /// Writes each payload's parts straight from where they lie (`writev`), never
     /// joined into one buffer.
     fn put_parts(&self, items: &[(&str, Parts<'_>)]) -> Vec<bool> {
-        let items: Vec<(&str, &[&[u8]])> = items.iter().map(|(k, p)| (*k, &p[..])).collect();
+        let items: Vec<(&str, Payload<'_>)> = items
+            .iter()
+            .map(|(k, p)| {
+                (
+                    *k,
+                    Payload {
+                        parts: p,
+                        seal: None,
+                    },
+                )
+            })
+            .collect();
+        self.store(&items)
+    }
+
+    /// Writes each payload's parts straight from where they lie (`writev`), its trailer
+    /// computed by the thread that writes it, right before the write (the batch in one
+    /// round where the bound allows, the payloads written in parallel on this process's
+    /// pool).
+    fn put_sealing(&self, items: &[(&str, [&[u8]; 2])], seal: Seal<'_>) -> Vec<bool> {
+        let items: Vec<(&str, Payload<'_>)> = items
+            .iter()
+            .map(|(k, p)| {
+                let payload = Payload {
+                    parts: p,
+                    seal: Some(seal),
+                };
+                (*k, payload)
+            })
+            .collect();
         self.store(&items)
     }
 

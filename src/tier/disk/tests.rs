@@ -480,6 +480,82 @@ fn parts_are_written_as_their_concatenation() {
     let _ = fs::remove_dir_all(&dir);
 }
 
+/// A trailer for the tests: the first 32 bytes of BLAKE3 of the parts.
+fn test_trailer(parts: &[&[u8]]) -> [u8; TRAILER] {
+    let mut h = blake3::Hasher::new();
+    for p in parts {
+        h.update(p);
+    }
+    *h.finalize().as_bytes()
+}
+
+#[test]
+fn sealed_payloads_are_written_with_their_trailer_computed_once_each() {
+    let dir = tmpdir("sealing");
+    let t = DiskTier::open(&dir, 1 << 20).unwrap();
+    let sealed = std::sync::atomic::AtomicUsize::new(0);
+    let seal = |parts: &[&[u8]]| {
+        sealed.fetch_add(1, Ordering::Relaxed);
+        test_trailer(parts)
+    };
+    let heads: Vec<Vec<u8>> = (0..6u8).map(|i| vec![i; 112]).collect();
+    let body: Vec<u8> = (0..70_000u32).map(|i| (i % 253) as u8).collect();
+    let keys: Vec<String> = (0..6).map(|i| format!("kvrs:aa:01:{i:02}")).collect();
+    let items: Vec<(&str, [&[u8]; 2])> = keys
+        .iter()
+        .zip(&heads)
+        .map(|(k, h)| (k.as_str(), [&h[..], &body[..]]))
+        .collect();
+    assert_eq!(t.put_sealing(&items, &seal), [true; 6]);
+    assert_eq!(sealed.load(Ordering::Relaxed), 6, "one trailer per payload");
+    for (k, h) in keys.iter().zip(&heads) {
+        let want = [&h[..], &body, &test_trailer(&[h, &body])].concat();
+        assert_eq!(get(&t, k, 0..=usize::MAX), Some(want));
+    }
+    // The same payloads again are only marked used (each compared with its trailer).
+    let stores = t.counters().stores.load(Ordering::Relaxed);
+    assert_eq!(t.put_sealing(&items, &seal), [true; 6]);
+    assert_eq!(t.counters().stores.load(Ordering::Relaxed), stores);
+    assert_eq!(t.used_bytes(), Usage::read(&dir).unwrap().total);
+    // A file of another length at a name is replaced without computing a trailer to
+    // compare it with.
+    fs::write(key_path(&dir, "00"), b"short").unwrap();
+    sealed.store(0, Ordering::Relaxed);
+    assert_eq!(t.put_sealing(&items[..1], &seal), [true]);
+    assert_eq!(sealed.load(Ordering::Relaxed), 1);
+    // A sealed write that fails part way is never visible and gives its room back.
+    inject::fail_writes_in(&dir.join("aa").join("02"), true);
+    let k2 = "kvrs:aa:02:01";
+    assert_eq!(t.put_sealing(&[(k2, items[0].1)], &seal), [false]);
+    assert_eq!(get(&t, k2, 0..=usize::MAX), None);
+    inject::fail_writes_in(&dir.join("aa").join("02"), false);
+    assert!(!files_under(&dir).iter().any(|f| f.starts_with(TEMP_PREFIX)));
+    // (The replaced file is still counted until a rescan: over, never under.)
+    assert!(t.used_bytes() <= Usage::read(&dir).unwrap().total);
+    let _ = fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_sealed_batch_past_the_bound_is_stored_in_rounds_and_the_total_stays_exact() {
+    let dir = tmpdir("sealing-rounds");
+    let len = 112 + 400 + TRAILER;
+    let t = DiskTier::open(&dir, 3 * len as u64 + 10).unwrap();
+    let (head, body) = (vec![1u8; 112], vec![2u8; 400]);
+    let keys: Vec<String> = (0..10).map(|i| format!("kvrs:aa:01:{i:02}")).collect();
+    let items: Vec<(&str, [&[u8]; 2])> = keys
+        .iter()
+        .map(|k| (k.as_str(), [&head[..], &body[..]]))
+        .collect();
+    assert_eq!(t.put_sealing(&items, &test_trailer), [true; 10]);
+    assert!(t.used_bytes() <= t.max_bytes());
+    assert_eq!(t.used_bytes(), Usage::read(&dir).unwrap().total);
+    assert!(t.counters().evictions.load(Ordering::Relaxed) >= 7);
+    let last = get(&t, &keys[9], 0..=usize::MAX).unwrap();
+    assert_eq!(last.len(), len);
+    assert!(!files_under(&dir).iter().any(|f| f.starts_with(TEMP_PREFIX)));
+    let _ = fs::remove_dir_all(&dir);
+}
+
 /// Writes that fail part way, for the tests: a temporary file under a directory named
 /// here gets its first part written, then an error.
 pub(super) mod inject {

@@ -19,10 +19,11 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
-use redis::{Pipeline, Value};
+use redis::Value;
 
 use super::conn::Target;
 use super::node::{deadline_in, Failure, Node};
+use super::resp::Segments;
 use super::slots::{join, key_slot, split, Redirect, SlotMap};
 use super::{int_reply, scan_page, PER_VALUE, SCAN_CAP, SCAN_COUNT, SLACK};
 use crate::tier::TierCounters;
@@ -52,8 +53,15 @@ struct Topology {
     refreshed: Option<Instant>,
 }
 
-/// A key's command as a pipeline entry (`i`: the key's index).
-type Build<'a> = dyn Fn(usize, &mut Pipeline) + Sync + 'a;
+/// A key's command appended to a node's pipeline (`i`: the key's index); its long
+/// arguments are borrowed, not copied ([`Segments`]).
+type Build<'a> = dyn Fn(usize, &mut Segments<'a>) + Sync + 'a;
+
+/// `f` as a [`Build`] whose borrowed arguments live for `'a` (a closure alone would be
+/// asked to append arguments of any lifetime).
+pub(super) fn builder<'a, F: Fn(usize, &mut Segments<'a>) + Sync>(f: F) -> F {
+    f
+}
 
 /// The keys sent to one node in one pipeline.
 struct Batch {
@@ -292,10 +300,10 @@ impl Cluster {
             counters.fail(format!("no connection to cluster node {}", batch.addr));
             return Err(Failure::Failed);
         };
-        let mut p = redis::pipe();
+        let mut p = Segments::new();
         for &i in &batch.keys {
             if batch.asking {
-                p.cmd("ASKING");
+                p.simple(&[b"ASKING"]);
             }
             build(i, &mut p);
         }
@@ -306,27 +314,20 @@ impl Cluster {
             .saturating_mul(value_cap.saturating_add(PER_VALUE * per_key))
             .saturating_add(SLACK);
         let replies = batch.keys.len() * per_key;
-        node.request(
-            &p.get_packed_pipeline(),
-            replies,
-            cap,
-            deadline,
-            counters,
-            |values| {
-                if !batch.asking {
-                    return Some(values);
+        node.request_parts(&p.slices(), replies, cap, deadline, counters, |values| {
+            if !batch.asking {
+                return Some(values);
+            }
+            let mut out = Vec::with_capacity(batch.keys.len());
+            let mut it = values.into_iter();
+            while let (Some(asking), Some(v)) = (it.next(), it.next()) {
+                if !matches!(asking, Value::Okay) {
+                    return None;
                 }
-                let mut out = Vec::with_capacity(batch.keys.len());
-                let mut it = values.into_iter();
-                while let (Some(asking), Some(v)) = (it.next(), it.next()) {
-                    if !matches!(asking, Value::Okay) {
-                        return None;
-                    }
-                    out.push(v);
-                }
-                Some(out)
-            },
-        )
+                out.push(v);
+            }
+            Some(out)
+        })
     }
 
     /// Removes every key matching `pattern` from every master: on each, `SCAN` pages and a

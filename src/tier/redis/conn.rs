@@ -9,7 +9,7 @@
 //! or announcing a huge value can neither hold a caller past the deadline nor make it
 //! buffer more than the cap.
 
-use std::io::{self, BufReader, Read, Write};
+use std::io::{self, BufReader, IoSlice, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpStream, ToSocketAddrs};
 #[cfg(unix)]
 use std::os::unix::net::UnixStream;
@@ -247,6 +247,17 @@ impl Stream {
             Stream::Unix(s) => s.write(buf),
         }
     }
+
+    /// Writes from `bufs` in order (`writev` on a socket; into TLS records, then sent,
+    /// over TLS); how many bytes were taken.
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.write_vectored(bufs),
+            Stream::Tls(s) => s.write_vectored(bufs),
+            #[cfg(unix)]
+            Stream::Unix(s) => s.write_vectored(bufs),
+        }
+    }
 }
 
 /// A socket's reads for one request: each bounded by the time left until the deadline,
@@ -358,11 +369,13 @@ impl Conn {
         }
         let login = self.login.take();
         let first = window.clamp(1, commands.len());
-        let mut out: Vec<u8> = login.as_ref().map_or_else(Vec::new, |(l, _)| l.clone());
-        for c in &commands[..first] {
-            out.extend_from_slice(c);
+        // The login and the first commands in one vectored write, each from where it lies.
+        let mut out: Vec<IoSlice<'_>> = Vec::with_capacity(first + 1);
+        if let Some((l, _)) = &login {
+            out.push(IoSlice::new(l));
         }
-        write_all(&mut self.stream, &out, deadline)?;
+        out.extend(commands[..first].iter().map(|c| IoSlice::new(c)));
+        write_all_vectored(&mut self.stream, &mut out, deadline)?;
         let mut next = first;
         let bounded = Bounded {
             stream: &mut self.stream,
@@ -406,6 +419,26 @@ fn write_all(stream: &mut Stream, mut buf: &[u8], deadline: Instant) -> io::Resu
         match stream.write(buf) {
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
             Ok(n) => buf = &buf[n..],
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Writes all of `bufs`, in order, to `stream` before `deadline`, with vectored writes
+/// (the slices are advanced past what each write took).
+fn write_all_vectored(
+    stream: &mut Stream,
+    mut bufs: &mut [IoSlice<'_>],
+    deadline: Instant,
+) -> io::Result<()> {
+    IoSlice::advance_slices(&mut bufs, 0);
+    while !bufs.is_empty() {
+        stream.set_write_timeout(left(deadline)?)?;
+        match stream.write_vectored(bufs) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e),
         }

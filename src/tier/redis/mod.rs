@@ -4,7 +4,9 @@
 //! Each lookup is one pipeline of `MGET`s of about [`MGET_BYTES`] of payloads each, whose
 //! replies are handed on one by one as they arrive (a pool checks the first payloads
 //! while the later ones are on their way), and each store one pipeline of
-//! `SET key payload [EX ttl]`: one write and one read of all the replies per batch. The `redis` crate parses the URL,
+//! `SET key payload [EX ttl]`: one vectored write and one read of all the replies per
+//! batch, each payload sent from where it lies ([`resp`]: a page's header, its bytes in
+//! the caller's buffer and its MAC as one bulk string), never copied into the pipeline. The `redis` crate parses the URL,
 //! encodes the commands and parses the replies; the sockets are this crate's own
 //! ([`conn`]), so that `timeout` bounds a whole request: connecting, logging in
 //! (`AUTH`, `SELECT`), sending and receiving every byte of the reply. A reply is also
@@ -34,6 +36,7 @@ mod cluster;
 mod conn;
 mod node;
 mod options;
+mod resp;
 mod slots;
 #[cfg(test)]
 mod tests;
@@ -49,11 +52,12 @@ use std::time::Duration;
 
 use redis::{Client, Value};
 
-use self::cluster::Cluster;
+use self::cluster::{builder, Cluster};
 use self::conn::{redact_text, Target};
 use self::node::{deadline_in, Node};
 pub use self::options::TlsOptions;
-use super::{Tier, TierCounters};
+use self::resp::Segments;
+use super::{Parts, Seal, Tier, TierCounters, TRAILER};
 use crate::error::{KvError, Result};
 
 /// Block payloads in a Redis server, or in a Redis Cluster.
@@ -281,17 +285,68 @@ impl RedisTier {
         }
     }
 
-    /// Counts `items` as stored where `ok`.
-    fn count_stores(&self, items: &[(String, Arc<Vec<u8>>)], ok: &[bool]) {
-        let (n, bytes) = items
+    /// Counts the payloads of `lens` bytes as stored where `ok`.
+    fn count_stores(&self, lens: &[usize], ok: &[bool]) {
+        let (n, bytes) = lens
             .iter()
             .zip(ok)
             .filter(|(_, &ok)| ok)
-            .fold((0u64, 0u64), |(n, b), ((_, v), _)| {
-                (n + 1, b + v.len() as u64)
-            });
+            .fold((0u64, 0u64), |(n, b), (len, _)| (n + 1, b + *len as u64));
         TierCounters::add(&self.counters.stores, n);
         TierCounters::add(&self.counters.store_bytes, bytes);
+    }
+
+    /// Stores each payload (its parts, concatenated) with `SET key payload [EX ttl]`: one
+    /// pipeline (per master, on a cluster), its payloads sent from where they lie
+    /// ([`Segments`]); per item, whether it was stored.
+    fn store(&self, items: &[(&str, &[&[u8]])]) -> Vec<bool> {
+        if items.is_empty() {
+            return Vec::new();
+        }
+        let ttl = self.ttl.map(|t| t.to_string());
+        let set = builder(|i: usize, p: &mut Segments<'_>| {
+            let (k, parts) = items[i];
+            match &ttl {
+                Some(t) => {
+                    p.command(&[&[b"SET"], &[k.as_bytes()], parts, &[b"EX"], &[t.as_bytes()]])
+                }
+                None => p.command(&[&[b"SET"], &[k.as_bytes()], parts]),
+            }
+        });
+        let ok = match &self.servers {
+            Servers::Single(node) => {
+                let mut p = Segments::new();
+                for i in 0..items.len() {
+                    set(i, &mut p);
+                }
+                let cap = items.len().saturating_mul(PER_VALUE).saturating_add(SLACK);
+                let deadline = deadline_in(self.timeout);
+                let ok = node
+                    .request_parts(
+                        &p.slices(),
+                        items.len(),
+                        cap,
+                        deadline,
+                        &self.counters,
+                        |r| r.iter().all(|v| matches!(v, Value::Okay)).then_some(()),
+                    )
+                    .is_ok();
+                vec![ok; items.len()]
+            }
+            Servers::Cluster(c) => {
+                let keys: Vec<&str> = items.iter().map(|(k, _)| *k).collect();
+                let got = c.run(&keys, &set, 0, deadline_in(self.timeout), &self.counters);
+                got.into_iter()
+                    .map(|v| matches!(v, Some(Value::Okay)))
+                    .collect()
+            }
+        };
+        let lens: Vec<usize> = items
+            .iter()
+            .map(|(_, parts)| parts.iter().map(|p| p.len()).sum())
+            .collect();
+        self.count_stores(&lens, &ok);
+        ok
     }
 }
 
@@ -334,9 +389,9 @@ impl Tier for RedisTier {
             Servers::Single(node) => node,
             Servers::Cluster(c) => {
                 let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-                let build = |i: usize, p: &mut redis::Pipeline| {
-                    p.cmd("GET").arg(&keys[i]);
-                };
+                let build = builder(|i: usize, p: &mut Segments<'_>| {
+                    p.simple(&[b"GET", keys[i].as_bytes()]);
+                });
                 let got = c.run(
                     &refs,
                     &build,
@@ -454,9 +509,9 @@ impl Tier for RedisTier {
             Servers::Single(node) => node,
             Servers::Cluster(c) => {
                 let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-                let build = |i: usize, p: &mut redis::Pipeline| {
-                    p.cmd("STRLEN").arg(&keys[i]);
-                };
+                let build = builder(|i: usize, p: &mut Segments<'_>| {
+                    p.simple(&[b"STRLEN", keys[i].as_bytes()]);
+                });
                 let got = c.run(
                     &refs,
                     &build,
@@ -479,40 +534,45 @@ impl Tier for RedisTier {
     }
 
     fn put_many(&self, items: &[(String, Arc<Vec<u8>>)]) -> Vec<bool> {
-        if items.is_empty() {
-            return Vec::new();
-        }
-        let set = |i: usize, p: &mut redis::Pipeline| {
-            let (k, v) = &items[i];
-            let cmd = p.cmd("SET").arg(k).arg(v.as_slice());
-            if let Some(ttl) = self.ttl {
-                cmd.arg("EX").arg(ttl);
-            }
-        };
-        let ok = match &self.servers {
-            Servers::Single(node) => {
-                let mut p = redis::pipe();
-                for i in 0..items.len() {
-                    set(i, &mut p);
-                }
-                let cap = items.len().saturating_mul(PER_VALUE).saturating_add(SLACK);
-                let ok = self
-                    .request(node, &p.get_packed_pipeline(), items.len(), cap, |r| {
-                        r.iter().all(|v| matches!(v, Value::Okay)).then_some(())
-                    })
-                    .is_some();
-                vec![ok; items.len()]
-            }
-            Servers::Cluster(c) => {
-                let keys: Vec<&str> = items.iter().map(|(k, _)| k.as_str()).collect();
-                let got = c.run(&keys, &set, 0, deadline_in(self.timeout), &self.counters);
-                got.into_iter()
-                    .map(|v| matches!(v, Some(Value::Okay)))
-                    .collect()
-            }
-        };
-        self.count_stores(items, &ok);
-        ok
+        let parts: Vec<[&[u8]; 1]> = items.iter().map(|(_, v)| [v.as_slice()]).collect();
+        let items: Vec<(&str, &[&[u8]])> = items
+            .iter()
+            .zip(&parts)
+            .map(|((k, _), p)| (k.as_str(), &p[..]))
+            .collect();
+        self.store(&items)
+    }
+
+    /// Seals every payload first (in parallel on this process's pool), then stores them
+    /// all in one pipeline as [`Tier::put_parts`] does: one round trip, not one per few
+    /// MiB (the trailers are computed from the caller's memory; nothing is joined).
+    fn put_sealing(&self, items: &[(&str, [&[u8]; 2])], seal: Seal<'_>) -> Vec<bool> {
+        use rayon::prelude::*;
+        let trailers: Vec<[u8; TRAILER]> = crate::parallel::install(|| {
+            items
+                .par_iter()
+                .with_max_len(1)
+                .map(|(_, p)| seal(&p[..]))
+                .collect()
+        });
+        let parts: Vec<[&[u8]; 3]> = items
+            .iter()
+            .zip(&trailers)
+            .map(|((_, p), t)| [p[0], p[1], &t[..]])
+            .collect();
+        let items: Vec<(&str, &[&[u8]])> = items
+            .iter()
+            .zip(&parts)
+            .map(|((k, _), p)| (*k, &p[..]))
+            .collect();
+        self.store(&items)
+    }
+
+    /// `SET`s whose values are the parts as they lie: each one bulk string of the parts'
+    /// summed length, sent with vectored writes, never joined into a copy.
+    fn put_parts(&self, items: &[(&str, Parts<'_>)]) -> Vec<bool> {
+        let items: Vec<(&str, &[&[u8]])> = items.iter().map(|(k, p)| (*k, &p[..])).collect();
+        self.store(&items)
     }
 
     /// One request (each bounded by `timeout`) per `SCAN` page and one per `UNLINK` of
@@ -560,9 +620,9 @@ impl Tier for RedisTier {
                 self.request(node, &unlink, 1, SLACK, int_reply);
             }
             Servers::Cluster(c) => {
-                let unlink = |_: usize, p: &mut redis::Pipeline| {
-                    p.cmd("UNLINK").arg(key);
-                };
+                let unlink = builder(|_: usize, p: &mut Segments<'_>| {
+                    p.simple(&[b"UNLINK", key.as_bytes()]);
+                });
                 c.run(
                     &[key],
                     &unlink,

@@ -46,4 +46,9 @@ impl TlsStream {
     pub(super) fn write(&mut self, _buf: &[u8]) -> io::Result<usize> {
         match *self {}
     }
+
+    /// Never called: no `TlsStream` exists.
+    pub(super) fn write_vectored(&mut self, _bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        match *self {}
+    }
 }

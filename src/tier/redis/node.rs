@@ -119,10 +119,26 @@ impl Node {
         counters: &TierCounters,
         check: impl FnOnce(Vec<Value>) -> Option<R>,
     ) -> Result<R, Failure> {
+        self.request_parts(&[packed], replies, cap, deadline, counters, check)
+    }
+
+    /// [`Node::request`] of the commands whose encoding is the concatenation of
+    /// `segments` ([`Segments`](super::resp::Segments)), sent in one vectored write,
+    /// each segment from where it lies.
+    pub(super) fn request_parts<R>(
+        &self,
+        segments: &[&[u8]],
+        replies: usize,
+        cap: usize,
+        deadline: Instant,
+        counters: &TierCounters,
+        check: impl FnOnce(Vec<Value>) -> Option<R>,
+    ) -> Result<R, Failure> {
         let mut values = Vec::with_capacity(replies);
         let mut check = Some(check);
         let mut result = None;
-        self.request_each(&[packed], 1, replies, cap, deadline, counters, |v| {
+        let window = segments.len();
+        self.request_each(segments, window, replies, cap, deadline, counters, |v| {
             values.push(v);
             if values.len() == replies {
                 result = check.take().and_then(|c| c(std::mem::take(&mut values)));

@@ -421,3 +421,62 @@ fn a_short_reply_midway_keeps_the_earlier_replies() {
     assert_eq!(errors(&t), 1);
     assert_eq!(t.counters().snapshot()[3], ("rejected", 0));
 }
+
+#[test]
+fn parts_are_stored_as_one_value_each_with_their_ttl() {
+    let (tx, rx) = mpsc::channel();
+    let (url, _) = stand_in(move |s, next| {
+        for _ in 0..5 {
+            let Some(args) = next() else { return };
+            tx.send(args).unwrap();
+            s.write_all(b"+OK\r\n").unwrap();
+        }
+    });
+    let t = RedisTier::new(
+        &url,
+        Duration::from_secs(5),
+        Some(60),
+        4,
+        Duration::from_secs(5),
+    )
+    .unwrap();
+    let page: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+    let heads: Vec<Vec<u8>> = (0..3u8).map(|i| vec![i; 112]).collect();
+    let mac = [9u8; 32];
+    let ks = keys(3);
+    let items: Vec<(&str, crate::tier::Parts<'_>)> = ks
+        .iter()
+        .zip(&heads)
+        .map(|(k, h)| (k.as_str(), [&h[..], &page[..], &mac[..]]))
+        .collect();
+    assert_eq!(t.put_parts(&items), [true; 3]);
+    for (k, h) in ks.iter().zip(&heads) {
+        let args = rx.recv_timeout(Duration::from_secs(5)).unwrap();
+        let value = [&h[..], &page, &mac].concat();
+        let want: Vec<&[u8]> = vec![b"SET", k.as_bytes(), &value, b"EX", b"60"];
+        assert_eq!(args, want);
+    }
+    let stats = t.counters().snapshot();
+    assert_eq!(stats[4], ("stores", 3));
+    assert_eq!(stats[5], ("store_bytes", 3 * (112 + 300_000 + 32)));
+    // Sealed: each value is its parts and the trailer computed from them.
+    let seal = |parts: &[&[u8]]| {
+        let mut h = blake3::Hasher::new();
+        parts.iter().for_each(|p| {
+            h.update(p);
+        });
+        *h.finalize().as_bytes()
+    };
+    let sealing: Vec<(&str, [&[u8]; 2])> = ks[..2]
+        .iter()
+        .zip(&heads)
+        .map(|(k, h)| (k.as_str(), [&h[..], &page[..]]))
+        .collect();
+    assert_eq!(t.put_sealing(&sealing, &seal), [true; 2]);
+    for (k, h) in ks.iter().zip(&heads).take(2) {
+        let args = rx.recv_timeout(Duration::from_secs(5)).unwrap();
+        let value = [&h[..], &page, &seal(&[h, &page])].concat();
+        let want: Vec<&[u8]> = vec![b"SET", k.as_bytes(), &value, b"EX", b"60"];
+        assert_eq!(args, want);
+    }
+}

@@ -194,6 +194,16 @@ impl TlsStream {
         self.0.flush()?;
         Ok(n)
     }
+
+    /// Writes plaintext from `bufs`, in order, into records (as much as rustls buffers
+    /// at once), and sends them (errors come out here, not at the next call).
+    pub(super) fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        let owned = &mut self.0;
+        let mut stream = rustls::Stream::new(&mut owned.conn, &mut owned.sock);
+        let n = stream.write_vectored(bufs)?;
+        stream.flush()?;
+        Ok(n)
+    }
 }
 
 #[cfg(test)]
