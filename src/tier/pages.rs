@@ -114,6 +114,9 @@ fn hash128(context: &str, bytes: &[u8]) -> BlockHash {
 }
 
 /// The root of namespace `ns` (`""`: the default namespace).
+/// The first window of keys [`PageStore::exists_prefix`] asks the tiers about.
+const PREFIX_WINDOW: usize = 32;
+
 /// Copies `page` into `segments`, in order (their lengths sum to the page's).
 fn scatter(page: &[u8], segments: &mut [&mut [u8]]) {
     let mut at = 0;
@@ -504,26 +507,25 @@ impl PageStore {
 
     /// How many of `keys`, from the first, are present in namespace `ns` in some tier
     /// (a payload of an accepted length at the key's name; its MAC is checked when it
-    /// is read, and a page that fails it is then discarded).
+    /// is read, and a page that fails it is then discarded). Asked in windows of 32
+    /// keys growing fourfold, so a miss early in a long prefix is answered without
+    /// asking for the keys after it.
     pub fn exists_prefix(&self, keys: &[&str], ns: &str) -> usize {
-        let names = self.names(keys, ns);
-        let mut present = vec![false; keys.len()];
-        let sizes = self.sizes();
-        for tier in &self.tiers {
-            // Only up to the first key no tier asked so far has.
-            let first_absent = present.iter().position(|p| !p).unwrap_or(keys.len());
-            let ask: Vec<usize> = (first_absent..keys.len())
-                .filter(|&i| !present[i])
-                .collect();
-            if ask.is_empty() {
+        let (mut at, mut window) = (0, PREFIX_WINDOW);
+        while at < keys.len() {
+            let end = keys.len().min(at + window);
+            let lead = self
+                .exists_many(&keys[at..end], ns)
+                .iter()
+                .take_while(|&&p| p)
+                .count();
+            at += lead;
+            if at < end {
                 break;
             }
-            let want: Vec<String> = ask.iter().map(|&i| names[i].clone()).collect();
-            for (&i, has) in ask.iter().zip(tier.contains_many(&want, sizes.clone())) {
-                present[i] |= has;
-            }
+            window *= 4;
         }
-        present.iter().take_while(|&&p| p).count()
+        at
     }
 
     /// Removes every page of namespace `ns` (this fingerprint's) from every tier; how
@@ -881,5 +883,24 @@ mod tests {
         assert_eq!(whole, a);
         assert_eq!(both.counters().promoted.load(Ordering::Relaxed), 1);
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_long_prefix_counts_up_to_its_first_absent_key_across_windows() {
+        let host = Arc::new(HostTier::new(1 << 24));
+        let s = store(&host, "m", b"a-sixteen-byte-secret");
+        let keys: Vec<String> = (0..300).map(|i| format!("k{i}")).collect();
+        let ks: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let page = page_of(0, 64);
+        let stored: Vec<&str> = ks.iter().copied().filter(|k| *k != "k170").collect();
+        let pages: Vec<&[u8]> = stored.iter().map(|_| page.as_slice()).collect();
+        assert!(s.put_many(&stored, &pages, "").iter().all(|&t| t));
+        // Windows 32, 128, 512: the absent key falls in the third.
+        assert_eq!(s.exists_prefix(&ks, ""), 170);
+        assert_eq!(s.exists_prefix(&ks[..170], ""), 170);
+        assert_eq!(s.exists_prefix(&ks[..32], ""), 32);
+        assert_eq!(s.exists_prefix(&ks[171..], ""), 129);
+        assert_eq!(s.exists_prefix(&["absent", "k0"], ""), 0);
+        assert_eq!(s.exists_prefix(&[], ""), 0);
     }
 }
