@@ -98,6 +98,8 @@ fn a_fifo_at_a_block_path_is_refused_at_once_and_replaced_by_a_store() {
     let t = Arc::new(DiskTier::open(&dir, 10_000).unwrap());
     let fifo = key_path(&dir, "10");
     mkfifo(&fifo);
+    // A presence check looks without opening: no wait, and a FIFO is not a page.
+    assert_eq!(t.contains_many(&["kvrs:aa:01:10".into()], 0..=usize::MAX), [false]);
     assert_eq!(get_within_5s(&t, "kvrs:aa:01:10", &fifo), None);
     assert_eq!(rejected(&t), 1);
     assert!(
@@ -117,6 +119,8 @@ fn a_symlink_at_a_block_path_is_refused() {
     fs::create_dir_all(key_path(&dir, "10").parent().unwrap()).unwrap();
     std::os::unix::fs::symlink(&target, key_path(&dir, "10")).unwrap();
     std::os::unix::fs::symlink("/dev/zero", key_path(&dir, "11")).unwrap();
+    let names = ["kvrs:aa:01:10".to_string(), "kvrs:aa:01:11".to_string()];
+    assert_eq!(t.contains_many(&names, 0..=usize::MAX), [false, false]);
     assert_eq!(get(&t, "kvrs:aa:01:10", 100..=100), None);
     assert_eq!(get(&t, "kvrs:aa:01:11", 0..=usize::MAX), None);
     assert_eq!(rejected(&t), 2);
