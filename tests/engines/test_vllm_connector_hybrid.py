@@ -245,3 +245,21 @@ def test_another_tenant_matches_nothing(vllm_tests: Path, tmp_path: Path) -> Non
     second = HybridEngine(tmp_path, extra={"namespace": "tenant-b"})
     outs = second.run(prompt_request("b", PROMPT))
     assert first_computed(outs, "b") == 0 and not second.loaded
+
+
+def test_a_load_that_cannot_be_placed_fails_at_once_and_is_not_retried_forever(
+    vllm_tests: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """If vLLM's blocks cannot take the matched prefix (here: no state block found), the
+    load is reported failed in the same step (vLLM waits for it otherwise) and a request
+    is issued at most MAX_LOADS loads: then it computes its prompt itself."""
+    from kvrs.integrations.vllm_blocks import BlockLayout
+    from kvrs.integrations.vllm_connector import MAX_LOADS
+
+    HybridEngine(tmp_path).run(prompt_request("a", PROMPT))
+    monkeypatch.setattr(BlockLayout, "state_blocks", lambda self, boundary, block_ids: None)
+    second = HybridEngine(tmp_path)
+    outs = second.run(prompt_request("b", PROMPT))
+    assert second.failed == {"b"} and first_computed(outs, "b") == 0
+    assert second.sched.connector._requests == {}
+    assert MAX_LOADS == 2

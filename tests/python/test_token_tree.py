@@ -175,6 +175,21 @@ def test_sampling_draws_what_plain_sampling_draws(model, spy):  # noqa: F811
     assert spy["trees"] > 0
 
 
+def test_logprobs_come_from_the_rows_of_the_accepted_path(model, spy):  # noqa: F811
+    """A path that leaves the first candidate takes its tokens from rows out of node
+    order: each token's reported log-probabilities are still plain decoding's."""
+    ps = branching_prompts(0)[:2]
+    kw = dict(max_new_tokens=32, eos_token_id=[], logprobs=2, return_dict=True)
+    plain = generate_batch(model, ps, **kw)
+    config = {"method": "ngram", "num_speculative_tokens": 4, "tree_width": 4}
+    tree = generate_batch(model, ps, speculative_config=config, draft_policy="schedule", **kw)
+    assert spy["moved"] > 0
+    for a, t in zip(plain, tree, strict=True):
+        assert list(a.token_ids) == list(t.token_ids)
+        for u, v in zip(a.logprobs, t.logprobs, strict=True):
+            assert u.keys() == v.keys() and all(abs(u[k] - v[k]) < 1e-4 for k in u)
+
+
 def test_a_hybrid_model_verifies_chains(spy):
     import hybrid_models
 

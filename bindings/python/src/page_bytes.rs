@@ -45,10 +45,9 @@ impl PageBytes<'_> {
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
 
-    /// Whether `self` and `other` share a byte.
-    pub fn overlaps(&self, other: &PageBytes<'_>) -> bool {
-        let (a, b) = (self.ptr as usize, other.ptr as usize);
-        a < b + other.len && b < a + self.len
+    /// The addresses `start..end` of its bytes.
+    pub fn span(&self) -> std::ops::Range<usize> {
+        self.ptr as usize..self.ptr as usize + self.len
     }
 }
 

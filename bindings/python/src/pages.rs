@@ -92,6 +92,31 @@ fn pages_arg<'py>(
         .collect()
 }
 
+/// Two segments of `bufs` that share memory, as (the later key's index, the earlier
+/// key's index; equal for two segments of one key), or None: the segments sorted by
+/// address, each compared with the one reaching furthest before it (O(n log n)).
+fn first_overlap(bufs: &[Vec<PageBytes<'_>>]) -> Option<(usize, usize)> {
+    let mut spans: Vec<(std::ops::Range<usize>, usize)> = bufs
+        .iter()
+        .enumerate()
+        .flat_map(|(i, segs)| segs.iter().map(move |b| (b.span(), i)))
+        .filter(|(span, _)| !span.is_empty())
+        .collect();
+    spans.sort_unstable_by_key(|(span, _)| span.start);
+    let mut furthest: Option<(usize, usize)> = None; // (end, key)
+    for (span, key) in spans {
+        if let Some((end, other)) = furthest {
+            if span.start < end {
+                return Some((key.max(other), key.min(other)));
+            }
+        }
+        if furthest.is_none_or(|(end, _)| span.end > end) {
+            furthest = Some((span.end, key));
+        }
+    }
+    None
+}
+
 /// Each key's destination in `buffers`: one writable buffer, or a list or tuple of them
 /// (the page's segments, in order; at least one).
 fn segments_arg<'py>(
@@ -233,27 +258,20 @@ impl PyPageStore {
     ) -> PyResult<Vec<bool>> {
         let keys = keys_arg(keys)?;
         let mut bufs = segments_arg(buffers, keys.len())?;
-        let all: Vec<(usize, &PageBytes<'_>)> = bufs
-            .iter()
-            .enumerate()
-            .flat_map(|(i, segs)| segs.iter().map(move |b| (i, b)))
-            .collect();
         for (i, segs) in bufs.iter().enumerate() {
             let len = segs.iter().map(|b| b.bytes().len()).sum();
             self.store.check_len("buffers", i, len).py()?;
         }
-        for (n, &(i, b)) in all.iter().enumerate() {
-            if let Some(&(j, _)) = all[..n].iter().find(|(_, o)| o.overlaps(b)) {
-                let whose = if i == j {
-                    "another of its segments"
-                } else {
-                    "another key's buffer"
-                };
-                return Err(PyValueError::new_err(format!(
-                    "buffers[{i}] shares memory with {whose} (buffers[{j}]): give each key, and each \
-                     segment, memory of its own"
-                )));
-            }
+        if let Some((i, j)) = first_overlap(&bufs) {
+            let whose = if i == j {
+                "another of its segments"
+            } else {
+                "another key's buffer"
+            };
+            return Err(PyValueError::new_err(format!(
+                "buffers[{i}] shares memory with {whose} (buffers[{j}]): give each key, and each \
+                 segment, memory of its own"
+            )));
         }
         let mut slices: Vec<Vec<&mut [u8]>> = bufs
             .iter_mut()

@@ -807,6 +807,7 @@ def _run(
                 chosen = verify(
                     model, batch, rows, running, todos, prefilling, proposal, spec, sampling, temperature,
                     top_k, top_p, process=sampler.target if sampler is not None else None,
+                    follow=sampler.follow if sampler is not None else None,
                 )  # fmt: skip
             if spec is not None:
                 _observe(spec.policy, start, drafted, ids, running, todos, drafts, proposal, chosen)

@@ -418,6 +418,13 @@ class Sampler:
                     self.pending.setdefault(r.index, []).append(lp[i])
         return self.process(logits, owners, extras)
 
+    def follow(self, index: int, rows: list[int]) -> None:
+        """Request `index`'s step verified a token tree: its `j`-th token came from its
+        row ``rows[j]`` of `target` (the root's, then the accepted nodes'), not row `j`."""
+        pending = self.pending.get(index)
+        if pending is not None:
+            self.pending[index] = [pending[i] for i in rows]
+
     def draft(self, logits: torch.Tensor, owners: list[Any], extras: list[list[int]]) -> torch.Tensor:
         """A draft model's rows, processed the same way (its proposals then follow the
         request's options; its probabilities are those speculative sampling divides by)."""

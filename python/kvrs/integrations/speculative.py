@@ -386,13 +386,15 @@ def verify(
     top_k: int,
     top_p: float,
     process: Process | None = None,
+    follow: Callable[[int, list[int]], None] | None = None,
 ) -> list[tuple[Any, list[int]]]:
     """The speculative step's target forward: every request's tokens, a drafting
     request's drafts after its last token, with logits for all of those rows. Each
     drafting request keeps the drafts the target accepts and one token of the
     target's; then every sequence commits only what it keeps (both pools), its
     recurrent state rolled back to there. `process` (per-request options) transforms
-    the logits first, each row seeing the drafts before it."""
+    the logits first, each row seeing the drafts before it; `follow` (request index, the
+    rows its tokens came from) is told the path a token tree's request accepted."""
     drafting = [seq for (r, seq) in running if r.index in proposal.drafts]
     snapshot = StateSnapshot(drafting) if running and running[0][1].pool.state_layers else None
     recording = snapshot.recorder.recording() if snapshot is not None else nullcontext()
@@ -446,6 +448,8 @@ def verify(
             if tree is not None:
                 p = filtered_probs(rows_r, temperature, top_k, top_p) if sampling else rows_r
                 new, paths[r.index] = tree_accept(p, tree, sampling, r.generator)
+                if follow is not None:
+                    follow(r.index, [0, *(j + 1 for j in paths[r.index])])
             elif sampling:
                 p = filtered_probs(rows_r, temperature, top_k, top_p)
                 q = proposal.q.get(r.index)

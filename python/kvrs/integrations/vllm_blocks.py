@@ -216,9 +216,10 @@ class PagedCaches:
                 for t in tensors:
                     where = (0,) if state else (0, 1)
                     dims = [d for d in where if t.dim() > d and t.shape[d] == num_blocks]
-                    if not dims:
+                    if len(dims) != 1:
+                        why = "no dimension" if not dims else "two dimensions (which holds the blocks?)"
                         raise ValueError(
-                            f"KvrsConnector: layer {name!r}'s cache {tuple(t.shape)} has no dimension of "
+                            f"KvrsConnector: layer {name!r}'s cache {tuple(t.shape)} has {why} of "
                             f"num_blocks={num_blocks} where vLLM puts it"
                         )
                     total += t.select(dims[0], 0).numel() * t.element_size()

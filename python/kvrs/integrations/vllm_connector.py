@@ -63,6 +63,11 @@ __all__ = ["KvrsConnector", "KvrsConnectorMetadata", "connector_fingerprint"]
 
 _logger = logging.getLogger(__name__)
 
+MAX_LOADS = 2
+"""Asynchronous (hybrid) loads one request may be issued: after a failed load vLLM asks
+again, and the retry finds only what still verifies (a failed page is discarded); a
+bound keeps a page that fails without going away from making it ask forever."""
+
 
 @dataclass
 class _Transfer:
@@ -77,10 +82,12 @@ class _Transfer:
 @dataclass
 class _Load:
     """A prefix to load: its K/V pages and, on a hybrid model, the state at its end (loaded
-    together or not at all)."""
+    together or not at all). `failed`: an asynchronous load the scheduler side could not
+    place (the workers report it failed at once, so the request never waits for it)."""
 
     kv: _Transfer
     state: _Transfer | None = None
+    failed: bool = False
 
 
 @dataclass
@@ -103,6 +110,7 @@ class _Request:
     computed: int = 0  # tokens computed once this step's forward is done
     load: tuple[int, int] | None = None  # (first block, blocks) kvrs matched
     pending: _Load | None = None  # a hybrid load allocated, not yet sent to the workers
+    loads: int = 0  # hybrid loads issued (a request gets at most MAX_LOADS)
 
 
 class KvrsConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
@@ -179,6 +187,8 @@ class KvrsConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if num_computed_tokens % self.layout.align:
             return 0, False
         if self.layout.hybrid:
+            if state.loads >= MAX_LOADS:
+                return 0, False
             hit = self._state_hit(request, first, hit)
         if hit <= first:
             return 0, False
@@ -197,18 +207,20 @@ class KvrsConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         state.load = (first, min(n, num_external_tokens // self.block_size))
         if self.layout.hybrid:
             state.pending = self._hybrid_load(state, blocks.get_block_ids())
+            state.loads += 1
             state.load = None
 
-    def _hybrid_load(self, state: _Request, block_ids: tuple[list[int], ...]) -> _Load | None:
-        """The load of a hybrid request's matched prefix into the blocks vLLM allocated."""
+    def _hybrid_load(self, state: _Request, block_ids: tuple[list[int], ...]) -> _Load:
+        """The load of a hybrid request's matched prefix into the blocks vLLM allocated
+        (one marked failed when they do not hold it: vLLM is waiting for it either way)."""
         assert state.load is not None
         first, n = state.load
         end = first + n
         kv = self.layout.kv_blocks(first, end, block_ids)
         states = self.layout.state_blocks(end * self.block_size, block_ids)
-        if kv is None or states is None or (end * self.block_size) % self.layout.align:
-            return None
         req = state.request
+        if kv is None or states is None or (end * self.block_size) % self.layout.align:
+            return _Load(_Transfer(req.request_id, [], []), failed=True)
         return _Load(
             _Transfer(req.request_id, self._keys(req, first, end), kv),
             _Transfer(req.request_id, self._keys(req, end - 1, end), [states]),
@@ -340,7 +352,10 @@ class KvrsConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if not isinstance(meta, KvrsConnectorMetadata) or self._kv is None:
             return
         for load in meta.loads:
-            if load.state is None:
+            if load.failed:
+                self._recved.add(load.kv.req_id)
+                self._failed.add(load.kv.req_id)
+            elif load.state is None:
                 self._load_blocks(load.kv)
             else:
                 self._load_prefix(load)

@@ -46,6 +46,17 @@ pub(super) fn open_regular(path: &Path) -> io::Result<Opened> {
     })
 }
 
+/// Whether this process may open `path` for reading (`faccessat` with the effective
+/// ids, as `open` checks them), without opening it.
+pub(super) fn readable(path: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
+        return false;
+    };
+    // SAFETY: `c` is a valid NUL-terminated path for the duration of the call.
+    unsafe { libc::faccessat(libc::AT_FDCWD, c.as_ptr(), libc::R_OK, libc::AT_EACCESS) == 0 }
+}
+
 /// The `len` bytes of `f`, or `None` when the file turns out shorter or longer than
 /// `len` (it changed while read): never more than `len + 1` bytes are read.
 pub(super) fn read_exact_len(f: &mut File, len: u64) -> io::Result<Option<Vec<u8>>> {

@@ -613,11 +613,14 @@ impl Tier for DiskTier {
                 let Some(path) = self.path_of(k, true) else {
                     return false;
                 };
-                // One lstat: never follows a link, never opens (so never blocks on a
-                // FIFO); a regular file of an accepted length. What it holds is
-                // verified when it is read.
+                // An lstat (never follows a link, never opens, so never blocks on a
+                // FIFO): a regular file of an accepted length, that this process may
+                // read (else every read would fail without it going away). What it
+                // holds is verified when it is read.
                 fs::symlink_metadata(&path).is_ok_and(|m| {
-                    m.is_file() && usize::try_from(m.len()).is_ok_and(|l| sizes.contains(&l))
+                    m.is_file()
+                        && usize::try_from(m.len()).is_ok_and(|l| sizes.contains(&l))
+                        && file::readable(&path)
                 })
             })
             .collect()

@@ -99,7 +99,10 @@ fn a_fifo_at_a_block_path_is_refused_at_once_and_replaced_by_a_store() {
     let fifo = key_path(&dir, "10");
     mkfifo(&fifo);
     // A presence check looks without opening: no wait, and a FIFO is not a page.
-    assert_eq!(t.contains_many(&["kvrs:aa:01:10".into()], 0..=usize::MAX), [false]);
+    assert_eq!(
+        t.contains_many(&["kvrs:aa:01:10".into()], 0..=usize::MAX),
+        [false]
+    );
     assert_eq!(get_within_5s(&t, "kvrs:aa:01:10", &fifo), None);
     assert_eq!(rejected(&t), 1);
     assert!(
@@ -580,4 +583,27 @@ pub(super) mod inject {
             f.push(dir.to_path_buf());
         }
     }
+}
+
+#[test]
+fn a_file_this_process_cannot_read_is_present_only_if_open_would_succeed() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tmpdir("unreadable");
+    let t = DiskTier::open(&dir, 10_000).unwrap();
+    assert!(put(&t, "kvrs:aa:01:10", vec![3; 100]));
+    let path = key_path(&dir, "10");
+    fs::set_permissions(&path, fs::Permissions::from_mode(0o000)).unwrap();
+    // Root reads it anyway; anyone else cannot, and must not be told it is there (every
+    // read would fail and the page would never go away).
+    let readable = fs::File::open(&path).is_ok();
+    assert_eq!(
+        t.contains_many(&["kvrs:aa:01:10".into()], 0..=usize::MAX),
+        [readable]
+    );
+    fs::set_permissions(&path, fs::Permissions::from_mode(0o644)).unwrap();
+    assert_eq!(
+        t.contains_many(&["kvrs:aa:01:10".into()], 0..=usize::MAX),
+        [true]
+    );
+    let _ = fs::remove_dir_all(&dir);
 }
