@@ -25,6 +25,7 @@ MODULES = [
     "kvrs.integrations.results",
     "kvrs.integrations.sampling",
     "kvrs.integrations.suffix_drafts",
+    "kvrs.integrations.token_tree",
     "kvrs.integrations.transformers",
 ]
 

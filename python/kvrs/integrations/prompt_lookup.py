@@ -33,7 +33,15 @@ from kvrs.integrations.draft_policy import DraftPolicy
 from kvrs.integrations.speculative import Proposal, lookup_sample
 from kvrs.integrations.token_tree import DraftTree
 
-__all__ = ["NgramIndex", "PromptLookup", "check_prompt_lookup", "find_candidates", "lookup_sample"]
+__all__ = [
+    "NgramIndex",
+    "PromptLookup",
+    "check_prompt_lookup",
+    "find_candidates",
+    "lookup_sample",
+    "plan_tree",
+    "tree_proposal",
+]
 
 DEFAULT_NGRAM = 2
 """transformers' default n-gram size ("max_matching_ngram_size or 2" in generate())."""

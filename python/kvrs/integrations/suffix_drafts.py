@@ -31,7 +31,7 @@ from kvrs.integrations.prompt_lookup import plan_tree, tree_proposal
 from kvrs.integrations.speculative import Proposal
 from kvrs.integrations.token_tree import DraftTree
 
-__all__ = ["SuffixConfig", "SuffixDrafts", "check_speculative_config"]
+__all__ = ["MAX_TREE_WIDTH", "SuffixConfig", "SuffixDrafts", "check_speculative_config"]
 
 _KINDS = 8
 """Match lengths the draft policy keeps apart (longer ones share the last rate)."""

@@ -178,7 +178,7 @@ def connector_fingerprint(vllm_config: Any, kv_cache_config: Any, extra: Any = N
     return fp
 
 
-Slot = tuple[torch.Tensor, int]
+_Slot = tuple[torch.Tensor, int]
 """A layer's tensor and the dimension that indexes its blocks."""
 
 
@@ -186,7 +186,7 @@ class PagedCaches:
     """The worker's KV cache tensors of the groups that make one kind of page, and the
     copies between their blocks and a page's bytes."""
 
-    def __init__(self, groups: list[list[Slot]], page_bytes: int) -> None:
+    def __init__(self, groups: list[list[_Slot]], page_bytes: int) -> None:
         self.groups = groups
         self.page_bytes = page_bytes
 
@@ -204,10 +204,10 @@ class PagedCaches:
         per Mamba layer with their blocks in dimension 0), checked to hold `page_bytes` per
         block in all."""
         num_blocks = int(kv_cache_config.num_blocks)
-        groups: list[list[Slot]] = []
+        groups: list[list[_Slot]] = []
         total = 0
         for gi in group_ids:
-            slots: list[Slot] = []
+            slots: list[_Slot] = []
             for name in kv_cache_config.kv_cache_groups[gi].layer_names:
                 entry = kv_caches.get(name)
                 if entry is None:

@@ -59,7 +59,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "`make test-engines` (tests/engines/requirements.txt)"
     ) from e
 
-__all__ = ["KvrsConnector", "KvrsConnectorMetadata", "connector_fingerprint"]
+__all__ = ["MAX_LOADS", "KvrsConnector", "KvrsConnectorMetadata", "connector_fingerprint"]
 
 _logger = logging.getLogger(__name__)
 
