@@ -19,6 +19,7 @@
 //! buffer. Stores are as atomic as the tiers make them (a `DiskTier` writes a temporary
 //! file and renames it), so a store that fails is never visible.
 
+use std::borrow::Cow;
 use std::ops::RangeInclusive;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
@@ -452,19 +453,14 @@ impl PageStore {
             }
             let up_keys: Vec<&str> = up.iter().map(|&i| keys[i]).collect();
             // A page in segments is joined for its store (promotion is the rare path).
-            let joined: Vec<Vec<u8>> = up
-                .iter()
-                .filter(|&&i| bufs[i].len() > 1)
-                .map(|&i| bufs[i].concat())
-                .collect();
-            let mut joined_iter = joined.iter();
-            let up_pages: Vec<&[u8]> = up
+            let joined: Vec<Cow<'_, [u8]>> = up
                 .iter()
                 .map(|&i| match &bufs[i][..] {
-                    [one] => &**one,
-                    _ => joined_iter.next().map_or(&[][..], Vec::as_slice),
+                    [one] => Cow::Borrowed(&**one),
+                    segments => Cow::Owned(segments.concat()),
                 })
                 .collect();
+            let up_pages: Vec<&[u8]> = joined.iter().map(|p| &**p).collect();
             let envelopes = self.envelopes(&up_keys, &up_pages, root);
             let n = self
                 .store_sealed(&self.tiers[t..=t], &envelopes, &up_pages, root)

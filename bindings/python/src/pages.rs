@@ -69,16 +69,16 @@ fn keys_arg(keys: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
         .collect()
 }
 
-/// The pages (or buffers) of argument `name`, one per key.
-fn pages_arg<'py>(
+/// The items of argument `name` (a list of `what`), exactly one per key.
+fn per_key<'py>(
     items: &Bound<'py, PyAny>,
     name: &'static str,
+    what: &str,
     count: usize,
-    writable: bool,
-) -> PyResult<Vec<PageBytes<'py>>> {
+) -> PyResult<Vec<Bound<'py, PyAny>>> {
     let list: Vec<Bound<'py, PyAny>> = items
         .try_iter()
-        .map_err(|_| PyTypeError::new_err(format!("{name} must be a list of buffers")))?
+        .map_err(|_| PyTypeError::new_err(format!("{name} must be a list of {what}")))?
         .collect::<PyResult<_>>()?;
     if list.len() != count {
         return Err(PyValueError::new_err(format!(
@@ -86,9 +86,15 @@ fn pages_arg<'py>(
             list.len()
         )));
     }
-    list.iter()
+    Ok(list)
+}
+
+/// The pages of argument `pages`, one readable buffer per key.
+fn pages_arg<'py>(pages: &Bound<'py, PyAny>, count: usize) -> PyResult<Vec<PageBytes<'py>>> {
+    per_key(pages, "pages", "buffers", count)?
+        .iter()
         .enumerate()
-        .map(|(i, o)| read_page(o, name, i, writable))
+        .map(|(i, o)| read_page(o, "pages", i, false))
         .collect()
 }
 
@@ -123,18 +129,12 @@ fn segments_arg<'py>(
     buffers: &Bound<'py, PyAny>,
     count: usize,
 ) -> PyResult<Vec<Vec<PageBytes<'py>>>> {
-    let list: Vec<Bound<'py, PyAny>> = buffers
-        .try_iter()
-        .map_err(|_| {
-            PyTypeError::new_err("buffers must be a list of buffers (or of lists of segments)")
-        })?
-        .collect::<PyResult<_>>()?;
-    if list.len() != count {
-        return Err(PyValueError::new_err(format!(
-            "buffers has {} items for {count} keys: give one per key",
-            list.len()
-        )));
-    }
+    let list = per_key(
+        buffers,
+        "buffers",
+        "buffers (or of lists of segments)",
+        count,
+    )?;
     list.iter()
         .enumerate()
         .map(|(i, o)| {
@@ -232,7 +232,7 @@ impl PyPageStore {
         namespace: Option<&str>,
     ) -> PyResult<Vec<bool>> {
         let keys = keys_arg(keys)?;
-        let pages = pages_arg(pages, "pages", keys.len(), false)?;
+        let pages = pages_arg(pages, keys.len())?;
         for (i, p) in pages.iter().enumerate() {
             self.store.check_len("pages", i, p.bytes().len()).py()?;
         }

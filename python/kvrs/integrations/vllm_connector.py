@@ -167,12 +167,10 @@ class KvrsConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         aligned boundary whose state kvrs holds (0 if none)."""
         assert self.state_store is not None
         step = self.layout.align // self.block_size
-        n = hit - hit % step
-        while n > first:
-            if self.state_store.exists_prefix(self._keys(request, n - 1, n), namespace=self.namespace):
-                return n
-            n -= step
-        return 0
+        ends = list(range(hit - hit % step, first, -step))  # longest first, one batched ask
+        keys = [bytes(request.block_hashes[n - 1]).hex() for n in ends]
+        held = self.state_store.exists_many(keys, namespace=self.namespace)
+        return next((n for n, h in zip(ends, held, strict=True) if h), 0)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._requests.setdefault(request.request_id, _Request(request))
